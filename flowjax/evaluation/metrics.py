@@ -1,0 +1,148 @@
+"""Evaluation as the paper defines it (Sec. 5, Appendix E.1, E.4-E.6).
+
+For each evaluated client: personalize from the current server params on the client's
+train split, then on its test split count, per instance, whether the global model and the
+(hard-routed) personalized model are correct, and the soft-routed accuracy. The counts
+are fixed-size arrays, so many clients are evaluated in one mapped, jitted call; the
+host turns them into the paper's aggregates.
+
+Groups of the 2x2 breakdown, in this order everywhere: both correct, global only,
+personalized only, neither.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flowjax.algorithms.base import FederatedAlgorithm, instance_weights
+from flowjax.core.cohort import ClientExamples
+from flowjax.core.losses import correct
+
+GROUPS = ("both_correct", "global_only", "personalized_only", "neither")
+
+
+@flax.struct.dataclass
+class ClientCounts:
+    """Weighted instance counts of one client's test split.
+
+    Attributes:
+      instances: number of counted instances (examples, or non-pad tokens).
+      correct_global, correct_personal, correct_personal_soft: correct instances.
+      groups: ``[4]`` instances per breakdown group (see ``GROUPS``).
+      q0_sums: ``[4, L]`` summed ``q0`` per group and routed layer (L = 0 without routing).
+    """
+
+    instances: jax.Array
+    correct_global: jax.Array
+    correct_personal: jax.Array
+    correct_personal_soft: jax.Array
+    groups: jax.Array
+    q0_sums: jax.Array
+
+
+def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: jax.Array,
+                 y: jax.Array, example_mask: jax.Array) -> ClientCounts:
+    """Counts of one test batch."""
+    predictions = algorithm.predict(params, personal, x)
+    weights = instance_weights(algorithm.model, y, example_mask.astype(jnp.float32))
+    global_ok = correct(predictions.global_logits, y)
+    personal_ok = correct(predictions.personal_hard, y)
+    soft_ok = correct(predictions.personal_soft, y)
+    group_masks = jnp.stack([global_ok & personal_ok, global_ok & ~personal_ok,
+                             ~global_ok & personal_ok, ~global_ok & ~personal_ok])
+    group_weights = group_masks.astype(jnp.float32) * weights  # [4, *instance]
+    q0 = predictions.q0  # [*instance, L]
+    q0_sums = jnp.einsum("g...,...l->gl", group_weights, q0)
+    return ClientCounts(
+        instances=jnp.sum(weights),
+        correct_global=jnp.sum(global_ok * weights),
+        correct_personal=jnp.sum(personal_ok * weights),
+        correct_personal_soft=jnp.sum(soft_ok * weights),
+        groups=jnp.sum(group_weights.reshape(4, -1), axis=1),
+        q0_sums=q0_sums)
+
+
+def evaluate_client(algorithm: FederatedAlgorithm, params: Any, train: ClientExamples,
+                    test: ClientExamples, key: jax.Array) -> ClientCounts:
+    """Personalize on ``train`` and count on ``test`` (one client; map it for many)."""
+    personal = algorithm.personalize(params, train, key)
+
+    def step(total, batch):
+        x, y, mask = batch
+        counts = batch_counts(algorithm, params, personal, x, y, mask)
+        return jax.tree.map(jnp.add, total, counts), None
+
+    first = jax.tree.map(lambda a: a[0], (test.x, test.y, test.mask))
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+        lambda b: batch_counts(algorithm, params, personal, *b), first))
+    total, _ = jax.lax.scan(step, zeros, (test.x, test.y, test.mask))
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSummary:
+    """Aggregates over an evaluation population (what ``results.json`` reports)."""
+
+    num_clients: int
+    acc_g: float
+    acc_p: float
+    acc_p_soft: float
+    acc_g_weighted: float
+    acc_p_weighted: float
+    acc_p_soft_weighted: float
+    clients_benefiting: float
+    clients_tied: float
+    clients_hurt: float
+    breakdown: dict[str, float]
+    q0_by_group: dict[str, list[float]]
+    acc_p_std: float
+    acc_p_p10: float
+    acc_p_p90: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def summarize(counts: ClientCounts) -> EvalSummary:
+    """The paper's aggregates from stacked per-client counts (numpy on the host).
+
+    Per-client accuracy is averaged over clients with at least one counted instance (the
+    paper's formula); ``*_weighted`` pools instances. A client benefits when
+    ``Acc_p > Acc_g`` strictly; ties are reported separately.
+    """
+    counts = jax.tree.map(np.asarray, counts)
+    keep = counts.instances > 0
+    if not np.any(keep):
+        raise ValueError("no evaluation client has a test instance; cannot summarize")
+    n = counts.instances[keep]
+    acc = {name: getattr(counts, f"correct_{name}")[keep] / n
+           for name in ("global", "personal", "personal_soft")}
+    total = float(np.sum(n))
+    groups = counts.groups[keep].sum(axis=0)
+    q0_sums = counts.q0_sums[keep].sum(axis=0)  # [4, L]
+    q0_by_group = {group: (q0_sums[g] / groups[g]).tolist() if groups[g] > 0
+                   else [float("nan")] * q0_sums.shape[1]
+                   for g, group in enumerate(GROUPS)}
+    difference = acc["personal"] - acc["global"]
+    return EvalSummary(
+        num_clients=int(np.sum(keep)),
+        acc_g=float(np.mean(acc["global"])),
+        acc_p=float(np.mean(acc["personal"])),
+        acc_p_soft=float(np.mean(acc["personal_soft"])),
+        acc_g_weighted=float(np.sum(counts.correct_global[keep]) / total),
+        acc_p_weighted=float(np.sum(counts.correct_personal[keep]) / total),
+        acc_p_soft_weighted=float(np.sum(counts.correct_personal_soft[keep]) / total),
+        clients_benefiting=float(np.mean(difference > 0)),
+        clients_tied=float(np.mean(difference == 0)),
+        clients_hurt=float(np.mean(difference < 0)),
+        breakdown={group: float(groups[g] / total) for g, group in enumerate(GROUPS)},
+        q0_by_group=q0_by_group,
+        acc_p_std=float(np.std(acc["personal"])),
+        acc_p_p10=float(np.percentile(acc["personal"], 10)),
+        acc_p_p90=float(np.percentile(acc["personal"], 90)))

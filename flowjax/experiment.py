@@ -1,0 +1,298 @@
+"""The round loop: sample, assemble, train the cohort in one jit, aggregate, evaluate, log.
+
+It runs whatever ``FederatedAlgorithm`` it is given and never imports one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from flowjax.algorithms.base import FederatedAlgorithm
+from flowjax.core import prng
+from flowjax.core.cohort import ClientExamples, assemble_cohort, examples_per_client
+from flowjax.core.mapping import ClientMapping, map_clients
+from flowjax.core.sampler import ClientSampler
+from flowjax.core.server_opt import apply_server_update
+from flowjax.core.tree import select_tree, weighted_mean
+from flowjax.data.federated import ArrayFederatedData, FederatedTask
+from flowjax.evaluation.metrics import ClientCounts, EvalSummary, evaluate_client, summarize
+
+PyTree = Any
+
+
+@flax.struct.dataclass
+class ServerState:
+    """Everything the server carries between rounds."""
+
+    params: PyTree
+    opt_state: PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """The engine's knobs (the algorithm's own hyperparameters live in its config).
+
+    Attributes:
+      seed: root of every random stream of the run.
+      num_rounds: training rounds.
+      clients_per_round: M, clients sampled per round.
+      batch_size: client batch size (shapes the cohorts).
+      max_examples_per_client: cap on a training client's examples (None = no cap).
+      max_eval_examples: cap on an eval client's train/test examples (None = no cap).
+      eval_every: evaluate every N rounds (0 = only after the last round).
+      eval_clients: train-population clients evaluated (None = all of them).
+      eval_held_out: also evaluate the held-out ("newly joined") clients.
+      eval_chunk: clients per evaluation call.
+      log_every: rounds between host syncs for training metrics.
+    """
+
+    seed: int
+    num_rounds: int
+    clients_per_round: int
+    batch_size: int
+    max_examples_per_client: int | None = None
+    max_eval_examples: int | None = None
+    eval_every: int = 0
+    eval_clients: int | None = None
+    eval_held_out: bool = True
+    eval_chunk: int = 16
+    log_every: int = 1
+
+    def __post_init__(self):
+        for name in ("num_rounds", "clients_per_round", "batch_size", "eval_chunk", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+        if self.eval_clients is not None and self.eval_clients < 1:
+            raise ValueError(f"eval_clients must be >= 1 or None (all), got {self.eval_clients}")
+
+
+def _sum_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return {name: jnp.sum(value) for name, value in metrics.items()}
+
+
+def finalize_metrics(sums: dict[str, Any]) -> dict[str, float]:
+    """``x_sum / x_count`` for every ``x``; other entries pass through as floats."""
+    out = {}
+    for name, value in sums.items():
+        if name.endswith("_sum"):
+            base = name[: -len("_sum")]
+            count = float(sums.get(f"{base}_count", 0.0))
+            out[base] = float(value) / count if count > 0 else float("nan")
+        elif not name.endswith("_count"):
+            out[name] = float(value)
+    return out
+
+
+class Simulation:
+    """A federated simulation of one algorithm on one task.
+
+    Example:
+      >>> sim = Simulation(algorithm, task, settings, server_optimizer=optax.sgd(1.0))
+      >>> state = sim.init_state()
+      >>> state, metrics = sim.run_round(state, 0)
+    """
+
+    def __init__(self, algorithm: FederatedAlgorithm, task: FederatedTask, settings: RunSettings,
+                 server_optimizer: optax.GradientTransformation, mapping: ClientMapping | None = None):
+        self.algorithm = algorithm
+        self.task = task
+        self.settings = settings
+        self.server_optimizer = server_optimizer
+        self.mapping = mapping or ClientMapping()
+        num_train_clients = len(task.train.client_ids)
+        self.sampler = ClientSampler(num_train_clients, settings.clients_per_round, settings.seed)
+        self.cohort_clients = self.mapping.padded_clients(settings.clients_per_round)
+        self.train_examples = examples_per_client(
+            task.train.num_examples("train"), settings.batch_size, settings.max_examples_per_client)
+        eval_sets = [d for d in self.eval_populations().values()]
+        self.eval_train_examples = examples_per_client(
+            np.concatenate([d.num_examples("train") for d in eval_sets]), settings.batch_size,
+            settings.max_eval_examples)
+        self.eval_test_examples = examples_per_client(
+            np.concatenate([d.num_examples("test") for d in eval_sets]), settings.batch_size,
+            settings.max_eval_examples)
+        self.eval_cohort_clients = self.mapping.padded_clients(settings.eval_chunk)
+        self.trace_counts = {"round": 0, "eval": 0}
+        self._round_fn = jax.jit(self._round, donate_argnums=(0,))
+        self._eval_fn = jax.jit(self._evaluate_chunk)
+
+    # ----------------------------------------------------------------- state
+    def init_state(self) -> ServerState:
+        params = self.algorithm.init(prng.base_key(self.settings.seed, prng.Purpose.INIT))
+        return ServerState(params=params, opt_state=self.server_optimizer.init(params))
+
+    # ----------------------------------------------------------------- training
+    def _round(self, state: ServerState, cohort: ClientExamples,
+               round_index: jax.Array) -> tuple[ServerState, dict[str, jax.Array]]:
+        self.trace_counts["round"] += 1  # runs only while tracing: counts compilations
+        key_of_round = prng.round_key(prng.base_key(self.settings.seed, prng.Purpose.TRAIN),
+                                      round_index)
+
+        def one_client(examples: ClientExamples):
+            key = prng.client_key(key_of_round, examples.client_id)
+            return self.algorithm.client_update(state.params, examples, key)
+
+        results = map_clients(one_client, self.mapping)(cohort)
+        total_weight = jnp.sum(results.weight)
+        client_mean = weighted_mean(results.params, results.weight)
+        params, opt_state = apply_server_update(self.server_optimizer, state.params,
+                                                state.opt_state, client_mean)
+        # A round whose clients all had nothing to train on leaves the server unchanged.
+        trained = total_weight > 0
+        new_state = ServerState(params=select_tree(trained, params, state.params),
+                                opt_state=select_tree(trained, opt_state, state.opt_state))
+        metrics = _sum_metrics(results.metrics)
+        metrics["weight"] = total_weight
+        return new_state, metrics
+
+    def cohort(self, round_index: int) -> ClientExamples:
+        """The padded, stacked training cohort of a round (host numpy arrays)."""
+        clients = self.sampler.sample(round_index)
+        cohort = assemble_cohort(self.task.train, "train", clients,
+                                 num_clients=self.cohort_clients,
+                                 padded_examples=self.train_examples,
+                                 batch_size=self.settings.batch_size)
+        return self._place(cohort)
+
+    def run_round(self, state: ServerState, round_index: int,
+                  cohort: ClientExamples | None = None) -> tuple[ServerState, dict[str, jax.Array]]:
+        """One round; metrics stay on device until the caller fetches them."""
+        if cohort is None:
+            cohort = self.cohort(round_index)
+        return self._round_fn(state, cohort, jnp.asarray(round_index, jnp.int32))
+
+    def _place(self, stacked: ClientExamples) -> ClientExamples:
+        sharding = self.mapping.client_sharding()
+        return jax.device_put(stacked, sharding) if sharding is not None else stacked
+
+    # ----------------------------------------------------------------- evaluation
+    def eval_populations(self) -> dict[str, ArrayFederatedData]:
+        populations = {"train_clients": self.task.train}
+        if self.settings.eval_held_out and self.task.held_out is not None:
+            populations["held_out_clients"] = self.task.held_out
+        return populations
+
+    def eval_client_indices(self, population: str) -> np.ndarray:
+        """Which clients of a population are evaluated: all, or a seeded fixed subset."""
+        data = self.eval_populations()[population]
+        num = len(data.client_ids)
+        limit = self.settings.eval_clients
+        if population != "train_clients" or limit is None or limit >= num:
+            return np.arange(num)
+        rng = np.random.default_rng([self.settings.seed, int(prng.Purpose.EVAL)])
+        return np.sort(rng.choice(num, size=limit, replace=False))
+
+    def _evaluate_chunk(self, params: PyTree, train: ClientExamples, test: ClientExamples,
+                        round_index: jax.Array, population: jax.Array) -> ClientCounts:
+        self.trace_counts["eval"] += 1
+        stream = jax.random.fold_in(prng.base_key(self.settings.seed, prng.Purpose.EVAL),
+                                    population)
+        key_of_round = prng.round_key(stream, round_index)
+
+        def one_client(train_examples, test_examples):
+            key = prng.client_key(key_of_round, train_examples.client_id)
+            return evaluate_client(self.algorithm, params, train_examples, test_examples, key)
+
+        return map_clients(one_client, self.mapping)(train, test)
+
+    def evaluate(self, params: PyTree, round_index: int) -> dict[str, EvalSummary]:
+        """Personalize and evaluate every evaluated client of every population."""
+        summaries = {}
+        for population_index, (name, data) in enumerate(self.eval_populations().items()):
+            indices = self.eval_client_indices(name)
+            chunks = []
+            for start in range(0, len(indices), self.eval_cohort_clients):
+                chunk = indices[start: start + self.eval_cohort_clients]
+                args = dict(num_clients=self.eval_cohort_clients,
+                            batch_size=self.settings.batch_size)
+                train = assemble_cohort(data, "train", chunk,
+                                        padded_examples=self.eval_train_examples, **args)
+                test = assemble_cohort(data, "test", chunk,
+                                       padded_examples=self.eval_test_examples, **args)
+                chunks.append(self._eval_fn(params, self._place(train), self._place(test),
+                                            jnp.asarray(round_index, jnp.int32),
+                                            jnp.asarray(population_index, jnp.int32)))
+            counts = jax.tree.map(lambda *a: np.concatenate([np.asarray(x) for x in a]), *chunks)
+            summaries[name] = summarize(counts)
+        return summaries
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a finished run returns (and writes to ``results.json``)."""
+
+    summaries: dict[str, EvalSummary]
+    history: list[dict[str, Any]]
+    final_state: ServerState
+
+    def results_dict(self) -> dict[str, Any]:
+        primary = self.summaries["train_clients"].to_dict()
+        out = {"acc_g": primary["acc_g"], "acc_p": primary["acc_p"],
+               "acc_p_soft": primary["acc_p_soft"],
+               "clients_benefiting": primary["clients_benefiting"],
+               "breakdown": primary["breakdown"], "num_eval_clients": primary["num_clients"]}
+        out["populations"] = {name: s.to_dict() for name, s in self.summaries.items()}
+        return out
+
+
+def run(simulation: Simulation, *, workdir: str | None = None,
+        progress: Callable[[int, dict[str, float]], None] | None = None,
+        log: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
+    """Trains for ``settings.num_rounds`` rounds, evaluating on the cadence and at the end.
+
+    Training metrics are fetched from the device only every ``log_every`` rounds, so the
+    host prepares the next cohort while the device trains the current one.
+    """
+    settings = simulation.settings
+    state = simulation.init_state()
+    history: list[dict[str, Any]] = []
+    pending: list[tuple[int, dict[str, jax.Array]]] = []
+    metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a") if workdir else None
+    start = time.perf_counter()
+
+    def emit(record):
+        history.append(record)
+        if metrics_file:
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+        if log:
+            log(record)
+
+    def flush():
+        for round_index, device_metrics in jax.device_get(pending):
+            record = {"round": round_index + 1, "kind": "train", **finalize_metrics(device_metrics)}
+            record["elapsed_s"] = time.perf_counter() - start
+            emit(record)
+        pending.clear()
+
+    summaries: dict[str, EvalSummary] = {}
+    try:
+        for round_index in range(settings.num_rounds):
+            state, metrics = simulation.run_round(state, round_index)
+            pending.append((round_index, metrics))
+            last = round_index + 1 == settings.num_rounds
+            if len(pending) >= settings.log_every or last:
+                flush()
+            if progress:
+                progress(round_index + 1, history[-1] if history else {})
+            if last or (settings.eval_every and (round_index + 1) % settings.eval_every == 0):
+                summaries = simulation.evaluate(state.params, round_index + 1)
+                for name, summary in summaries.items():
+                    emit({"round": round_index + 1, "kind": "eval", "population": name,
+                          **summary.to_dict()})
+    finally:
+        if metrics_file:
+            metrics_file.close()
+    return RunResult(summaries=summaries, history=history, final_state=state)

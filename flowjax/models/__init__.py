@@ -1,0 +1,24 @@
+"""Model registry: ``get_model(name, **kwargs) -> RoutableModel``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from flowjax.models.base import RoutableModel
+from flowjax.models.emnist_cnn import emnist_cnn
+from flowjax.models.shakespeare_lstm import shakespeare_lstm
+
+_MODELS: dict[str, Callable[..., RoutableModel]] = {
+    "emnist_cnn": emnist_cnn,
+    "shakespeare_lstm": shakespeare_lstm,
+}
+
+
+def get_model(name: str, **kwargs: Any) -> RoutableModel:
+    """Builds the registered model ``name`` with its factory's keyword arguments."""
+    if name not in _MODELS:
+        raise ValueError(f"unknown model {name!r}; expected one of {sorted(_MODELS)}")
+    return _MODELS[name](**kwargs)
+
+
+__all__ = ["RoutableModel", "get_model", "emnist_cnn", "shakespeare_lstm"]

@@ -1,0 +1,52 @@
+"""The EMNIST CNN of Reddi et al. (2021), declared as four routable layers."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flowjax.models.base import RoutableModel
+from flowjax.models.layers import Conv2D, Dense, chain_model, dropout, max_pool_2x2
+
+IMAGE_SHAPE = (28, 28, 1)
+
+
+def _embed_input(x: jax.Array) -> jax.Array:
+    return x.reshape(x.shape[:1] + IMAGE_SHAPE)
+
+
+def _glue_apply(j: int, h: jax.Array, train: bool, key: jax.Array) -> jax.Array:
+    if j == 0:
+        return jax.nn.relu(h)
+    if j == 1:
+        h = dropout(max_pool_2x2(jax.nn.relu(h)), 0.25, train, key)
+        return h.reshape(h.shape[0], -1)
+    if j == 2:
+        return dropout(jax.nn.relu(h), 0.5, train, key)
+    return h
+
+
+def _label_weights(y: jax.Array) -> jax.Array:
+    return jnp.ones(y.shape, jnp.float32)
+
+
+def emnist_cnn(num_classes: int = 62, custom_grad: bool = True) -> RoutableModel:
+    """conv3x3-32, relu, conv3x3-64, relu, maxpool2, dropout .25, dense 128, relu, dropout .5,
+    dense ``num_classes`` (1,206,590 params for 62 classes).
+
+    Args:
+      num_classes: output classes.
+      custom_grad: convolutions with the hand-written VJP (fast on CPU) or plain autodiff.
+
+    Returns:
+      A model taking ``x`` float32 ``[B, 28, 28]`` or ``[B, 28, 28, 1]``, routed at
+      ``conv1, conv2, fc1, fc2`` (pre-activation outputs).
+    """
+    modules = (Conv2D(32, custom_grad=custom_grad), Conv2D(64, custom_grad=custom_grad),
+               Dense(128), Dense(num_classes))
+    return chain_model(
+        name="emnist_cnn", layer_names=("conv1", "conv2", "fc1", "fc2"), modules=modules,
+        embed_input=_embed_input, glue_apply=_glue_apply,
+        example_input=jnp.zeros((1,) + IMAGE_SHAPE, jnp.float32),
+        label_weights=_label_weights, instance_ndim=1, num_classes=num_classes,
+        policy_input="flat", head_layers=("fc2",))

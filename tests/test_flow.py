@@ -1,0 +1,127 @@
+"""Flow's client update through the public algorithm API."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flowjax.algorithms.flow import FlowConfig, flow, half_capacity, split_halves
+from flowjax.core.cohort import assemble_cohort, client_at
+from flowjax.models import get_model
+
+CONFIG = dict(learning_rate=0.05, local_epochs=1, routing_epochs=2, batch_size=4, gamma=0.01,
+              policy_hidden=(16, 16, 16, 16))
+
+
+@pytest.fixture(scope="module")
+def cnn():
+    return get_model("emnist_cnn", num_classes=10)
+
+
+def _client(task, index, padded_examples, batch_size=4):
+    cohort = assemble_cohort(task.train, "train", [index], num_clients=1,
+                             padded_examples=padded_examples, batch_size=batch_size)
+    return client_at(jax.tree.map(jnp.asarray, cohort), 0)
+
+
+def _algorithm(model, task, **overrides):
+    x = jnp.asarray(task.train.client(0, "train")["x"][:4])
+    return flow(model, FlowConfig(**{**CONFIG, **overrides}), x)
+
+
+def test_split_halves_are_disjoint_and_cover_the_client():
+    valid = jnp.arange(20) < 13
+    zeta_l, zeta_g = split_halves(jax.random.key(0), valid, 0.5)
+    assert not np.any(zeta_l & zeta_g)
+    np.testing.assert_array_equal(zeta_l | zeta_g, valid)
+    assert int(zeta_l.sum()) == 6 and int(zeta_g.sum()) == 7
+    other_l, _ = split_halves(jax.random.key(1), valid, 0.5)
+    assert not np.array_equal(zeta_l, other_l)
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.5, 0.75])
+def test_half_capacity_bounds_every_client_size(ratio):
+    for padded in (1, 4, 8, 13):
+        local_cap, global_cap = half_capacity(padded, ratio)
+        for n in range(padded + 1):
+            zeta_l, zeta_g = split_halves(jax.random.key(n), jnp.arange(padded) < n, ratio)
+            assert int(zeta_l.sum()) <= local_cap and int(zeta_g.sum()) <= global_cap
+
+
+def test_tiny_client_uses_all_its_data_for_both_halves():
+    zeta_l, zeta_g = split_halves(jax.random.key(0), jnp.arange(8) < 1, 0.5)
+    np.testing.assert_array_equal(zeta_l, zeta_g)
+    assert int(zeta_g.sum()) == 1
+
+
+def test_one_example_client_trains_without_error(cnn, images_small):
+    algorithm = _algorithm(cnn, images_small)
+    params = algorithm.init(jax.random.key(0))
+    client = _client(images_small, 0, padded_examples=8)
+    one = client.replace(mask=jnp.arange(8).reshape(2, 4) < 1, num_examples=jnp.int32(1))
+    result = jax.jit(algorithm.client_update)(params, one, jax.random.key(1))
+    assert float(result.weight) == 1.0
+    changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), result.params["global"], params["global"])
+    assert any(jax.tree.leaves(changed))
+
+
+def test_padding_examples_and_steps_leaves_the_update_bit_identical(cnn, images_small):
+    algorithm = _algorithm(cnn, images_small)
+    params = algorithm.init(jax.random.key(0))
+    update = jax.jit(algorithm.client_update)
+    n = int(images_small.train.num_examples("train")[2])
+    tight = _client(images_small, 2, padded_examples=-(-n // 4) * 4)
+    padded = _client(images_small, 2, padded_examples=-(-n // 4) * 4 + 16)
+    a = update(params, tight, jax.random.key(5))
+    b = update(params, padded, jax.random.key(5))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
+
+
+def _mean_q0(algorithm, params, client):
+    personal = algorithm.personalize(params, client, jax.random.key(2))
+    return float(jnp.mean(algorithm.predict(params, personal, client.x[0]).q0))
+
+
+def test_regularizer_raises_q0(cnn, images_small):
+    client = _client(images_small, 1, padded_examples=32)
+    start = _algorithm(cnn, images_small).init(jax.random.key(0))
+    q0 = {}
+    for gamma in (0.0, 1.0):
+        algorithm = _algorithm(cnn, images_small, gamma=gamma, routing_epochs=3)
+        q0[gamma] = _mean_q0(algorithm, start, client)
+    assert q0[1.0] > q0[0.0] + 0.01, q0
+
+
+@pytest.mark.parametrize("order", ["alternating", "policy_first", "global_first"])
+def test_each_training_order_moves_global_and_policy(cnn, images_small, order):
+    algorithm = _algorithm(cnn, images_small, order=order)
+    params = algorithm.init(jax.random.key(0))
+    result = jax.jit(algorithm.client_update)(params, _client(images_small, 1, 32), jax.random.key(1))
+    for part in ("global", "policy"):
+        moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), result.params[part], params[part])
+        assert any(jax.tree.leaves(moved)), (order, part)
+    assert np.isfinite(float(result.metrics["loss_sum"]))
+
+
+def test_global_only_step_is_independent_of_the_policy(cnn, images_small):
+    # The authors' global step trains the global branch alone, so the policy it starts
+    # from cannot change the global update; the paper's routed step depends on it.
+    client = _client(images_small, 1, 32)
+    for global_step, independent in (("global_only", True), ("routed", False)):
+        algorithm = _algorithm(cnn, images_small, global_step=global_step)
+        params = algorithm.init(jax.random.key(0))
+        other = {**params, "policy": algorithm.init(jax.random.key(9))["policy"]}
+        update = jax.jit(algorithm.client_update)
+        a = update(params, client, jax.random.key(1)).params["global"]["fc2"]["kernel"]
+        b = update(other, client, jax.random.key(1)).params["global"]["fc2"]["kernel"]
+        assert np.array_equal(a, b) == independent, global_step
+
+
+def test_bad_config_values_name_the_field():
+    with pytest.raises(ValueError, match="split_ratio must be in \\(0, 1\\), got 1.0"):
+        FlowConfig(**{**CONFIG, "split_ratio": 1.0})
+    with pytest.raises(ValueError, match="unknown Flow order 'random'"):
+        FlowConfig(**{**CONFIG, "order": "random"})
+    with pytest.raises(ValueError, match="gamma must be >= 0"):
+        FlowConfig(**{**CONFIG, "gamma": -1.0})

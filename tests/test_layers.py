@@ -1,0 +1,175 @@
+"""The custom-VJP layers match plain autodiff references in values and gradients."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from flowjax.models import layers
+
+RTOL = 1e-5
+
+
+def assert_close(actual, expected, rtol: float = RTOL) -> None:
+    """Elementwise, with an absolute floor relative to each array's scale."""
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * np.abs(e).max())
+
+
+def normal(key: int, shape: tuple[int, ...]) -> jax.Array:
+    return jax.random.normal(jax.random.key(key), shape)
+
+
+# ----------------------------------------------------------------------------- conv
+
+
+def reference_conv(x, w, padding):
+    return lax.conv_general_dilated(x, w, (1, 1), padding,
+                                    dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def conv_loss(conv, padding):
+    # A non-linear loss so that the cotangent differs per output element.
+    return lambda x, w: jnp.sum(jnp.sin(conv(x, w, padding)))
+
+
+@pytest.mark.parametrize("padding", ["VALID", "SAME"])
+@pytest.mark.parametrize("kernel", [(3, 3), (2, 3)])
+def test_conv2d_matches_lax_conv(padding, kernel):
+    x, w = normal(0, (3, 9, 8, 2)), normal(1, (*kernel, 2, 4))
+    assert_close(layers.conv2d(x, w, padding), reference_conv(x, w, padding))
+    grads = jax.jit(jax.grad(conv_loss(layers.conv2d, padding), argnums=(0, 1)))(x, w)
+    assert_close(grads, jax.grad(conv_loss(reference_conv, padding), argnums=(0, 1))(x, w))
+
+
+@pytest.mark.parametrize("in_axes", [(0, 0), (None, 0), (0, None)])
+def test_conv2d_under_vmap(in_axes):
+    x, w = normal(0, (3, 2, 7, 7, 2)), normal(1, (3, 3, 3, 2, 4))
+    x = x if in_axes[0] == 0 else x[0]
+    w = w if in_axes[1] == 0 else w[0]
+    for padding in ("VALID", "SAME"):
+        grad = lambda conv: jax.vmap(jax.grad(conv_loss(conv, padding), argnums=(0, 1)),
+                                     in_axes)
+        assert_close(jax.vmap(lambda a, b: layers.conv2d(a, b, padding), in_axes)(x, w),
+                     jax.vmap(lambda a, b: reference_conv(a, b, padding), in_axes)(x, w))
+        assert_close(jax.jit(grad(layers.conv2d))(x, w), grad(reference_conv)(x, w))
+
+
+def test_conv2d_nested_vmap():
+    x, w = normal(0, (2, 3, 2, 6, 6, 2)), normal(1, (2, 3, 3, 3, 2, 4))
+    grad = lambda conv: jax.vmap(jax.vmap(jax.grad(conv_loss(conv, "VALID"), argnums=(0, 1))))
+    assert_close(jax.jit(grad(layers.conv2d))(x, w), grad(reference_conv)(x, w))
+
+
+def sgd_scan(loss, params, batches, lr=0.1):
+    """Plain SGD over ``batches`` in a ``lax.scan(unroll=1)``; returns the final params."""
+
+    def step(p, batch):
+        return jax.tree.map(lambda a, g: a - lr * g, p, jax.grad(loss)(p, batch)), None
+
+    return lax.scan(step, params, batches)[0]
+
+
+def test_conv2d_in_scan_and_vmap_over_clients():
+    xs, w = normal(0, (3, 4, 2, 7, 7, 2)), normal(1, (3, 3, 3, 2, 4))  # clients, steps, ...
+    run = lambda conv: jax.vmap(
+        lambda w, x: sgd_scan(lambda w, x: conv_loss(conv, "SAME")(x, w), w, x))
+    assert_close(jax.jit(run(layers.conv2d))(w, xs), run(reference_conv)(w, xs))
+
+
+def test_conv2d_module_custom_grad_switch():
+    x = normal(0, (2, 8, 8, 3))
+    fast, plain = layers.Conv2D(5, padding="SAME"), layers.Conv2D(5, padding="SAME",
+                                                                   custom_grad=False)
+    params = fast.init(jax.random.key(0), x)
+    assert jax.tree.map(jnp.shape, params) == {"params": {"kernel": (3, 3, 3, 5),
+                                                          "bias": (5,)}}
+    loss = lambda module: lambda p: jnp.sum(jnp.sin(module.apply(p, x)))
+    assert_close(fast.apply(params, x), plain.apply(params, x))
+    assert_close(jax.grad(loss(fast))(params), jax.grad(loss(plain))(params))
+
+
+# ----------------------------------------------------------------------------- pooling
+
+
+def reference_max_pool(h):
+    return lax.reduce_window(h, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+
+
+@pytest.mark.parametrize("size", [(8, 6), (7, 9)])
+def test_max_pool_matches_reduce_window(size):
+    h = normal(0, (2, *size, 3))  # continuous values: no ties, so one subgradient
+    assert_close(layers.max_pool_2x2(h), reference_max_pool(h))
+    loss = lambda pool: lambda h: jnp.sum(jnp.sin(pool(h)))
+    assert_close(jax.grad(loss(layers.max_pool_2x2))(h), jax.grad(loss(reference_max_pool))(h))
+
+
+def test_dropout():
+    h, key = jnp.ones((1000,)), jax.random.key(0)
+    assert layers.dropout(h, 0.5, False, key) is h
+    dropped = layers.dropout(h, 0.25, True, key)
+    np.testing.assert_allclose(np.unique(np.asarray(dropped)), [0.0, 1.0 / 0.75], rtol=1e-6)
+    assert 0.2 < float(jnp.mean(dropped == 0)) < 0.3
+
+
+# ----------------------------------------------------------------------------- LSTM
+
+
+def reference_lstm(x, w_x, w_h, b):
+    """A naive per-step LSTM cell in a scan, differentiated by autodiff."""
+    hidden = w_h.shape[0]
+
+    def cell(carry, x_t):
+        h, c = carry
+        z = x_t @ w_x + h @ w_h + b
+        i, f, g, o = (z[:, k * hidden:(k + 1) * hidden] for k in range(4))
+        c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+        h = jax.nn.sigmoid(o) * jnp.tanh(c)
+        return (h, c), h
+
+    zeros = jnp.zeros((x.shape[0], hidden))
+    return jnp.swapaxes(lax.scan(cell, (zeros, zeros), jnp.swapaxes(x, 0, 1))[1], 0, 1)
+
+
+def lstm_args(batch=(3,), time=6, features=5, hidden=7):
+    scale = 0.5  # keeps gates away from saturation so every gradient term matters
+    return (normal(0, (*batch, time, features)), scale * normal(1, (features, 4 * hidden)),
+            scale * normal(2, (hidden, 4 * hidden)), scale * normal(3, (4 * hidden,)))
+
+
+def lstm_loss(fn):
+    return lambda *args: jnp.sum(jnp.sin(fn(*args)))
+
+
+def test_lstm_matches_naive_scan():
+    args = lstm_args()
+    assert_close(layers.lstm(*args), reference_lstm(*args))
+    grads = jax.jit(jax.grad(lstm_loss(layers.lstm), argnums=(0, 1, 2, 3)))(*args)
+    assert_close(grads, jax.grad(lstm_loss(reference_lstm), argnums=(0, 1, 2, 3))(*args))
+
+
+def test_lstm_under_vmap_and_in_scan():
+    x, w_x, w_h, b = lstm_args(batch=(2, 3, 2))  # clients, steps, batch
+    params = jax.tree.map(lambda a: jnp.stack([a, 1.1 * a]), (w_x, w_h, b))  # per client
+    run = lambda fn: jax.vmap(lambda p, x: sgd_scan(lambda p, x: lstm_loss(fn)(x, *p), p, x))
+    assert_close(jax.jit(run(layers.lstm))(params, x), run(reference_lstm)(params, x))
+    grad = lambda fn: jax.vmap(jax.grad(lstm_loss(fn), argnums=(0, 1, 2, 3)))
+    stacked = (x[:, 0],) + params
+    assert_close(jax.jit(grad(layers.lstm))(*stacked), grad(reference_lstm)(*stacked))
+
+
+def test_lstm_module():
+    x = normal(0, (2, 5, 3))
+    fast, plain = layers.LSTM(4), layers.LSTM(4, custom_grad=False)
+    params = fast.init(jax.random.key(0), x)
+    shapes = jax.tree.map(jnp.shape, params["params"])
+    assert shapes == {"kernel": (3, 16), "recurrent_kernel": (4, 16), "bias": (16,)}
+    np.testing.assert_array_equal(params["params"]["bias"], [0] * 4 + [1] * 4 + [0] * 8)
+    assert fast.apply(params, x).shape == (2, 5, 4)
+    loss = lambda module: lambda p: jnp.sum(jnp.sin(module.apply(p, x)))
+    assert_close(jax.grad(loss(fast))(params), jax.grad(loss(plain))(params))

@@ -1,0 +1,127 @@
+"""The registered models: shapes, parameter counts, train/eval behaviour, learnability."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+from flowjax.models import get_model
+from flowjax.models.base import RoutableModel, forward
+
+
+def emnist_batch(key: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """Random images with random labels (memorizable)."""
+    return (jax.random.uniform(key, (n, 28, 28)),
+            jax.random.randint(jax.random.fold_in(key, 1), (n,), 0, 62))
+
+
+def shakespeare_batch(key: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """Random non-pad tokens whose labels repeat them (a copy task, learnable)."""
+    x = jax.random.randint(key, (n, 80), 1, 90)
+    return x, x
+
+
+BATCHES = {"emnist_cnn": emnist_batch, "shakespeare_lstm": shakespeare_batch}
+# Plain SGD learning rates that make progress within 30 steps; the LSTM starts slowly.
+LEARNING_RATES = {"emnist_cnn": 0.05, "shakespeare_lstm": 2.0}
+
+
+@pytest.fixture(scope="module", params=sorted(BATCHES))
+def model_and_params(request) -> tuple[RoutableModel, dict]:
+    model = get_model(request.param)
+    return model, model.init(jax.random.key(0))
+
+
+def num_params(params) -> int:
+    return sum(leaf.size for leaf in jax.tree.leaves(params))
+
+
+def test_emnist_cnn_spec():
+    model = get_model("emnist_cnn")
+    assert model.layer_names == ("conv1", "conv2", "fc1", "fc2")
+    assert (model.instance_ndim, model.num_classes, model.policy_input, model.head_layers) == (
+        1, 62, "flat", ("fc2",))
+    assert num_params(model.init(jax.random.key(0))) == 1_206_590
+    assert num_params(get_model("emnist_cnn", num_classes=10).init(jax.random.key(0))) == (
+        1_206_590 - 52 * 129)
+    y = jnp.array([3, 0, 61])
+    np.testing.assert_array_equal(model.label_weights(y), [1.0, 1.0, 1.0])
+
+
+def test_shakespeare_lstm_spec():
+    model = get_model("shakespeare_lstm")
+    assert model.layer_names == ("embedding", "lstm1", "lstm2", "dense")
+    assert (model.instance_ndim, model.num_classes, model.policy_input, model.vocab_size,
+            model.head_layers) == (2, 90, "tokens", 90, ("dense",))
+    # 90*8 + (8+256+1)*1024 + (256+256+1)*1024 + 257*90
+    assert num_params(model.init(jax.random.key(0))) == 820_522
+    y = jnp.array([[5, 0], [0, 89]])
+    weights = model.label_weights(y)
+    assert weights.dtype == jnp.float32
+    np.testing.assert_array_equal(weights, [[1.0, 0.0], [0.0, 1.0]])
+
+
+def test_registry_rejects_unknown_name():
+    with pytest.raises(ValueError, match=r"unknown model 'mlp'; expected one of \["):
+        get_model("mlp")
+
+
+def test_emnist_accepts_images_with_or_without_channel():
+    model = get_model("emnist_cnn")
+    params = model.init(jax.random.key(0))
+    x = jax.random.uniform(jax.random.key(1), (3, 28, 28))
+    np.testing.assert_array_equal(forward(model, params, x), forward(model, params, x[..., None]))
+
+
+def test_init_is_jittable(model_and_params):
+    model, params = model_and_params
+    jitted = jax.jit(model.init)(jax.random.key(0))
+    assert set(params) == set(model.layer_names)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6),
+                 params, jitted)
+
+
+def test_forward_jits_with_expected_shape(model_and_params):
+    model, params = model_and_params
+    x, y = BATCHES[model.name](jax.random.key(1), 3)
+    logits = jax.jit(lambda p, x: forward(model, p, x))(params, x)
+    assert logits.shape == y.shape + (model.num_classes,)
+    assert model.label_weights(y).shape == y.shape
+    assert bool(jnp.all(jnp.isfinite(logits)))
+
+
+def test_dropout_only_in_train_mode(model_and_params):
+    model, params = model_and_params
+    x, _ = BATCHES[model.name](jax.random.key(1), 3)
+    run = jax.jit(lambda key, train: forward(model, params, x, train=train, key=key),
+                  static_argnums=1)
+    k1, k2 = jax.random.key(1), jax.random.key(2)
+    np.testing.assert_array_equal(run(k1, False), run(k2, False))
+    np.testing.assert_array_equal(run(k1, True), run(k1, True))
+    has_dropout = model.name == "emnist_cnn"
+    assert bool(jnp.any(run(k1, True) != run(k2, True))) == has_dropout
+
+
+def test_loss_decreases_under_sgd(model_and_params):
+    model, params = model_and_params
+    x, y = BATCHES[model.name](jax.random.key(1), 8)
+    weights = model.label_weights(y)
+    lr = LEARNING_RATES[model.name]
+
+    def loss(p, key):
+        logits = forward(model, p, x, train=True, key=key)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        return jnp.sum(losses * weights) / jnp.sum(weights)
+
+    def step(p, key):
+        value, grads = jax.value_and_grad(loss)(p, key)
+        return jax.tree.map(lambda a, g: a - lr * g, p, grads), value
+
+    step_keys = jax.random.split(jax.random.key(2), 30)
+    _, losses = jax.jit(lambda p: lax.scan(step, p, step_keys))(params)
+    assert bool(jnp.all(jnp.isfinite(losses)))
+    assert float(losses[-5:].mean()) < float(losses[:5].mean()) - 0.05
