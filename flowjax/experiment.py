@@ -82,14 +82,15 @@ def _sum_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return {name: jnp.sum(value) for name, value in metrics.items()}
 
 
-def finalize_metrics(sums: dict[str, Any]) -> dict[str, float]:
-    """``x_sum / x_count`` for every ``x``; other entries pass through as floats."""
+def finalize_metrics(sums: dict[str, Any]) -> dict[str, float | None]:
+    """``x_sum / x_count`` for every ``x`` (None when nothing counted); other entries
+    pass through as floats."""
     out = {}
     for name, value in sums.items():
         if name.endswith("_sum"):
             base = name[: -len("_sum")]
             count = float(sums.get(f"{base}_count", 0.0))
-            out[base] = float(value) / count if count > 0 else float("nan")
+            out[base] = float(value) / count if count > 0 else None
         elif not name.endswith("_count"):
             out[name] = float(value)
     return out

@@ -61,7 +61,7 @@ def main(argv):
 
     def progress(done, last):
         bar.update(done - bar.n)
-        if "loss" in last:
+        if last.get("loss") is not None:
             bar.set_postfix(loss=f"{last['loss']:.4f}")
 
     start = time.perf_counter()

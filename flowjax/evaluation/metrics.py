@@ -100,7 +100,7 @@ class EvalSummary:
     clients_tied: float
     clients_hurt: float
     breakdown: dict[str, float]
-    q0_by_group: dict[str, list[float]]
+    q0_by_group: dict[str, list[float | None]]
     acc_p_std: float
     acc_p_p10: float
     acc_p_p90: float
@@ -126,8 +126,9 @@ def summarize(counts: ClientCounts) -> EvalSummary:
     total = float(np.sum(n))
     groups = counts.groups[keep].sum(axis=0)
     q0_sums = counts.q0_sums[keep].sum(axis=0)  # [4, L]
+    # None (JSON null) marks a group without instances, so results compare and serialize.
     q0_by_group = {group: (q0_sums[g] / groups[g]).tolist() if groups[g] > 0
-                   else [float("nan")] * q0_sums.shape[1]
+                   else [None] * q0_sums.shape[1]
                    for g, group in enumerate(GROUPS)}
     difference = acc["personal"] - acc["global"]
     return EvalSummary(

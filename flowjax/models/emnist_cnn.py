@@ -47,6 +47,6 @@ def emnist_cnn(num_classes: int = 62, custom_grad: bool = True) -> RoutableModel
     return chain_model(
         name="emnist_cnn", layer_names=("conv1", "conv2", "fc1", "fc2"), modules=modules,
         embed_input=_embed_input, glue_apply=_glue_apply,
-        example_input=jnp.zeros((1,) + IMAGE_SHAPE, jnp.float32),
+        example_input=jax.ShapeDtypeStruct((1,) + IMAGE_SHAPE, jnp.float32),
         label_weights=_label_weights, instance_ndim=1, num_classes=num_classes,
         policy_input="flat", head_layers=("fc2",))

@@ -90,7 +90,7 @@ def _conv2d_fwd(x: jax.Array, w: jax.Array, padding: str):
 
 def _conv2d_bwd(padding: str, residuals: tuple[jax.Array, jax.Array], g: jax.Array):
     x, w = residuals
-    (ph, pw) = _pads(x.shape, w.shape, padding)
+    ph, pw = _pads(x.shape, w.shape, padding)
     kh, kw = w.shape[:2]
     # dx: full correlation of g with the flipped kernel, inputs and outputs swapped.
     dx_pads = ((kh - 1 - ph[0], kh - 1 - ph[1]), (kw - 1 - pw[0], kw - 1 - pw[1]))
@@ -272,7 +272,7 @@ class LSTM(nn.Module):
 def chain_model(*, name: str, layer_names: Sequence[str], modules: Sequence[nn.Module],
                 embed_input: Callable[[jax.Array], jax.Array],
                 glue_apply: Callable[[int, jax.Array, bool, jax.Array], jax.Array],
-                example_input: jax.Array, **fields: Any) -> RoutableModel:
+                example_input: jax.Array | jax.ShapeDtypeStruct, **fields: Any) -> RoutableModel:
     """A ``RoutableModel`` whose routable layer ``j`` is ``modules[j]``.
 
     Args:
@@ -281,7 +281,8 @@ def chain_model(*, name: str, layer_names: Sequence[str], modules: Sequence[nn.M
       modules: the routable layers' linen modules, in forward order.
       embed_input: parameter-free input preprocessing.
       glue_apply: ``glue_apply(j, h, train, key)``, parameter-free.
-      example_input: one input ``x`` with a batch axis, fixing the shapes ``init`` uses.
+      example_input: an input ``x`` with a batch axis, or its ``ShapeDtypeStruct``; it fixes
+        the shapes ``init`` creates params for.
       **fields: the remaining ``RoutableModel`` fields (``label_weights``, ...).
     """
     if len(layer_names) != len(modules):
@@ -293,14 +294,14 @@ def chain_model(*, name: str, layer_names: Sequence[str], modules: Sequence[nn.M
 
     def init(key: jax.Array) -> Params:
         params = {}
-        h = embed_input(example_input)
+        h = jax.eval_shape(embed_input, example_input)
         keys = jax.random.split(key, len(modules))
         for j, (layer, module) in enumerate(zip(layer_names, modules)):
-            params[layer] = module.init(keys[j], h)["params"]
-            out = jax.eval_shape(
+            # lazy_init creates the params from shapes alone, without running the layer.
+            params[layer] = module.lazy_init(keys[j], h)["params"]
+            h = jax.eval_shape(
                 lambda p, h, j=j: glue_apply(j, layer_apply(j, p, h), False, jax.random.key(0)),
                 params[layer], h)
-            h = jnp.zeros(out.shape, out.dtype)
         return params
 
     return RoutableModel(name=name, layer_names=tuple(layer_names), init=init,

@@ -45,6 +45,6 @@ def shakespeare_lstm(vocab_size: int = 90, embed_dim: int = 8, hidden: int = 256
     return chain_model(
         name="shakespeare_lstm", layer_names=("embedding", "lstm1", "lstm2", "dense"),
         modules=modules, embed_input=_embed_input, glue_apply=_glue_apply,
-        example_input=jnp.zeros((1, SEQUENCE_LENGTH), jnp.int32),
+        example_input=jax.ShapeDtypeStruct((1, SEQUENCE_LENGTH), jnp.int32),
         label_weights=_label_weights, instance_ndim=2, num_classes=vocab_size,
         policy_input="tokens", vocab_size=vocab_size, head_layers=("dense",))
