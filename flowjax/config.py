@@ -28,12 +28,19 @@ def build_task(config) -> FederatedTask:
     return load_task(config.dataset, options)
 
 
+# Fastest client mapping measured per (backend, model) by launch/benchmark.py (README).
+# Anything not listed uses core.mapping.default_mapping: loop on CPU, vmap elsewhere.
+MEASURED_MAPPINGS = {("cpu", "shakespeare_lstm"): "vmap"}
+
+
 def build_mapping(config) -> ClientMapping:
     mapping = config.mapping
-    if mapping.strategy == "auto":
-        auto = default_mapping()
-        return ClientMapping(auto.strategy, mapping.chunk_size, mapping.num_devices)
-    return ClientMapping(mapping.strategy, mapping.chunk_size, mapping.num_devices)
+    strategy = mapping.strategy
+    if strategy == "auto":
+        backend = jax.default_backend()
+        strategy = MEASURED_MAPPINGS.get((backend, config.model),
+                                         default_mapping(backend).strategy)
+    return ClientMapping(strategy, mapping.chunk_size, mapping.num_devices)
 
 
 def build_server_optimizer(config) -> optax.GradientTransformation:

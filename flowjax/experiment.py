@@ -19,6 +19,7 @@ import optax
 
 from flowjax.algorithms.base import FederatedAlgorithm
 from flowjax.core import prng
+from flowjax.core.client_state import ClientStateStore
 from flowjax.core.cohort import ClientExamples, assemble_cohort, examples_per_client
 from flowjax.core.mapping import ClientMapping, map_clients
 from flowjax.core.sampler import ClientSampler
@@ -126,28 +127,43 @@ class Simulation:
             settings.max_eval_examples)
         self.eval_cohort_clients = self.mapping.padded_clients(settings.eval_chunk)
         self.trace_counts = {"round": 0, "eval": 0}
+        self.client_states: ClientStateStore | None = None
         self._round_fn = jax.jit(self._round, donate_argnums=(0,))
         self._eval_fn = jax.jit(self._evaluate_chunk)
 
     # ----------------------------------------------------------------- state
     def init_state(self) -> ServerState:
+        """The round-0 server state; also resets the per-client state store."""
         params = self.algorithm.init(prng.base_key(self.settings.seed, prng.Purpose.INIT))
+        if self.algorithm.stateful:
+            self.client_states = ClientStateStore(
+                jax.device_get(self.algorithm.init_client_state(params)))
         return ServerState(params=params, opt_state=self.server_optimizer.init(params))
 
     # ----------------------------------------------------------------- training
-    def _round(self, state: ServerState, cohort: ClientExamples,
-               round_index: jax.Array) -> tuple[ServerState, dict[str, jax.Array]]:
+    def _round(self, state: ServerState, cohort: ClientExamples, round_index: jax.Array,
+               client_states: PyTree) -> tuple[ServerState, dict[str, jax.Array], PyTree]:
         self.trace_counts["round"] += 1  # runs only while tracing: counts compilations
         key_of_round = prng.round_key(prng.base_key(self.settings.seed, prng.Purpose.TRAIN),
                                       round_index)
 
-        def one_client(examples: ClientExamples):
+        def one_client(examples: ClientExamples, client_state):
             key = prng.client_key(key_of_round, examples.client_id)
-            return self.algorithm.client_update(state.params, examples, key)
+            return self.algorithm.client_update(state.params, examples, key, client_state)
 
-        results = map_clients(one_client, self.mapping)(cohort)
-        total_weight = jnp.sum(results.weight)
-        client_mean = weighted_mean(results.params, results.weight)
+        results = map_clients(one_client, self.mapping)(cohort, client_states)
+        if isinstance(results.weight, dict):
+            # One weighted mean per parameter group (e.g. per cluster); a group nobody
+            # trained keeps its params (zero pseudo-gradient).
+            total_weight = sum(jnp.sum(w) for w in results.weight.values())
+            client_mean = {
+                group: select_tree(jnp.sum(results.weight[group]) > 0,
+                                   weighted_mean(results.params[group], results.weight[group]),
+                                   state.params[group])
+                for group in state.params}
+        else:
+            total_weight = jnp.sum(results.weight)
+            client_mean = weighted_mean(results.params, results.weight)
         params, opt_state = apply_server_update(self.server_optimizer, state.params,
                                                 state.opt_state, client_mean)
         # A round whose clients all had nothing to train on leaves the server unchanged.
@@ -156,7 +172,7 @@ class Simulation:
                                 opt_state=select_tree(trained, opt_state, state.opt_state))
         metrics = _sum_metrics(results.metrics)
         metrics["weight"] = total_weight
-        return new_state, metrics
+        return new_state, metrics, results.client_state
 
     def cohort(self, round_index: int) -> ClientExamples:
         """The padded, stacked training cohort of a round (host numpy arrays)."""
@@ -169,10 +185,27 @@ class Simulation:
 
     def run_round(self, state: ServerState, round_index: int,
                   cohort: ClientExamples | None = None) -> tuple[ServerState, dict[str, jax.Array]]:
-        """One round; metrics stay on device until the caller fetches them."""
+        """One round; metrics stay on device until the caller fetches them.
+
+        Stateful methods sync once per round: the cohort's new client states come back to
+        the host store.
+        """
         if cohort is None:
             cohort = self.cohort(round_index)
-        return self._round_fn(state, cohort, jnp.asarray(round_index, jnp.int32))
+        client_ids = np.asarray(cohort.client_id)
+        states = self._client_states_for(client_ids)
+        state, metrics, new_states = self._round_fn(state, cohort,
+                                                    jnp.asarray(round_index, jnp.int32), states)
+        if self.client_states is not None:
+            self.client_states.scatter(client_ids, jax.device_get(new_states))
+        return state, metrics
+
+    def _client_states_for(self, client_ids: np.ndarray, population: str = "train_clients"):
+        if self.client_states is None:
+            return None
+        if population != "train_clients":  # never trained: every client has the template
+            client_ids = np.full_like(client_ids, -1)
+        return self._place(self.client_states.gather(client_ids))
 
     def _place(self, stacked: ClientExamples) -> ClientExamples:
         sharding = self.mapping.client_sharding()
@@ -196,17 +229,19 @@ class Simulation:
         return np.sort(rng.choice(num, size=limit, replace=False))
 
     def _evaluate_chunk(self, params: PyTree, train: ClientExamples, test: ClientExamples,
-                        round_index: jax.Array, population: jax.Array) -> ClientCounts:
+                        round_index: jax.Array, population: jax.Array,
+                        client_states: PyTree) -> ClientCounts:
         self.trace_counts["eval"] += 1
         stream = jax.random.fold_in(prng.base_key(self.settings.seed, prng.Purpose.EVAL),
                                     population)
         key_of_round = prng.round_key(stream, round_index)
 
-        def one_client(train_examples, test_examples):
+        def one_client(train_examples, test_examples, client_state):
             key = prng.client_key(key_of_round, train_examples.client_id)
-            return evaluate_client(self.algorithm, params, train_examples, test_examples, key)
+            return evaluate_client(self.algorithm, params, train_examples, test_examples, key,
+                                   client_state)
 
-        return map_clients(one_client, self.mapping)(train, test)
+        return map_clients(one_client, self.mapping)(train, test, client_states)
 
     def evaluate(self, params: PyTree, round_index: int) -> dict[str, EvalSummary]:
         """Personalize and evaluate every evaluated client of every population."""
@@ -222,9 +257,10 @@ class Simulation:
                                         padded_examples=self.eval_train_examples, **args)
                 test = assemble_cohort(data, "test", chunk,
                                        padded_examples=self.eval_test_examples, **args)
+                states = self._client_states_for(np.asarray(train.client_id), name)
                 chunks.append(self._eval_fn(params, self._place(train), self._place(test),
                                             jnp.asarray(round_index, jnp.int32),
-                                            jnp.asarray(population_index, jnp.int32)))
+                                            jnp.asarray(population_index, jnp.int32), states))
             counts = jax.tree.map(lambda *a: np.concatenate([np.asarray(x) for x in a]), *chunks)
             summaries[name] = summarize(counts)
         return summaries

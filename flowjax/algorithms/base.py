@@ -5,12 +5,20 @@ An algorithm is a frozen dataclass of pure functions, in the spirit of FedJAX's
 ``FederatedAlgorithm`` and optax's ``GradientTransformation``:
 
 * ``init(key) -> params``: what the server holds and aggregates (a pytree);
-* ``client_update(params, examples, key) -> ClientResult``: one client, written as if
-  alone; the engine maps it over the cohort (loop / vmap / shards), takes the weighted
-  mean of ``ClientResult.params`` and applies the server optimizer;
-* ``personalize(params, train_examples, key) -> personal``: what the evaluation builds
-  for a client from the current server params and the client's train split;
-* ``predict(params, personal, x) -> Predictions``: global and personalized logits.
+* ``client_update(params, examples, key, client_state) -> ClientResult``: one client,
+  written as if alone; the engine maps it over the cohort (loop / vmap / shards), takes
+  the weighted mean of ``ClientResult.params`` and applies the server optimizer;
+* ``personalize(params, train_examples, key, client_state) -> personal``: what the
+  evaluation builds for a client from the current server params and its train split;
+* ``predict(params, personal, x) -> Predictions``: global and personalized logits;
+* ``init_client_state(params) -> state`` (stateful methods only): the state of a client
+  that has not trained yet. The engine keeps each visited client's state in a host store
+  (``core.client_state``), hands the cohort's states to ``client_update`` and stores the
+  returned ``ClientResult.client_state``; stateless methods receive and return None.
+
+Aggregation weights: ``ClientResult.weight`` is a scalar, or a dict with one scalar per
+top-level key of the params (e.g. one per cluster), giving a separate weighted mean per
+group; a group no client trained gets a zero pseudo-gradient.
 """
 
 from __future__ import annotations
@@ -37,14 +45,17 @@ class ClientResult:
 
     Attributes:
       params: the pytree the server averages (same structure as the server params).
-      weight: aggregation weight (examples the update was trained on).
+      weight: aggregation weight (examples the update was trained on), or a dict of
+        weights per top-level params key.
       metrics: sums over the client's steps, e.g. ``loss_sum`` and ``loss_count``;
         the engine sums them over clients and divides ``*_sum`` by ``*_count``.
+      client_state: the client's new state (stateful methods), else None.
     """
 
     params: PyTree
-    weight: jax.Array
+    weight: Any
     metrics: dict[str, jax.Array]
+    client_state: PyTree = None
 
 
 @flax.struct.dataclass
@@ -72,9 +83,14 @@ class FederatedAlgorithm:
     name: str
     model: RoutableModel
     init: Callable[[jax.Array], PyTree]
-    client_update: Callable[[PyTree, ClientExamples, jax.Array], ClientResult]
-    personalize: Callable[[PyTree, ClientExamples, jax.Array], PyTree]
+    client_update: Callable[[PyTree, ClientExamples, jax.Array, PyTree], ClientResult]
+    personalize: Callable[[PyTree, ClientExamples, jax.Array, PyTree], PyTree]
     predict: Callable[[PyTree, PyTree, jax.Array], Predictions]
+    init_client_state: Callable[[PyTree], PyTree] | None = None
+
+    @property
+    def stateful(self) -> bool:
+        return self.init_client_state is not None
 
 
 def client_optimizer(learning_rate: float, momentum: float = 0.0) -> optax.GradientTransformation:

@@ -43,12 +43,14 @@ def fedavg(model: RoutableModel, config: FedAvgConfig) -> FederatedAlgorithm:
         return train_plain(model, params, optimizer, examples, valid_examples(examples),
                            epochs=config.epochs, batch_size=config.batch_size, key=key)
 
-    def client_update(params, examples: ClientExamples, key) -> ClientResult:
+    def client_update(params, examples: ClientExamples, key, client_state=None) -> ClientResult:
+        del client_state  # stateless
         trained, sums = local_train(params, examples, key)
         return ClientResult(params=trained, weight=examples.num_examples.astype("float32"),
                             metrics={"loss_sum": sums[0], "loss_count": sums[1]})
 
-    def personalize(params, examples: ClientExamples, key):
+    def personalize(params, examples: ClientExamples, key, client_state=None):
+        del client_state  # stateless
         if not config.finetune:
             return params
         return local_train(params, examples, key)[0]

@@ -211,12 +211,14 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
                    "local_loss_sum": local_sums[0], "local_loss_count": local_sums[1]}
         return global_params, local_params, policy_params, jnp.sum(zeta_g), metrics
 
-    def client_update(params, examples: ClientExamples, key) -> ClientResult:
+    def client_update(params, examples: ClientExamples, key, client_state=None) -> ClientResult:
+        del client_state  # stateless
         global_params, _, policy_params, weight, metrics = train_client(params, examples, key)
         return ClientResult(params={"global": global_params, "policy": policy_params},
                             weight=weight.astype(jnp.float32), metrics=metrics)
 
-    def personalize(params, examples: ClientExamples, key):
+    def personalize(params, examples: ClientExamples, key, client_state=None):
+        del client_state  # stateless
         global_params, local_params, policy_params, _, _ = train_client(params, examples, key)
         return {"global": global_params, "local": local_params, "policy": policy_params}
 

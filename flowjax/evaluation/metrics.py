@@ -69,9 +69,9 @@ def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: j
 
 
 def evaluate_client(algorithm: FederatedAlgorithm, params: Any, train: ClientExamples,
-                    test: ClientExamples, key: jax.Array) -> ClientCounts:
+                    test: ClientExamples, key: jax.Array, client_state: Any = None) -> ClientCounts:
     """Personalize on ``train`` and count on ``test`` (one client; map it for many)."""
-    personal = algorithm.personalize(params, train, key)
+    personal = algorithm.personalize(params, train, key, client_state)
 
     def step(total, batch):
         x, y, mask = batch

@@ -1,0 +1,93 @@
+"""Per-client state of stateful methods, kept on the host as stacked arrays.
+
+Only clients that have trained own a row; every other client reads the template (the
+state a client has before its first round). Memory is therefore proportional to the
+clients actually visited, never to the population and never one object per client.
+Rows grow by doubling, so a round's scatter is amortized O(cohort).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+PyTree = Any
+
+
+class ClientStateStore:
+    """Rows of per-client state keyed by client index.
+
+    Example:
+      >>> store = ClientStateStore({"v": np.zeros(3, np.float32)})
+      >>> store.scatter(np.array([7]), {"v": np.ones((1, 3), np.float32)})
+      >>> store.gather(np.array([7, 2]))["v"].tolist()
+      [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    """
+
+    def __init__(self, template: PyTree):
+        self.template = jax.tree.map(np.asarray, template)
+        self._leaves, self._treedef = jax.tree.flatten(self.template)
+        self._rows: dict[int, int] = {}
+        self._arrays = [np.zeros((0,) + leaf.shape, leaf.dtype) for leaf in self._leaves]
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a[: len(self._rows)].nbytes for a in self._arrays)
+
+    def gather(self, client_ids: Sequence[int]) -> PyTree:
+        """Stacked states of ``client_ids`` (the template for unseen or padding ids < 0)."""
+        client_ids = np.asarray(client_ids)
+        out = []
+        for leaf, array in zip(self._leaves, self._arrays):
+            stacked = np.broadcast_to(leaf, (len(client_ids),) + leaf.shape).copy()
+            for slot, client in enumerate(client_ids):
+                row = self._rows.get(int(client))
+                if row is not None:
+                    stacked[slot] = array[row]
+            out.append(stacked)
+        return jax.tree.unflatten(self._treedef, out)
+
+    def scatter(self, client_ids: Sequence[int], states: PyTree) -> None:
+        """Stores the stacked ``states`` of ``client_ids``; padding ids (< 0) are dropped."""
+        leaves = [np.asarray(x) for x in jax.tree.leaves(states)]
+        if len(leaves) != len(self._leaves):
+            raise ValueError(f"state has {len(leaves)} leaves, the store holds {len(self._leaves)}")
+        for slot, client in enumerate(np.asarray(client_ids)):
+            client = int(client)
+            if client < 0:
+                continue
+            row = self._rows.get(client)
+            if row is None:
+                row = self._rows[client] = len(self._rows)
+                self._grow(row + 1)
+            for array, leaf in zip(self._arrays, leaves):
+                array[row] = leaf[slot]
+
+    def _grow(self, needed: int) -> None:
+        capacity = len(self._arrays[0]) if self._arrays else 0
+        if needed <= capacity:
+            return
+        capacity = max(needed, 2 * capacity, 8)
+        grown = []
+        for array in self._arrays:
+            bigger = np.zeros((capacity,) + array.shape[1:], array.dtype)
+            bigger[: len(array)] = array
+            grown.append(bigger)
+        self._arrays = grown
+
+    def state_dict(self) -> dict[str, Any]:
+        """Arrays for a checkpoint: the visited ids and their rows, in row order."""
+        ids = np.empty(len(self._rows), np.int64)
+        for client, row in self._rows.items():
+            ids[row] = client
+        return {"ids": ids, "leaves": [a[: len(ids)].copy() for a in self._arrays]}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        ids = np.asarray(saved["ids"])
+        self._rows = {int(c): r for r, c in enumerate(ids)}
+        self._arrays = [np.asarray(a).copy() for a in saved["leaves"]]
