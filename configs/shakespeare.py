@@ -44,6 +44,8 @@ def get_config(variant: str = "quick") -> ml_collections.ConfigDict:
     config.global_step = "routed"
     config.policy_hidden = (64, 64, 32, 16)
     config.policy_dropout = 0.3
+    config.fixed_q0 = config_dict.placeholder(float)  # fixed-policy ablation
+    config.local_route = "local"  # "global" = pi-Flow
 
     # Baselines' own hyperparameters (paper Appendix B, Shakespeare; where the paper is
     # silent, the value is the paper's EMNIST/CIFAR one or the method paper's default).

@@ -8,6 +8,7 @@ import pytest
 from flowjax.algorithms.flow import FlowConfig, flow, half_capacity, split_halves
 from flowjax.core.cohort import assemble_cohort, client_at
 from flowjax.models import get_model
+from flowjax.models.base import forward
 
 CONFIG = dict(learning_rate=0.05, local_epochs=1, routing_epochs=2, batch_size=4, gamma=0.01,
               policy_hidden=(16, 16, 16, 16))
@@ -125,3 +126,29 @@ def test_bad_config_values_name_the_field():
         FlowConfig(**{**CONFIG, "order": "random"})
     with pytest.raises(ValueError, match="gamma must be >= 0"):
         FlowConfig(**{**CONFIG, "gamma": -1.0})
+
+
+def test_fixed_q0_one_routes_everything_to_the_global_branch(cnn, images_small):
+    algorithm = _algorithm(cnn, images_small, fixed_q0=1.0)
+    params = algorithm.init(jax.random.key(0))
+    client = _client(images_small, 1, 32)
+    personal = jax.jit(algorithm.personalize)(params, client, jax.random.key(1))
+    x = client.x[0]
+    predict = jax.jit(algorithm.predict)
+    plain = jax.jit(lambda p, x: forward(cnn, p, x))
+    predictions = predict(params, personal, x)
+    np.testing.assert_array_equal(predictions.q0, 1.0)
+    expected = plain(personal["global"], x)
+    np.testing.assert_array_equal(predictions.personal_hard, expected)
+    np.testing.assert_array_equal(predictions.personal_soft, expected)
+    # The policy is never trained under a fixed policy.
+    for a, b in zip(jax.tree.leaves(personal["policy"]), jax.tree.leaves(params["policy"])):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_pi_flow_routes_between_two_global_copies(cnn, images_small):
+    algorithm = _algorithm(cnn, images_small, local_route="global")
+    params = algorithm.init(jax.random.key(0))
+    personal = jax.jit(algorithm.personalize)(params, _client(images_small, 1, 32), jax.random.key(1))
+    for a, b in zip(jax.tree.leaves(personal["local"]), jax.tree.leaves(params["global"])):
+        np.testing.assert_array_equal(a, b)

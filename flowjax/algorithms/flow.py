@@ -20,8 +20,13 @@ of failing.
 
 Options from the paper's ablations and the authors' code (defaults follow the paper):
 ``order`` (``alternating`` / ``policy_first`` / ``global_first``, App. E.2),
-``global_step="global_only"`` (the authors' code: the global step runs the global
-branch alone), ``momentum`` (their SGD momentum 0.9).
+``split_ratio`` (App. E.3), ``gamma = 0`` (no regularizer), ``fixed_q0`` (a constant,
+untrained policy: the fixed-policy ablation), ``local_route="global"`` (pi-Flow: "both
+paths of the dynamic model are global models"; here the second path is the received
+global model, frozen, and the K1 local phase is skipped, so routing chooses per instance
+between two global routes only), ``global_step="global_only"`` (the authors' code: the
+global step runs the global branch alone), ``momentum`` (their SGD momentum 0.9).
+pc-Flow is FedAvgFT (``flowjax.algorithms.fedavg``).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from flowjax.routing.routed import routed_forward
 
 ORDERS = ("alternating", "policy_first", "global_first")
 GLOBAL_STEPS = ("routed", "global_only")
+LOCAL_ROUTES = ("local", "global")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +69,10 @@ class FlowConfig:
       order: ``alternating`` (default), ``policy_first`` or ``global_first``.
       global_step: ``routed`` (paper Eq. 4) or ``global_only`` (authors' code).
       momentum: client SGD momentum, one optimizer state per parameter group.
+      fixed_q0: if set, every instance and layer uses this ``q0`` and the policy is
+        never trained (fixed-policy ablation).
+      local_route: ``local`` (Flow) or ``global`` (pi-Flow: the second route is the
+        received global model, no local fine-tuning).
     """
 
     learning_rate: float
@@ -76,8 +86,15 @@ class FlowConfig:
     order: str = "alternating"
     global_step: str = "routed"
     momentum: float = 0.0
+    fixed_q0: float | None = None
+    local_route: str = "local"
 
     def __post_init__(self):
+        if self.fixed_q0 is not None and not 0.0 <= self.fixed_q0 <= 1.0:
+            raise ValueError(f"fixed_q0 must be in [0, 1] or None, got {self.fixed_q0}")
+        if self.local_route not in LOCAL_ROUTES:
+            raise ValueError(f"unknown Flow local_route {self.local_route!r}; "
+                             f"expected one of {LOCAL_ROUTES}")
         if not 0.0 < self.split_ratio < 1.0:
             raise ValueError(f"split_ratio must be in (0, 1), got {self.split_ratio}")
         if self.order not in ORDERS:
@@ -134,18 +151,25 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
         model_key, policy_key = jax.random.split(key)
         return {"global": model.init(model_key), "policy": policy.init(policy_key)}
 
+    def global_log_prob(policy_params, x, *, train: bool, key=None):
+        """``log q0``, ``[*instance, L]``: the policy's, or the fixed-policy constant."""
+        if config.fixed_q0 is not None:
+            instances = x.shape[: model.instance_ndim]
+            return jnp.full(instances + (num_layers,), jnp.log(config.fixed_q0), jnp.float32)
+        return policy.log_probs(policy_params, x, train=train, key=key)[..., 0]
+
     def routed_sums(global_params, local_params, policy_params, batch, key, *,
                     regularize: bool):
         """``[objective_sum, weight_sum]``: weighted CE (+ regularizer) of the routed model."""
         x, y, w = batch
         policy_key, model_key = jax.random.split(key)
-        log_q = policy.log_probs(policy_params, x, train=True, key=policy_key)
-        logits = routed_forward(model, global_params, local_params, jnp.exp(log_q[..., 0]), x,
+        log_q0 = global_log_prob(policy_params, x, train=True, key=policy_key)
+        logits = routed_forward(model, global_params, local_params, jnp.exp(log_q0), x,
                                 train=True, key=model_key)
         weights = instance_weights(model, y, w)
         ce_sum, count = weighted_cross_entropy(logits, y, weights)
         if regularize and config.gamma > 0:
-            mean_log_q0 = jnp.sum(log_q[..., 0], axis=-1) / num_layers  # [*instance]
+            mean_log_q0 = jnp.sum(log_q0, axis=-1) / num_layers  # [*instance]
             ce_sum = ce_sum - config.gamma * jnp.sum(mean_log_q0 * weights)
         return jnp.stack([ce_sum, count])
 
@@ -181,9 +205,13 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
         valid = valid_examples(examples)
         zeta_l, zeta_g = split_halves(split_key, valid, config.split_ratio)
         local_cap, global_cap = half_capacity(valid.shape[0], config.split_ratio)
-        local_params, local_sums = train_plain(
-            model, params["global"], optimizer, examples, zeta_l, epochs=config.local_epochs,
-            batch_size=config.batch_size, key=local_key, max_members=local_cap)
+        if config.local_route == "global":  # pi-Flow: the second route is global too
+            local_params, local_sums = params["global"], jnp.zeros((2,), jnp.float32)
+        else:
+            local_params, local_sums = train_plain(
+                model, params["global"], optimizer, examples, zeta_l,
+                epochs=config.local_epochs, batch_size=config.batch_size, key=local_key,
+                max_members=local_cap)
 
         x, y, _ = examples.flat()
         state = ((params["global"], optimizer.init(params["global"])),
@@ -194,7 +222,10 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
         def with_local(step):
             return lambda s, b, k: step(s, b, k, local_params)
 
-        if config.order == "alternating":
+        if config.fixed_q0 is not None:  # nothing to learn in the policy
+            state, routed = run_epochs(with_local(global_step), state, x, y, zeta_g,
+                                       key=routing_key, **run)
+        elif config.order == "alternating":
             def alternating(state, batch, key):
                 state, _ = policy_step(state, batch, jax.random.fold_in(key, 0), local_params)
                 return global_step(state, batch, jax.random.fold_in(key, 1), local_params)
@@ -223,7 +254,7 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
         return {"global": global_params, "local": local_params, "policy": policy_params}
 
     def predict(params, personal, x) -> Predictions:
-        q0 = jnp.exp(policy.log_probs(personal["policy"], x)[..., 0])
+        q0 = jnp.exp(global_log_prob(personal["policy"], x, train=False))
         route = dict(model=model, global_params=personal["global"],
                      local_params=personal["local"], q0=q0, x=x)
         return Predictions(global_logits=forward(model, params["global"], x),
