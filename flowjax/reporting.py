@@ -10,16 +10,16 @@ from typing import Any, Mapping
 from flowjax.evaluation.metrics import GROUPS
 
 
-def write_json_atomic(path: str, payload: Any) -> None:
-    """Writes JSON to a temporary file in the same folder, then renames it over ``path``.
+def write_text_atomic(path: str, text: str) -> None:
+    """Writes to a temporary file in the same folder, then renames it over ``path``.
 
     A crash mid-write leaves the previous file intact.
     """
     folder = os.path.dirname(os.path.abspath(path))
-    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
+    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".tmp-")
     try:
         with os.fdopen(handle, "w") as out:
-            json.dump(payload, out, indent=2, sort_keys=True)
+            out.write(text)
             out.flush()
             os.fsync(out.fileno())
         os.replace(temporary, path)
@@ -28,8 +28,30 @@ def write_json_atomic(path: str, payload: Any) -> None:
         raise
 
 
+def write_json_atomic(path: str, payload: Any) -> None:
+    """``write_text_atomic`` of ``payload`` as indented JSON."""
+    write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True))
+
+
 def _pct(value: float) -> str:
     return f"{100 * value:.2f}"
+
+
+COLUMNS = ("acc_g", "acc_p", "acc_p_soft", "clients_benefiting", "clients_tied",
+           "acc_g_weighted", "acc_p_weighted")
+
+
+def comparison_csv(results: Mapping[str, Mapping[str, Any]]) -> str:
+    """One row per (method, population): the table's numbers as fractions, for scripts."""
+    header = ["method", "population", "num_clients", *COLUMNS, *GROUPS]
+    rows = [",".join(header)]
+    for method, result in results.items():
+        for population, s in result["populations"].items():
+            values = [method, population, str(s["num_clients"])]
+            values += [f"{s[c]:.6f}" for c in COLUMNS]
+            values += [f"{s['breakdown'][g]:.6f}" for g in GROUPS]
+            rows.append(",".join(values))
+    return "\n".join(rows) + "\n"
 
 
 def results_table(results: Mapping[str, Mapping[str, Any]]) -> str:

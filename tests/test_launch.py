@@ -1,0 +1,55 @@
+"""The launchers as a user runs them (subprocesses, real flags)."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--config.data.plays=('macbeth',)", "--config.num_rounds=2", "--config.clients_per_round=3",
+        "--config.data.max_train_examples=4", "--config.data.max_test_examples=4",
+        "--config.eval.clients=4", "--config.eval.held_out=False",
+        "--config.policy_hidden=(8,8,8,8)"]
+
+
+def launch(script, *args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "launch", script), *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+
+def test_train_writes_results_and_prints_the_table(tmp_path):
+    workdir = tmp_path / "run"
+    done = launch("train.py", "--config=configs/shakespeare.py:quick", f"--workdir={workdir}", *TINY)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((workdir / "results.json").read_text())
+    for field in ("acc_g", "acc_p", "acc_p_soft", "clients_benefiting", "breakdown", "num_eval_clients"):
+        assert field in results
+    assert results["compilations"] == {"round": 1, "eval": 1}
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["kind"] for line in lines] == ["train", "train", "eval"]
+    assert json.loads((workdir / "config.json").read_text())["num_rounds"] == 2
+    assert "| flow | train_clients | 4 |" in done.stdout
+
+
+def test_train_rejects_a_bad_value_in_one_line(tmp_path):
+    done = launch("train.py", "--config=configs/shakespeare.py:quick", f"--workdir={tmp_path}",
+                  *TINY, "--config.algorithm=flwo")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("error: unknown algorithm 'flwo'")
+    assert "Traceback" not in done.stderr
+
+
+def test_compare_writes_one_table_and_resumes(tmp_path):
+    args = ["--config=configs/shakespeare.py:quick", f"--workdir={tmp_path}",
+            "--methods=flow,fedavg", *TINY]
+    first = launch("compare.py", *args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    table = (tmp_path / "comparison.md").read_text()
+    assert "| flow | train_clients |" in table and "| fedavg | train_clients |" in table
+    csv = (tmp_path / "comparison.csv").read_text().splitlines()
+    assert csv[0].startswith("method,population,num_clients,acc_g,acc_p") and len(csv) == 3
+    stamp = os.path.getmtime(tmp_path / "flow" / "results.json")
+    again = launch("compare.py", *args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "flow: finished earlier" in again.stdout
+    assert os.path.getmtime(tmp_path / "flow" / "results.json") == stamp
