@@ -1,0 +1,151 @@
+"""Ditto: a personal model pulled towards the global model by a squared-norm penalty.
+
+Li, Hu, Beirami and Smith, "Ditto: Fair and Robust Federated Learning Through
+Personalization", ICML 2021, Algorithm 1 with FedAvg as the global solver. A sampled
+client receives the global params ``w_t`` and
+
+1. (global update) runs E epochs of minibatch SGD on ``w`` from ``w_t`` (FedAvg's local
+   update) and sends the result with weight = its number of examples; the server
+   averages them;
+2. (personal update) runs E epochs of minibatch steps on its personal model ``v``
+   (client state) for the objective ``f(v) + lam / 2 * ||v - w_t||^2``, with ``w_t`` the
+   params *received this round*, fixed during the whole update (not the moving local
+   ``w``, and the squared norm, not the norm: the pitfalls of the public reference).
+
+Each personal step is the exact proximal-gradient step of that objective:
+
+    z = v - lr * grad f(v; xi)
+    v <- prox(z) = (z + lr * lam * w_t) / (1 + lr * lam)
+
+which is the minimiser of ``||v - z||^2 / (2 lr) + lam / 2 ||v - w_t||^2``. To first
+order in ``lr`` it is the paper's step ``v - lr (grad f(v) + lam (v - w_t))``, but it is
+stable for any ``lr * lam`` (the plain step diverges once ``lr * lam > 2``). Its two
+coefficients ``1 / (1 + lr lam)`` and ``lr lam / (1 + lr lam)`` are computed in double
+precision, so ``lam = 0`` is plain local SGD on ``v`` bit for bit, and a very large
+``lam`` keeps ``v`` at ``w_t`` up to ``|z| / (1 + lr lam)``.
+
+Choices where the paper is silent:
+
+* ``v`` starts from ``w_t`` at the client's first participation (the paper takes the
+  initial ``v_k`` as an input); the state carries a ``visited`` flag for that. A client
+  with no training examples makes no step and stays unvisited.
+* Both updates see the same shuffled minibatches and dropout keys (the round's client
+  key), so with ``lam = 0`` a first-time client's ``v`` equals its FedAvg update exactly.
+* Personalized model at evaluation: the stored ``v``; for a client that never trained
+  (including held-out clients), ``v`` trained from the current global params on its
+  train split exactly as at a first participation.
+* ``momentum`` > 0 applies the optimizer's momentum to the loss gradient only
+  (``z = v + sgd_momentum_update``) and keeps the exact proximal step after it; ``w``
+  and ``v`` each have their own momentum state, reset every round as in FedAvg.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
+                                     client_optimizer, no_routing, plain_loss_sums, sgd_step,
+                                     train_plain, valid_examples)
+from flowjax.core.cohort import ClientExamples
+from flowjax.core.local_training import run_epochs
+from flowjax.core.tree import select_tree
+from flowjax.models.base import Params, RoutableModel, forward
+
+
+@dataclasses.dataclass(frozen=True)
+class DittoConfig:
+    """Ditto's client-side hyperparameters.
+
+    Attributes:
+      learning_rate: client SGD learning rate for ``w`` and ``v``.
+      epochs: local epochs E of each of the two updates per round.
+      batch_size: client batch size.
+      lam: weight ``lam`` of the penalty ``lam / 2 * ||v - w_t||^2`` (>= 0).
+      momentum: client SGD momentum (0 = plain SGD, the paper's).
+    """
+
+    learning_rate: float
+    epochs: int
+    batch_size: int
+    lam: float
+    momentum: float = 0.0
+
+    def __post_init__(self):
+        if not (math.isfinite(self.lam) and self.lam >= 0):
+            raise ValueError(f"Ditto lam must be finite and >= 0, got {self.lam}")
+        for name in ("epochs", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def proximal_pull(z: Params, anchor: Params, step_times_lam: float) -> Params:
+    """``(z + s * anchor) / (1 + s)`` leafwise with ``s = lr * lam`` (the prox step).
+
+    The coefficients are computed in double precision before they meet the params, so
+    ``s = 0`` returns ``z`` exactly and a huge ``s`` returns ``anchor`` up to ``z / s``.
+    """
+    keep = 1.0 / (1.0 + step_times_lam)
+    pull = step_times_lam / (1.0 + step_times_lam)
+    return jax.tree.map(lambda a, b: keep * a + pull * b, z, anchor)
+
+
+def ditto(model: RoutableModel, config: DittoConfig) -> FederatedAlgorithm:
+    """Ditto with FedAvg as the global solver for ``model``."""
+    optimizer = client_optimizer(config.learning_rate, config.momentum)
+    loss_step = sgd_step(lambda p, b, k: plain_loss_sums(model, p, b, k), optimizer)
+    step_times_lam = config.learning_rate * config.lam
+
+    def train_global(params, examples: ClientExamples, key):
+        return train_plain(model, params, optimizer, examples, valid_examples(examples),
+                           epochs=config.epochs, batch_size=config.batch_size, key=key)
+
+    def train_personal(personal, anchor, examples: ClientExamples, key):
+        """E epochs of proximal SGD on ``v`` towards the fixed ``anchor = w_t``."""
+
+        def step(carry, batch, step_key):
+            (z, opt_state), sums = loss_step(carry, batch, step_key)
+            return (proximal_pull(z, anchor, step_times_lam), opt_state), sums
+
+        x, y, valid = examples.flat()
+        (personal, _), sums = run_epochs(step, (personal, optimizer.init(personal)), x, y, valid,
+                                         num_epochs=config.epochs,
+                                         batch_size=config.batch_size, key=key)
+        return personal, sums
+
+    def starting_point(params, client_state):
+        """The stored ``v``, or ``w_t`` for a client that has not trained yet."""
+        return select_tree(client_state["visited"], client_state["v"], params)
+
+    def client_update(params, examples: ClientExamples, key, client_state) -> ClientResult:
+        trained, sums = train_global(params, examples, key)
+        personal, personal_sums = train_personal(starting_point(params, client_state), params,
+                                                 examples, key)
+        state = {"v": personal, "visited": client_state["visited"] | (examples.num_examples > 0)}
+        return ClientResult(params=trained, weight=examples.num_examples.astype(jnp.float32),
+                            metrics={"loss_sum": sums[0], "loss_count": sums[1],
+                                     "personal_loss_sum": personal_sums[0],
+                                     "personal_loss_count": personal_sums[1]},
+                            client_state=state)
+
+    def personalize(params, examples: ClientExamples, key, client_state):
+        return jax.lax.cond(client_state["visited"],
+                            lambda: client_state["v"],
+                            lambda: train_personal(params, params, examples, key)[0])
+
+    def predict(params, personal, x) -> Predictions:
+        global_logits = forward(model, params, x)
+        personal_logits = forward(model, personal, x)
+        return Predictions(global_logits, personal_logits, personal_logits,
+                           no_routing(global_logits))
+
+    def init_client_state(params):
+        # ``v`` is only a shape template until the first participation sets it to w_t.
+        return {"v": jax.tree.map(jnp.zeros_like, params), "visited": jnp.asarray(False)}
+
+    return FederatedAlgorithm(name="ditto", model=model, init=model.init,
+                              client_update=client_update, personalize=personalize,
+                              predict=predict, init_client_state=init_client_state)

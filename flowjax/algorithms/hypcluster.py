@@ -1,0 +1,198 @@
+"""HypCluster (Mansour et al. 2020, "Three Approaches for Personalization with
+Applications to Federated Learning", Sec. 3 / Algorithm 2).
+
+The server holds ``k`` cluster models ``{"cluster0": w_0, ..., "cluster{k-1}": w_{k-1}}``.
+Each round every sampled client, from the broadcast cluster models:
+
+1. evaluates every ``w_i`` on its whole train split: the masked mean cross-entropy of
+   the plain model in evaluation mode (no dropout), ``L_i``;
+2. picks ``c = argmin_i L_i`` (ties go to the lowest index);
+3. trains only ``w_c`` for E epochs of minibatch SGD on its train split (as FedAvg);
+4. returns all k groups: the trained ``w_c`` and the untouched other clusters, with
+   weight ``{"cluster{c}": n, others: 0}`` (n = its example count).
+
+The engine takes one example-weighted mean per cluster over the clients that chose it
+(a cluster nobody chose gets a zero pseudo-gradient) and applies the server optimizer to
+the whole ``{cluster: params}`` tree, so every optax transform is per cluster.
+
+Personalized model at evaluation: the cluster model with the lowest train loss for the
+client (steps 1-2 with the current server params).
+
+Choices where the paper is silent:
+
+* Global model (Acc_g): the clusters' uniform ensemble, ``log(mean_i softmax(w_i(x)))``,
+  the prediction available to a client that has not picked a cluster; with ``k = 1`` it
+  is the one model's logits, so ``k = 1`` is FedAvg exactly (training and evaluation).
+* Initialisation: without a warm start, cluster 0 is ``model.init(key)`` (the plain
+  model's init, which makes ``k = 1`` FedAvg) and cluster i > 0 is
+  ``model.init(fold_in(key, i))``. Independent random inits are known to collapse: one
+  cluster fits every client better from the first round and the others never train.
+* Warm start (the remedy): ``hypcluster(..., warm_start=w)`` initialises cluster i as
+  ``w + perturbation * N(0, I)`` with noise drawn from ``fold_in(key, i)`` (an absolute
+  standard deviation, on every parameter). The run launcher (``flowjax.config``) obtains
+  ``w`` from a FedAvg run of the same config for ``config.methods.hypcluster.warmup_rounds``
+  rounds; with ``perturbation = 0`` all clusters are equal and every client picks
+  cluster 0.
+* Metrics: ``clients_in_cluster{i}``, the share of the round's real clients that chose
+  cluster i (collapse shows as a share of 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
+                                     client_optimizer, no_routing, plain_loss_sums,
+                                     train_plain, valid_examples)
+from flowjax.core.cohort import ClientExamples
+from flowjax.core.losses import mean_from_sums
+from flowjax.core.tree import select_tree
+from flowjax.models.base import Params, RoutableModel, forward
+
+
+@dataclasses.dataclass(frozen=True)
+class HypClusterConfig:
+    """HypCluster's client-side hyperparameters.
+
+    Attributes:
+      learning_rate: client SGD learning rate.
+      epochs: local epochs E of the chosen cluster per round.
+      batch_size: client batch size.
+      clusters: k, the number of cluster models (the paper's experiments use 2).
+      perturbation: std of the Gaussian noise added to the warm start per cluster.
+      momentum: client SGD momentum (0 = plain SGD).
+    """
+
+    learning_rate: float
+    epochs: int
+    batch_size: int
+    clusters: int = 2
+    perturbation: float = 0.01
+    momentum: float = 0.0
+
+    def __post_init__(self):
+        for name in ("epochs", "batch_size", "clusters"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.perturbation < 0:
+            raise ValueError(f"perturbation must be >= 0, got {self.perturbation}")
+
+
+def cluster_names(clusters: int) -> tuple[str, ...]:
+    """The top-level params keys: ``cluster0`` ... ``cluster{k-1}``."""
+    return tuple(f"cluster{i}" for i in range(clusters))
+
+
+def mean_train_loss(model: RoutableModel, params: Params, examples: ClientExamples) -> jax.Array:
+    """Masked mean cross-entropy of the plain model (eval mode) over a client's examples.
+
+    0 for a client without examples. Padded steps are skipped.
+    """
+    no_dropout = jax.random.key(0)  # eval mode: the key is never used
+
+    def step(total, batch):
+        x, y, mask = batch
+        sums = jax.lax.cond(
+            jnp.any(mask),
+            lambda: plain_loss_sums(model, params, (x, y, mask.astype(jnp.float32)),
+                                    no_dropout, train=False),
+            lambda: jnp.zeros((2,), jnp.float32))
+        return total + sums, None
+
+    total, _ = jax.lax.scan(step, jnp.zeros((2,), jnp.float32),
+                            (examples.x, examples.y, examples.mask))
+    return mean_from_sums(total[0], total[1])
+
+
+def perturb(params: Params, key: jax.Array, scale: float) -> Params:
+    """``params + scale * N(0, I)``, one independent draw per leaf."""
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(key, len(leaves))
+    noisy = [leaf + scale * jax.random.normal(k, leaf.shape, leaf.dtype)
+             for leaf, k in zip(leaves, keys)]
+    return jax.tree.unflatten(treedef, noisy)
+
+
+def _check_warm_start(model: RoutableModel, warm_start: Params) -> None:
+    expected = jax.eval_shape(model.init, jax.random.key(0))
+    shapes = jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(a.dtype)), expected)
+    try:
+        given = jax.tree.map(lambda a: (tuple(jnp.shape(a)), jnp.dtype(jnp.result_type(a))),
+                             warm_start)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"warm_start must be a params pytree of {model.name}: {error}") from None
+    if jax.tree.structure(shapes) != jax.tree.structure(given) or shapes != given:
+        raise ValueError(f"warm_start does not match the params of {model.name}; "
+                         f"expected the structure and shapes of model.init(key)")
+
+
+def hypcluster(model: RoutableModel, config: HypClusterConfig,
+               warm_start: Params | None = None) -> FederatedAlgorithm:
+    """HypCluster with ``config.clusters`` cluster models of ``model``.
+
+    Args:
+      model: the plain model every cluster uses.
+      config: client hyperparameters.
+      warm_start: optional params of the plain model (e.g. after a short FedAvg run);
+        every cluster then starts at it plus seeded Gaussian noise of std
+        ``config.perturbation``, which avoids the collapse of random inits.
+    """
+    if warm_start is not None:
+        _check_warm_start(model, warm_start)
+    optimizer = client_optimizer(config.learning_rate, config.momentum)
+    names = cluster_names(config.clusters)
+
+    def init(key):
+        if warm_start is None:
+            return {name: model.init(key if i == 0 else jax.random.fold_in(key, i))
+                    for i, name in enumerate(names)}
+        return {name: perturb(warm_start, jax.random.fold_in(key, i), config.perturbation)
+                for i, name in enumerate(names)}
+
+    def choose(params, examples: ClientExamples):
+        """(index of the lowest-loss cluster, that cluster's params)."""
+        losses = jnp.stack([mean_train_loss(model, params[name], examples) for name in names])
+        chosen = jnp.argmin(losses)
+        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(params[n] for n in names))
+        return chosen, jax.tree.map(lambda leaf: leaf[chosen], stacked)
+
+    def client_update(params, examples: ClientExamples, key, client_state=None) -> ClientResult:
+        del client_state  # stateless
+        chosen, start = choose(params, examples)
+        trained, sums = train_plain(model, start, optimizer, examples, valid_examples(examples),
+                                    epochs=config.epochs, batch_size=config.batch_size, key=key)
+        n = examples.num_examples.astype(jnp.float32)
+        real = (n > 0).astype(jnp.float32)
+        metrics = {"loss_sum": sums[0], "loss_count": sums[1]}
+        for i, name in enumerate(names):
+            metrics[f"clients_in_{name}_sum"] = real * (chosen == i)
+            metrics[f"clients_in_{name}_count"] = real
+        return ClientResult(
+            params={name: select_tree(chosen == i, trained, params[name])
+                    for i, name in enumerate(names)},
+            weight={name: jnp.where(chosen == i, n, 0.0) for i, name in enumerate(names)},
+            metrics=metrics)
+
+    def personalize(params, examples: ClientExamples, key, client_state=None) -> Params:
+        del key, client_state  # deterministic, stateless
+        return choose(params, examples)[1]
+
+    def ensemble_logits(params, x):
+        if len(names) == 1:
+            return forward(model, params[names[0]], x)
+        log_probs = jnp.stack([jax.nn.log_softmax(forward(model, params[name], x))
+                               for name in names])
+        return jax.nn.logsumexp(log_probs, axis=0) - jnp.log(float(len(names)))
+
+    def predict(params, personal, x) -> Predictions:
+        global_logits = ensemble_logits(params, x)
+        personal_logits = forward(model, personal, x)
+        return Predictions(global_logits, personal_logits, personal_logits,
+                           no_routing(global_logits))
+
+    return FederatedAlgorithm(name="hypcluster", model=model, init=init,
+                              client_update=client_update, personalize=personalize,
+                              predict=predict)

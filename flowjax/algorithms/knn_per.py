@@ -1,0 +1,211 @@
+"""kNN-Per (Marfoq et al. 2022, "Personalized Federated Learning through Local
+Memorization", Sec. 3-4).
+
+Training is FedAvg exactly (``flowjax.algorithms.fedavg``). Personalization at
+evaluation, from the current global model ``w``:
+
+1. datastore: for every instance of the client's train split, the key
+   ``phi(x)``, the global model's penultimate embedding (the output of the layer before
+   the last routable layer, after its glue, in eval mode), and the instance's TRUE
+   label (the reference code stores predicted labels: a pitfall not repeated here);
+2. for a test instance with embedding ``phi(x)``, its ``k`` nearest datastore entries by
+   Euclidean distance ``d`` (not squared) and
+   ``p_kNN(c) = sum_{neighbours j with y_j = c} exp(-d_j) / sum_{neighbours j} exp(-d_j)``;
+3. ``p(c) = lam * p_kNN(c) + (1 - lam) * softmax(w(x))_c``.
+
+``predict`` returns ``log p`` as the personalized logits (computed in log space, so
+``lam = 0`` gives ``log_softmax(w(x))``, the global model's predictions exactly); the
+global logits are ``w(x)``. Everything is vectorized with fixed shapes: the datastore is
+padded to a static size and padding entries get an infinite distance, so they are never
+neighbours (``jax.lax.top_k`` of negative distances).
+
+Choices where the paper is silent:
+
+* Instances: an example for image models; for next-token models every non-pad token
+  position (the instances the evaluation counts), queried position by position too.
+* Datastore size: at most ``max_datastore`` entries (static). A client with more valid
+  train instances keeps a uniformly random subset of ``max_datastore`` of them, drawn
+  from the personalize key (one uniform priority per instance, the highest kept); a
+  client with fewer keeps all of them.
+* A client with an empty datastore (no train instances), or with fewer than ``k``
+  entries, uses the neighbours it has; with none at all it falls back to the global
+  model's probabilities.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from flowjax.algorithms.base import (FederatedAlgorithm, Predictions, instance_weights,
+                                     no_routing)
+from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
+from flowjax.core.cohort import ClientExamples
+from flowjax.models.base import Params, RoutableModel, layer_key
+
+
+@dataclasses.dataclass(frozen=True)
+class KnnPerConfig:
+    """kNN-Per's hyperparameters.
+
+    Attributes:
+      learning_rate: client SGD learning rate (FedAvg training).
+      epochs: local epochs E per round.
+      batch_size: client batch size.
+      neighbours: k, the neighbours of a test instance.
+      lam: weight of ``p_kNN`` in the mixture, in [0, 1].
+      max_datastore: static datastore capacity per client (instances).
+      momentum: client SGD momentum (0 = plain SGD).
+    """
+
+    learning_rate: float
+    epochs: int
+    batch_size: int
+    neighbours: int = 3
+    lam: float = 0.45
+    max_datastore: int = 4096
+    momentum: float = 0.0
+
+    def __post_init__(self):
+        for name in ("epochs", "batch_size", "neighbours"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.lam <= 1.0:
+            raise ValueError(f"lam must be in [0, 1], got {self.lam}")
+        if self.max_datastore < self.neighbours:
+            raise ValueError(f"max_datastore must be >= neighbours ({self.neighbours}), "
+                             f"got {self.max_datastore}")
+
+
+@flax.struct.dataclass
+class Datastore:
+    """A client's memorized train instances, padded to a static capacity M.
+
+    Attributes:
+      keys: ``[M, D]`` penultimate embeddings.
+      labels: int32 ``[M]`` true labels.
+      valid: bool ``[M]``; False for padding entries.
+    """
+
+    keys: jax.Array
+    labels: jax.Array
+    valid: jax.Array
+
+
+def embed_and_logits(model: RoutableModel, params: Params,
+                     x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(phi(x) [*instance, D], logits [*instance, C])`` of the plain model in eval mode.
+
+    ``phi`` is the input of the last routable layer; the logits equal ``forward``'s.
+    """
+    key = jax.random.key(0)  # eval mode: glue never draws from it
+    h = model.embed_input(x)
+    last = model.num_layers - 1
+    for j, name in enumerate(model.layer_names[:last]):
+        h = model.glue_apply(j, model.layer_apply(j, params[name], h), False, layer_key(key, j))
+    logits = model.layer_apply(last, params[model.layer_names[last]], h)
+    return h, model.glue_apply(last, logits, False, layer_key(key, last))
+
+
+def _kept_instances(priority: jax.Array, capacity: int) -> jax.Array:
+    """bool mask of the (at most ``capacity``) highest-priority valid instances.
+
+    Invalid instances have priority -1 and valid ones a uniform draw in [0, 1).
+    """
+    valid = priority >= 0
+    if capacity >= priority.shape[0]:
+        return valid
+    _, top = jax.lax.top_k(priority, capacity)
+    return jnp.zeros(priority.shape, bool).at[top].set(True) & valid
+
+
+def build_datastore(model: RoutableModel, params: Params, examples: ClientExamples,
+                    key: jax.Array, max_size: int) -> Datastore:
+    """The client's datastore: embeddings and true labels of its valid train instances.
+
+    Entries are written in the split's order (example, then position); when there are
+    more than the capacity, a seeded uniformly random subset is kept (module docstring).
+    """
+    steps = examples.mask.shape[0]
+    weights = jax.vmap(lambda y, m: instance_weights(model, y, m.astype(jnp.float32)))(
+        examples.y, examples.mask)
+    per_step = math.prod(weights.shape[1:])
+    capacity = min(max_size, steps * per_step)
+    # One draw per (step, slot) so padding steps appended later leave the draws unchanged.
+    draws = jax.vmap(lambda s: jax.random.uniform(jax.random.fold_in(key, s), (per_step,)))(
+        jnp.arange(steps))
+    priority = jnp.where(weights.reshape(steps, per_step) > 0, draws, -1.0)
+    kept = _kept_instances(priority.reshape(-1), capacity)
+    slots = jnp.where(kept, jnp.cumsum(kept) - 1, capacity).reshape(steps, per_step)
+    dim = jax.eval_shape(lambda x: embed_and_logits(model, params, x)[0], examples.x[0]).shape[-1]
+
+    def write(store, inputs):
+        x, y, slot = inputs
+
+        def add(store):
+            keys, labels = store
+            phi = embed_and_logits(model, params, x)[0].reshape(per_step, dim)
+            return (keys.at[slot].set(phi, mode="drop"),
+                    labels.at[slot].set(y.reshape(per_step).astype(jnp.int32), mode="drop"))
+
+        # Steps with nothing kept (padding) skip the forward pass.
+        return jax.lax.cond(jnp.any(slot < capacity), add, lambda s: s, store), None
+
+    (keys, labels), _ = jax.lax.scan(
+        write, (jnp.zeros((capacity, dim), jnp.float32), jnp.zeros((capacity,), jnp.int32)),
+        (examples.x, examples.y, slots))
+    return Datastore(keys=keys, labels=labels, valid=jnp.arange(capacity) < jnp.sum(kept))
+
+
+def knn_log_probs(store: Datastore, queries: jax.Array, neighbours: int,
+                  num_classes: int) -> tuple[jax.Array, jax.Array]:
+    """``(log p_kNN [Q, C], has_neighbour [Q])`` for query embeddings ``[Q, D]``."""
+    # Full-precision products: TF32 matmuls would blur near-duplicate distances.
+    cross = jnp.matmul(queries, store.keys.T, precision=jax.lax.Precision.HIGHEST)
+    squared = (jnp.sum(queries ** 2, axis=-1, keepdims=True) - 2.0 * cross
+               + jnp.sum(store.keys ** 2, axis=-1)[None, :])
+    distance = jnp.where(store.valid[None, :], jnp.sqrt(jnp.maximum(squared, 0.0)), jnp.inf)
+    neg_distance, index = jax.lax.top_k(-distance, min(neighbours, store.labels.shape[0]))
+    # exp(-d_j) / sum_j exp(-d_j) is a softmax of -d; absent neighbours (-inf) weigh 0.
+    has_neighbour = jnp.isfinite(neg_distance[:, 0])
+    weights = jax.nn.softmax(jnp.where(has_neighbour[:, None], neg_distance, 0.0), axis=-1)
+    weights = jnp.where(jnp.isfinite(neg_distance), weights, 0.0)
+    one_hot = jax.nn.one_hot(store.labels[index], num_classes, dtype=jnp.float32)
+    return jnp.log(jnp.einsum("qk,qkc->qc", weights, one_hot)), has_neighbour
+
+
+def mix_log_probs(log_knn: jax.Array, logits: jax.Array, lam: float) -> jax.Array:
+    """``log(lam * p_kNN + (1 - lam) * softmax(logits))``, in log space."""
+    log_lam = math.log(lam) if lam > 0 else -jnp.inf
+    log_rest = math.log1p(-lam) if lam < 1 else -jnp.inf
+    return jnp.logaddexp(log_lam + log_knn, log_rest + jax.nn.log_softmax(logits, axis=-1))
+
+
+def knn_per(model: RoutableModel, config: KnnPerConfig) -> FederatedAlgorithm:
+    """kNN-Per for ``model``: FedAvg training, kNN-mixture personalization."""
+    base = fedavg(model, FedAvgConfig(learning_rate=config.learning_rate, epochs=config.epochs,
+                                      batch_size=config.batch_size, momentum=config.momentum))
+
+    def personalize(params, examples: ClientExamples, key, client_state=None) -> Datastore:
+        del client_state  # stateless
+        return build_datastore(model, params, examples, key, config.max_datastore)
+
+    def predict(params, store: Datastore, x) -> Predictions:
+        phi, logits = embed_and_logits(model, params, x)
+        queries = phi.reshape(-1, phi.shape[-1])
+        flat_logits = logits.reshape(-1, logits.shape[-1])
+        log_knn, has_neighbour = knn_log_probs(store, queries, config.neighbours,
+                                               model.num_classes)
+        mixed = jnp.where(has_neighbour[:, None],
+                          mix_log_probs(log_knn, flat_logits, config.lam),
+                          jax.nn.log_softmax(flat_logits, axis=-1))
+        personal = mixed.reshape(logits.shape)
+        return Predictions(logits, personal, personal, no_routing(logits))
+
+    return FederatedAlgorithm(name="knn_per", model=model, init=base.init,
+                              client_update=base.client_update, personalize=personalize,
+                              predict=predict)

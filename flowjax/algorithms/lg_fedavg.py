@@ -1,0 +1,137 @@
+"""LG-FedAvg: local lower layers kept by each client, global top layers averaged.
+
+Liang, Liu, Ziyin, Allen, Auerbach, Brent, Salakhutdinov and Morency, "Think Locally, Act
+Globally: Federated Learning with Local and Global Representations", 2020, Algorithm 1.
+The model's top layers named in ``global_layers`` (default: its ``head_layers``) are the
+global part ``g``; the layers below are the local representation ``l``. A sampled client
+``i``, from the broadcast ``g`` and its stored ``l_i``:
+
+1. runs E epochs of minibatch SGD on the whole model ``(l_i, g_i)`` (``g_i`` starts at
+   ``g``), both parts updated by the same loss:
+   ``(l_i, g_i) <- (l_i, g_i) - lr grad f_i(l_i, g_i; xi)``;
+2. sends ``g_i`` with weight ``n_i`` (its number of examples) and keeps ``l_i``.
+
+The server averages the global layers only, ``g <- sum_i n_i g_i / sum_i n_i``, through
+the engine's server optimizer (SGD with rate 1 applies this mean).
+
+Server params: ``{"global": g, "initial_local": l_0}``. ``l_0`` is the local part drawn at
+initialization. Clients return it unchanged with aggregation weight 0, so the engine's
+per-group mean gives that group a zero pseudo-gradient: it stays ``l_0`` bit for bit under
+every server optimizer, and no local layer is ever averaged. ``init_client_state`` hands
+``l_0`` to every client that has not trained yet (held-out clients included).
+
+Choices where the paper is silent or differs:
+
+* ``global_layers`` must be a non-empty suffix of the model's layers that leaves at least
+  one local layer (lower layers local, top layers global is the method's definition).
+* Every part starts from the model's initialization (no FedAvg pre-training; a warm
+  start, as the reference code offers, is the launcher's business).
+* One optimizer state covers both parts, as in the paper's joint local update.
+* Personalized model at evaluation: the client's stored local layers with the current
+  global layers, both trained for E epochs on the client's train split (the same update
+  as a round). Evaluation never writes the state back.
+* Global model (``Acc_g``): what the server holds, ``l_0`` with ``g``: the model a newly
+  joined client starts from. Its accuracy is near chance (random local layers) and is not
+  comparable with the global model of methods that average every layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax.numpy as jnp
+
+from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
+                                     client_optimizer, no_routing, train_plain, valid_examples)
+from flowjax.algorithms.fedrep import split_layers
+from flowjax.core.cohort import ClientExamples
+from flowjax.models.base import Params, RoutableModel, forward
+
+
+@dataclasses.dataclass(frozen=True)
+class LGFedAvgConfig:
+    """LG-FedAvg's client-side hyperparameters.
+
+    Attributes:
+      learning_rate: client SGD learning rate.
+      epochs: local epochs E per round (and of the evaluation's local training).
+      batch_size: client batch size.
+      global_layers: names of the top layers the server averages (None = the model's
+        ``head_layers``).
+      momentum: client SGD momentum (0 = plain SGD).
+    """
+
+    learning_rate: float
+    epochs: int
+    batch_size: int
+    global_layers: tuple[str, ...] | None = None
+    momentum: float = 0.0
+
+    def __post_init__(self):
+        for name in ("epochs", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.global_layers is not None and not self.global_layers:
+            raise ValueError("LG-FedAvg global_layers must name at least one layer or be None "
+                             "(the model's head), got ()")
+
+
+def global_layer_names(model: RoutableModel, requested: Sequence[str] | None) -> tuple[str, ...]:
+    """The global layers for ``model``, validated: a proper, non-empty suffix of its layers."""
+    names = tuple(model.head_layers if requested is None else requested)
+    if not names:
+        raise ValueError(f"model {model.name!r} declares no head_layers; set LG-FedAvg "
+                         f"global_layers to some of {list(model.layer_names)}")
+    if len(set(names)) != len(names) or any(name not in model.layer_names for name in names):
+        raise ValueError(f"LG-FedAvg global_layers {list(names)} must be distinct layers of "
+                         f"{model.name!r} ({list(model.layer_names)})")
+    top = model.layer_names[model.num_layers - len(names):]
+    if set(names) != set(top) or len(names) == model.num_layers:
+        raise ValueError(f"LG-FedAvg global_layers {list(names)} must be the top layers of "
+                         f"{model.name!r} below which at least one layer stays local, "
+                         f"e.g. {list(model.layer_names[-1:])}")
+    return names
+
+
+def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorithm:
+    """LG-FedAvg for ``model`` with ``config.global_layers`` averaged by the server."""
+    global_names = global_layer_names(model, config.global_layers)
+    optimizer = client_optimizer(config.learning_rate, config.momentum)
+
+    def init(key) -> Params:
+        global_part, local_part = split_layers(model.init(key), global_names)
+        return {"global": global_part, "initial_local": local_part}
+
+    def local_train(global_part, local_part, examples: ClientExamples, key):
+        trained, sums = train_plain(model, {**local_part, **global_part}, optimizer, examples,
+                                    valid_examples(examples), epochs=config.epochs,
+                                    batch_size=config.batch_size, key=key)
+        global_part, local_part = split_layers(trained, global_names)
+        return global_part, local_part, sums
+
+    def client_update(params, examples: ClientExamples, key, client_state) -> ClientResult:
+        global_part, local_part, sums = local_train(params["global"], client_state, examples, key)
+        weight = examples.num_examples.astype(jnp.float32)
+        return ClientResult(
+            params={"global": global_part, "initial_local": params["initial_local"]},
+            weight={"global": weight, "initial_local": jnp.zeros_like(weight)},
+            metrics={"loss_sum": sums[0], "loss_count": sums[1]},
+            client_state=local_part)
+
+    def personalize(params, examples: ClientExamples, key, client_state) -> Params:
+        global_part, local_part, _ = local_train(params["global"], client_state, examples, key)
+        return {**local_part, **global_part}
+
+    def predict(params, personal, x) -> Predictions:
+        global_logits = forward(model, {**params["initial_local"], **params["global"]}, x)
+        personal_logits = forward(model, personal, x)
+        return Predictions(global_logits, personal_logits, personal_logits,
+                           no_routing(global_logits))
+
+    def init_client_state(params) -> Params:
+        return params["initial_local"]
+
+    return FederatedAlgorithm(name="lg_fedavg", model=model, init=init,
+                              client_update=client_update, personalize=personalize,
+                              predict=predict, init_client_state=init_client_state)

@@ -1,0 +1,143 @@
+"""Shared checks of stateful methods (APFL, Ditto) through the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs import shakespeare
+from flowjax import config as run_config
+from flowjax import experiment
+from flowjax.core.cohort import ClientExamples, assemble_cohort, client_at
+from flowjax.models.base import RoutableModel
+from flowjax.models.layers import Dense, chain_model
+
+
+def small_config(**overrides):
+    """tests/test_experiment.py's tiny Shakespeare run."""
+    config = shakespeare.get_config("quick")
+    config.data.plays = ("hamlet", "macbeth")
+    config.data.max_train_examples = 8
+    config.data.max_test_examples = 4
+    config.num_rounds = 3
+    config.clients_per_round = 4
+    config.eval.clients = 6
+    config.eval.chunk = 4
+    config.policy_hidden = (16, 16, 16, 16)
+    for name, value in overrides.items():
+        target = config
+        *parents, leaf = name.split(".")
+        for parent in parents:
+            target = target[parent]
+        target[leaf] = value
+    return config
+
+
+def tiny_mlp() -> RoutableModel:
+    """A dropout-free model on 28x28 inputs, so a step can be recomputed by hand."""
+    return chain_model(
+        name="mlp", layer_names=("fc1", "fc2"), modules=(Dense(8), Dense(10)),
+        embed_input=lambda x: x.reshape(x.shape[0], -1),
+        glue_apply=lambda j, h, train, key: jax.nn.relu(h) if j == 0 else h,
+        example_input=jax.ShapeDtypeStruct((1, 28, 28), jnp.float32),
+        label_weights=lambda y: jnp.ones(y.shape, jnp.float32), instance_ndim=1,
+        num_classes=10)
+
+
+def one_client(task, index: int, padded_examples: int, batch_size: int = 4) -> ClientExamples:
+    """Training client ``index`` of ``task`` as device arrays, padded to ``padded_examples``."""
+    cohort = assemble_cohort(task.train, "train", [index], num_clients=1,
+                             padded_examples=padded_examples, batch_size=batch_size)
+    return client_at(jax.tree.map(jnp.asarray, cohort), 0)
+
+
+def assert_trees_equal(a, b) -> None:
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def differs(a, b) -> bool:
+    return any(bool(jnp.any(x != y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def recording_simulation(simulation: experiment.Simulation, calls: list) -> experiment.Simulation:
+    """The same simulation with a ``client_update`` that appends, per client call as the
+    engine makes it, ``(client_id, state received, state returned)`` to ``calls``."""
+    update = simulation.algorithm.client_update
+
+    def client_update(params, examples, key, client_state):
+        result = update(params, examples, key, client_state)
+        jax.debug.callback(lambda *a: calls.append(jax.tree.map(np.asarray, a)),
+                           examples.client_id, client_state, result.client_state)
+        return result
+
+    algorithm = dataclasses.replace(simulation.algorithm, client_update=client_update)
+    return experiment.Simulation(algorithm, simulation.task, simulation.settings,
+                                 simulation.server_optimizer, simulation.mapping)
+
+
+def client_sampled_twice(sampler, num_rounds: int) -> tuple[int, int, int]:
+    """``(client, first round, second round)`` of the first client sampled twice."""
+    seen: dict[int, int] = {}
+    for round_index in range(num_rounds):
+        for client in sampler.sample(round_index):
+            if int(client) in seen:
+                return int(client), seen[int(client)], round_index
+            seen[int(client)] = round_index
+    raise AssertionError(f"no client is sampled twice in {num_rounds} rounds")
+
+
+def stored_rows(store) -> dict[int, list[np.ndarray]]:
+    """Every visited client's stored state leaves, by client id."""
+    saved = store.state_dict()
+    return {int(c): [leaf[row].copy() for leaf in saved["leaves"]]
+            for row, c in enumerate(saved["ids"])}
+
+
+def check_state_round_trip(algorithm_name: str, num_rounds: int = 4) -> experiment.RunResult:
+    """Runs ``algorithm_name`` end to end through ``experiment.run`` and checks that
+
+    * after each round, exactly the sampled clients' stored states changed, to what their
+      ``client_update`` returned;
+    * a client sampled in two rounds receives in the second exactly the state it left
+      after the first (and that state is not the never-trained template).
+    """
+    config = small_config(algorithm=algorithm_name, num_rounds=num_rounds)
+    calls: list = []
+    simulation = recording_simulation(run_config.build_simulation(config), calls)
+    client, first, second = client_sampled_twice(simulation.sampler, num_rounds)
+    store_after_round: dict[int, dict[int, list[np.ndarray]]] = {}
+    previous: dict[int, list[np.ndarray]] = {}
+
+    def after_round(rounds_done, _):
+        nonlocal previous
+        jax.effects_barrier()
+        round_index = rounds_done - 1
+        sampled = {int(c) for c in simulation.sampler.sample(round_index)}
+        returned = {int(c[0]): c[2] for c in calls[-simulation.cohort_clients:]}
+        assert set(returned) == sampled
+        rows = stored_rows(simulation.client_states)
+        assert set(rows) == set(previous) | sampled
+        for c, leaves in rows.items():
+            if c in sampled:
+                assert_trees_equal(leaves, jax.tree.leaves(returned[c]))
+            else:
+                assert_trees_equal(leaves, previous[c])
+        if round_index in (first, second - 1):
+            store_after_round[round_index] = {client: rows[client]}
+        previous = rows
+
+    result = experiment.run(simulation, progress=after_round)
+    assert len(calls) == num_rounds * simulation.cohort_clients
+    rounds = [calls[r * simulation.cohort_clients:(r + 1) * simulation.cohort_clients]
+              for r in range(num_rounds)]
+    template, left = next((c[1], c[2]) for c in rounds[first] if int(c[0]) == client)
+    received = next(c[1] for c in rounds[second] if int(c[0]) == client)
+    assert_trees_equal(received, left)
+    assert_trees_equal(jax.tree.leaves(received), store_after_round[first][client])
+    assert_trees_equal(store_after_round[second - 1][client], store_after_round[first][client])
+    assert differs(left, template)
+    return result

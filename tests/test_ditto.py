@@ -1,0 +1,136 @@
+"""Ditto's proximal personal update, its first participation, and its state through the engine."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flowjax.algorithms.base import plain_loss_sums
+from flowjax.algorithms.ditto import DittoConfig, ditto, proximal_pull
+from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
+from flowjax.core.losses import mean_from_sums
+from flowjax.models import get_model
+from tests.stateful_checks import (assert_trees_equal, check_state_round_trip, one_client,
+                                   tiny_mlp)
+
+CONFIG = dict(learning_rate=0.05, epochs=2, batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def cnn():
+    return get_model("emnist_cnn", num_classes=10)
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return tiny_mlp()
+
+
+def _visited(v):
+    return {"v": v, "visited": jnp.asarray(True)}
+
+
+def test_proximal_pull_is_exact_at_both_ends():
+    z, anchor = {"a": jnp.array([1.5, -2.0, 0.0])}, {"a": jnp.array([0.25, 3.0, -1.0])}
+    assert_trees_equal(proximal_pull(z, anchor, 0.0), z)
+    np.testing.assert_allclose(proximal_pull(z, anchor, 1e12)["a"], anchor["a"], rtol=0, atol=1e-11)
+    expected = (z["a"] + 3.0 * anchor["a"]) / 4.0
+    np.testing.assert_allclose(proximal_pull(z, anchor, 3.0)["a"], expected, rtol=1e-6)
+
+
+def test_one_minibatch_is_the_exact_proximal_step(mlp, images_small):
+    lr, lam = 0.05, 0.1
+    algorithm = ditto(mlp, DittoConfig(learning_rate=lr, epochs=1, batch_size=32, lam=lam))
+    w_t = mlp.init(jax.random.key(0))
+    v = mlp.init(jax.random.key(1))
+    client = one_client(images_small, 1, padded_examples=32, batch_size=32)  # one minibatch
+    result = algorithm.client_update(w_t, client, jax.random.key(2), _visited(v))
+
+    def loss(params):
+        sums = plain_loss_sums(mlp, params, client.flat(), jax.random.key(0))
+        return mean_from_sums(sums[0], sums[1])
+
+    expected_w = jax.tree.map(lambda p, g: p - lr * g, w_t, jax.grad(loss)(w_t))
+    expected_v = jax.tree.map(lambda p, g, a: (p - lr * g + lr * lam * a) / (1 + lr * lam),
+                              v, jax.grad(loss)(v), w_t)
+    for got, want in ((result.params, expected_w), (result.client_state["v"], expected_v)):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_huge_lam_keeps_the_personal_model_at_the_received_global_model(mlp, images_small):
+    # lr * lam = 5e10: a plain gradient step on the penalty would diverge (> 2).
+    algorithm = ditto(mlp, DittoConfig(**CONFIG, lam=1e12))
+    w_t = algorithm.init(jax.random.key(0))
+    client = one_client(images_small, 1, padded_examples=32)
+    update = jax.jit(algorithm.client_update)
+    fresh, far = algorithm.init_client_state(w_t), _visited(mlp.init(jax.random.key(7)))
+    results = [update(w_t, client, jax.random.key(1), state) for state in (fresh, far)]
+    # The global update is FedAvg's whatever the personal model does.
+    assert_trees_equal(results[1].params, results[0].params)
+    fedavg_update = jax.jit(fedavg(mlp, FedAvgConfig(**CONFIG)).client_update)
+    assert_trees_equal(results[0].params, fedavg_update(w_t, client, jax.random.key(1)).params)
+    personal = jax.jit(algorithm.personalize)(w_t, client, jax.random.key(2), fresh)
+    for v in (results[0].client_state["v"], results[1].client_state["v"], personal):
+        for a, b in zip(jax.tree.leaves(v), jax.tree.leaves(w_t)):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-9)
+    predictions = algorithm.predict(w_t, personal, client.x[0])
+    np.testing.assert_allclose(predictions.personal_hard, predictions.global_logits, atol=1e-6)
+
+
+def test_lam_zero_is_plain_local_training_of_v(cnn, images_small):
+    algorithm = ditto(cnn, DittoConfig(**CONFIG, lam=0.0))
+    fedavg_update = jax.jit(fedavg(cnn, FedAvgConfig(**CONFIG)).client_update)
+    update = jax.jit(algorithm.client_update)
+    w_t = algorithm.init(jax.random.key(0))
+    v = cnn.init(jax.random.key(7))
+    client = one_client(images_small, 2, padded_examples=32)
+    key = jax.random.key(1)
+    # First participation: v starts at w_t, so it is the FedAvg update itself.
+    first = update(w_t, client, key, algorithm.init_client_state(w_t))
+    assert_trees_equal(first.client_state["v"], first.params)
+    assert bool(first.client_state["visited"])
+    # Later: E epochs of plain SGD from the stored v.
+    later = update(w_t, client, key, _visited(v))
+    assert_trees_equal(later.client_state["v"], fedavg_update(v, client, key).params)
+
+
+def test_personal_model_at_evaluation(mlp, images_small):
+    algorithm = ditto(mlp, DittoConfig(**CONFIG, lam=0.1))
+    w_t = algorithm.init(jax.random.key(0))
+    client = one_client(images_small, 3, padded_examples=32)
+    personalize = jax.jit(algorithm.personalize)
+    key = jax.random.key(4)
+    # Never trained: v trained from w_t on the train split, as at a first participation.
+    fresh = algorithm.init_client_state(w_t)
+    expected = jax.jit(algorithm.client_update)(w_t, client, key, fresh).client_state["v"]
+    assert_trees_equal(personalize(w_t, client, key, fresh), expected)
+    # Trained before: the stored v, untouched.
+    stored = _visited(mlp.init(jax.random.key(7)))
+    assert_trees_equal(personalize(w_t, client, key, stored), stored["v"])
+
+
+def test_a_client_without_examples_stays_unvisited(mlp, images_small):
+    algorithm = ditto(mlp, DittoConfig(**CONFIG, lam=0.1))
+    w_t = algorithm.init(jax.random.key(0))
+    client = one_client(images_small, 1, padded_examples=8)
+    empty = client.replace(mask=jnp.zeros_like(client.mask), num_examples=jnp.int32(0))
+    result = jax.jit(algorithm.client_update)(w_t, empty, jax.random.key(1),
+                                              algorithm.init_client_state(w_t))
+    assert not bool(result.client_state["visited"]) and float(result.weight) == 0.0
+
+
+def test_bad_config_values_name_the_field():
+    with pytest.raises(ValueError, match="Ditto lam must be finite and >= 0, got -0.1"):
+        DittoConfig(**CONFIG, lam=-0.1)
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        DittoConfig(**{**CONFIG, "batch_size": 0}, lam=0.1)
+
+
+def test_run_trains_evaluates_and_returns_each_client_its_own_state():
+    result = check_state_round_trip("ditto")
+    train = [h for h in result.history if h["kind"] == "train"]
+    assert all(np.isfinite(h["loss"]) and np.isfinite(h["personal_loss"]) for h in train)
+    summary = result.summaries["train_clients"]
+    assert 0 < summary.acc_g < 1 and 0 < summary.acc_p < 1
+    assert set(result.summaries) == {"train_clients", "held_out_clients"}

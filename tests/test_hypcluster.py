@@ -1,0 +1,183 @@
+"""HypCluster: cluster choice, per-cluster aggregation, warm start, and k = 1 = FedAvg."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from flowjax import config as run_config
+from flowjax import experiment
+from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
+from flowjax.algorithms.hypcluster import HypClusterConfig, hypcluster, mean_train_loss
+from flowjax.core.cohort import assemble_cohort, client_at
+from flowjax.core.losses import masked_mean_loss
+from flowjax.experiment import RunSettings, Simulation
+from flowjax.models import get_model
+from flowjax.models.base import forward
+from flowjax.models.layers import Dense, chain_model
+from tests.test_experiment import small_config
+
+CONFIG = dict(learning_rate=0.05, epochs=1, batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def cnn():
+    return get_model("emnist_cnn", num_classes=10)
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    """A small dropout-free model: quick to compile for the unit tests."""
+    return chain_model(
+        name="mlp", layer_names=("fc1", "fc2"), modules=(Dense(16), Dense(10)),
+        embed_input=lambda x: x.reshape(x.shape[0], -1),
+        glue_apply=lambda j, h, train, key: jax.nn.relu(h) if j == 0 else h,
+        example_input=jax.ShapeDtypeStruct((1, 28, 28), jnp.float32),
+        label_weights=lambda y: jnp.ones(y.shape, jnp.float32), instance_ndim=1,
+        num_classes=10)
+
+
+def _client(task, index, padded_examples, batch_size=4):
+    cohort = assemble_cohort(task.train, "train", [index], num_clients=1,
+                             padded_examples=padded_examples, batch_size=batch_size)
+    return client_at(jax.tree.map(jnp.asarray, cohort), 0)
+
+
+def _leaves_equal(a, b):
+    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_one_cluster_is_fedavg_exactly_through_the_engine(cnn, images_small):
+    settings = RunSettings(seed=3, num_rounds=1, clients_per_round=3, batch_size=4,
+                           max_examples_per_client=8)
+    states, initial = {}, {}
+    one_cluster = hypcluster(cnn, HypClusterConfig(**CONFIG, clusters=1))
+    for name, algorithm in (("fedavg", fedavg(cnn, FedAvgConfig(**CONFIG))),
+                            ("hypcluster", one_cluster)):
+        simulation = Simulation(algorithm, images_small, settings, server_optimizer=optax.sgd(1.0))
+        state = simulation.init_state()
+        initial[name] = jax.tree.map(np.array, state.params)
+        state, _ = simulation.run_round(state, 0)
+        states[name] = state.params
+    assert set(states["hypcluster"]) == {"cluster0"}
+    assert _leaves_equal(states["hypcluster"]["cluster0"], states["fedavg"])
+    assert _leaves_equal(initial["hypcluster"]["cluster0"], initial["fedavg"])
+    assert not _leaves_equal(states["fedavg"], initial["fedavg"])  # the round trained
+    # ... and the evaluation's global and personal predictions are FedAvg's too.
+    client = _client(images_small, 0, padded_examples=32)
+    personal = one_cluster.personalize(states["hypcluster"], client, jax.random.key(0))
+    predictions = one_cluster.predict(states["hypcluster"], personal, client.x[0])
+    expected = forward(cnn, states["fedavg"], client.x[0])
+    np.testing.assert_array_equal(predictions.global_logits, expected)
+    np.testing.assert_array_equal(predictions.personal_hard, expected)
+
+
+def test_client_picks_and_trains_only_the_cluster_that_fits_it(mlp, images_small):
+    client = _client(images_small, 1, padded_examples=32)
+    random_init = mlp.init(jax.random.key(0))
+    fitted = jax.jit(fedavg(mlp, FedAvgConfig(learning_rate=0.05, epochs=5, batch_size=4))
+                     .client_update)(random_init, client, jax.random.key(1)).params
+    algorithm = hypcluster(mlp, HypClusterConfig(**CONFIG, clusters=2))
+    update = jax.jit(algorithm.client_update)
+    n = float(client.num_examples)
+    for fitted_cluster in (1, 0):
+        params = {f"cluster{fitted_cluster}": fitted, f"cluster{1 - fitted_cluster}": random_init}
+        other = f"cluster{1 - fitted_cluster}"
+        chosen = f"cluster{fitted_cluster}"
+        assert (mean_train_loss(mlp, params[chosen], client)
+                < mean_train_loss(mlp, params[other], client))
+        result = update(params, client, jax.random.key(2))
+        assert float(result.weight[chosen]) == n and float(result.weight[other]) == 0.0
+        assert _leaves_equal(result.params[other], params[other])  # untouched
+        assert not _leaves_equal(result.params[chosen], params[chosen])  # trained
+        assert float(result.metrics[f"clients_in_{chosen}_sum"]) == 1.0
+        assert float(result.metrics[f"clients_in_{other}_sum"]) == 0.0
+        assert _leaves_equal(algorithm.personalize(params, client, jax.random.key(3)),
+                             params[chosen])
+
+
+def test_selection_loss_is_the_masked_mean_and_ignores_padding(mlp, images_small):
+    params = mlp.init(jax.random.key(0))
+    n = int(images_small.train.num_examples("train")[2])
+    tight = _client(images_small, 2, padded_examples=-(-n // 4) * 4)
+    padded = _client(images_small, 2, padded_examples=-(-n // 4) * 4 + 16)
+    x, y, mask = tight.flat()
+    expected = masked_mean_loss(forward(mlp, params, x), y, mask.astype(jnp.float32))
+    np.testing.assert_allclose(mean_train_loss(mlp, params, tight), expected, rtol=1e-6)
+    np.testing.assert_allclose(mean_train_loss(mlp, params, padded),
+                               mean_train_loss(mlp, params, tight), rtol=1e-6)
+
+
+def test_clusters_nobody_chose_keep_their_params_through_the_engine(mlp, images_small):
+    # Cluster 1 starts far off (scaled weights), so every client picks cluster 0.
+    algorithm = hypcluster(mlp, HypClusterConfig(**CONFIG, clusters=2))
+    settings = RunSettings(seed=0, num_rounds=1, clients_per_round=3, batch_size=4,
+                           max_examples_per_client=16)
+    simulation = Simulation(algorithm, images_small, settings, server_optimizer=optax.sgd(1.0))
+    state = simulation.init_state()
+    far = jax.tree.map(lambda a: 30.0 * a, state.params["cluster1"])
+    state = state.replace(params={"cluster0": state.params["cluster0"], "cluster1": far})
+    far_copy = jax.tree.map(jnp.copy, far)
+    before = jax.tree.map(jnp.copy, state.params["cluster0"])
+    state, metrics = simulation.run_round(state, 0)
+    assert float(metrics["clients_in_cluster0_sum"]) == 3
+    assert float(metrics["clients_in_cluster0_count"]) == 3
+    assert _leaves_equal(state.params["cluster1"], far_copy)
+    assert not _leaves_equal(state.params["cluster0"], before)
+
+
+def test_warm_start_is_a_seeded_perturbation_of_every_cluster(mlp):
+    warm = mlp.init(jax.random.key(7))
+    algorithm = hypcluster(mlp, HypClusterConfig(**CONFIG, clusters=3, perturbation=0.01),
+                           warm_start=warm)
+    params = algorithm.init(jax.random.key(0))
+    assert set(params) == {"cluster0", "cluster1", "cluster2"}
+    noise = [np.concatenate([np.ravel(a - b) for a, b in
+                             zip(jax.tree.leaves(params[c]), jax.tree.leaves(warm))])
+             for c in params]
+    for draw in noise:
+        assert 0.009 < np.std(draw) < 0.011 and abs(np.mean(draw)) < 1e-3
+    assert not np.array_equal(noise[0], noise[1])
+    assert _leaves_equal(params, algorithm.init(jax.random.key(0)))  # seeded
+    exact = hypcluster(mlp, HypClusterConfig(**CONFIG, clusters=2, perturbation=0.0),
+                       warm_start=warm).init(jax.random.key(0))
+    assert _leaves_equal(exact["cluster0"], warm) and _leaves_equal(exact["cluster1"], warm)
+
+
+def test_random_init_gives_distinct_clusters_and_cluster0_is_the_plain_init(mlp):
+    params = hypcluster(mlp, HypClusterConfig(**CONFIG, clusters=2)).init(jax.random.key(0))
+    assert _leaves_equal(params["cluster0"], mlp.init(jax.random.key(0)))
+    assert not _leaves_equal(params["cluster0"], params["cluster1"])
+
+
+def test_bad_config_and_warm_start_raise_one_line_errors(cnn):
+    with pytest.raises(ValueError, match="clusters must be >= 1, got 0"):
+        HypClusterConfig(**CONFIG, clusters=0)
+    with pytest.raises(ValueError, match="perturbation must be >= 0, got -0.1"):
+        HypClusterConfig(**CONFIG, perturbation=-0.1)
+    other = get_model("emnist_cnn", num_classes=5).init(jax.random.key(0))
+    with pytest.raises(ValueError, match="warm_start does not match the params of emnist_cnn"):
+        hypcluster(cnn, HypClusterConfig(**CONFIG), warm_start=other)
+
+
+def test_warm_started_run_trains_and_evaluates():
+    config = small_config(algorithm="hypcluster", num_rounds=2)
+    config.model_options = ml_collections.ConfigDict({"hidden": 32})
+    config.methods.hypcluster.warmup_rounds = 1
+    simulation = run_config.build_simulation(config)
+    result = experiment.run(simulation)
+    train = [h for h in result.history if h["kind"] == "train"]
+    assert len(train) == 2 and all(np.isfinite(h["loss"]) for h in train)
+    for record in train:
+        assert record["clients_in_cluster0"] + record["clients_in_cluster1"] == pytest.approx(1.0)
+    summary = result.summaries["train_clients"]
+    assert 0 < summary.acc_g < 1 and 0 < summary.acc_p < 1
+    # The warm start moved the clusters off the random init: both start near one point.
+    params = simulation.algorithm.init(jax.random.key(0))
+    gap = max(float(jnp.max(jnp.abs(a - b))) for a, b in
+              zip(jax.tree.leaves(params["cluster0"]), jax.tree.leaves(params["cluster1"])))
+    assert gap < 0.2
+    plain = simulation.algorithm.model.init(jax.random.key(0))
+    assert not _leaves_equal(params["cluster0"], plain)

@@ -1,0 +1,187 @@
+"""kNN-Per: the datastore, the kNN distribution, the mixture, and FedAvg training."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from flowjax import config as run_config
+from flowjax import experiment
+from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
+from flowjax.algorithms.knn_per import (Datastore, KnnPerConfig, build_datastore,
+                                        embed_and_logits, knn_log_probs, knn_per,
+                                        mix_log_probs)
+from flowjax.core.cohort import assemble_cohort, client_at
+from flowjax.models import get_model
+from flowjax.models.base import forward
+from tests.test_experiment import small_config
+
+CONFIG = dict(learning_rate=0.05, epochs=1, batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def cnn():
+    return get_model("emnist_cnn", num_classes=10)
+
+
+@pytest.fixture(scope="module")
+def lstm():
+    return get_model("shakespeare_lstm", hidden=16)
+
+
+def _client(data, index, padded_examples, split="train", batch_size=4):
+    cohort = assemble_cohort(data, split, [index], num_clients=1,
+                             padded_examples=padded_examples, batch_size=batch_size)
+    return client_at(jax.tree.map(jnp.asarray, cohort), 0)
+
+
+def test_embedding_pass_returns_the_forward_logits(cnn, lstm, images_small, shakespeare_small):
+    for model, data in ((cnn, images_small), (lstm, shakespeare_small)):
+        params = model.init(jax.random.key(0))
+        x = _client(data.train, 0, padded_examples=4).x[0]
+        phi, logits = embed_and_logits(model, params, x)
+        np.testing.assert_array_equal(logits, forward(model, params, x))
+        assert phi.shape[:-1] == logits.shape[:-1]
+
+
+def test_training_is_fedavg(cnn, images_small):
+    algorithm = knn_per(cnn, KnnPerConfig(**CONFIG))
+    reference = fedavg(cnn, FedAvgConfig(**CONFIG))
+    params = algorithm.init(jax.random.key(0))
+    client = _client(images_small.train, 1, padded_examples=16)
+    a = algorithm.client_update(params, client, jax.random.key(1))
+    b = reference.client_update(params, client, jax.random.key(1))
+    for x, y in zip(jax.tree.leaves((a.params, a.weight)), jax.tree.leaves((b.params, b.weight))):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_datastore_holds_embeddings_and_true_labels_of_the_valid_examples(cnn, images_small):
+    params = cnn.init(jax.random.key(0))
+    client = _client(images_small.train, 2, padded_examples=40)
+    n = int(client.num_examples)
+    store = build_datastore(cnn, params, client, jax.random.key(0), max_size=4096)
+    assert store.keys.shape[0] == 40  # capacity shrinks to the client's padded size
+    assert int(store.valid.sum()) == n
+    x, y, _ = client.flat()
+    phi, _ = embed_and_logits(cnn, params, x)
+    np.testing.assert_allclose(store.keys[:n], phi[:n], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(store.labels[:n], y[:n])
+
+
+def test_capped_datastore_keeps_a_seeded_random_subset(cnn, images_small):
+    params = cnn.init(jax.random.key(0))
+    client = _client(images_small.train, 2, padded_examples=40)
+    n = int(client.num_examples)
+    cap = n // 2
+    x, y, _ = client.flat()
+    phi = np.asarray(embed_and_logits(cnn, params, x)[0][:n])
+
+    def kept_rows(key):
+        store = build_datastore(cnn, params, client, jax.random.key(key), max_size=cap)
+        assert store.keys.shape[0] == cap and bool(store.valid.all())
+        distance = np.linalg.norm(np.asarray(store.keys)[:, None] - phi[None], axis=-1)
+        rows = distance.argmin(axis=1)
+        assert distance.min(axis=1).max() < 1e-4
+        np.testing.assert_array_equal(store.labels, np.asarray(y)[rows])
+        return rows
+
+    first = kept_rows(0)
+    assert len(set(first.tolist())) == cap and np.all(np.diff(first) > 0)  # split order
+    assert not np.array_equal(first, kept_rows(1))
+
+
+def test_lstm_datastore_holds_every_non_pad_position(lstm, shakespeare_small):
+    params = lstm.init(jax.random.key(0))
+    client = _client(shakespeare_small.train, 0, padded_examples=8)
+    store = build_datastore(lstm, params, client, jax.random.key(0), max_size=4096)
+    _, y, mask = client.flat()
+    positions = np.asarray(y)[np.asarray(mask)]
+    non_pad = positions[positions != 0]
+    assert int(store.valid.sum()) == non_pad.size
+    np.testing.assert_array_equal(store.labels[: non_pad.size], non_pad)
+
+
+def test_knn_distribution_is_the_normalized_exp_minus_distance_vote():
+    keys = jnp.array([[0.0, 0.0], [1.0, 0.0], [0.0, 2.0], [3.0, 0.0], [9.0, 9.0]])
+    store = Datastore(keys=keys, labels=jnp.array([1, 2, 1, 0, 2]),
+                      valid=jnp.array([True, True, True, True, False]))
+    query = jnp.array([[0.0, 0.5]])
+    log_p, has = knn_log_probs(store, query, neighbours=3, num_classes=3)
+    d = np.linalg.norm(np.asarray(keys[:3]) - np.asarray(query), axis=-1)  # the 3 nearest
+    votes = np.exp(-d)
+    expected = np.array([0.0, votes[0] + votes[2], votes[1]]) / votes.sum()
+    np.testing.assert_allclose(np.exp(log_p[0]), expected, rtol=1e-5)
+    assert bool(has[0])
+    # The invalid entry (label 2, far away) never counts, even when k exceeds the valid count.
+    log_p, _ = knn_log_probs(store, jnp.array([[9.0, 9.0]]), neighbours=5, num_classes=3)
+    d = np.linalg.norm(np.asarray(keys[:4]) - np.array([9.0, 9.0]), axis=-1)
+    votes = np.exp(-(d - d.min()))
+    expected = np.array([votes[3], votes[0] + votes[2], votes[1]]) / votes.sum()
+    np.testing.assert_allclose(np.exp(log_p[0]), expected, rtol=1e-5)
+
+
+def test_lam_zero_is_the_global_model_exactly(cnn, images_small):
+    algorithm = knn_per(cnn, KnnPerConfig(**CONFIG, lam=0.0))
+    params = algorithm.init(jax.random.key(0))
+    store = algorithm.personalize(params, _client(images_small.train, 3, 32), jax.random.key(1))
+    x = _client(images_small.train, 3, 8, split="test").x[0]
+    predictions = jax.jit(algorithm.predict)(params, store, x)
+    np.testing.assert_array_equal(predictions.global_logits, forward(cnn, params, x))
+    np.testing.assert_array_equal(predictions.personal_hard,
+                                  jax.nn.log_softmax(predictions.global_logits))
+    np.testing.assert_array_equal(jnp.argmax(predictions.personal_hard, -1),
+                                  jnp.argmax(predictions.global_logits, -1))
+
+
+def test_lam_one_k_one_predicts_the_true_label_of_a_duplicated_train_example(cnn, images_small):
+    algorithm = knn_per(cnn, KnnPerConfig(**CONFIG, lam=1.0, neighbours=1))
+    params = algorithm.init(jax.random.key(0))
+    client = _client(images_small.train, 4, padded_examples=16)
+    # Labels no model would predict: a fixed permutation of the true ones.
+    relabelled = client.replace(y=(client.y * 7 + 3) % 10)
+    store = algorithm.personalize(params, relabelled, jax.random.key(1))
+    x = client.x[1]  # test examples duplicating train examples 4..7
+    predicted = jnp.argmax(algorithm.predict(params, store, x).personal_hard, axis=-1)
+    np.testing.assert_array_equal(predicted, relabelled.y[1])
+
+
+def test_client_without_train_data_falls_back_to_the_global_model(cnn, images_small):
+    algorithm = knn_per(cnn, KnnPerConfig(**CONFIG, lam=0.5))
+    params = algorithm.init(jax.random.key(0))
+    client = _client(images_small.train, 0, padded_examples=8)
+    empty = client.replace(mask=jnp.zeros_like(client.mask), num_examples=jnp.int32(0))
+    store = algorithm.personalize(params, empty, jax.random.key(1))
+    assert not bool(store.valid.any())
+    predictions = algorithm.predict(params, store, client.x[0])
+    np.testing.assert_array_equal(predictions.personal_hard,
+                                  jax.nn.log_softmax(predictions.global_logits))
+
+
+def test_bad_config_values_name_the_field():
+    with pytest.raises(ValueError, match="lam must be in \\[0, 1\\], got 1.5"):
+        KnnPerConfig(**CONFIG, lam=1.5)
+    with pytest.raises(ValueError, match="neighbours must be >= 1, got 0"):
+        KnnPerConfig(**CONFIG, neighbours=0)
+    with pytest.raises(ValueError, match="max_datastore must be >= neighbours \\(3\\), got 2"):
+        KnnPerConfig(**CONFIG, max_datastore=2)
+
+
+def test_knn_per_run_trains_and_evaluates():
+    config = small_config(algorithm="knn_per", num_rounds=2)
+    config.model_options = ml_collections.ConfigDict({"hidden": 32})
+    result = experiment.run(run_config.build_simulation(config))
+    train = [h for h in result.history if h["kind"] == "train"]
+    assert len(train) == 2 and all(np.isfinite(h["loss"]) for h in train)
+    summary = result.summaries["train_clients"]
+    assert 0 < summary.acc_g < 1 and 0 < summary.acc_p < 1
+    assert summary.acc_p != summary.acc_g  # the kNN term changes predictions
+
+
+def test_mixture_is_lam_knn_plus_rest_global_softmax():
+    log_knn = jnp.log(jnp.array([[0.0, 0.25, 0.75], [1.0, 0.0, 0.0]]))
+    logits = jnp.array([[2.0, -1.0, 0.5], [0.0, 3.0, -2.0]])
+    mixed = mix_log_probs(log_knn, logits, 0.45)
+    expected = 0.45 * np.exp(np.asarray(log_knn)) + 0.55 * np.asarray(jax.nn.softmax(logits))
+    np.testing.assert_allclose(np.exp(mixed), expected, rtol=1e-6)
+    np.testing.assert_array_equal(mix_log_probs(log_knn, logits, 1.0), log_knn)

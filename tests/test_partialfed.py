@@ -1,0 +1,150 @@
+"""PartialFed-Adaptive: the straight-through choice, partial loading, and client state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
+from flowjax.algorithms.partialfed import (PartialFedConfig, load_layers, partialfed,
+                                           sample_use_global, straight_through_choice)
+from flowjax.core.cohort import assemble_cohort, client_at
+from flowjax.models import get_model
+from tests.stateful_checks import assert_trees_equal, check_state_round_trip, differs
+
+CONFIG = dict(learning_rate=0.05, strategy_learning_rate=0.5, temperature=1.0, epochs=2,
+              batch_size=4)
+PIN = 1e4  # logits so far apart that the Gumbel noise never flips the choice
+
+
+@pytest.fixture(scope="module")
+def cnn():
+    return get_model("emnist_cnn", num_classes=10)
+
+
+@pytest.fixture(scope="module")
+def algorithm(cnn):
+    return partialfed(cnn, PartialFedConfig(**CONFIG))
+
+
+@pytest.fixture(scope="module")
+def update(algorithm):
+    """One jitted client update shared by the tests (same shapes: one compilation)."""
+    return jax.jit(algorithm.client_update)
+
+
+def _client(task, index, padded_examples, batch_size=4):
+    cohort = assemble_cohort(task.train, "train", [index], num_clients=1,
+                             padded_examples=padded_examples, batch_size=batch_size)
+    return client_at(jax.tree.map(jnp.asarray, cohort), 0)
+
+
+def _pinned(num_layers, use_global):
+    row = [PIN, -PIN] if use_global else [-PIN, PIN]
+    return jnp.tile(jnp.asarray(row, jnp.float32), (num_layers, 1))
+
+
+def test_straight_through_is_one_hot_forward_with_the_soft_gradient():
+    logits = jnp.asarray([[0.3, -0.2], [1.0, 1.5], [-0.4, 0.0], [2.0, -1.0]])
+    key, tau = jax.random.key(3), 0.7
+    weights = jnp.asarray([[1.0, -2.0], [0.5, 3.0], [-1.0, 1.0], [2.0, 0.25]])
+    gumbel = jax.random.gumbel(key, logits.shape)
+    noisy = logits + gumbel
+
+    choice = straight_through_choice(logits, key, tau)
+    np.testing.assert_array_equal(choice, jax.nn.one_hot(jnp.argmax(noisy, -1), 2))
+
+    def through(f):
+        return jax.grad(lambda a: jnp.sum(weights * f(a)))(logits)
+
+    st_grad = through(lambda a: straight_through_choice(a, key, tau))
+    soft_grad = through(lambda a: jax.nn.softmax((a + gumbel) / tau, axis=-1))
+    np.testing.assert_allclose(st_grad, soft_grad, rtol=1e-6, atol=1e-7)
+    assert np.all(np.abs(st_grad) > 1e-3)
+    # The pitfall: a plain argmax after the noise sends the strategy nothing.
+    hard_grad = through(lambda a: jax.nn.one_hot(jnp.argmax(a + gumbel, -1), 2))
+    np.testing.assert_array_equal(hard_grad, 0.0)
+
+
+def test_strategy_pinned_to_global_loads_the_received_model_and_trains_as_fedavg(
+        cnn, algorithm, update, images_small):
+    reference = fedavg(cnn, FedAvgConfig(learning_rate=0.05, epochs=2, batch_size=4))
+    received = algorithm.init(jax.random.key(0))
+    previous = cnn.init(jax.random.key(7))
+    pinned = _pinned(cnn.num_layers, use_global=True)
+
+    use_global = sample_use_global(pinned, jax.random.key(11))
+    assert bool(jnp.all(use_global))
+    assert_trees_equal(load_layers(cnn, received, previous, use_global), received)
+
+    client = _client(images_small, 1, padded_examples=32)
+    state = {"layers": previous, "logits": pinned}
+    result = update(received, client, jax.random.key(1), state)
+    expected = jax.jit(reference.client_update)(received, client, jax.random.key(1))
+    assert_trees_equal(result.params, expected.params)
+    np.testing.assert_array_equal(result.client_state["logits"], pinned)
+    assert_trees_equal(result.client_state["layers"], result.params)
+    assert float(result.metrics["global_layer_share_sum"]) == cnn.num_layers
+
+
+def test_strategy_pinned_to_previous_ignores_the_received_model(cnn, update, images_small):
+    previous = cnn.init(jax.random.key(7))
+    state = {"layers": previous, "logits": _pinned(cnn.num_layers, use_global=False)}
+    client = _client(images_small, 1, padded_examples=32)
+    a = update(cnn.init(jax.random.key(0)), client, jax.random.key(1), state)
+    b = update(cnn.init(jax.random.key(5)), client, jax.random.key(1), state)
+    assert_trees_equal(a.params, b.params)
+    assert differs(a.params, previous)  # it trained the previous layers
+    assert float(a.metrics["global_layer_share_sum"]) == 0.0
+
+
+def test_a_round_moves_the_strategy_and_stores_the_sent_model(cnn, algorithm, update, images_small):
+    params = algorithm.init(jax.random.key(0))
+    state = algorithm.init_client_state(params)
+    assert_trees_equal(state["layers"], params)
+    np.testing.assert_array_equal(state["logits"], np.zeros((cnn.num_layers, 2)))
+    # A previous model unlike the global one, so the two choices differ in loss.
+    state = {**state, "layers": cnn.init(jax.random.key(7))}
+    client = _client(images_small, 2, padded_examples=32)
+    result = update(params, client, jax.random.key(1), state)
+    assert np.all(np.abs(np.asarray(result.client_state["logits"])) > 0)
+    assert_trees_equal(result.client_state["layers"], result.params)
+    assert float(result.weight) == float(client.num_examples)
+    assert np.isfinite(float(result.metrics["loss_sum"]))
+
+
+def test_personal_model_is_the_argmax_mix_of_the_trained_copies(cnn, algorithm, update,
+                                                                images_small):
+    params = algorithm.init(jax.random.key(0))
+    state = {**algorithm.init_client_state(params), "layers": cnn.init(jax.random.key(7))}
+    client = _client(images_small, 2, padded_examples=32)
+    personal = jax.jit(algorithm.personalize)(params, client, jax.random.key(2), state)
+    trained = update(params, client, jax.random.key(2), state)
+    assert_trees_equal(personal["params"], trained.params)
+    expected_choice = jnp.argmax(trained.client_state["logits"], -1) == 0
+    np.testing.assert_array_equal(personal["use_global"], expected_choice.astype(jnp.float32))
+    x = client.x[0]
+    predictions = algorithm.predict(params, personal, x)
+    assert predictions.q0.shape == (x.shape[0], cnn.num_layers)
+    np.testing.assert_array_equal(predictions.personal_hard, predictions.personal_soft)
+
+
+def test_bad_config_values_name_the_field():
+    with pytest.raises(ValueError, match="temperature must be > 0, got 0.0"):
+        PartialFedConfig(**{**CONFIG, "temperature": 0.0})
+    with pytest.raises(ValueError, match="strategy_learning_rate must be > 0, got -1"):
+        PartialFedConfig(**{**CONFIG, "strategy_learning_rate": -1})
+    with pytest.raises(ValueError, match="epochs must be >= 1, got 0"):
+        PartialFedConfig(**{**CONFIG, "epochs": 0})
+    with pytest.raises(ValueError, match="momentum must be in \\[0, 1\\), got 1.0"):
+        PartialFedConfig(**CONFIG, momentum=1.0)
+
+
+def test_run_trains_evaluates_and_returns_each_client_its_layers_and_strategy():
+    result = check_state_round_trip("partialfed")
+    train = [h for h in result.history if h["kind"] == "train"]
+    assert all(np.isfinite(h["loss"]) for h in train)
+    assert all(0 <= h["global_layer_share"] <= 1 for h in train)
+    summary = result.summaries["train_clients"]
+    assert 0 < summary.acc_g < 1 and 0 < summary.acc_p < 1
+    assert set(result.summaries) == {"train_clients", "held_out_clients"}
