@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 from typing import Any, Callable, Sequence
 
 import flax.struct
@@ -24,7 +23,7 @@ from flowjax.core.cohort import ClientExamples, assemble_cohort, examples_per_cl
 from flowjax.core.mapping import ClientMapping, map_clients
 from flowjax.core.sampler import ClientSampler
 from flowjax.core.server_opt import apply_server_update
-from flowjax.core.tree import select_tree, weighted_mean
+from flowjax.core.tree import select_tree, tree_all_finite, weighted_mean
 from flowjax.data.federated import ArrayFederatedData, FederatedTask
 from flowjax.evaluation.metrics import ClientCounts, EvalSummary, evaluate_client, summarize
 
@@ -152,6 +151,13 @@ class Simulation:
             return self.algorithm.client_update(state.params, examples, key, client_state)
 
         results = map_clients(one_client, self.mapping)(cohort, client_states)
+        # A client whose update went non-finite is dropped from the mean (its params are
+        # zeroed, since 0 * nan is nan) and counted; the run loop decides to stop or go on.
+        finite = jax.vmap(tree_all_finite)(results.params)
+        results = results.replace(
+            params=jax.tree.map(lambda p: jnp.where(
+                finite.reshape((-1,) + (1,) * (p.ndim - 1)), p, jnp.zeros_like(p)), results.params),
+            weight=jax.tree.map(lambda w: jnp.where(finite, w, 0.0), results.weight))
         if isinstance(results.weight, dict):
             # One weighted mean per parameter group (e.g. per cluster); a group nobody
             # trained keeps its params (zero pseudo-gradient).
@@ -172,7 +178,13 @@ class Simulation:
                                 opt_state=select_tree(trained, opt_state, state.opt_state))
         metrics = _sum_metrics(results.metrics)
         metrics["weight"] = total_weight
-        return new_state, metrics, results.client_state
+        metrics["clients_skipped"] = jnp.sum(~finite)
+        new_client_states = results.client_state
+        if client_states is not None:  # a dropped client keeps the state it came with
+            new_client_states = jax.tree.map(
+                lambda new, old: jnp.where(finite.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
+                results.client_state, client_states)
+        return new_state, metrics, new_client_states
 
     def cohort(self, round_index: int) -> ClientExamples:
         """The padded, stacked training cohort of a round (host numpy arrays)."""
@@ -284,20 +296,75 @@ class RunResult:
         return out
 
 
+class DivergenceError(RuntimeError):
+    """Training produced a non-finite loss or parameter."""
+
+
+def _check_finite(record: dict[str, Any], last_good: int | None) -> None:
+    """Raises ``DivergenceError`` naming the round when a round went non-finite."""
+    loss = record.get("loss")
+    skipped = record.get("clients_skipped", 0) or 0
+    if skipped or (loss is not None and not np.isfinite(loss)):
+        where = (f"the last good checkpoint is round {last_good}" if last_good is not None
+                 else "no checkpoint was written")
+        raise DivergenceError(
+            f"round {record['round']}: training diverged ({int(skipped)} client(s) returned "
+            f"non-finite parameters, loss={loss}); stopping, {where}. Lower the learning "
+            f"rate, or set on_divergence='skip_clients' to drop such clients and go on")
+
+
 def run(simulation: Simulation, *, workdir: str | None = None,
         progress: Callable[[int, dict[str, float]], None] | None = None,
-        log: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
+        log: Callable[[dict[str, Any]], None] | None = None,
+        checkpoint_every: int = 0, run_fingerprint: dict[str, Any] | None = None,
+        on_divergence: str = "stop") -> RunResult:
     """Trains for ``settings.num_rounds`` rounds, evaluating on the cadence and at the end.
 
-    Training metrics are fetched from the device only every ``log_every`` rounds, so the
-    host prepares the next cohort while the device trains the current one.
+    Training metrics are fetched from the device only every ``log_every`` rounds (and
+    before each checkpoint), so the host prepares the next cohort while the device trains
+    the current one.
+
+    Args:
+      simulation: what to run.
+      workdir: where ``metrics.jsonl`` and ``checkpoints/`` go (None: nothing written).
+      checkpoint_every: save every N rounds and after the last one (0: never). With a
+        workdir holding checkpoints, the run resumes from the newest complete one and
+        replays exactly what the uninterrupted run would have done.
+      run_fingerprint: JSON metadata a resumed checkpoint must match (the config).
+      on_divergence: ``stop`` raises ``DivergenceError`` when a client returns
+        non-finite parameters or the loss is not finite; ``skip_clients`` drops such
+        clients from the round's mean (always the case) and goes on, reporting them.
     """
+    if on_divergence not in ("stop", "skip_clients"):
+        raise ValueError(f"on_divergence={on_divergence!r}: expected 'stop' or 'skip_clients'")
     settings = simulation.settings
     state = simulation.init_state()
     history: list[dict[str, Any]] = []
+    summaries: dict[str, EvalSummary] = {}
+    first_round = 0
+    checkpointer = None
+    if workdir and checkpoint_every:
+        from flowjax.checkpoint import Checkpointer  # orbax only when checkpointing
+        checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"))
+        latest = checkpointer.latest_round()
+        if latest is not None:
+            state, rows, meta = checkpointer.restore(latest, state, simulation.algorithm.stateful)
+            if run_fingerprint is not None and meta.get("fingerprint") != run_fingerprint:
+                raise ValueError(f"checkpoint {checkpointer.directory}/{latest} was written by "
+                                 f"a different config; use another --workdir or --overwrite")
+            if rows is not None:
+                simulation.client_states.load_state_dict(rows)
+            first_round, history = latest, list(meta["history"])
+            summaries = {name: EvalSummary(**s) for name, s in meta.get("summaries", {}).items()}
+    metrics_path = os.path.join(workdir, "metrics.jsonl") if workdir else None
+    if metrics_path:
+        # Exactly the records up to the resumed round: lines a killed run wrote after its
+        # last checkpoint are replayed, not duplicated.
+        from flowjax.reporting import write_text_atomic
+        write_text_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in history))
+    metrics_file = open(metrics_path, "a") if metrics_path else None
     pending: list[tuple[int, dict[str, jax.Array]]] = []
-    metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a") if workdir else None
-    start = time.perf_counter()
+    last_good = first_round if first_round else None
 
     def emit(record):
         history.append(record)
@@ -310,26 +377,38 @@ def run(simulation: Simulation, *, workdir: str | None = None,
     def flush():
         for round_index, device_metrics in jax.device_get(pending):
             record = {"round": round_index + 1, "kind": "train", **finalize_metrics(device_metrics)}
-            record["elapsed_s"] = time.perf_counter() - start
             emit(record)
+            if on_divergence == "stop":
+                _check_finite(record, last_good)
         pending.clear()
 
-    summaries: dict[str, EvalSummary] = {}
     try:
-        for round_index in range(settings.num_rounds):
+        for round_index in range(first_round, settings.num_rounds):
+            from flowjax.checkpoint import maybe_inject_fault
             state, metrics = simulation.run_round(state, round_index)
+            maybe_inject_fault("round", round_index + 1)  # the round is still in flight
             pending.append((round_index, metrics))
-            last = round_index + 1 == settings.num_rounds
-            if len(pending) >= settings.log_every or last:
+            done = round_index + 1
+            last = done == settings.num_rounds
+            save = checkpointer is not None and (last or done % checkpoint_every == 0)
+            if len(pending) >= settings.log_every or last or save:
                 flush()
             if progress:
-                progress(round_index + 1, history[-1] if history else {})
-            if last or (settings.eval_every and (round_index + 1) % settings.eval_every == 0):
-                summaries = simulation.evaluate(state.params, round_index + 1)
+                progress(done, history[-1] if history else {})
+            if last or (settings.eval_every and done % settings.eval_every == 0):
+                summaries = simulation.evaluate(state.params, done)
                 for name, summary in summaries.items():
-                    emit({"round": round_index + 1, "kind": "eval", "population": name,
-                          **summary.to_dict()})
+                    emit({"round": done, "kind": "eval", "population": name, **summary.to_dict()})
+            if save:
+                rows = (simulation.client_states.state_dict()
+                        if simulation.client_states is not None else None)
+                meta = {"rounds_done": done, "history": history, "fingerprint": run_fingerprint,
+                        "summaries": {n: s.to_dict() for n, s in summaries.items()}}
+                checkpointer.save(done, state, rows, json.loads(json.dumps(meta)))
+                last_good = done
     finally:
         if metrics_file:
             metrics_file.close()
+        if checkpointer is not None:
+            checkpointer.close()
     return RunResult(summaries=summaries, history=history, final_state=state)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from typing import Any
 
@@ -13,18 +14,61 @@ from flowjax import config as run_config
 from flowjax import experiment
 from flowjax.reporting import write_json_atomic
 
+RUN_FILES = ("config.json", "metrics.jsonl", "results.json", "run.json")
 
-def run_config_to_workdir(config, workdir: str, *, progress: bool = True) -> dict[str, Any]:
-    """Trains and evaluates ``config``; writes ``config.json``, ``metrics.jsonl`` and
-    ``results.json`` into ``workdir`` and returns the results dict.
+
+def _differing_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
+    fields = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            fields += _differing_fields(a, b, f"{prefix}{key}.")
+        elif a != b:
+            fields.append(f"{prefix}{key}")
+    return fields
+
+
+def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> None:
+    """Refuses a workdir that holds a run of another config, unless ``overwrite``.
+
+    With ``overwrite`` the previous run's files and checkpoints are removed; otherwise a
+    workdir with the same config is resumed (or left as it is when finished).
+    """
+    path = os.path.join(workdir, "config.json")
+    if os.path.exists(path) and not overwrite:
+        with open(path) as handle:
+            try:
+                previous = json.load(handle)
+            except json.JSONDecodeError:
+                raise ValueError(f"{path} is not valid JSON; use --overwrite to replace the run "
+                                 f"or another --workdir") from None
+        differing = _differing_fields(previous, resolved)
+        if differing:
+            raise ValueError(f"--workdir={workdir} holds a run with a different config "
+                             f"(differs in: {', '.join(differing[:6])}); use --overwrite to "
+                             f"replace it or another --workdir")
+    if overwrite:
+        for name in RUN_FILES:
+            if os.path.exists(os.path.join(workdir, name)):
+                os.remove(os.path.join(workdir, name))
+        shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
+    os.makedirs(workdir, exist_ok=True)
+    write_json_atomic(path, resolved)
+
+
+def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
+                          overwrite: bool = False) -> dict[str, Any]:
+    """Trains and evaluates ``config``; writes ``config.json``, ``metrics.jsonl``,
+    ``results.json`` (deterministic: same seed, same bytes) and ``run.json`` (wall time,
+    compilations) into ``workdir``, resuming from its newest checkpoint if any.
 
     Raises:
-      ValueError: a bad config value (one-line message), before anything is written.
+      ValueError: a bad config value or an incompatible workdir (one-line message),
+        before anything is written.
     """
     simulation = run_config.build_simulation(config)
-    os.makedirs(workdir, exist_ok=True)
-    write_json_atomic(os.path.join(workdir, "config.json"),
-                      json.loads(config.to_json_best_effort()))
+    resolved = json.loads(config.to_json_best_effort())
+    prepare_workdir(workdir, resolved, overwrite)
     task = simulation.task
     print(f"{config.algorithm} on {task.name}: {len(task.train.client_ids)} training clients, "
           f"{len(task.held_out.client_ids) if task.held_out else 0} held-out clients, "
@@ -39,11 +83,17 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True) -> dic
             bar.set_postfix(loss=f"{last['loss']:.4f}")
 
     start = time.perf_counter()
-    result = experiment.run(simulation, workdir=workdir, progress=show)
-    bar.close()
+    try:
+        result = experiment.run(simulation, workdir=workdir, progress=show,
+                                checkpoint_every=config.get("checkpoint_every", 0),
+                                run_fingerprint=resolved,
+                                on_divergence=config.get("on_divergence", "stop"))
+    finally:
+        bar.close()
     results = result.results_dict()
-    results.update(algorithm=config.algorithm, dataset=task.name,
-                   wall_time_s=time.perf_counter() - start,
-                   compilations=dict(simulation.trace_counts))
+    results.update(algorithm=config.algorithm, dataset=task.name)
     write_json_atomic(os.path.join(workdir, "results.json"), results)
+    write_json_atomic(os.path.join(workdir, "run.json"), {
+        "wall_time_s": time.perf_counter() - start,
+        "compilations": dict(simulation.trace_counts)})
     return results

@@ -13,13 +13,14 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from launch import xla_env  # noqa: E402
+from launch import cli, xla_env  # noqa: E402
 
 xla_env.apply()
 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from flowjax.experiment import DivergenceError  # noqa: E402
 from flowjax.reporting import results_table  # noqa: E402
 from flowjax.runner import run_config_to_workdir  # noqa: E402
 
@@ -27,6 +28,8 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Run config file, e.g. configs/shakespeare.py:quick.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config, metrics and results.")
 _DEBUG = flags.DEFINE_bool("debug", False, "Show full tracebacks on errors.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False,
+                               "Replace a run of a different config in --workdir.")
 
 
 def main(argv):
@@ -35,17 +38,17 @@ def main(argv):
     if config is None:
         raise app.UsageError("--config is required, e.g. --config=configs/shakespeare.py:quick")
     try:
-        results = run_config_to_workdir(config, _WORKDIR.value)
-    except (ValueError, KeyError, ImportError) as error:
+        results = run_config_to_workdir(config, _WORKDIR.value, overwrite=_OVERWRITE.value)
+    except (ValueError, KeyError, ImportError, DivergenceError) as error:
         if _DEBUG.value:
             raise
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(results_table({config.algorithm: results}))
-    print(f"wrote {_WORKDIR.value}/results.json ({results['wall_time_s']:.0f} s)")
+    print(f"wrote {_WORKDIR.value}/results.json")
     return 0
 
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["workdir"])
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

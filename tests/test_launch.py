@@ -24,7 +24,8 @@ def test_train_writes_results_and_prints_the_table(tmp_path):
     results = json.loads((workdir / "results.json").read_text())
     for field in ("acc_g", "acc_p", "acc_p_soft", "clients_benefiting", "breakdown", "num_eval_clients"):
         assert field in results
-    assert results["compilations"] == {"round": 1, "eval": 1}
+    run_info = json.loads((workdir / "run.json").read_text())
+    assert run_info["compilations"] == {"round": 1, "eval": 1}
     lines = (workdir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["kind"] for line in lines] == ["train", "train", "eval"]
     assert json.loads((workdir / "config.json").read_text())["num_rounds"] == 2
@@ -35,7 +36,7 @@ def test_train_rejects_a_bad_value_in_one_line(tmp_path):
     done = launch("train.py", "--config=configs/shakespeare.py:quick", f"--workdir={tmp_path}",
                   *TINY, "--config.algorithm=flwo")
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1].startswith("error: unknown algorithm 'flwo'")
+    assert done.stderr.strip().splitlines()[-1].startswith("error: config.algorithm='flwo': expected one of")
     assert "Traceback" not in done.stderr
 
 

@@ -1,0 +1,76 @@
+"""Crash safety: SIGKILL mid-round and mid-checkpoint, resume, identical results."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = ["--config=configs/shakespeare.py:quick", "--config.data.plays=('macbeth',)",
+       "--config.num_rounds=6", "--config.checkpoint_every=2", "--config.clients_per_round=3",
+       "--config.data.max_train_examples=4", "--config.data.max_test_examples=4",
+       "--config.eval.clients=4", "--config.eval.every=3", "--config.policy_hidden=(8,8,8,8)"]
+
+
+def train(workdir, *extra, fault=None):
+    env = dict(os.environ)
+    env.pop("FLOWJAX_FAULT_INJECTION", None)
+    if fault:
+        env["FLOWJAX_FAULT_INJECTION"] = fault
+    return subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), *RUN,
+                           f"--workdir={workdir}", *extra],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("clean")
+    done = train(workdir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return workdir
+
+
+@pytest.mark.parametrize("fault", ["round:3", "checkpoint:4", "round:6"])
+def test_killed_and_resumed_run_is_bit_identical(uninterrupted, tmp_path, fault):
+    killed = train(tmp_path, fault=fault)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert not (tmp_path / "results.json").exists()
+    resumed = train(tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for name in ("results.json", "metrics.jsonl"):
+        assert (tmp_path / name).read_bytes() == (uninterrupted / name).read_bytes(), name
+
+
+def test_same_seed_same_bytes_and_other_seed_differs(uninterrupted, tmp_path):
+    again = train(tmp_path / "again")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (tmp_path / "again" / "results.json").read_bytes() == (uninterrupted / "results.json").read_bytes()
+    other = train(tmp_path / "other", "--config.seed=1")
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert (tmp_path / "other" / "results.json").read_bytes() != (uninterrupted / "results.json").read_bytes()
+
+
+def test_a_different_config_is_refused_without_touching_the_run(uninterrupted, tmp_path):
+    workdir = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(uninterrupted), str(workdir)], check=True)
+    before = {p: (workdir / p).read_bytes() for p in ("results.json", "config.json", "metrics.jsonl")}
+    refused = train(workdir, "--config.learning_rate=0.5")
+    assert refused.returncode == 2
+    assert "holds a run with a different config (differs in: learning_rate)" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert {p: (workdir / p).read_bytes() for p in before} == before
+    replaced = train(workdir, "--config.learning_rate=0.5", "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr[-3000:]
+    assert json.loads((workdir / "config.json").read_text())["learning_rate"] == 0.5
+
+
+def test_divergence_stops_with_a_one_line_message_naming_the_round(tmp_path):
+    diverged = train(tmp_path, "--config.learning_rate=1e30")
+    assert diverged.returncode == 2
+    message = diverged.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: round ") and "training diverged" in message, message
+    assert "Traceback" not in diverged.stderr
+    assert not (tmp_path / "results.json").exists()
