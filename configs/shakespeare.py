@@ -69,6 +69,8 @@ def get_config(variant: str = "quick") -> ml_collections.ConfigDict:
         max_examples=config_dict.placeholder(int)))
     config.mapping = ml_collections.ConfigDict(dict(strategy="auto", chunk_size=1, num_devices=1))
     config.log_every = 10
+    config.checkpoint_every = 100  # rounds; 0 disables checkpoints (and resuming)
+    config.on_divergence = "stop"  # or "skip_clients"
 
     if variant == "quick":
         config.num_rounds = 100
@@ -79,6 +81,7 @@ def get_config(variant: str = "quick") -> ml_collections.ConfigDict:
         config.eval.every = 0
         config.eval.clients = 48
         config.log_every = 1
+        config.checkpoint_every = 25
     elif variant != "paper":
         raise ValueError(f"unknown shakespeare config variant {variant!r}; expected 'quick' or 'paper'")
     return config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -14,7 +15,8 @@ from flowjax.core.mapping import ClientMapping, default_mapping
 from flowjax.core.server_opt import server_optimizer
 from flowjax.data import FederatedTask, load_task
 from flowjax.experiment import RunSettings, Simulation
-from flowjax.models import get_model
+from flowjax.models import RoutableModel, get_model
+from flowjax.validation import validate_config, validate_task
 
 
 def _none_if_negative(value):
@@ -61,15 +63,43 @@ def build_settings(config) -> RunSettings:
         log_every=config.log_every)
 
 
+def fedavg_warm_start(config, task: FederatedTask, model: RoutableModel, example_x: jax.Array,
+                      rounds: int) -> Any:
+    """The server params after the first ``rounds`` rounds of FedAvg with this config
+    (same seed, client sampling, server optimizer and mapping); no evaluation."""
+    if rounds < 1:
+        raise ValueError(f"warm-start rounds must be >= 1, got {rounds}")
+    settings = dataclasses.replace(build_settings(config), num_rounds=rounds)
+    simulation = Simulation(build_algorithm("fedavg", model, config, example_x), task, settings,
+                            server_optimizer=build_server_optimizer(config),
+                            mapping=build_mapping(config))
+    state = simulation.init_state()
+    for round_index in range(rounds):
+        state, _ = simulation.run_round(state, round_index)
+    return state.params
+
+
 def build_algorithm_for(config, task: FederatedTask) -> FederatedAlgorithm:
+    """The configured algorithm. HypCluster with ``methods.hypcluster.warmup_rounds > 0``
+    first runs that many FedAvg rounds and warm-starts every cluster from the result
+    (these rounds come before, and in addition to, ``num_rounds``)."""
     model = get_model(config.model, **dict(config.get("model_options", {})))
-    first = task.train.client(0, "train")["x"][: config.batch_size]
-    return build_algorithm(config.algorithm, model, config, jax.numpy.asarray(first))
+    first = jax.numpy.asarray(task.train.client(0, "train")["x"][: config.batch_size])
+    options = {}
+    if config.algorithm == "hypcluster":
+        rounds = config.methods.hypcluster.warmup_rounds
+        if rounds < 0:
+            raise ValueError(f"methods.hypcluster.warmup_rounds must be >= 0, got {rounds}")
+        if rounds:
+            options["warm_start"] = fedavg_warm_start(config, task, model, first, rounds)
+    return build_algorithm(config.algorithm, model, config, first, **options)
 
 
 def build_simulation(config, task: FederatedTask | None = None) -> Simulation:
     """Everything a run needs, validated; raises ``ValueError`` with a one-line reason."""
+    validate_config(config)
     task = task or build_task(config)
+    validate_task(task, get_model(config.model, **dict(config.get("model_options", {}))))
     settings = build_settings(config)
     return Simulation(build_algorithm_for(config, task), task, settings,
                       server_optimizer=build_server_optimizer(config),

@@ -81,7 +81,7 @@ def test_flow_training_loss_falls_on_the_default_data():
 def test_bad_values_fail_with_one_line_errors():
     with pytest.raises(ValueError, match="clients_per_round must be in \\[1, "):
         run_config.build_simulation(small_config(clients_per_round=10_000))
-    with pytest.raises(ValueError, match="unknown algorithm 'flwo'"):
+    with pytest.raises(ValueError, match="config.algorithm='flwo': expected one of"):
         run_config.build_simulation(small_config(algorithm="flwo"))
-    with pytest.raises(ValueError, match="unknown model 'resnet'"):
+    with pytest.raises(ValueError, match="config.model='resnet': expected one of"):
         run_config.build_simulation(small_config(model="resnet"))

@@ -12,6 +12,7 @@ _MODELS: dict[str, Callable[..., RoutableModel]] = {
     "emnist_cnn": emnist_cnn,
     "shakespeare_lstm": shakespeare_lstm,
 }
+MODELS = tuple(sorted(_MODELS))
 
 
 def get_model(name: str, **kwargs: Any) -> RoutableModel:
@@ -21,4 +22,4 @@ def get_model(name: str, **kwargs: Any) -> RoutableModel:
     return _MODELS[name](**kwargs)
 
 
-__all__ = ["RoutableModel", "get_model", "emnist_cnn", "shakespeare_lstm"]
+__all__ = ["MODELS", "RoutableModel", "get_model", "emnist_cnn", "shakespeare_lstm"]

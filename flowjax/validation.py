@@ -1,0 +1,392 @@
+"""Up-front checks of a run config and of loaded data, each failing with one line.
+
+``validate_config`` runs before any data is loaded and ``validate_task`` before the
+algorithm is built, so a bad input costs no compilation and nothing gets written.
+Messages name the bad value and what is expected:
+``config.<field>=<value!r>: expected ...`` and ``data <population>/<split>/<feature>...``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import numpy as np
+
+from flowjax.algorithms import ALGORITHMS
+from flowjax.algorithms.flow import GLOBAL_STEPS, LOCAL_ROUTES, ORDERS
+from flowjax.algorithms.lg_fedavg import global_layer_names
+from flowjax.core.mapping import STRATEGIES
+from flowjax.core.server_opt import SERVER_OPTIMIZERS
+from flowjax.data import DATASETS
+from flowjax.data.federated import FederatedTask
+from flowjax.models import MODELS, get_model
+from flowjax.models.base import RoutableModel
+from flowjax.models.emnist_cnn import IMAGE_SHAPE
+from flowjax.models.shakespeare_lstm import SEQUENCE_LENGTH
+
+Check = Callable[[Any], "str | None"]  # value -> what is expected, or None when fine
+_MISSING = object()
+# experiment.run's choices; checked here too so a typo fails before the workdir is written.
+ON_DIVERGENCE = ("stop", "skip_clients")
+# Rows scanned per numpy call: bounds the temporary masks on very large populations.
+_BLOCK_ROWS = 1 << 16
+
+
+# ---------------------------------------------------------------- value checks
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _integer(minimum: int) -> Check:
+    return lambda v: None if _is_int(v) and v >= minimum else f"expected an integer >= {minimum}"
+
+
+def _optional_cap(value: Any) -> str | None:
+    if value is None or (_is_int(value) and value >= 1):
+        return None
+    return "expected None (no cap) or an integer >= 1"
+
+
+def _positive(value: Any) -> str | None:
+    return None if _is_number(value) and value > 0 else "expected a finite number > 0"
+
+
+def _non_negative(value: Any) -> str | None:
+    return None if _is_number(value) and value >= 0 else "expected a finite number >= 0"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Interval:
+    low: float
+    high: float
+    closed_low: bool = True
+    closed_high: bool = False
+    optional: bool = False
+
+    def __call__(self, value: Any) -> str | None:
+        if value is None and self.optional:
+            return None
+        if _is_number(value):
+            above = value >= self.low if self.closed_low else value > self.low
+            below = value <= self.high if self.closed_high else value < self.high
+            if above and below:
+                return None
+        text = (f"{'[' if self.closed_low else '('}{self.low:g}, {self.high:g}"
+                f"{']' if self.closed_high else ')'}")
+        return f"expected {'None or ' if self.optional else ''}a number in {text}"
+
+
+def _one_of(choices: Sequence[str]) -> Check:
+    return lambda v: None if v in choices else f"expected one of {list(choices)}"
+
+
+def _devices_visible(value: Any) -> str | None:
+    if value == 1 and _is_int(value):
+        return None  # there is always one device; asking jax would start its backend
+    count = jax.device_count()
+    if _is_int(value) and 1 <= value <= count:
+        return None
+    return f"expected an integer in [1, {count}] (devices visible)"
+
+
+def _widths(value: Any) -> str | None:
+    if isinstance(value, (tuple, list)) and value and all(_is_int(w) and w >= 1 for w in value):
+        return None
+    return "expected a non-empty sequence of integer widths >= 1"
+
+
+# Names first: an unknown algorithm or model makes every other message moot.
+_RULES: tuple[tuple[str, Check], ...] = (
+    ("algorithm", _one_of(ALGORITHMS)),
+    ("model", _one_of(MODELS)),
+    ("dataset", _one_of(DATASETS)),
+    ("server.optimizer", _one_of(SERVER_OPTIMIZERS)),
+    ("mapping.strategy", _one_of(("auto",) + STRATEGIES)),
+    ("order", _one_of(ORDERS)),
+    ("global_step", _one_of(GLOBAL_STEPS)),
+    ("local_route", _one_of(LOCAL_ROUTES)),
+    ("seed", _integer(0)),
+    ("num_rounds", _integer(1)),
+    ("clients_per_round", _integer(1)),
+    ("epochs", _integer(1)),
+    ("batch_size", _integer(1)),
+    ("log_every", _integer(1)),
+    ("checkpoint_every", _integer(0)),
+    ("on_divergence", _one_of(ON_DIVERGENCE)),
+    ("eval.chunk", _integer(1)),
+    ("eval.every", _integer(0)),
+    ("mapping.chunk_size", _integer(1)),
+    ("mapping.num_devices", _devices_visible),
+    ("learning_rate", _positive),
+    ("momentum", _Interval(0, 1)),
+    ("max_examples_per_client", _optional_cap),
+    ("eval.clients", _optional_cap),
+    ("eval.max_examples", _optional_cap),
+    ("data.train_fraction", _Interval(0, 1, closed_low=False)),
+    ("data.held_out_fraction", _Interval(0, 1)),
+    ("data.min_sequences", _integer(2)),
+    ("data.max_train_examples", _optional_cap),
+    ("data.max_test_examples", _optional_cap),
+    ("gamma", _non_negative),
+    ("split_ratio", _Interval(0, 1, closed_low=False)),
+    ("policy_hidden", _widths),
+    ("policy_dropout", _Interval(0, 1)),
+    ("fixed_q0", _Interval(0, 1, closed_high=True, optional=True)),
+    ("server.learning_rate", _positive),
+    ("server.momentum", _Interval(0, 1)),
+    ("server.b1", _Interval(0, 1)),
+    ("server.b2", _Interval(0, 1)),
+    ("server.eps", _positive),
+    ("methods.apfl.alpha", _Interval(0, 1, closed_high=True)),
+    ("methods.ditto.lam", _non_negative),
+    ("methods.fedrep.head_epochs", _integer(0)),
+    ("methods.fedrep.body_epochs", _integer(0)),
+    ("methods.hypcluster.clusters", _integer(1)),
+    ("methods.hypcluster.warmup_rounds", _integer(0)),
+    ("methods.hypcluster.perturbation", _non_negative),
+    ("methods.knn_per.neighbours", _integer(1)),
+    ("methods.knn_per.lam", _Interval(0, 1, closed_high=True)),
+    ("methods.knn_per.max_datastore", _integer(1)),
+    ("methods.local.epochs", _integer(1)),
+    ("methods.local.learning_rate", _positive),
+    ("methods.partialfed.temperature", _positive),
+    ("methods.partialfed.strategy_learning_rate", _positive),
+)
+
+
+# ---------------------------------------------------------------- config
+
+
+def _field(config: Any, path: str) -> Any:
+    node = config
+    for part in path.split("."):
+        if not hasattr(node, "keys") or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _fail(path: str, value: Any, expected: str) -> None:
+    raise ValueError(f"config.{path}={_plain(value)!r}: {expected}")
+
+
+def _plain(value: Any) -> Any:
+    """Sequences as tuples so messages read like the ``--config.x=(...)`` a user types."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _build_model(config: Any) -> RoutableModel:
+    options = dict(config.get("model_options", None) or {})
+    try:
+        return get_model(config.model, **options)
+    except TypeError as error:
+        _fail("model_options", options, f"expected keyword arguments of {config.model} ({error})")
+
+
+def _check_cross_fields(config: Any) -> None:
+    head = _field(config, "methods.fedrep.head_epochs")
+    body = _field(config, "methods.fedrep.body_epochs")
+    if _MISSING not in (head, body) and head + body < 1:
+        _fail("methods.fedrep", (head, body), "expected head_epochs + body_epochs >= 1")
+    store = _field(config, "methods.knn_per.max_datastore")
+    neighbours = _field(config, "methods.knn_per.neighbours")
+    if _MISSING not in (store, neighbours) and store < neighbours:
+        _fail("methods.knn_per.max_datastore", store,
+              f"expected an integer >= neighbours ({neighbours})")
+
+
+def _check_model_fields(config: Any, model: RoutableModel) -> None:
+    """Fields whose valid values depend on the model; only the configured method's
+    fields, since other methods' defaults need not fit every model."""
+    layers = list(model.layer_names)
+    if config.algorithm == "flow" and len(config.policy_hidden) != model.num_layers:
+        _fail("policy_hidden", config.policy_hidden,
+              f"expected {model.num_layers} widths, one per routed layer of {model.name} {layers}")
+    if config.algorithm == "lg_fedavg":
+        requested = config.methods.lg_fedavg.global_layers
+        try:
+            global_layer_names(model, None if requested is None else tuple(requested))
+        except ValueError:
+            _fail("methods.lg_fedavg.global_layers", requested,
+                  f"expected None (the head) or distinct top layers of {model.name} {layers}, "
+                  "leaving at least one layer local")
+
+
+def validate_config(config: Any) -> None:
+    """Checks every field of a run config before anything is loaded or compiled.
+
+    Args:
+      config: an ``ml_collections.ConfigDict`` like ``configs/shakespeare.py``'s; fields
+        it lacks are not checked.
+
+    Raises:
+      ValueError: ``config.<field>=<value!r>: <what is expected>`` for the first bad field.
+    """
+    for path, check in _RULES:
+        value = _field(config, path)
+        if value is not _MISSING:
+            expected = check(value)
+            if expected is not None:
+                _fail(path, value, expected)
+    _check_cross_fields(config)
+    _check_model_fields(config, _build_model(config))
+
+
+# ---------------------------------------------------------------- data
+
+
+@dataclasses.dataclass(frozen=True)
+class _InputRule:
+    """What a model takes per example, as the user-facing text and the test."""
+
+    x_kind: str  # "float" or "int"
+    x_shapes: tuple[tuple[int, ...], ...]  # empty: any shape
+    y_like_x: bool  # per-token labels (language models) instead of one label per example
+
+
+# The models reshape whatever reaches them, so a wrong shape would only fail deep inside
+# jit, or silently mean something else; the registered models' inputs are spelled out here.
+_INPUT_SHAPES: dict[str, tuple[tuple[int, ...], ...]] = {
+    "emnist_cnn": (IMAGE_SHAPE[:2], IMAGE_SHAPE),
+    "shakespeare_lstm": ((SEQUENCE_LENGTH,),),
+}
+
+
+def _input_rule(model: RoutableModel) -> _InputRule:
+    tokens = model.policy_input == "tokens"
+    return _InputRule("int" if tokens else "float", _INPUT_SHAPES.get(model.name, ()), tokens)
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    return f"[{', '.join(str(d) for d in shape)}]" if len(shape) else "scalar"
+
+
+def _kind_ok(dtype: np.dtype, kind: str) -> bool:
+    return np.issubdtype(dtype, np.floating if kind == "float" else np.integer)
+
+
+def _blocks(array: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    for start in range(0, len(array), _BLOCK_ROWS):
+        yield start, array[start:start + _BLOCK_ROWS]
+
+
+def _first_bad(array: np.ndarray, is_bad: Callable[[np.ndarray], np.ndarray]):
+    """``(row, value, count)`` of the first bad element and the number of bad elements,
+    or None; vectorized over row blocks, never per client."""
+    first, count = None, 0
+    for start, block in _blocks(array):
+        bad = is_bad(block)
+        n = int(np.count_nonzero(bad))
+        if n and first is None:
+            flat = int(np.flatnonzero(bad.reshape(-1))[0])
+            row = start + flat // max(1, int(np.prod(block.shape[1:])))
+            first = (row, block.reshape(-1)[flat])
+        count += n
+    return None if first is None else (*first, count)
+
+
+class _SplitChecker:
+    """Checks one split of one population against a model's input rule."""
+
+    def __init__(self, name: str, data: Any, split: str, model: RoutableModel, rule: _InputRule):
+        self.name, self.data, self.model, self.rule = f"{name}/{split}", data, model, rule
+        self.ragged = data.splits[split]
+
+    def fail(self, feature: str, text: str) -> None:
+        raise ValueError(f"data {self.name}/{feature}{text}")
+
+    def client_of(self, row: int) -> str:
+        index = int(np.searchsorted(self.ragged.offsets, row, side="right")) - 1
+        return str(self.data.client_ids[index])
+
+    def check(self) -> None:
+        for feature in ("x", "y"):
+            if feature not in self.ragged.features:
+                self.fail(feature, f": missing; expected features 'x' and 'y', got "
+                                   f"{sorted(self.ragged.features)}")
+        x, y = self.ragged.features["x"], self.ragged.features["y"]
+        self.check_x_spec(x)
+        self.check_y_spec(x, y)
+        self.check_values("x", x)
+        self.check_values("y", y)
+
+    def expected_x(self) -> str:
+        shapes = " or ".join(_shape_text(s) for s in self.rule.x_shapes) or "any shape"
+        return f"expected {self.rule.x_kind} {shapes} per example for {self.model.name}"
+
+    def check_x_spec(self, x: np.ndarray) -> None:
+        shape_ok = not self.rule.x_shapes or tuple(x.shape[1:]) in self.rule.x_shapes
+        if not (shape_ok and _kind_ok(x.dtype, self.rule.x_kind)):
+            self.fail("x", f" is {x.dtype} {_shape_text(x.shape[1:])} per example: "
+                           f"{self.expected_x()}")
+
+    def check_y_spec(self, x: np.ndarray, y: np.ndarray) -> None:
+        shape = tuple(x.shape[1:]) if self.rule.y_like_x else ()
+        if tuple(y.shape[1:]) != shape or not _kind_ok(y.dtype, "int"):
+            what = "one label per token" if self.rule.y_like_x else "one label per example"
+            self.fail("y", f" is {y.dtype} {_shape_text(y.shape[1:])} per example: expected int "
+                           f"{_shape_text(shape)} ({what})")
+
+    def check_values(self, feature: str, array: np.ndarray) -> None:
+        if np.issubdtype(array.dtype, np.floating):
+            is_bad, expected = (lambda b: ~np.isfinite(b)), "expected finite values"
+        else:
+            high = self.model.num_classes if feature == "y" else self.model.vocab_size
+            what = "labels" if feature == "y" else "token ids"
+            is_bad = lambda b, high=high: (b < 0) | (b >= high)  # noqa: E731
+            expected = f"expected {what} in [0, {high}) for {self.model.name}"
+        bad = _first_bad(array, is_bad)
+        if bad is not None:
+            row, value, count = bad
+            self.fail(feature, f"={value.item()!r} at client {self.client_of(row)!r} "
+                               f"({count} bad value{'s' if count > 1 else ''}): {expected}")
+
+
+def _check_population(name: str, data: Any, model: RoutableModel, rule: _InputRule) -> None:
+    if len(data.client_ids) == 0:
+        raise ValueError(f"data {name}: 0 clients: expected at least one client "
+                         f"(a task without held-out clients has held_out=None)")
+    splits = getattr(data, "splits", None)
+    if splits is None:  # a streaming store: its arrays are not all in memory to scan
+        return
+    for split in ("train", "test"):
+        if split not in splits:
+            raise ValueError(f"data {name}: missing split {split!r}; expected 'train' and "
+                             f"'test', got {sorted(splits)}")
+        _SplitChecker(name, data, split, model, rule).check()
+    total = sum(int(splits[split].offsets[-1]) for split in ("train", "test"))
+    if total == 0:
+        raise ValueError(f"data {name}: every one of its {len(data.client_ids)} clients has 0 "
+                         f"examples: expected at least one example")
+
+
+def validate_task(task: FederatedTask, model: RoutableModel) -> None:
+    """Checks loaded data against the model before anything is built or compiled.
+
+    Labels must lie in ``[0, num_classes)``, float features must be finite, token ids
+    must lie in ``[0, vocab_size)``, feature shapes and dtypes must be what the model
+    takes, every population must have clients, and some training client must have
+    training examples (individual empty clients are fine: they weigh 0).
+
+    Raises:
+      ValueError: one line naming the population, split, feature, value and client.
+    """
+    rule = _input_rule(model)
+    populations = {"train": task.train, "held_out": task.held_out}
+    for name, data in populations.items():
+        if data is not None:
+            _check_population(name, data, model, rule)
+    if int(np.sum(task.train.num_examples("train"))) == 0:
+        raise ValueError(f"data train/train: all {len(task.train.client_ids)} training clients "
+                         f"have 0 training examples: expected at least one")

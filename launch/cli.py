@@ -1,0 +1,107 @@
+"""Command-line parsing for the launchers: a bad command line fails with one line, exit 2.
+
+ml_collections resolves ``--config.<field>`` overrides while absl parses flags, before
+``main`` runs, and reports an unknown field, a missing config file or a bad variant as a
+traceback. ``parse_flags`` loads the config file itself first, checks every override
+against it, and turns any flag error into ``error: <one line>`` (``--debug`` keeps the
+traceback).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from typing import Any, Sequence
+
+from absl import flags
+
+_DEBUG_SPELLINGS = ("--debug", "--debug=true", "--debug=True", "--debug=1")
+
+
+def _flag_args(argv: Sequence[str]) -> list[str]:
+    """The arguments absl reads as flags (everything before a bare ``--``)."""
+    args = list(argv[1:])
+    return args[: args.index("--")] if "--" in args else args
+
+
+def _config_spec(args: Sequence[str]) -> str | None:
+    for i, arg in enumerate(args):
+        if arg.startswith("-") and arg.lstrip("-").startswith("config="):
+            return arg.split("=", 1)[1]
+        if arg in ("--config", "-config") and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
+def _override_names(args: Sequence[str]) -> list[tuple[str, str]]:
+    """``(field path, argument)`` of every ``--config.<path>`` and ``--noconfig.<path>``."""
+    names = []
+    for arg in args:
+        bare = arg.lstrip("-")
+        for prefix in ("config.", "noconfig."):
+            if arg.startswith("-") and bare.startswith(prefix):
+                names.append((bare[len(prefix):].split("=", 1)[0], arg))
+    return names
+
+
+def _load_config(spec: str) -> Any:
+    path, *variant = spec.split(":", 1)
+    module_spec = importlib.util.spec_from_file_location("_launch_config_check", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(*variant)
+
+
+def _unknown_field(config: Any, name: str, arg: str) -> str | None:
+    node, seen = config, []
+    for part in name.split("."):
+        where = "config" + "".join(f".{p}" for p in seen)
+        if not hasattr(node, "keys"):
+            return (f"unknown config field {name!r} ({arg}): {where} is a value, not a group "
+                    "of fields")
+        if part not in node:
+            return (f"unknown config field {name!r} ({arg}); expected one of {where}'s fields "
+                    f"{sorted(node.keys())}")
+        node, seen = node[part], seen + [part]
+    return None
+
+
+def config_args_error(argv: Sequence[str]) -> str | None:
+    """One line saying what is wrong with ``--config`` and its overrides, or None."""
+    args = _flag_args(argv)
+    spec = _config_spec(args)
+    if spec is None:
+        return None  # the launcher's main reports a missing --config
+    path = spec.split(":", 1)[0]
+    if not os.path.isfile(path):
+        return (f"config file {path!r} (--config={spec}) not found; expected a Python file "
+                f"defining get_config(), e.g. --config=configs/shakespeare.py:quick")
+    try:
+        config = _load_config(spec)
+    except Exception as error:  # noqa: BLE001 - a config file may raise anything; report it
+        text = " ".join(str(error).split()) or type(error).__name__
+        return f"--config={spec}: {text}"
+    for name, arg in _override_names(args):
+        message = _unknown_field(config, name, arg)
+        if message is not None:
+            return message
+    return None
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """An ``absl.app.run`` ``flags_parser``: the parsed arguments, or exit 2 with one line.
+
+    Example:
+      >>> app.run(main, flags_parser=cli.parse_flags)
+    """
+    if any(arg in _DEBUG_SPELLINGS for arg in _flag_args(argv)):
+        return flags.FLAGS(argv)
+    message = config_args_error(argv)
+    if message is None:
+        try:
+            return flags.FLAGS(argv)
+        except flags.Error as error:
+            message = " ".join(str(error).split())
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)

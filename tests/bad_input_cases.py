@@ -1,0 +1,346 @@
+"""Bad inputs and the one-line errors they give, as data.
+
+``tests/test_validation.py`` runs every case; this file run as a script prints
+``docs/bad-inputs.md`` with the messages captured from running them:
+
+  python tests/bad_input_cases.py > docs/bad-inputs.md
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from configs import shakespeare  # noqa: E402
+from flowjax import config as run_config  # noqa: E402
+from flowjax.data.federated import ArrayFederatedData, FederatedTask, RaggedSplit  # noqa: E402
+
+GENERATE = "python tests/bad_input_cases.py > docs/bad-inputs.md"
+Edit = Callable[[dict[str, np.ndarray]], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A bad config value or data defect, given to ``flowjax.config.build_simulation``.
+
+    Attributes:
+      input: what the user gave, as the doc shows it.
+      expected: the start of the one-line ``ValueError`` message.
+      overrides: config fields (dotted paths) set on top of ``base_config()``.
+      task: builds the (defective) data; None loads the configured dataset.
+    """
+
+    input: str
+    expected: str
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    task: Callable[[], FederatedTask] | None = None
+
+    @property
+    def where(self) -> str:
+        return "data (`validate_task`)" if self.task else "config (`validate_config`)"
+
+
+@dataclasses.dataclass(frozen=True)
+class CommandCase:
+    """A bad command line of ``launch/train.py``; it must exit 2 with one ``error:`` line."""
+
+    input: str
+    args: tuple[str, ...]
+    expected: str
+    where: str = "command line (`launch/cli.py`)"
+
+
+def base_config(overrides: Mapping[str, Any] = ()) -> Any:
+    """The quick Shakespeare config on two plays, with ``overrides`` applied."""
+    config = shakespeare.get_config("quick")
+    config.data.plays = ("hamlet", "macbeth")
+    config.data.max_train_examples = 8
+    config.data.max_test_examples = 4
+    config.num_rounds = 2
+    config.clients_per_round = 3
+    config.policy_hidden = (8, 8, 8, 8)
+    for name, value in dict(overrides).items():
+        *parents, leaf = name.split(".")
+        target = config
+        for parent in parents:
+            target = target[parent]
+        target[leaf] = value
+    return config
+
+
+# ---------------------------------------------------------------- defective data
+
+
+def _ragged(x: np.ndarray, y: np.ndarray, sizes: Sequence[int]) -> RaggedSplit:
+    offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
+    return RaggedSplit({"x": x, "y": y}, offsets)
+
+
+def _population(make: Callable[[int], tuple[np.ndarray, np.ndarray]], sizes: Sequence[int],
+                test_sizes: Sequence[int], edit: Edit | None) -> ArrayFederatedData:
+    train = _ragged(*make(sum(sizes)), sizes)
+    if edit is not None:
+        edit(train.features)  # type: ignore[arg-type]  # a dict, edited in place on purpose
+    test = _ragged(*make(sum(test_sizes)), test_sizes)
+    ids = tuple(f"c{i}" for i in range(len(sizes)))
+    return ArrayFederatedData(ids, {"train": train, "test": test})
+
+
+def images(edit: Edit | None = None, *, shape=(28, 28), x_dtype=np.float32, y_dtype=np.int32,
+           sizes=(4, 3, 5), test_sizes=(2, 2, 2), held_out_clients: int | None = None
+           ) -> FederatedTask:
+    """Three EMNIST-shaped clients (62 classes), then ``edit`` on the train features."""
+    rng = np.random.default_rng(0)
+
+    def make(n):
+        return (rng.normal(size=(n,) + tuple(shape)).astype(x_dtype),
+                rng.integers(0, 62, n).astype(y_dtype))
+
+    held_out = None
+    if held_out_clients is not None:
+        held_out = _population(make, (0,) * held_out_clients, (0,) * held_out_clients, None)
+    return FederatedTask(_population(make, sizes, test_sizes, edit), held_out, "bad_images")
+
+
+def tokens(edit: Edit | None = None, *, length: int = 80, x_dtype=np.int32,
+           y_shape: tuple[int, ...] | None = None) -> FederatedTask:
+    """Three Shakespeare-shaped clients (token ids in [1, 90)), then ``edit``."""
+    rng = np.random.default_rng(0)
+
+    def make(n):
+        x = rng.integers(1, 90, (n, length)).astype(x_dtype)
+        y = rng.integers(1, 90, (n,) + (y_shape if y_shape is not None else (length,)))
+        return x, y.astype(np.int32)
+
+    return FederatedTask(_population(make, (4, 3, 5), (2, 2, 2), edit), None, "bad_tokens")
+
+
+def put(feature: str, index: tuple, value: Any) -> Edit:
+    """An edit writing ``value`` at ``index`` of the concatenated train ``feature``."""
+    def edit(features):
+        features[feature][index] = value
+    return edit
+
+
+def drop(feature: str) -> Edit:
+    return lambda features: features.pop(feature)
+
+
+# ---------------------------------------------------------------- the cases
+
+
+def _config(field: str, value: Any, expected: str, **extra: Any) -> Case:
+    shown = " ".join(f"{k}={v!r}" for k, v in {field: value, **extra}.items())
+    return Case(f"`{shown}`", expected, {field: value, **extra})
+
+
+CNN = {"model": "emnist_cnn"}
+
+CASES: tuple[Case, ...] = (
+    _config("learning_rate", -0.1, "config.learning_rate=-0.1: expected a finite number > 0"),
+    _config("learning_rate", 0.0, "config.learning_rate=0.0: expected a finite number > 0"),
+    _config("learning_rate", math.nan, "config.learning_rate=nan: expected a finite number > 0"),
+    _config("server.learning_rate", 0.0,
+            "config.server.learning_rate=0.0: expected a finite number > 0"),
+    _config("server.eps", -1e-3, "config.server.eps=-0.001: expected a finite number > 0"),
+    _config("num_rounds", 0, "config.num_rounds=0: expected an integer >= 1"),
+    _config("clients_per_round", -1, "config.clients_per_round=-1: expected an integer >= 1"),
+    _config("epochs", 0, "config.epochs=0: expected an integer >= 1"),
+    _config("batch_size", 0, "config.batch_size=0: expected an integer >= 1"),
+    _config("eval.chunk", 0, "config.eval.chunk=0: expected an integer >= 1"),
+    _config("eval.every", -1, "config.eval.every=-1: expected an integer >= 0"),
+    _config("log_every", 0, "config.log_every=0: expected an integer >= 1"),
+    _config("checkpoint_every", -5, "config.checkpoint_every=-5: expected an integer >= 0"),
+    _config("seed", -1, "config.seed=-1: expected an integer >= 0"),
+    _config("mapping.chunk_size", 0, "config.mapping.chunk_size=0: expected an integer >= 1"),
+    _config("policy_hidden", (8, 0, 8, 8), "config.policy_hidden=(8, 0, 8, 8): expected a "
+            "non-empty sequence of integer widths >= 1"),
+    _config("policy_hidden", (8, 8), "config.policy_hidden=(8, 8): expected 4 widths, one per "
+            "routed layer of shakespeare_lstm ['embedding', 'lstm1', 'lstm2', 'dense']"),
+    _config("gamma", -1e-3, "config.gamma=-0.001: expected a finite number >= 0"),
+    _config("momentum", 1.0, "config.momentum=1.0: expected a number in [0, 1)"),
+    _config("server.momentum", -0.5, "config.server.momentum=-0.5: expected a number in [0, 1)"),
+    _config("server.b2", 1.0, "config.server.b2=1.0: expected a number in [0, 1)"),
+    _config("split_ratio", 1.0, "config.split_ratio=1.0: expected a number in (0, 1)"),
+    _config("policy_dropout", 1.0, "config.policy_dropout=1.0: expected a number in [0, 1)"),
+    _config("fixed_q0", 1.5, "config.fixed_q0=1.5: expected None or a number in [0, 1]"),
+    _config("algorithm", "flwo", "config.algorithm='flwo': expected one of ['apfl', "),
+    _config("model", "resnet", "config.model='resnet': expected one of ['emnist_cnn', "
+            "'shakespeare_lstm']"),
+    _config("model_options", {"hiden": 32}, "config.model_options={'hiden': 32}: expected "
+            "keyword arguments of shakespeare_lstm"),
+    _config("dataset", "emnist", "config.dataset='emnist': expected one of ["),
+    _config("server.optimizer", "adamw", "config.server.optimizer='adamw': expected one of "
+            "['sgd', 'adam', 'yogi', 'adagrad']"),
+    _config("mapping.strategy", "pmap", "config.mapping.strategy='pmap': expected one of "
+            "['auto', 'loop', 'vmap', 'chunked']"),
+    _config("order", "random", "config.order='random': expected one of ['alternating', "
+            "'policy_first', 'global_first']"),
+    _config("global_step", "local_only", "config.global_step='local_only': expected one of "
+            "['routed', 'global_only']"),
+    _config("local_route", "both", "config.local_route='both': expected one of "
+            "['local', 'global']"),
+    _config("on_divergence", "ignore", "config.on_divergence='ignore': expected one of "
+            "['stop', 'skip_clients']"),
+    _config("data.train_fraction", 1.0, "config.data.train_fraction=1.0: expected a number "
+            "in (0, 1)"),
+    _config("data.held_out_fraction", -0.1, "config.data.held_out_fraction=-0.1: expected a "
+            "number in [0, 1)"),
+    _config("data.min_sequences", 1, "config.data.min_sequences=1: expected an integer >= 2"),
+    _config("data.max_train_examples", 0, "config.data.max_train_examples=0: expected None "
+            "(no cap) or an integer >= 1"),
+    _config("max_examples_per_client", -1, "config.max_examples_per_client=-1: expected None "
+            "(no cap) or an integer >= 1"),
+    _config("eval.clients", 0, "config.eval.clients=0: expected None (no cap) or an integer >= 1"),
+    _config("mapping.num_devices", 64, "config.mapping.num_devices=64: expected an integer "
+            "in [1, "),
+    _config("methods.apfl.alpha", 1.5, "config.methods.apfl.alpha=1.5: expected a number "
+            "in [0, 1]"),
+    _config("methods.ditto.lam", -0.1, "config.methods.ditto.lam=-0.1: expected a finite "
+            "number >= 0"),
+    _config("methods.knn_per.neighbours", 0, "config.methods.knn_per.neighbours=0: expected an "
+            "integer >= 1"),
+    _config("methods.knn_per.lam", 2.0, "config.methods.knn_per.lam=2.0: expected a number "
+            "in [0, 1]"),
+    _config("methods.knn_per.max_datastore", 2, "config.methods.knn_per.max_datastore=2: "
+            "expected an integer >= neighbours (3)"),
+    _config("methods.hypcluster.clusters", 0, "config.methods.hypcluster.clusters=0: expected "
+            "an integer >= 1"),
+    _config("methods.hypcluster.warmup_rounds", -1, "config.methods.hypcluster.warmup_rounds=-1: "
+            "expected an integer >= 0"),
+    _config("methods.fedrep.head_epochs", 0, "config.methods.fedrep=(0, 0): expected "
+            "head_epochs + body_epochs >= 1", **{"methods.fedrep.body_epochs": 0}),
+    _config("methods.local.epochs", 0, "config.methods.local.epochs=0: expected an "
+            "integer >= 1"),
+    _config("methods.local.learning_rate", 0.0, "config.methods.local.learning_rate=0.0: "
+            "expected a finite number > 0"),
+    _config("methods.partialfed.temperature", 0.0, "config.methods.partialfed.temperature=0.0: "
+            "expected a finite number > 0"),
+    _config("methods.lg_fedavg.global_layers", ("conv9",),
+            "config.methods.lg_fedavg.global_layers=('conv9',): expected None (the head) or "
+            "distinct top layers of shakespeare_lstm", algorithm="lg_fedavg"),
+    Case("a NaN pixel in client c1's train images", "data train/train/x=nan at client 'c1' "
+         "(1 bad value): expected finite values", CNN, lambda: images(put("x", (5, 3, 3), np.nan))),
+    Case("an inf pixel in client c2's train images", "data train/train/x=inf at client 'c2' "
+         "(1 bad value): expected finite values", CNN, lambda: images(put("x", (9, 0, 0), np.inf))),
+    Case("label 62 for the 62-class CNN", "data train/train/y=62 at client 'c0' (1 bad value): "
+         "expected labels in [0, 62) for emnist_cnn", CNN, lambda: images(put("y", 1, 62))),
+    Case("label -1", "data train/train/y=-1 at client 'c2' (1 bad value): expected labels in "
+         "[0, 62) for emnist_cnn", CNN, lambda: images(put("y", 11, -1))),
+    Case("images of shape [28, 27]", "data train/train/x is float32 [28, 27] per example: "
+         "expected float [28, 28] or [28, 28, 1] per example for emnist_cnn", CNN,
+         lambda: images(shape=(28, 27))),
+    Case("uint8 images", "data train/train/x is uint8 [28, 28] per example: expected float "
+         "[28, 28] or [28, 28, 1] per example for emnist_cnn", CNN,
+         lambda: images(x_dtype=np.uint8)),
+    Case("float labels", "data train/train/y is float32 scalar per example: expected int "
+         "scalar (one label per example)", CNN, lambda: images(y_dtype=np.float32)),
+    Case("no 'y' feature", "data train/train/y: missing; expected features 'x' and 'y', got "
+         "['x']", CNN, lambda: images(drop("y"))),
+    Case("token id 90 for the 90-token LSTM", "data train/train/x=90 at client 'c1' (1 bad "
+         "value): expected token ids in [0, 90) for shakespeare_lstm", {},
+         lambda: tokens(put("x", (4, 7), 90))),
+    Case("label 95 in a Shakespeare sequence", "data train/train/y=95 at client 'c2' (1 bad "
+         "value): expected labels in [0, 90) for shakespeare_lstm", {},
+         lambda: tokens(put("y", (8, 0), 95))),
+    Case("float token ids", "data train/train/x is float32 [80] per example: expected int [80] "
+         "per example for shakespeare_lstm", {}, lambda: tokens(x_dtype=np.float32)),
+    Case("sequences of length 40", "data train/train/x is int32 [40] per example: expected int "
+         "[80] per example for shakespeare_lstm", {}, lambda: tokens(length=40)),
+    Case("one label per sequence for the LSTM", "data train/train/y is int32 scalar per example: "
+         "expected int [80] (one label per token)", {}, lambda: tokens(y_shape=())),
+    Case("a training population with no clients", "data train: 0 clients: expected at least "
+         "one client", CNN, lambda: images(sizes=(), test_sizes=())),
+    Case("a held-out population with no clients", "data held_out: 0 clients: expected at "
+         "least one client", CNN, lambda: images(held_out_clients=0)),
+    Case("every client empty", "data train: every one of its 3 clients has 0 examples: "
+         "expected at least one example", CNN,
+         lambda: images(sizes=(0, 0, 0), test_sizes=(0, 0, 0))),
+    Case("no client with training examples", "data train/train: all 3 training clients have 0 "
+         "training examples: expected at least one", CNN, lambda: images(sizes=(0, 0, 0))),
+    Case("held-out clients that are all empty", "data held_out: every one of its 2 clients has "
+         "0 examples: expected at least one example", CNN,
+         lambda: images(held_out_clients=2)),
+)
+
+_TRAIN = ("launch/train.py", "--config=configs/shakespeare.py:quick")
+COMMAND_CASES: tuple[CommandCase, ...] = (
+    CommandCase("`--config.nonexist=3`", _TRAIN + ("--config.nonexist=3",),
+                "error: unknown config field 'nonexist' (--config.nonexist=3); expected one of "
+                "config's fields ['algorithm', "),
+    CommandCase("`--config.methods.apfl.beta=1`", _TRAIN + ("--config.methods.apfl.beta=1",),
+                "error: unknown config field 'methods.apfl.beta' (--config.methods.apfl.beta=1); "
+                "expected one of config.methods.apfl's fields ['alpha']"),
+    CommandCase("`--config=configs/shakespeare.py:quikc`",
+                ("launch/train.py", "--config=configs/shakespeare.py:quikc"),
+                "error: --config=configs/shakespeare.py:quikc: unknown shakespeare config "
+                "variant 'quikc'; expected 'quick' or 'paper'"),
+    CommandCase("`--config=configs/missing.py`", ("launch/train.py", "--config=configs/missing.py"),
+                "error: config file 'configs/missing.py' (--config=configs/missing.py) not "
+                "found; expected a Python file defining get_config()"),
+    CommandCase("`--config.learning_rate=-0.1`", _TRAIN + ("--config.learning_rate=-0.1",),
+                "error: config.learning_rate=-0.1: expected a finite number > 0",
+                "command line (`launch/train.py` via `validate_config`)"),
+    CommandCase("`--config.learning_rate=abc`", _TRAIN + ("--config.learning_rate=abc",),
+                "error: flag --config.learning_rate=abc: could not convert string to float: "
+                "'abc'"),
+)
+
+
+# ---------------------------------------------------------------- running them
+
+
+def message_of(case: Case) -> str:
+    """The ``ValueError`` message ``build_simulation`` gives for ``case``."""
+    config = base_config(case.overrides)
+    try:
+        run_config.build_simulation(config, case.task() if case.task else None)
+    except ValueError as error:
+        return str(error)
+    raise AssertionError(f"{case.input} was accepted")
+
+
+def run_command(case: CommandCase, workdir: str) -> subprocess.CompletedProcess:
+    """Runs the launcher of ``case`` from the repository root with ``--workdir=workdir``."""
+    script, *args = case.args
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *args,
+                           f"--workdir={workdir}"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown() -> str:
+    """The doc: one row per case, with the message captured by running it."""
+    rows = [(case.input, case.where, f"`{message_of(case)}`") for case in CASES]
+    with tempfile.TemporaryDirectory() as workdir:
+        for case in COMMAND_CASES:
+            done = run_command(case, workdir)
+            line = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+            rows.append((case.input, case.where, f"`{line}` (exit {done.returncode})"))
+    lines = ["# Bad inputs and their errors", "",
+             f"Generated by `{GENERATE}` from the cases that `tests/test_validation.py` "
+             "checks. Each bad input stops the run before data is loaded (config), before "
+             "anything is built or compiled (data), or before flags are parsed (command "
+             "line), with one line on stderr and exit status 2 from the launchers; nothing is "
+             "written to the workdir. `--debug` shows the traceback instead.", "",
+             "| input | where | error message |", "|---|---|---|"]
+    lines += [f"| {_cell(a)} | {_cell(b)} | {_cell(c)} |" for a, b, c in rows]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown())
