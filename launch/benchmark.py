@@ -49,6 +49,8 @@ _STEPS = flags.DEFINE_integer("steps", 20, "Minibatches per client per round.")
 _CHUNK = flags.DEFINE_integer("chunk_size", 5, "Clients per vmapped chunk for 'chunked'.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (median reported).")
 _OUT = flags.DEFINE_string("out", None, "Optional JSON file for the measurements.")
+_CUSTOM_GRAD = flags.DEFINE_enum("custom_grad", "auto", ["auto", "true", "false"],
+                                 "Hand-written VJPs for convs/LSTMs (auto: the model's default).")
 
 BATCH = {"emnist_cnn": 20, "shakespeare_lstm": 4}
 POLICY = {"emnist_cnn": (350, 150, 50, 50), "shakespeare_lstm": (64, 64, 32, 16)}
@@ -71,7 +73,8 @@ def synthetic_task(model_name: str, clients: int, examples: int, seed: int = 0) 
 
 
 def algorithms(model_name: str, example_x):
-    model = get_model(model_name)
+    options = {} if _CUSTOM_GRAD.value == "auto" else {"custom_grad": _CUSTOM_GRAD.value == "true"}
+    model = get_model(model_name, **options)
     batch, lr = BATCH[model_name], LEARNING_RATE[model_name]
     return model, {
         "fedavg": fedavg(model, FedAvgConfig(learning_rate=lr, epochs=1, batch_size=batch)),
@@ -153,9 +156,10 @@ def main(argv):
     client_steps = clients * steps
     report = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
               "jax": jax.__version__, "clients": clients, "steps": steps,
-              "xla_flags": os.environ.get("XLA_FLAGS", ""), "models": {}}
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "custom_grad": _CUSTOM_GRAD.value,
+              "models": {}}
     print(f"backend={report['backend']} device={report['device']} jax={report['jax']} "
-          f"XLA_FLAGS='{report['xla_flags']}'")
+          f"XLA_FLAGS='{report['xla_flags']}' custom_grad={_CUSTOM_GRAD.value}")
     for model_name in _MODELS.value:
         batch = BATCH[model_name]
         task = synthetic_task(model_name, clients, steps * batch)
