@@ -33,7 +33,10 @@ def uninterrupted(tmp_path_factory):
     return workdir
 
 
-@pytest.mark.parametrize("fault", ["round:3", "checkpoint:4", "round:6"])
+@pytest.mark.parametrize("fault", [
+    "round:3", "checkpoint:4",
+    pytest.param("round:6", marks=pytest.mark.slow),  # killed after the last round
+])
 def test_killed_and_resumed_run_is_bit_identical(uninterrupted, tmp_path, fault):
     killed = train(tmp_path, fault=fault)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
@@ -44,6 +47,7 @@ def test_killed_and_resumed_run_is_bit_identical(uninterrupted, tmp_path, fault)
         assert (tmp_path / name).read_bytes() == (uninterrupted / name).read_bytes(), name
 
 
+@pytest.mark.slow  # in-process equivalent: test_experiment.py's same-seed test
 def test_same_seed_same_bytes_and_other_seed_differs(uninterrupted, tmp_path):
     again = train(tmp_path / "again")
     assert again.returncode == 0, again.stderr[-3000:]
