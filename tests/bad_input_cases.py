@@ -25,6 +25,7 @@ if ROOT not in sys.path:
 from configs import shakespeare  # noqa: E402
 from flowjax import config as run_config  # noqa: E402
 from flowjax.data.federated import ArrayFederatedData, FederatedTask, RaggedSplit  # noqa: E402
+from tests.helpers import apply_overrides  # noqa: E402
 
 GENERATE = "python tests/bad_input_cases.py > docs/bad-inputs.md"
 Edit = Callable[[dict[str, np.ndarray]], None]
@@ -70,13 +71,7 @@ def base_config(overrides: Mapping[str, Any] = ()) -> Any:
     config.num_rounds = 2
     config.clients_per_round = 3
     config.policy_hidden = (8, 8, 8, 8)
-    for name, value in dict(overrides).items():
-        *parents, leaf = name.split(".")
-        target = config
-        for parent in parents:
-            target = target[parent]
-        target[leaf] = value
-    return config
+    return apply_overrides(config, overrides)
 
 
 # ---------------------------------------------------------------- defective data

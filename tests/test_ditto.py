@@ -10,7 +10,7 @@ from flowjax.algorithms.ditto import DittoConfig, ditto, proximal_pull
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.core.losses import mean_from_sums
 from flowjax.models import get_model
-from tests.stateful_checks import (assert_trees_equal, check_state_round_trip, one_client,
+from tests.helpers import (assert_trees_equal, check_state_round_trip, one_client,
                                    tiny_mlp)
 
 CONFIG = dict(learning_rate=0.05, epochs=2, batch_size=4)

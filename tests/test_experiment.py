@@ -3,28 +3,9 @@
 import numpy as np
 import pytest
 
-from configs import shakespeare
 from flowjax import config as run_config
 from flowjax import experiment
-
-
-def small_config(**overrides):
-    config = shakespeare.get_config("quick")
-    config.data.plays = ("hamlet", "macbeth")
-    config.data.max_train_examples = 8
-    config.data.max_test_examples = 4
-    config.num_rounds = 3
-    config.clients_per_round = 4
-    config.eval.clients = 6
-    config.eval.chunk = 4
-    config.policy_hidden = (16, 16, 16, 16)
-    for name, value in overrides.items():
-        target = config
-        *parents, leaf = name.split(".")
-        for parent in parents:
-            target = target[parent]
-        target[leaf] = value
-    return config
+from tests.helpers import small_config
 
 
 def run(config):

@@ -15,7 +15,7 @@ from flowjax.core import prng
 from flowjax.core.cohort import assemble_cohort, client_at
 from flowjax.models import get_model
 from flowjax.models.base import forward
-from tests.stateful_checks import assert_trees_equal, differs, small_config
+from tests.helpers import assert_trees_equal, differs, small_config
 
 CONFIG = dict(learning_rate=0.05, batch_size=4)
 

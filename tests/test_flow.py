@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from flowjax.algorithms.flow import FlowConfig, flow, half_capacity, split_halves
-from flowjax.core.cohort import assemble_cohort, client_at
 from flowjax.models import get_model
 from flowjax.models.base import forward
+from tests.helpers import one_client
 
 CONFIG = dict(learning_rate=0.05, local_epochs=1, routing_epochs=2, batch_size=4, gamma=0.01,
               policy_hidden=(16, 16, 16, 16))
@@ -20,9 +20,7 @@ def cnn():
 
 
 def _client(task, index, padded_examples, batch_size=4):
-    cohort = assemble_cohort(task.train, "train", [index], num_clients=1,
-                             padded_examples=padded_examples, batch_size=batch_size)
-    return client_at(jax.tree.map(jnp.asarray, cohort), 0)
+    return one_client(task, index, padded_examples, batch_size)
 
 
 def _algorithm(model, task, **overrides):

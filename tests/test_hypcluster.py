@@ -17,7 +17,7 @@ from flowjax.experiment import RunSettings, Simulation
 from flowjax.models import get_model
 from flowjax.models.base import forward
 from flowjax.models.layers import Dense, chain_model
-from tests.test_experiment import small_config
+from tests.helpers import small_config
 
 CONFIG = dict(learning_rate=0.05, epochs=1, batch_size=4)
 

@@ -15,7 +15,7 @@ from flowjax.algorithms.knn_per import (Datastore, KnnPerConfig, build_datastore
 from flowjax.core.cohort import assemble_cohort, client_at
 from flowjax.models import get_model
 from flowjax.models.base import forward
-from tests.test_experiment import small_config
+from tests.helpers import small_config
 
 CONFIG = dict(learning_rate=0.05, epochs=1, batch_size=4)
 

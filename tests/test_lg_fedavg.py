@@ -13,7 +13,7 @@ from flowjax.core import prng
 from flowjax.core.cohort import assemble_cohort, client_at
 from flowjax.models import get_model
 from flowjax.models.base import forward
-from tests.stateful_checks import assert_trees_equal, check_state_round_trip, differs
+from tests.helpers import assert_trees_equal, check_state_round_trip, differs
 
 CONFIG = dict(learning_rate=0.05, epochs=2, batch_size=4)
 LOCAL = ("conv1", "conv2", "fc1")

@@ -11,11 +11,10 @@ from flowjax import config as run_config
 from flowjax import experiment
 from flowjax.algorithms.base import client_optimizer, train_plain, valid_examples
 from flowjax.algorithms.local import LocalConfig, local
-from flowjax.core.cohort import assemble_cohort, client_at
 from flowjax.experiment import RunSettings, Simulation
 from flowjax.models import get_model
 from flowjax.models.base import forward
-from tests.test_experiment import small_config
+from tests.helpers import one_client, small_config
 
 CONFIG = dict(learning_rate=0.05, epochs=2, batch_size=4)
 
@@ -26,9 +25,7 @@ def cnn():
 
 
 def _client(task, index, padded_examples, batch_size=4):
-    cohort = assemble_cohort(task.train, "train", [index], num_clients=1,
-                             padded_examples=padded_examples, batch_size=batch_size)
-    return client_at(jax.tree.map(jnp.asarray, cohort), 0)
+    return one_client(task, index, padded_examples, batch_size)
 
 
 def test_server_params_never_move(cnn, images_small):

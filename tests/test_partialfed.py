@@ -10,7 +10,7 @@ from flowjax.algorithms.partialfed import (PartialFedConfig, load_layers, partia
                                            sample_use_global, straight_through_choice)
 from flowjax.core.cohort import assemble_cohort, client_at
 from flowjax.models import get_model
-from tests.stateful_checks import assert_trees_equal, check_state_round_trip, differs
+from tests.helpers import assert_trees_equal, check_state_round_trip, differs
 
 CONFIG = dict(learning_rate=0.05, strategy_learning_rate=0.5, temperature=1.0, epochs=2,
               batch_size=4)

@@ -1,4 +1,4 @@
-"""Shared checks of stateful methods (APFL, Ditto) through the engine."""
+"""Test helpers: tiny configs and clients, tree comparisons, the stateful-method round trip."""
 
 from __future__ import annotations
 
@@ -16,8 +16,19 @@ from flowjax.models.base import RoutableModel
 from flowjax.models.layers import Dense, chain_model
 
 
+def apply_overrides(config, overrides):
+    """Sets dotted ``{"eval.clients": 4}`` style overrides on a ConfigDict."""
+    for name, value in dict(overrides).items():
+        target = config
+        *parents, leaf = name.split(".")
+        for parent in parents:
+            target = target[parent]
+        target[leaf] = value
+    return config
+
+
 def small_config(**overrides):
-    """tests/test_experiment.py's tiny Shakespeare run."""
+    """The quick Shakespeare config shrunk to two plays and a few tiny rounds."""
     config = shakespeare.get_config("quick")
     config.data.plays = ("hamlet", "macbeth")
     config.data.max_train_examples = 8
@@ -27,13 +38,7 @@ def small_config(**overrides):
     config.eval.clients = 6
     config.eval.chunk = 4
     config.policy_hidden = (16, 16, 16, 16)
-    for name, value in overrides.items():
-        target = config
-        *parents, leaf = name.split(".")
-        for parent in parents:
-            target = target[parent]
-        target[leaf] = value
-    return config
+    return apply_overrides(config, overrides)
 
 
 def tiny_mlp() -> RoutableModel:
