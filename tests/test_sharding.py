@@ -1,0 +1,42 @@
+"""The clients axis sharded over 2 emulated CPU devices gives the 1-device results."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = r'''
+import jax, numpy as np
+from flowjax import config as run_config, experiment
+from flowjax.core.mapping import ClientMapping
+from tests.helpers import small_config
+
+assert jax.device_count() == 2, jax.devices()
+results = {}
+for algorithm in ("flow", "ditto"):
+    for devices in (1, 2):
+        config = small_config(algorithm=algorithm, num_rounds=2, clients_per_round=4)
+        config.eval.held_out = False
+        simulation = run_config.build_simulation(config)
+        simulation = experiment.Simulation(simulation.algorithm, simulation.task,
+                                           simulation.settings, simulation.server_optimizer,
+                                           ClientMapping("loop", 1, devices))
+        outcome = experiment.run(simulation)
+        leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(outcome.final_state.params)]
+        results[algorithm, devices] = (leaves, outcome.summaries["train_clients"].acc_p)
+    one, two = results[algorithm, 1], results[algorithm, 2]
+    for a, b in zip(one[0], two[0]):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+    assert abs(one[1] - two[1]) < 1e-6, (one[1], two[1])
+print("sharded == single device")
+'''
+
+
+def test_two_emulated_devices_match_one_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               PYTHONPATH=ROOT)
+    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "sharded == single device" in done.stdout
