@@ -78,3 +78,30 @@ def test_divergence_stops_with_a_one_line_message_naming_the_round(tmp_path):
     assert message.startswith("error: round ") and "training diverged" in message, message
     assert "Traceback" not in diverged.stderr
     assert not (tmp_path / "results.json").exists()
+
+
+def test_corrupt_checkpoint_fails_in_one_line_and_is_left_in_place(tmp_path):
+    killed = train(tmp_path, fault="round:3")
+    assert killed.returncode == -signal.SIGKILL
+    checkpoint = tmp_path / "checkpoints" / "2"
+    files = sorted(p for p in checkpoint.rglob("*") if p.is_file() and p.stat().st_size > 0)
+    assert files
+    for path in files:
+        path.write_bytes(b"\0" * path.stat().st_size)  # same size, garbage content
+    before = {p: p.read_bytes() for p in files}
+    failed = train(tmp_path)
+    assert failed.returncode == 2, failed.stderr[-2000:]
+    last = failed.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: checkpoint ") and "cannot be restored" in last, last
+    assert "Traceback" not in failed.stderr
+    assert {p: p.read_bytes() for p in files} == before
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_skip_clients_goes_on_and_reports_the_dropped_clients(tmp_path):
+    done = train(tmp_path, "--config.learning_rate=1e30", "--config.on_divergence=skip_clients")
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r["clients_skipped"] for r in records if r["kind"] == "train"]
+    assert len(skipped) == 6 and all(s > 0 for s in skipped)
+    assert (tmp_path / "results.json").exists()
