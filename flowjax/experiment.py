@@ -157,7 +157,8 @@ class Simulation:
         results = results.replace(
             params=jax.tree.map(lambda p: jnp.where(
                 finite.reshape((-1,) + (1,) * (p.ndim - 1)), p, jnp.zeros_like(p)), results.params),
-            weight=jax.tree.map(lambda w: jnp.where(finite, w, 0.0), results.weight))
+            weight=jax.tree.map(lambda w: jnp.where(finite, w, 0.0), results.weight),
+            metrics=jax.tree.map(lambda m: jnp.where(finite, m, 0.0), results.metrics))
         if isinstance(results.weight, dict):
             # One weighted mean per parameter group (e.g. per cluster); a group nobody
             # trained keeps its params (zero pseudo-gradient).

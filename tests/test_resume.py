@@ -104,4 +104,6 @@ def test_skip_clients_goes_on_and_reports_the_dropped_clients(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     skipped = [r["clients_skipped"] for r in records if r["kind"] == "train"]
     assert len(skipped) == 6 and all(s > 0 for s in skipped)
+    # Dropped clients do not count in the round's loss either.
+    assert all(r["loss"] is None for r in records if r["kind"] == "train" and r["clients_skipped"] == 3)
     assert (tmp_path / "results.json").exists()
