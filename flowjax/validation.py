@@ -26,7 +26,9 @@ from flowjax.data.federated import FederatedTask
 from flowjax.models import MODELS, get_model
 from flowjax.models.base import RoutableModel
 from flowjax.models.emnist_cnn import IMAGE_SHAPE
+from flowjax.models.resnet_gn import IMAGE_SHAPE as CIFAR_IMAGE_SHAPE
 from flowjax.models.shakespeare_lstm import SEQUENCE_LENGTH
+from flowjax.models.stackoverflow_lstm import SEQUENCE_LENGTH as SO_SEQUENCE_LENGTH
 
 Check = Callable[[Any], "str | None"]  # value -> what is expected, or None when fine
 _MISSING = object()
@@ -259,7 +261,9 @@ class _InputRule:
 # jit, or silently mean something else; the registered models' inputs are spelled out here.
 _INPUT_SHAPES: dict[str, tuple[tuple[int, ...], ...]] = {
     "emnist_cnn": (IMAGE_SHAPE[:2], IMAGE_SHAPE),
+    "resnet18_gn": (CIFAR_IMAGE_SHAPE,),
     "shakespeare_lstm": ((SEQUENCE_LENGTH,),),
+    "stackoverflow_lstm": ((SO_SEQUENCE_LENGTH,),),
 }
 
 

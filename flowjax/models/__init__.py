@@ -6,11 +6,15 @@ from typing import Any, Callable
 
 from flowjax.models.base import RoutableModel
 from flowjax.models.emnist_cnn import emnist_cnn
+from flowjax.models.resnet_gn import resnet18_gn
 from flowjax.models.shakespeare_lstm import shakespeare_lstm
+from flowjax.models.stackoverflow_lstm import stackoverflow_lstm
 
 _MODELS: dict[str, Callable[..., RoutableModel]] = {
     "emnist_cnn": emnist_cnn,
+    "resnet18_gn": resnet18_gn,
     "shakespeare_lstm": shakespeare_lstm,
+    "stackoverflow_lstm": stackoverflow_lstm,
 }
 MODELS = tuple(sorted(_MODELS))
 
@@ -22,4 +26,5 @@ def get_model(name: str, **kwargs: Any) -> RoutableModel:
     return _MODELS[name](**kwargs)
 
 
-__all__ = ["MODELS", "RoutableModel", "get_model", "emnist_cnn", "shakespeare_lstm"]
+__all__ = ["MODELS", "RoutableModel", "get_model", "emnist_cnn", "resnet18_gn",
+           "shakespeare_lstm", "stackoverflow_lstm"]

@@ -106,7 +106,7 @@ conv2d.defvjp(_conv2d_fwd, _conv2d_bwd)
 
 
 class Conv2D(nn.Module):
-    """Stride-1 2-D convolution with bias; NHWC input, HWIO ``kernel``.
+    """2-D convolution, optionally with bias; NHWC input, HWIO ``kernel``.
 
     Attributes:
       features: output channels.
@@ -115,26 +115,35 @@ class Conv2D(nn.Module):
       custom_grad: use ``conv2d``'s hand-written VJP; ``False`` differentiates
         ``lax.conv_general_dilated`` directly (the reference, and maybe the better choice on
         accelerators).
+      stride: the same window stride on both spatial axes. The hand-written VJP is
+        stride-1 only, so ``stride > 1`` needs ``custom_grad=False``.
+      use_bias: add a ``bias``; ``False`` where a normalization follows and adds its own.
     """
 
     features: int
     kernel_size: tuple[int, int] = (3, 3)
     padding: str = "VALID"
     custom_grad: bool = True
+    stride: int = 1
+    use_bias: bool = True
     kernel_init: Callable[..., jax.Array] = nn.initializers.lecun_normal()
     bias_init: Callable[..., jax.Array] = nn.initializers.zeros_init()
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.custom_grad and self.stride != 1:
+            raise ValueError(f"stride={self.stride} needs custom_grad=False; "
+                             "the hand-written conv VJP is stride-1 only")
         kernel = self.param("kernel", self.kernel_init,
                             (*self.kernel_size, x.shape[-1], self.features))
-        bias = self.param("bias", self.bias_init, (self.features,))
         if self.custom_grad:
             y = conv2d(x, kernel, self.padding)
         else:
-            y = lax.conv_general_dilated(x, kernel, (1, 1), self.padding,
+            y = lax.conv_general_dilated(x, kernel, (self.stride, self.stride), self.padding,
                                          dimension_numbers=_NHWC)
-        return y + bias
+        if not self.use_bias:
+            return y
+        return y + self.param("bias", self.bias_init, (self.features,))
 
 
 def max_pool_2x2(h: jax.Array) -> jax.Array:
