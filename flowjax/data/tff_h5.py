@@ -1,0 +1,319 @@
+"""Converts TFF's federated h5 files (EMNIST, Shakespeare, Stack Overflow) into client stores.
+
+TFF's layout: a top group ``examples``, one subgroup per client id, one dataset per
+feature (EMNIST ``pixels`` ``float32 [n, 28, 28]`` with 1.0 = background and ``label``;
+Shakespeare ``snippets``; Stack Overflow ``tokens``, space-joined, plus metadata we do
+not use). Files are read client by client with h5py, never whole.
+
+A converted dataset is a *task directory*::
+
+    task.json        {"format": "flowjax-federated-task", "version": 1, "dataset": ...,
+                      "populations": ["train"] or ["train", "held_out"], "options": ...}
+    train/           ClientStore of the training clients (splits "train" and "test")
+    held_out/        ClientStore of never-training clients (Stack Overflow only)
+    vocab.json       Stack Overflow only: the word list, see below
+
+Examples (the stored ``x``/``y``):
+
+* EMNIST: ``x`` = pixels ``float32 [28, 28]`` as stored, ``y`` = label ``int32``.
+  Clients' train rows come from ``*_train.h5`` and test rows from ``*_test.h5``.
+* Shakespeare: every snippet through :func:`flowjax.data.shakespeare.snippet_to_sequences`
+  (``int32 [80]`` each), exactly as the embedded dataset.
+* Stack Overflow: word ids, TFF's next-word layout (``tff.simulation.baselines``):
+  ``0`` pad, ``1..V`` the vocabulary (the ``V = 10,000`` most frequent words of the train
+  split, by descending count then ascending byte order), ``V + 1`` out-of-vocabulary,
+  ``V + 2`` beginning of sentence, ``V + 3`` end of sentence (``V + 4 = 10,004`` ids).
+  A sentence becomes ``[bos] + ids[:20]`` followed by ``eos`` only when it had fewer than
+  20 words, padded with 0 to 21; ``x`` is its first 20 ids, ``y`` its last 20.
+  Train clients keep their first 1,000 train sentences; their test rows come from
+  ``stackoverflow_test.h5``. The held-out users (``stackoverflow_held_out.h5``) form the
+  ``held_out`` population, each user's sentences split in order: the first 80% train.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from flowjax.data import shakespeare
+from flowjax.data.client_store import ClientRecord, Spec, write_store
+
+TASK_FORMAT = "flowjax-federated-task"
+TASK_VERSION = 1
+KINDS = ("emnist", "shakespeare", "stackoverflow")
+
+VOCAB_SIZE = 10_000
+SO_SEQUENCE_LENGTH = 20
+MAX_SENTENCES = 1_000
+HELD_OUT_TRAIN_FRACTION = 0.8
+
+RawClient = Mapping[str, np.ndarray]
+
+
+class ClientSource(Protocol):
+    """One split of a federated source file, read client by client."""
+
+    name: str
+
+    def client_ids(self) -> Iterator[str]:
+        """Every client id, in the file's (sorted) order."""
+
+    def __contains__(self, client_id: str) -> bool: ...
+
+    def read(self, client_id: str) -> RawClient:
+        """The client's features under TFF's names (``pixels``, ``snippets``, ...)."""
+
+
+class H5Source:
+    """One TFF h5 file; keeps the file open and reads one client group at a time."""
+
+    def __init__(self, path: str | os.PathLike, features: Sequence[str]):
+        import h5py
+        self.name = str(path)
+        self._file = h5py.File(path, "r")
+        if "examples" not in self._file:
+            raise ValueError(f"{path}: no top-level 'examples' group; not a TFF h5 file")
+        self._examples = self._file["examples"]
+        self._features = tuple(features)
+
+    def client_ids(self) -> Iterator[str]:
+        # h5py lists a group's members by name without touching their data.
+        yield from self._examples.keys()
+
+    def __contains__(self, client_id: str) -> bool:
+        return client_id in self._examples
+
+    def read(self, client_id: str) -> RawClient:
+        group = self._examples[client_id]
+        missing = [f for f in self._features if f not in group]
+        if missing:
+            raise ValueError(f"{self.name}: client {client_id!r} lacks {missing} "
+                             f"(has {sorted(group)})")
+        return {f: group[f][()] for f in self._features}
+
+    def close(self) -> None:
+        self._file.close()
+
+
+# ----------------------------------------------------------------- per-dataset encoders
+
+def emnist_examples(raw: RawClient) -> dict[str, np.ndarray]:
+    """EMNIST pixels and labels as ``x float32 [n, 28, 28]``, ``y int32 [n]``."""
+    x = np.asarray(raw["pixels"], np.float32).reshape(-1, 28, 28)
+    y = np.asarray(raw["label"]).astype(np.int32).reshape(-1)
+    if len(x) != len(y):
+        raise ValueError(f"{len(x)} images but {len(y)} labels")
+    return {"x": x, "y": y}
+
+
+def shakespeare_examples(raw: RawClient) -> dict[str, np.ndarray]:
+    """Every snippet cut into ``int32 [80]`` next-character pairs."""
+    pairs = [shakespeare.snippet_to_sequences(s) for s in np.asarray(raw["snippets"]).reshape(-1)]
+    empty = np.zeros((0, shakespeare.SEQUENCE_LENGTH), np.int32)
+    return {"x": np.concatenate([x for x, _ in pairs]) if pairs else empty,
+            "y": np.concatenate([y for _, y in pairs]) if pairs else empty}
+
+
+class WordIds:
+    """Stack Overflow word -> id, TFF's layout (see the module docstring)."""
+
+    def __init__(self, words: Sequence[str]):
+        self.words = tuple(words)
+        self._ids = {w.encode("utf-8"): i + 1 for i, w in enumerate(self.words)}
+        self.pad, self.oov = 0, len(self.words) + 1
+        self.bos, self.eos = len(self.words) + 2, len(self.words) + 3
+        self.size = len(self.words) + 4
+
+    def sentence(self, text: bytes | str, length: int = SO_SEQUENCE_LENGTH) -> np.ndarray:
+        """``int32 [length + 1]``: bos, the first ``length`` word ids, eos if room, pads."""
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        ids = [self._ids.get(w, self.oov) for w in data.split()][:length]
+        if len(ids) < length:
+            ids.append(self.eos)
+        row = np.zeros(length + 1, np.int32)
+        row[0] = self.bos
+        row[1:len(ids) + 1] = ids
+        return row
+
+    def examples(self, raw: RawClient) -> dict[str, np.ndarray]:
+        """A client's ``tokens`` sentences as ``x``/``y`` ``int32 [n, 20]``."""
+        rows = [self.sentence(s) for s in np.asarray(raw["tokens"]).reshape(-1)]
+        tokens = (np.stack(rows) if rows
+                  else np.zeros((0, SO_SEQUENCE_LENGTH + 1), np.int32))
+        return {"x": tokens[:, :-1].copy(), "y": tokens[:, 1:].copy()}
+
+
+def count_words(source: ClientSource) -> collections.Counter:
+    """Word counts over every sentence of ``source`` (TFF splits on whitespace)."""
+    counts: collections.Counter = collections.Counter()
+    for client_id in source.client_ids():
+        for sentence in np.asarray(source.read(client_id)["tokens"]).reshape(-1):
+            counts.update(bytes(sentence).split())
+    return counts
+
+
+def top_words(counts: Mapping[bytes, int], size: int = VOCAB_SIZE) -> list[str]:
+    """The ``size`` most frequent words, by descending count then ascending bytes."""
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:size]
+    return [w.decode("utf-8") for w, _ in ranked]
+
+
+# ----------------------------------------------------------------------- conversion
+
+_SPECS: dict[str, Spec] = {
+    "emnist": {"x": ((28, 28), np.float32), "y": ((), np.int32)},
+    "shakespeare": {"x": ((shakespeare.SEQUENCE_LENGTH,), np.int32),
+                    "y": ((shakespeare.SEQUENCE_LENGTH,), np.int32)},
+    "stackoverflow": {"x": ((SO_SEQUENCE_LENGTH,), np.int32),
+                      "y": ((SO_SEQUENCE_LENGTH,), np.int32)},
+}
+# TFF's feature names per dataset.
+RAW_FEATURES: dict[str, tuple[str, ...]] = {
+    "emnist": ("pixels", "label"), "shakespeare": ("snippets",), "stackoverflow": ("tokens",)}
+
+
+def _cap(examples: dict[str, np.ndarray], cap: int | None) -> dict[str, np.ndarray]:
+    return examples if cap is None else {n: a[:cap] for n, a in examples.items()}
+
+
+def _paired_clients(train: ClientSource, test: ClientSource,
+                    encode: Callable[[RawClient], dict[str, np.ndarray]],
+                    train_cap: int | None, dropped: dict[str, int]) -> Iterator[ClientRecord]:
+    """Every client of ``train`` with its test rows from ``test`` (none when absent)."""
+    for client_id in train.client_ids():
+        record = {"train": _cap(encode(train.read(client_id)), train_cap)}
+        if client_id in test:
+            record["test"] = encode(test.read(client_id))
+        yield client_id, record
+    dropped["test_only_clients"] = sum(1 for c in test.client_ids() if c not in train)
+
+
+def _split_clients(source: ClientSource, encode: Callable[[RawClient], dict[str, np.ndarray]],
+                   train_fraction: float, train_cap: int | None) -> Iterator[ClientRecord]:
+    """Every client of ``source``, its examples split in order into train and test."""
+    for client_id in source.client_ids():
+        examples = encode(source.read(client_id))
+        n = len(examples["y"])
+        cut = min(max(int(train_fraction * n), 1), n - 1) if n >= 2 else n
+        yield client_id, {"train": _cap({k: a[:cut] for k, a in examples.items()}, train_cap),
+                          "test": {k: a[cut:] for k, a in examples.items()}}
+
+
+def _write_task_dir(out_dir: pathlib.Path, build: Callable[[pathlib.Path], dict[str, Any]],
+                    overwrite: bool) -> pathlib.Path:
+    """Runs ``build(tmp_dir) -> task.json fields`` and moves the result to ``out_dir``."""
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists (use --overwrite to replace it)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        fields = build(tmp)
+        task = {"format": TASK_FORMAT, "version": TASK_VERSION, **fields}
+        (tmp / "task.json").write_text(json.dumps(task, indent=1, sort_keys=True))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def convert_sources(kind: str, sources: Mapping[str, ClientSource], out_dir: str | os.PathLike,
+                    *, max_sentences: int | None = MAX_SENTENCES, vocab_size: int = VOCAB_SIZE,
+                    held_out_train_fraction: float = HELD_OUT_TRAIN_FRACTION,
+                    overwrite: bool = False, origin: str = "") -> pathlib.Path:
+    """Converts opened split sources (``train``, ``test``, ``held_out``) to a task directory.
+
+    Args:
+      kind: ``emnist``, ``shakespeare`` or ``stackoverflow``.
+      sources: ``{split: ClientSource}``; ``held_out`` is read for Stack Overflow only.
+      out_dir: the task directory to create.
+      max_sentences: Stack Overflow: keep each client's first ``max_sentences`` train
+        sentences (None keeps all).
+      vocab_size: Stack Overflow: number of vocabulary words.
+      held_out_train_fraction: Stack Overflow: share of a held-out user's sentences
+        (the first ones) used for personalization.
+      overwrite: replace an existing ``out_dir``.
+      origin: provenance recorded in the stores' metadata.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown dataset {kind!r}; expected one of {list(KINDS)}")
+    if max_sentences is not None and max_sentences < 1:
+        raise ValueError(f"max_sentences must be >= 1 or None, got {max_sentences}")
+    spec = _SPECS[kind]
+    options = {"max_sentences": max_sentences, "vocab_size": vocab_size,
+               "held_out_train_fraction": held_out_train_fraction} if kind == "stackoverflow" else {}
+
+    def build(tmp: pathlib.Path) -> dict[str, Any]:
+        dropped: dict[str, int] = {}
+        source_meta = {"dataset": kind, "origin": origin, **options}
+        if kind == "stackoverflow":
+            words = top_words(count_words(sources["train"]), vocab_size)
+            vocab = WordIds(words)
+            (tmp / "vocab.json").write_text(json.dumps(
+                {"words": words, "pad": vocab.pad, "oov": vocab.oov, "bos": vocab.bos,
+                 "eos": vocab.eos, "size": vocab.size}))
+            encode, cap = vocab.examples, max_sentences
+        else:
+            encode = emnist_examples if kind == "emnist" else shakespeare_examples
+            cap = None
+        write_store(tmp / "train", _paired_clients(sources["train"], sources["test"], encode,
+                                                   cap, dropped), spec, source=source_meta)
+        populations = ["train"]
+        if kind == "stackoverflow":
+            write_store(tmp / "held_out", _split_clients(sources["held_out"], encode,
+                                                         held_out_train_fraction, cap),
+                        spec, source=source_meta)
+            populations.append("held_out")
+        return {"dataset": kind, "populations": populations, "options": options,
+                "origin": origin, **dropped}
+
+    return _write_task_dir(pathlib.Path(out_dir), build, overwrite)
+
+
+def tff_h5_files(kind: str, source_dir: str | os.PathLike,
+                 only_digits: bool = False) -> dict[str, pathlib.Path]:
+    """The TFF file of each split of ``kind`` in ``source_dir``."""
+    source_dir = pathlib.Path(source_dir)
+    if kind == "emnist":
+        stem = "fed_emnist_digitsonly" if only_digits else "fed_emnist"
+        names = {s: f"{stem}_{s}.h5" for s in ("train", "test")}
+    elif kind == "shakespeare":
+        names = {s: f"shakespeare_{s}.h5" for s in ("train", "test")}
+    elif kind == "stackoverflow":
+        names = {s: f"stackoverflow_{s}.h5" for s in ("train", "test", "held_out")}
+    else:
+        raise ValueError(f"unknown dataset {kind!r}; expected one of {list(KINDS)}")
+    paths = {s: source_dir / n for s, n in names.items()}
+    missing = [str(p) for p in paths.values() if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"missing TFF h5 files: {', '.join(missing)}")
+    return paths
+
+
+def convert_tff(kind: str, source_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+                only_digits: bool = False, **options: Any) -> pathlib.Path:
+    """Converts TFF's h5 files of ``kind`` in ``source_dir`` into a task directory.
+
+    Args:
+      kind: ``emnist``, ``shakespeare`` or ``stackoverflow``.
+      source_dir: directory holding TFF's files (e.g. ``fed_emnist_train.h5``).
+      out_dir: the task directory to create.
+      only_digits: EMNIST: read the ``fed_emnist_digitsonly_*`` files.
+      **options: passed to :func:`convert_sources`.
+    """
+    paths = tff_h5_files(kind, source_dir, only_digits)
+    sources = {s: H5Source(p, RAW_FEATURES[kind]) for s, p in paths.items()}
+    try:
+        return convert_sources(kind, sources, out_dir, origin=f"tff_h5:{source_dir}", **options)
+    finally:
+        for source in sources.values():
+            source.close()

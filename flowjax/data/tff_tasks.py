@@ -1,0 +1,126 @@
+"""Tasks over converted TFF datasets (``emnist_tff``, ``shakespeare_tff``, ``stackoverflow_tff``).
+
+Populations are :class:`~flowjax.data.client_store.ClientStore` views: nothing but the
+index is read when a task is loaded. Evaluation follows the paper: EMNIST and
+Shakespeare evaluate the training clients on their own test splits (optionally holding
+out a seeded share of clients as "newly joined"); Stack Overflow's held-out users form the
+held-out population.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import numpy as np
+
+from flowjax.data.client_store import ClientStore, StoreError, StoreView
+from flowjax.data.federated import FederatedTask
+from flowjax.data.tff_h5 import TASK_FORMAT, TASK_VERSION
+
+
+def _convert_hint(dataset: str, store_dir: Any) -> str:
+    return (f"convert it first: python launch/convert.py --dataset={dataset} "
+            f"--source=DIR_WITH_TFF_FILES --out={store_dir}")
+
+
+def open_task_dir(dataset: str, store_dir: Any) -> tuple[dict[str, Any], dict[str, ClientStore]]:
+    """``(task.json, {population: ClientStore})``; one-line ``ValueError`` if not converted."""
+    if store_dir is None:
+        raise ValueError(f"{dataset}_tff needs the option store_dir; {_convert_hint(dataset, 'DIR')}")
+    root = pathlib.Path(store_dir)
+    try:
+        if not root.is_dir():
+            raise StoreError("no such directory")
+        try:
+            task = json.loads((root / "task.json").read_text())
+        except (OSError, ValueError) as e:
+            raise StoreError(f"unreadable task.json ({type(e).__name__})") from None
+        if task.get("format") != TASK_FORMAT or task.get("version") != TASK_VERSION:
+            raise StoreError(f"task.json is not a {TASK_FORMAT} v{TASK_VERSION}")
+        if task.get("dataset") != dataset:
+            raise StoreError(f"it holds {task.get('dataset')!r}, not {dataset!r}")
+        stores = {p: ClientStore(root / p) for p in task["populations"]}
+    except (StoreError, KeyError, TypeError) as e:
+        raise ValueError(f"{dataset}_tff: store_dir {str(root)!r} is not a converted store "
+                         f"({str(e).splitlines()[0]}); {_convert_hint(dataset, root)}") from None
+    return task, stores
+
+
+def _check_cap(name: str, cap: int | None) -> None:
+    if cap is not None and cap < 1:
+        raise ValueError(f"{name} must be a positive integer or None, got {cap}")
+
+
+def _held_out_split(num_clients: int, fraction: float, seed: int) -> np.ndarray:
+    """A seeded boolean mask of held-out clients (at least one kept for training)."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"held_out_fraction must be in [0, 1), got {fraction}")
+    held = np.zeros(num_clients, bool)
+    if fraction > 0 and num_clients > 1:
+        count = min(max(int(round(fraction * num_clients)), 1), num_clients - 1)
+        held[np.random.default_rng(seed).choice(num_clients, count, replace=False)] = True
+    return held
+
+
+def _load_paired(dataset: str, store_dir: Any, *, held_out_fraction: float = 0.0,
+                 seed: int = 0, max_train_examples: int | None = None,
+                 max_test_examples: int | None = None) -> FederatedTask:
+    _check_cap("max_train_examples", max_train_examples)
+    _check_cap("max_test_examples", max_test_examples)
+    _, stores = open_task_dir(dataset, store_dir)
+    store = stores["train"]
+    caps = {"train": max_train_examples, "test": max_test_examples}
+    held = _held_out_split(len(store), held_out_fraction, seed)
+    train = StoreView(store, np.flatnonzero(~held), caps)
+    held_out = StoreView(store, np.flatnonzero(held), caps) if held.any() else None
+    return FederatedTask(train=train, held_out=held_out, name=f"{dataset}_tff")
+
+
+def load_emnist_tff(*, store_dir: Any = None, **options: Any) -> FederatedTask:
+    """Federated EMNIST from a converted store.
+
+    Args:
+      store_dir: the directory written by ``launch/convert.py --dataset=emnist``.
+      **options: ``held_out_fraction`` (default 0: evaluate the training clients' test
+        splits, as in the paper), ``seed``, ``max_train_examples``, ``max_test_examples``.
+    """
+    return _load_paired("emnist", store_dir, **options)
+
+
+def load_shakespeare_tff(*, store_dir: Any = None, **options: Any) -> FederatedTask:
+    """TFF Shakespeare from a converted store; options as :func:`load_emnist_tff`."""
+    return _load_paired("shakespeare", store_dir, **options)
+
+
+def load_stackoverflow_tff(*, store_dir: Any = None, max_train_examples: int | None = None,
+                           max_test_examples: int | None = None, held_out: bool = True,
+                           max_held_out_clients: int | None = None,
+                           seed: int = 0) -> FederatedTask:
+    """Stack Overflow next-word prediction from a converted store.
+
+    Args:
+      store_dir: the directory written by ``launch/convert.py --dataset=stackoverflow``.
+      max_train_examples: keep each client's first train sentences (the conversion
+        already keeps at most 1,000).
+      max_test_examples: keep each client's first test sentences.
+      held_out: include the held-out users as the held-out population.
+      max_held_out_clients: evaluate a seeded subset of that many held-out users.
+      seed: seed of that subset.
+    """
+    _check_cap("max_train_examples", max_train_examples)
+    _check_cap("max_test_examples", max_test_examples)
+    _check_cap("max_held_out_clients", max_held_out_clients)
+    _, stores = open_task_dir("stackoverflow", store_dir)
+    caps = {"train": max_train_examples, "test": max_test_examples}
+    train = StoreView(stores["train"], None, caps)
+    population = None
+    if held_out and "held_out" in stores and len(stores["held_out"]):
+        store = stores["held_out"]
+        indices = None
+        if max_held_out_clients is not None and max_held_out_clients < len(store):
+            rng = np.random.default_rng(seed)
+            indices = np.sort(rng.choice(len(store), max_held_out_clients, replace=False))
+        population = StoreView(store, indices, caps)
+    return FederatedTask(train=train, held_out=population, name="stackoverflow_tff")

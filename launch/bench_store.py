@@ -1,0 +1,86 @@
+r"""Builds, opens and samples a Stack Overflow-sized client store, and reports the costs.
+
+  python launch/bench_store.py --num_clients=342477 --dir=/tmp/so_bench
+
+Client sizes are log-normal (median 120 sentences, sigma 1: a long tail) capped at 1,000,
+rows are random ``int32 [20]`` token ids; clients are generated one at a time, so the
+build never holds more than one client.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import resource  # noqa: E402
+import shutil  # noqa: E402
+import time  # noqa: E402
+from typing import Iterator  # noqa: E402
+
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from flowjax.core.cohort import assemble_cohort, examples_per_client  # noqa: E402
+from flowjax.data.client_store import ClientRecord, ClientStore, write_store  # noqa: E402
+
+_NUM_CLIENTS = flags.DEFINE_integer("num_clients", 342_477, "Clients in the store.")
+_DIR = flags.DEFINE_string("dir", "/tmp/flowjax_bench_store", "Store directory (replaced).")
+_COHORT = flags.DEFINE_integer("cohort", 10, "Clients sampled into the cohort.")
+_KEEP = flags.DEFINE_bool("keep", False, "Keep the store on disk afterwards.")
+
+SEQ, VOCAB, MEDIAN, SIGMA, CAP = 20, 10_004, 120, 1.0, 1_000
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def synthetic_clients(num_clients: int, seed: int = 0) -> Iterator[ClientRecord]:
+    """Stack Overflow-shaped clients, generated one at a time."""
+    rng = np.random.default_rng(seed)
+    for i in range(num_clients):
+        n = int(min(max(round(rng.lognormal(np.log(MEDIAN), SIGMA)), 1), CAP))
+        tokens = rng.integers(1, VOCAB, (n + 1, SEQ + 1), dtype=np.int32)
+        yield f"{i:08d}", {"train": {"x": tokens[1:, :-1], "y": tokens[1:, 1:]},
+                           "test": {"x": tokens[:1, :-1], "y": tokens[:1, 1:]}}
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    path = _DIR.value
+    spec = {"x": ((SEQ,), np.int32), "y": ((SEQ,), np.int32)}
+    start = time.perf_counter()
+    write_store(path, synthetic_clients(_NUM_CLIENTS.value), spec, overwrite=True,
+                source={"dataset": "synthetic_stackoverflow"})
+    build_s, build_rss = time.perf_counter() - start, _peak_rss_mib()
+
+    start = time.perf_counter()
+    store = ClientStore(path)
+    open_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    sizes = store.num_examples("train")
+    padded = examples_per_client(sizes, batch_size=16, cap=CAP)
+    chosen = np.random.default_rng(1).choice(len(store), _COHORT.value, replace=False)
+    cohort = assemble_cohort(store, "train", chosen, num_clients=_COHORT.value,
+                             padded_examples=padded, batch_size=16)
+    cohort_s = time.perf_counter() - start
+
+    print(f"clients: {len(store):,}  train rows: {store.num_rows('train'):,}  "
+          f"median/mean/max size: {np.median(sizes):.0f}/{sizes.mean():.1f}/{sizes.max()}")
+    print(f"build: {build_s:.1f}s (peak RSS {build_rss:.0f} MiB)")
+    print(f"open: {open_s * 1000:.1f}ms")
+    print(f"cohort of {_COHORT.value} (sizes + sample + assemble, padded to {padded}): "
+          f"{cohort_s * 1000:.1f}ms, {int(cohort.num_examples.sum()):,} examples")
+    print(f"store on disk: {_dir_bytes(path) / 2**30:.2f} GiB")
+    print(f"peak RSS: {_peak_rss_mib():.0f} MiB")
+    if not _KEEP.value:
+        shutil.rmtree(path)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,298 @@
+"""TFF h5 / FedJAX SQLite conversion into client stores, and the ``*_tff`` tasks.
+
+Fixtures write tiny files in the real formats (TFF's h5 layout, FedJAX's SQLite schema),
+convert them through ``launch/convert.py``'s functions and load them via ``load_task``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+h5py = pytest.importorskip("h5py")
+
+from flowjax.core.cohort import assemble_cohort  # noqa: E402
+from flowjax.data import load_task, shakespeare  # noqa: E402
+from flowjax.data.client_store import ClientStore, write_store  # noqa: E402
+from flowjax.data.fedjax_sqlite import decode_client, encode_client, write_sqlite  # noqa: E402
+from launch.convert import convert  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RNG = np.random.default_rng(0)
+
+EMNIST_TRAIN = {"f0001_00": 3, "f0002_11": 0, "f0003_22": 2}
+EMNIST_TEST = {"f0001_00": 1, "f0003_22": 2, "f9999_99": 1}  # f9999_99: test only
+EMNIST = {split: {c: (RNG.random((n, 28, 28), dtype=np.float32),
+                      RNG.integers(0, 62, n).astype(np.int32)) for c, n in sizes.items()}
+          for split, sizes in (("train", EMNIST_TRAIN), ("test", EMNIST_TEST))}
+
+SHAKESPEARE = {
+    "train": {"ALL_S_WELL_HELENA": ["O, were that all! I think not on my father;",
+                                    "Ünïcødé — naïve café"],
+              "JULIETTE_É": ["What's in a name?" * 3],
+              "SILENT_LORD": []},
+    "test": {"ALL_S_WELL_HELENA": ["Our remedies oft in ourselves do lie,"],
+             "JULIETTE_É": ["ça"]},
+}
+
+LONG = " ".join(["the"] * 25)
+SO = {
+    "train": {"00001": ["the cat sat", "the dog cat", LONG],
+              "00002": ["dog the", "the", "sat sat", "the the", "cat"],
+              "00003": []},
+    "test": {"00001": ["cat unseen"], "00002": []},
+    "held_out": {"00010": ["the", "cat", "sat", "dog", "the cat"]},
+}
+# Train word counts: the 31, cat 3, sat 3, dog 2: with 3 words the tie cat/sat is
+# broken by byte order, and dog is out of vocabulary.
+SO_WORDS = ["the", "cat", "sat"]
+THE, CAT, SAT, OOV, BOS, EOS = 1, 2, 3, 4, 5, 6
+
+
+def _text_dataset(group, name, texts):
+    group.create_dataset(name, data=np.array([t.encode("utf-8") for t in texts], dtype=object),
+                         dtype=h5py.special_dtype(vlen=bytes), shape=(len(texts),))
+
+
+def _write_h5(path, clients, write_client):
+    with h5py.File(path, "w") as f:
+        examples = f.create_group("examples")
+        for client_id, data in clients.items():
+            write_client(examples.create_group(client_id), data)
+
+
+def _emnist_client(group, data):
+    group.create_dataset("pixels", data=data[0])
+    group.create_dataset("label", data=data[1])
+
+
+@pytest.fixture(scope="module")
+def tff_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tff")
+    for split in ("train", "test"):
+        _write_h5(d / f"fed_emnist_{split}.h5", EMNIST[split], _emnist_client)
+        _write_h5(d / f"shakespeare_{split}.h5", SHAKESPEARE[split],
+                  lambda g, texts: _text_dataset(g, "snippets", texts))
+    for split, clients in SO.items():
+        def so_client(group, texts):
+            _text_dataset(group, "tokens", texts)
+            _text_dataset(group, "title", ["t"] * len(texts))
+        _write_h5(d / f"stackoverflow_{split}.h5", clients, so_client)
+    return d
+
+
+@pytest.fixture(scope="module")
+def sqlite_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fedjax")
+    for split in ("train", "test"):
+        write_sqlite(d / f"federated_emnist_{split}.sqlite",
+                     {c: {"x": px, "y": lb} for c, (px, lb) in EMNIST[split].items()})
+        write_sqlite(d / f"shakespeare_{split}.sqlite",
+                     {c: {"snippets": np.array([t.encode() for t in s], object)}
+                      for c, s in SHAKESPEARE[split].items()})
+    for split, clients in SO.items():
+        write_sqlite(d / f"stackoverflow_{split}.sqlite",
+                     {c: {"tokens": np.array([t.encode() for t in s], object),
+                          "score": np.arange(len(s), dtype=np.int64)}
+                      for c, s in clients.items()})
+    return d
+
+
+@pytest.fixture(scope="module", params=["tff_h5", "fedjax_sqlite"])
+def converted(request, tff_dir, sqlite_dir, tmp_path_factory):
+    source = tff_dir if request.param == "tff_h5" else sqlite_dir
+    out = tmp_path_factory.mktemp(request.param)
+    return {
+        "emnist": convert("emnist", source, out / "emnist", request.param),
+        "shakespeare": convert("shakespeare", source, out / "shakespeare", request.param),
+        "stackoverflow": convert("stackoverflow", source, out / "so", request.param,
+                                 vocab_size=3, max_sentences=3),
+    }
+
+
+def _client(data, client_id, split):
+    return data.client(list(data.client_ids).index(client_id), split)
+
+
+def _sentence(*ids):
+    row = np.zeros(21, np.int32)
+    row[:len(ids)] = ids
+    return row[:-1], row[1:]
+
+
+# --- EMNIST ----------------------------------------------------------------------
+
+def test_emnist_arrays_ids_and_counts(converted):
+    task = load_task("emnist_tff", {"store_dir": str(converted["emnist"])})
+    assert task.name == "emnist_tff" and task.held_out is None
+    assert list(task.train.client_ids) == sorted(EMNIST_TRAIN)
+    np.testing.assert_array_equal(task.train.num_examples("train"), [3, 0, 2])
+    np.testing.assert_array_equal(task.train.num_examples("test"), [1, 0, 2])
+    for split in ("train", "test"):
+        for client_id, (pixels, labels) in EMNIST[split].items():
+            if client_id not in EMNIST_TRAIN:
+                continue
+            rows = _client(task.train, client_id, split)
+            assert rows["x"].dtype == np.float32 and rows["x"].shape == (len(labels), 28, 28)
+            np.testing.assert_array_equal(rows["x"], pixels)
+            np.testing.assert_array_equal(rows["y"], labels)
+            assert rows["y"].dtype == np.int32
+    meta = json.loads((converted["emnist"] / "task.json").read_text())
+    assert meta["test_only_clients"] == 1
+
+
+def test_emnist_held_out_fraction_and_caps(converted):
+    task = load_task("emnist_tff", {"store_dir": str(converted["emnist"]),
+                                    "held_out_fraction": 0.34, "max_train_examples": 2})
+    ids = list(task.train.client_ids) + list(task.held_out.client_ids)
+    assert sorted(ids) == sorted(EMNIST_TRAIN) and len(task.held_out.client_ids) == 1
+    assert task.train.num_examples("train").max() <= 2
+    cohort = assemble_cohort(task.train, "train", [0, 1], num_clients=3, padded_examples=2,
+                             batch_size=1)
+    assert cohort.x.shape == (3, 2, 1, 28, 28)
+
+
+# --- Shakespeare -----------------------------------------------------------------
+
+def test_shakespeare_matches_embedded_preprocessing(converted):
+    task = load_task("shakespeare_tff", {"store_dir": str(converted["shakespeare"])})
+    assert list(task.train.client_ids) == sorted(SHAKESPEARE["train"])
+    for split in ("train", "test"):
+        for client_id in SHAKESPEARE["train"]:
+            snippets = SHAKESPEARE[split].get(client_id, [])
+            pairs = [shakespeare.snippet_to_sequences(s.encode("utf-8")) for s in snippets]
+            rows = _client(task.train, client_id, split)
+            expected_x = (np.concatenate([x for x, _ in pairs]) if pairs
+                          else np.zeros((0, 80), np.int32))
+            np.testing.assert_array_equal(rows["x"], expected_x)
+            if pairs:
+                np.testing.assert_array_equal(rows["y"], np.concatenate([y for _, y in pairs]))
+    helena = _client(task.train, "ALL_S_WELL_HELENA", "train")["x"]
+    assert shakespeare.OOV in helena  # non-ASCII bytes map to the OOV id
+
+
+# --- Stack Overflow --------------------------------------------------------------
+
+def test_stackoverflow_vocabulary_truncation_and_cap(converted):
+    so_dir = converted["stackoverflow"]
+    vocab = json.loads((so_dir / "vocab.json").read_text())
+    assert vocab["words"] == SO_WORDS
+    assert (vocab["pad"], vocab["oov"], vocab["bos"], vocab["eos"], vocab["size"]) == (
+        0, OOV, BOS, EOS, 7)
+    task = load_task("stackoverflow_tff", {"store_dir": str(so_dir)})
+    assert list(task.train.client_ids) == ["00001", "00002", "00003"]
+    np.testing.assert_array_equal(task.train.num_examples("train"), [3, 3, 0])
+    np.testing.assert_array_equal(task.train.num_examples("test"), [1, 0, 0])
+    c1 = _client(task.train, "00001", "train")
+    expected = [_sentence(BOS, THE, CAT, SAT, EOS), _sentence(BOS, THE, OOV, CAT, EOS),
+                (np.array([BOS] + [THE] * 19), np.array([THE] * 20))]
+    for row, (x, y) in enumerate(expected):
+        np.testing.assert_array_equal(c1["x"][row], x)
+        np.testing.assert_array_equal(c1["y"][row], y)
+    assert c1["x"].shape == (3, 20) and c1["x"].dtype == np.int32
+    c2 = _client(task.train, "00002", "train")  # first 3 of 5 sentences kept
+    np.testing.assert_array_equal(c2["x"][:, :4], [[BOS, OOV, THE, EOS], [BOS, THE, EOS, 0],
+                                                   [BOS, SAT, SAT, EOS]])
+    x, _ = _sentence(BOS, CAT, OOV, EOS)
+    np.testing.assert_array_equal(_client(task.train, "00001", "test")["x"][0], x)
+    # Held-out users: the first 80% of their sentences personalize, the rest test.
+    assert list(task.held_out.client_ids) == ["00010"]
+    assert task.held_out.num_examples("train")[0] == 3  # 4 sentences, capped at 3
+    assert task.held_out.num_examples("test")[0] == 1
+    capped = load_task("stackoverflow_tff", {"store_dir": str(so_dir), "max_train_examples": 2,
+                                             "held_out": False})
+    assert capped.held_out is None
+    np.testing.assert_array_equal(capped.train.num_examples("train"), [2, 2, 0])
+    np.testing.assert_array_equal(_client(capped.train, "00002", "train")["x"], c2["x"][:2])
+
+
+# --- the store ---------------------------------------------------------------------
+
+def test_store_opens_from_headers_and_offsets_only(converted, monkeypatch):
+    calls = []
+    real_load = np.load
+
+    def spy(path, *args, **kwargs):
+        calls.append(kwargs.get("mmap_mode"))
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(np, "load", spy)
+    store = ClientStore(converted["stackoverflow"] / "train")
+    assert calls and all(mode == "r" for mode in calls)
+    assert store.num_rows("train") == 6 and store.num_rows("test") == 1
+    assert store.index_of("00002") == 1
+    with pytest.raises(KeyError):
+        store.index_of("nobody")
+
+
+def test_write_store_round_trip_and_atomicity(tmp_path):
+    spec = {"x": ((2,), np.int32), "y": ((), np.int32)}
+    clients = [("b", {"train": {"x": np.ones((2, 2), np.int32), "y": np.arange(2)}}),
+               ("a", {"test": {"x": np.zeros((1, 2), np.int32), "y": [7]}}),
+               ("é", {})]
+    store = ClientStore(write_store(tmp_path / "s", clients, spec))
+    assert list(store.client_ids) == ["b", "a", "é"] and store.index_of("a") == 1
+    np.testing.assert_array_equal(store.client(1, "test")["y"], [7])
+    assert store.client(2, "train")["x"].shape == (0, 2)
+
+    def failing():
+        yield clients[0]
+        raise RuntimeError("source broke")
+
+    with pytest.raises(RuntimeError):
+        write_store(tmp_path / "t", failing(), spec)
+    assert sorted(os.listdir(tmp_path)) == ["s"]  # no half-written store left behind
+
+
+def test_missing_or_corrupt_store_is_one_line_error(converted, tmp_path):
+    with pytest.raises(ValueError, match="convert.py --dataset=emnist") as info:
+        load_task("emnist_tff", {"store_dir": str(tmp_path / "nope")})
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="holds 'emnist'"):
+        load_task("shakespeare_tff", {"store_dir": str(converted["emnist"])})
+    broken = tmp_path / "broken"
+    convert("emnist", _source_of(converted), broken, _format_of(converted))
+    with open(broken / "train" / "train.x.npy", "r+b") as f:
+        f.truncate(300)
+    with pytest.raises(ValueError, match="not a converted store") as info:
+        load_task("emnist_tff", {"store_dir": str(broken)})
+    assert "\n" not in str(info.value)
+    (broken / "train" / "meta.json").write_text("{")
+    with pytest.raises(ValueError, match="unreadable meta.json"):
+        load_task("emnist_tff", {"store_dir": str(broken)})
+
+
+def _source_of(converted):
+    return json.loads((converted["emnist"] / "task.json").read_text())["origin"].split(":", 1)[1]
+
+
+def _format_of(converted):
+    return json.loads((converted["emnist"] / "task.json").read_text())["origin"].split(":", 1)[0]
+
+
+def test_msgpack_codec_round_trip():
+    arrays = {"x": RNG.random((2, 3), dtype=np.float32), "y": np.array([1, 2], np.int64),
+              "tokens": np.array([b"a b", "ü".encode()], object), "n": np.int32(4)}
+    back = decode_client(encode_client(arrays))
+    assert sorted(back) == sorted(arrays)
+    for name, value in arrays.items():
+        assert np.asarray(back[name]).dtype == np.asarray(value).dtype
+        np.testing.assert_array_equal(back[name], value)
+
+
+def test_convert_cli(tff_dir, tmp_path):
+    script = os.path.join(ROOT, "launch", "convert.py")
+    out = tmp_path / "emnist"
+    done = subprocess.run([sys.executable, script, "--dataset=emnist", f"--source={tff_dir}",
+                           f"--out={out}"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert len(load_task("emnist_tff", {"store_dir": str(out)}).train.client_ids) == 3
+    failed = subprocess.run([sys.executable, script, "--dataset=emnist", f"--source={tmp_path}",
+                             f"--out={tmp_path / 'x'}"], capture_output=True, text=True,
+                            timeout=60)
+    assert failed.returncode == 2
+    assert failed.stderr.strip().startswith("error: missing TFF h5 files")
+    assert len(failed.stderr.strip().splitlines()) == 1
