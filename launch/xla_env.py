@@ -12,6 +12,10 @@ CPU_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=individual_dot",)
 
 
 def apply() -> None:
+    # JAX logs at INFO that it found no TPU; under absl that line lands on stderr, in
+    # front of the one-line errors users should see.
+    import logging
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     if os.environ.get("FLOWJAX_XLA_TUNING", "1") == "0":
         return
     flags = os.environ.get("XLA_FLAGS", "")

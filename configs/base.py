@@ -1,0 +1,58 @@
+"""Fields shared by every dataset config; each dataset file sets the paper's values.
+
+Dataset configs call ``base_config()`` and then set their dataset, model and the paper's
+Appendix B hyperparameters. Every field can be overridden from the command line
+(``--config.methods.ditto.lam=0.01``).
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+
+def base_config(variant: str) -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.variant = variant
+    config.seed = 0
+    config.algorithm = "flow"
+
+    # Client training; the dataset config sets the paper's values.
+    config.num_rounds = 1500
+    config.clients_per_round = 10
+    config.epochs = 3
+    config.batch_size = 20
+    config.learning_rate = 0.01
+    config.momentum = 0.0
+    config.max_examples_per_client = config_dict.placeholder(int)
+
+    # Flow (paper defaults; the ablations are these fields).
+    config.gamma = 1e-3
+    config.split_ratio = 0.5
+    config.order = "alternating"
+    config.global_step = "routed"
+    config.policy_dropout = 0.3
+    config.fixed_q0 = config_dict.placeholder(float)  # fixed-policy ablation
+    config.local_route = "local"  # "global" = pi-Flow
+
+    # Baselines' own hyperparameters (paper Appendix B; datasets override).
+    config.methods = ml_collections.ConfigDict(dict(
+        apfl=dict(alpha=0.25),
+        ditto=dict(lam=0.1),
+        fedrep=dict(head_epochs=4, body_epochs=1),
+        lg_fedavg=dict(global_layers=config_dict.placeholder(tuple)),  # None = the head
+        hypcluster=dict(clusters=2, warmup_rounds=10, perturbation=0.01),
+        knn_per=dict(neighbours=5, lam=0.5, max_datastore=4096),
+        local=dict(epochs=10, learning_rate=0.05),
+        partialfed=dict(temperature=1.0, strategy_learning_rate=0.11),
+    ))
+
+    config.server = ml_collections.ConfigDict(dict(
+        optimizer="sgd", learning_rate=1.0, momentum=0.0, b1=0.9, b2=0.99, eps=1e-3,
+        bias_correction=True))
+    config.eval = ml_collections.ConfigDict(dict(
+        every=100, clients=config_dict.placeholder(int), held_out=True, chunk=16,
+        max_examples=config_dict.placeholder(int)))
+    config.mapping = ml_collections.ConfigDict(dict(strategy="auto", chunk_size=1, num_devices=1))
+    config.log_every = 10
+    config.checkpoint_every = 100  # rounds; 0 disables checkpoints (and resuming)
+    config.on_divergence = "stop"  # or "skip_clients"
+    return config

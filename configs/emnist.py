@@ -1,0 +1,37 @@
+"""Federated EMNIST-62 (TFF's files, converted once with launch/convert.py).
+
+  python launch/convert.py --dataset=emnist --source=DIR_WITH_fed_emnist_h5 --out=data/emnist
+  python launch/train.py --config=configs/emnist.py:paper --config.data.store_dir=data/emnist \
+      --workdir=runs/emnist_flow
+
+Variant ``paper``: Appendix B (1500 rounds, 10 clients/round, K = 3, batch 20, lr 0.01,
+gamma 1e-2; Local 10 epochs at lr 0.05; kNN-Per k = 10, lambda 0.4; APFL alpha 0.25;
+Ditto lambda 0.1; HypCluster k = 2).
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+from configs.base import base_config
+
+
+def get_config(variant: str = "paper") -> ml_collections.ConfigDict:
+    if variant != "paper":
+        raise ValueError(f"unknown emnist config variant {variant!r}; expected 'paper'")
+    config = base_config(variant)
+    config.dataset = "emnist_tff"
+    config.data = ml_collections.ConfigDict(dict(
+        store_dir=config_dict.placeholder(str),
+        max_train_examples=config_dict.placeholder(int),
+        max_test_examples=config_dict.placeholder(int)))
+    config.model = "emnist_cnn"
+    config.num_rounds = 1500
+    config.epochs = 3
+    config.batch_size = 20
+    config.learning_rate = 0.01
+    config.gamma = 1e-2
+    # Eq. 2 has one base layer per routed layer; the authors' widths 350-150-50 plus one.
+    config.policy_hidden = (350, 150, 50, 50)
+    config.methods.knn_per.update(neighbours=10, lam=0.4)
+    config.methods.local.update(epochs=10, learning_rate=0.05)
+    return config

@@ -1,0 +1,39 @@
+"""Stack Overflow next-word prediction (TFF's files, converted once with launch/convert.py).
+
+  python launch/convert.py --dataset=stackoverflow --source=DIR_WITH_stackoverflow_h5 \
+      --out=data/stackoverflow
+  python launch/train.py --config=configs/stackoverflow.py:paper \
+      --config.data.store_dir=data/stackoverflow --workdir=runs/so_flow
+
+Variant ``paper``: Appendix B (2000 rounds, 10 clients/round, K = 3, batch 16, lr 0.1,
+gamma 1e-3; kNN-Per k = 5, lambda 0.5; APFL alpha 0.25; Ditto lambda 0.1; HypCluster
+k = 2). Accuracy excludes pad; ``--config.model_options.exclude_special=True`` also drops
+oov/bos/eos.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+from configs.base import base_config
+
+
+def get_config(variant: str = "paper") -> ml_collections.ConfigDict:
+    if variant != "paper":
+        raise ValueError(f"unknown stackoverflow config variant {variant!r}; expected 'paper'")
+    config = base_config(variant)
+    config.dataset = "stackoverflow_tff"
+    config.data = ml_collections.ConfigDict(dict(
+        store_dir=config_dict.placeholder(str),
+        max_train_examples=config_dict.placeholder(int),
+        max_test_examples=config_dict.placeholder(int)))
+    config.model = "stackoverflow_lstm"
+    config.model_options = ml_collections.ConfigDict(dict(exclude_special=False))
+    config.num_rounds = 2000
+    config.epochs = 3
+    config.batch_size = 16
+    config.learning_rate = 0.1
+    config.gamma = 1e-3
+    config.policy_hidden = (64, 64, 32, 16)
+    config.methods.lg_fedavg.global_layers = ("dense2",)
+    config.eval.clients = 1000  # of 342,477 train clients; all held-out test clients
+    return config
