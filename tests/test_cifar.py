@@ -1,0 +1,53 @@
+"""CIFAR Dirichlet partitions through TFDS's data_source, on tfds.testing.mock_data."""
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from flowjax.data import load_task
+from flowjax.data.cifar import dirichlet_partition, label_skew
+
+
+def test_partition_sizes_disjointness_and_renormalization():
+    rng = np.random.default_rng(0)
+    labels = np.repeat(np.arange(4), 10)  # 10 examples per class
+    probs = np.array([[1.0, 0, 0, 0]] * 4)  # everyone wants class 0, which runs out
+    chosen = dirichlet_partition(labels, probs, per_client=10, rng=rng)
+    assert chosen.shape == (4, 10)
+    assert len(np.unique(chosen)) == 40  # disjoint, and the pool is used up exactly
+    assert np.all(labels[chosen[0]] == 0)  # the first client gets its class
+    with pytest.raises(ValueError, match="need 50 examples; the pool has 40"):
+        dirichlet_partition(labels, np.full((5, 4), 0.25), per_client=10, rng=rng)
+
+
+@pytest.mark.parametrize("name", ["cifar10", "cifar100"])
+def test_dirichlet_tasks_from_tfds_mock(name):
+    skew = {}
+    with tfds.testing.mock_data(num_examples=600):
+        for alpha in (0.1, 0.6):
+            task = load_task(f"{name}_dirichlet", {"alpha": alpha, "num_clients": 20,
+                                                   "train_per_client": 25, "test_per_client": 5})
+            data = task.train
+            np.testing.assert_array_equal(data.num_examples("train"), 25)
+            np.testing.assert_array_equal(data.num_examples("test"), 5)
+            x = data.client(3, "train")["x"]
+            assert x.shape == (25, 32, 32, 3) and x.dtype == np.float32
+            assert abs(float(data.splits["train"].features["x"].mean())) < 1.5  # standardized
+            skew[alpha] = label_skew(task)
+            assert task.name == f"{name}_dirichlet_{alpha:g}"
+    assert skew[0.1] > skew[0.6], skew  # smaller alpha, more skewed clients
+
+
+@pytest.mark.slow  # compiles the routed ResNet-18 (about a minute on 2 cores)
+def test_cifar_config_trains_a_round_on_mock_data():
+    from configs import cifar
+    from flowjax import config as run_config
+    from flowjax import experiment
+
+    config = cifar.get_config("cifar10_0.1")
+    config.data.update(num_clients=4, train_per_client=4, test_per_client=2)
+    config.update(num_rounds=1, clients_per_round=2, batch_size=2, epochs=1)
+    config.eval.clients = 2
+    with tfds.testing.mock_data(num_examples=64):
+        result = experiment.run(run_config.build_simulation(config))
+    assert 0 <= result.summaries["train_clients"].acc_p <= 1
