@@ -11,6 +11,15 @@ batch of ``clients x batch`` examples (the physical limit). A client-step is one
 visited by one client: FedAvg visits ``steps`` per client (one epoch); Flow visits
 ``steps / 2`` in its local phase and ``steps / 2`` in its routing phase, where each
 minibatch takes a policy step and a global step through both branches.
+
+Options:
+  --compare_torch (or --compare-torch): also time the EMNIST CNN's FedAvg round in PyTorch
+    eager (``launch/torch_reference.py``). ``torch`` is optional, not a flowjax dependency
+    (``pip install torch==2.13.0``); without it the comparison is skipped with one line.
+  --scaling: FedAvg client-steps/s of the first model for cohorts of 1, 2, 4, ...
+    ``--max_clients`` clients, and the memory each concurrently trained client needs.
+  --skewed: Stackoverflow-like log-normal client sizes instead of equal ones, so the padding
+    line shows what the fixed-shape cohort wastes.
 """
 
 import os
@@ -21,6 +30,7 @@ from launch import xla_env  # noqa: E402
 
 xla_env.apply()
 
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -31,11 +41,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from flowjax.algorithms.base import plain_loss_sums, sgd_step  # noqa: E402
+from flowjax.algorithms.base import client_optimizer, plain_loss_sums, sgd_step  # noqa: E402
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg  # noqa: E402
 from flowjax.algorithms.flow import FlowConfig, flow  # noqa: E402
-from flowjax.core.cohort import client_at  # noqa: E402
-from flowjax.core.mapping import ClientMapping  # noqa: E402
+from flowjax.core.cohort import client_at, padding_efficiency  # noqa: E402
+from flowjax.core.mapping import ClientMapping, default_mapping  # noqa: E402
 from flowjax.core.server_opt import server_optimizer  # noqa: E402
 from flowjax.core.tree import weighted_mean  # noqa: E402
 from flowjax.data.federated import ArrayFederatedData, FederatedTask, RaggedSplit  # noqa: E402
@@ -51,25 +61,61 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (median reporte
 _OUT = flags.DEFINE_string("out", None, "Optional JSON file for the measurements.")
 _CUSTOM_GRAD = flags.DEFINE_enum("custom_grad", "auto", ["auto", "true", "false"],
                                  "Hand-written VJPs for convs/LSTMs (auto: the model's default).")
+_COMPARE_TORCH = flags.DEFINE_bool(
+    "compare_torch", False, "Also time the EMNIST CNN's FedAvg round in PyTorch eager. Needs the "
+    "optional torch package (not a flowjax dependency; pip install torch==2.13.0); skipped "
+    "with a note when it is missing.")
+_SCALING = flags.DEFINE_bool("scaling", False, "FedAvg client-steps/s of the first model per "
+                             "cohort size 1, 2, 4, ... --max_clients, with memory per client.")
+_MAX_CLIENTS = flags.DEFINE_integer("max_clients", 32, "Largest cohort for --scaling.")
+_SKEWED = flags.DEFINE_bool("skewed", False, "Stackoverflow-like log-normal client sizes "
+                            "(median steps*batch/2, capped at steps*batch) instead of equal ones.")
 
 BATCH = {"emnist_cnn": 20, "shakespeare_lstm": 4}
 POLICY = {"emnist_cnn": (350, 150, 50, 50), "shakespeare_lstm": (64, 64, 32, 16)}
 LEARNING_RATE = {"emnist_cnn": 0.01, "shakespeare_lstm": 0.11}
+# Spread of log(client size) for --skewed: a heavy tail like Stackoverflow's (many small
+# clients, a few at the cap); the exact value only shapes the demo.
+SKEW_SIGMA = 1.0
 
 
-def synthetic_task(model_name: str, clients: int, examples: int, seed: int = 0) -> FederatedTask:
-    """Every client holds exactly ``examples`` examples, so no step is padding."""
-    rng = np.random.default_rng(seed)
+def synthetic_examples(model_name: str, n: int, rng: np.random.Generator):
+    """``n`` random examples ``(x, y)`` shaped like the model's dataset."""
     if model_name == "emnist_cnn":
-        x = rng.normal(size=(clients * examples, 28, 28)).astype(np.float32)
-        y = rng.integers(0, 62, size=(clients * examples,)).astype(np.int32)
-    else:
-        tokens = rng.integers(1, 87, size=(clients * examples, 81)).astype(np.int32)
-        x, y = tokens[:, :-1], tokens[:, 1:]
-    offsets = np.arange(clients + 1, dtype=np.int64) * examples
+        x = rng.normal(size=(n, 28, 28)).astype(np.float32)
+        return x, rng.integers(0, 62, size=(n,)).astype(np.int32)
+    tokens = rng.integers(1, 87, size=(n, 81)).astype(np.int32)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def client_sizes(clients: int, cap: int, skewed: bool, seed: int = 0) -> np.ndarray:
+    """Examples per client: all ``cap`` (no padding at all), or log-normal with median
+    ``cap / 2``, clipped to ``[1, cap]``, like Stackoverflow's clients under a cap."""
+    if not skewed:
+        return np.full((clients,), cap, np.int64)
+    rng = np.random.default_rng(seed)
+    sizes = np.clip(np.round(rng.lognormal(np.log(cap / 2), SKEW_SIGMA, clients)), 1, cap)
+    sizes = sizes.astype(np.int64)
+    # Stackoverflow's population always has clients above the cap, so its cohorts are
+    # always ``cap`` examples long; pinning the largest client to the cap keeps that
+    # shape (``steps`` steps per client) in a small synthetic population too.
+    sizes[np.argmax(sizes)] = cap
+    return sizes
+
+
+def synthetic_task(model_name: str, sizes: np.ndarray, seed: int = 0) -> FederatedTask:
+    """Client ``i`` holds ``sizes[i]`` random examples."""
+    x, y = synthetic_examples(model_name, int(np.sum(sizes)), np.random.default_rng(seed))
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     split = RaggedSplit({"x": x, "y": y}, offsets)
-    data = ArrayFederatedData(tuple(f"c{i}" for i in range(clients)), {"train": split, "test": split})
+    ids = tuple(f"c{i}" for i in range(len(sizes)))
+    data = ArrayFederatedData(ids, {"train": split, "test": split})
     return FederatedTask(train=data, held_out=None, name=f"synthetic_{model_name}")
+
+
+def first_batch(task: FederatedTask, batch: int) -> jax.Array:
+    """Example inputs for Flow's policy shapes."""
+    return jnp.asarray(task.train.client(0, "train")["x"][:batch])
 
 
 def algorithms(model_name: str, example_x):
@@ -94,12 +140,20 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def time_engine_round(algorithm, task, strategy, chunk_size, repeats):
+def cohort_padding(cohort) -> dict[str, float]:
+    """Useful fraction of a cohort's slots: of example slots (``padding_efficiency``) and
+    of client-step slots (a step is useful when its minibatch holds a real example)."""
+    mask = np.asarray(cohort.mask)
+    return {"example_efficiency": padding_efficiency(cohort),
+            "step_efficiency": float(np.mean(np.any(mask, axis=-1)))}
+
+
+def time_engine_round(algorithm, task, mapping: ClientMapping, repeats: int) -> dict:
     settings = RunSettings(seed=0, num_rounds=1, clients_per_round=len(task.train.client_ids),
                            batch_size=BATCH[algorithm.model.name], eval_held_out=False)
-    simulation = Simulation(algorithm, task, settings, server_optimizer("sgd", 1.0),
-                            ClientMapping(strategy, chunk_size))
-    cohort = jax.device_put(simulation.cohort(0))
+    simulation = Simulation(algorithm, task, settings, server_optimizer("sgd", 1.0), mapping)
+    host_cohort = simulation.cohort(0)
+    cohort = jax.device_put(host_cohort)
     state = simulation.init_state()
 
     def one_round():
@@ -108,7 +162,8 @@ def time_engine_round(algorithm, task, strategy, chunk_size, repeats):
         return simulation.run_round(fresh, 0, cohort)[0]
 
     seconds = median_seconds(one_round, repeats)
-    return seconds, simulation.trace_counts["round"]
+    return {"round_s": seconds, "compilations": simulation.trace_counts["round"],
+            **cohort_padding(host_cohort)}
 
 
 def time_sequential_loop(algorithm, task, repeats):
@@ -130,13 +185,13 @@ def time_sequential_loop(algorithm, task, repeats):
     return median_seconds(one_round, repeats)
 
 
-def time_centralized(model, task, clients, steps, repeats):
+def time_centralized(model, clients, steps, repeats):
     """``steps`` SGD steps of the plain model on batches of ``clients x batch`` examples."""
     batch = BATCH[model.name] * clients
-    x = jnp.asarray(task.train.splits["train"].features["x"][: steps * batch])
-    y = jnp.asarray(task.train.splits["train"].features["y"][: steps * batch])
-    x = x.reshape((steps, batch) + x.shape[1:])
-    y = y.reshape((steps, batch) + y.shape[1:])
+    # Its own full-size data: under --skewed the clients hold fewer examples than this.
+    x, y = synthetic_examples(model.name, steps * batch, np.random.default_rng(1))
+    x = jnp.asarray(x).reshape((steps, batch) + x.shape[1:])
+    y = jnp.asarray(y).reshape((steps, batch) + y.shape[1:])
     optimizer = optax.sgd(LEARNING_RATE[model.name])
     step = sgd_step(lambda p, b, k: plain_loss_sums(model, p, b, k), optimizer)
     params = model.init(jax.random.key(0))
@@ -150,53 +205,187 @@ def time_centralized(model, task, clients, steps, repeats):
     return median_seconds(lambda: train(params), repeats)
 
 
+def time_torch(model_name: str, task, steps: int, repeats: int) -> dict | None:
+    """PyTorch eager FedAvg round on the task's clients, or None (with a note) if unavailable."""
+    if model_name != "emnist_cnn":
+        print(f"--compare_torch: only emnist_cnn has a PyTorch reference; skipping {model_name}")
+        return None
+    if importlib.util.find_spec("torch") is None:
+        print("--compare_torch: torch is not installed (optional; pip install torch==2.13.0); "
+              "skipping the PyTorch comparison")
+        return None
+    from launch import torch_reference  # only now: torch is optional
+
+    data = task.train
+    clients = [(rows["x"], rows["y"]) for rows in
+               (data.client(i, "train") for i in range(len(data.client_ids)))]
+    return torch_reference.time_fedavg_round(clients, steps=steps, batch=BATCH[model_name],
+                                             learning_rate=LEARNING_RATE[model_name],
+                                             repeats=repeats)
+
+
+def time_model(model_name: str, clients: int, steps: int, repeats: int) -> dict:
+    """Every row of one model's table: engine rounds per mapping, the Python loop, the
+    centralized-equivalent step and (with --compare_torch) PyTorch eager."""
+    batch = BATCH[model_name]
+    task = synthetic_task(model_name, client_sizes(clients, steps * batch, _SKEWED.value))
+    model, methods = algorithms(model_name, first_batch(task, batch))
+    rows = {}
+    for method, algorithm in methods.items():
+        rows[(method, "python loop (sequential)")] = {
+            "round_s": time_sequential_loop(algorithm, task, repeats), "compilations": 1}
+        for strategy in _STRATEGIES.value:
+            rows[(method, strategy)] = time_engine_round(
+                algorithm, task, ClientMapping(strategy, _CHUNK.value), repeats)
+    torch_row = time_torch(model_name, task, steps, repeats) if _COMPARE_TORCH.value else None
+    return {"rows": rows, "centralized_s": time_centralized(model, clients, steps, repeats),
+            "torch": torch_row, "methods": tuple(methods)}
+
+
+def print_model(model_name: str, timed: dict, clients: int, steps: int) -> dict:
+    """Prints one model's table and ratio lines; returns them for the JSON report."""
+    central, rows = timed["centralized_s"], dict(timed["rows"])
+    if timed["torch"]:
+        torch_row = timed["torch"]
+        rows[("fedavg", f"pytorch {torch_row['torch']} eager, channels_last, "
+                        f"{torch_row['threads']} threads")] = torch_row
+    print(f"\n{model_name}: {clients} clients x {steps} steps x batch {BATCH[model_name]}"
+          f"{' (skewed sizes)' if _SKEWED.value else ''}; centralized-equivalent "
+          f"{clients * steps / central:.1f} client-steps/s ({central:.3f} s)")
+    print("| method | mapping | round s | client-steps/s | vs python loop | "
+          "vs centralized | compilations | useful step slots |")
+    print("|---|---|---|---|---|---|---|---|")
+    results = [print_row(key, row, rows, central, clients * steps) for key, row in rows.items()]
+    out = {"centralized_s": central, "rows": results}
+    print_ratios(timed, out)
+    return out
+
+
+def print_row(key, row: dict, rows: dict, central: float, client_steps: int) -> dict:
+    """One table row; every ratio compares round times on the same clients' work."""
+    (method, mapping), seconds = key, row["round_s"]
+    # Eager PyTorch counts its own steps: it skips the padding the engine executes.
+    client_steps = row.get("client_steps", client_steps)
+    sequential = rows[(method, "python loop (sequential)")]["round_s"]
+    useful = row.get("step_efficiency", 1.0 if "torch" in row else None)
+    print(f"| {method} | {mapping} | {seconds:.3f} | {client_steps / seconds:.1f} | "
+          f"{sequential / seconds:.2f}x | {central / seconds:.2f} | {row.get('compilations', '-')} "
+          f"| {'-' if useful is None else f'{useful:.2f}'} |")
+    return {"method": method, "mapping": mapping, **row,
+            "client_steps_per_s": client_steps / seconds,
+            "speedup_vs_python_loop": sequential / seconds,
+            "fraction_of_centralized": central / seconds}
+
+
+def print_ratios(timed: dict, out: dict) -> None:
+    """Flow over FedAvg, the padding line and flowjax over PyTorch, into ``out`` too."""
+    rows = timed["rows"]
+    best = {m: min((k for k in rows if k[0] == m), key=lambda k: rows[k]["round_s"])
+            for m in timed["methods"]}
+    out["flow_over_fedavg"] = rows[best["flow"]]["round_s"] / rows[best["fedavg"]]["round_s"]
+    print(f"Flow round / FedAvg round (best mapping each): {out['flow_over_fedavg']:.2f}x")
+    engine = [key for key in rows if "step_efficiency" in rows[key]]
+    if not engine:
+        return
+    # Every engine round here trains the same cohort, so one line covers them all; the
+    # client-steps/s above count executed slots, this says how many did real work.
+    out["padding"] = {k: rows[engine[0]][k] for k in ("step_efficiency", "example_efficiency")}
+    print(f"padding efficiency (every engine round): {out['padding']['step_efficiency']:.2f} of "
+          f"client-step slots, {out['padding']['example_efficiency']:.2f} of example slots "
+          f"hold real data")
+    if timed["torch"]:
+        fastest = min((k for k in engine if k[0] == "fedavg"), key=lambda k: rows[k]["round_s"])
+        ratio = timed["torch"]["round_s"] / rows[fastest]["round_s"]
+        out["flowjax_over_torch"] = {"mapping": fastest[1], "ratio": ratio}
+        print(f"flowjax FedAvg ({fastest[1]}) / PyTorch eager, throughput on the same round: "
+              f"{ratio:.2f}x")
+
+
+def tree_bytes(tree) -> int:
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+
+def memory_per_client(model_name: str, model, steps: int) -> dict[str, int]:
+    """Bytes one concurrently trained FedAvg client holds: its params, grads, optimizer
+    state and its cohort slice (activations come on top; see the device peak)."""
+    params = model.init(jax.random.key(0))
+    opt_state = client_optimizer(LEARNING_RATE[model_name]).init(params)
+    x, y = synthetic_examples(model_name, steps * BATCH[model_name], np.random.default_rng(0))
+    sizes = {"params": tree_bytes(params), "grads": tree_bytes(params),
+             "optimizer": tree_bytes(opt_state), "data": x.nbytes + y.nbytes + y.shape[0]}
+    return {**sizes, "total": sum(sizes.values())}
+
+
+def peak_device_bytes() -> int | None:
+    """The device's peak allocation so far, where the backend reports it (not on CPU)."""
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    return (stats or {}).get("peak_bytes_in_use")
+
+
+def cohort_sizes(max_clients: int) -> list[int]:
+    sizes = [1 << i for i in range(max(max_clients, 1).bit_length()) if 1 << i <= max_clients]
+    return sizes + ([max_clients] if sizes[-1] != max_clients else [])
+
+
+def scaling(model_name: str, steps: int, max_clients: int, repeats: int) -> dict:
+    """FedAvg client-steps/s with the backend's default mapping per cohort size (equal-size
+    clients, so only the cohort size changes), and memory per concurrent client."""
+    mapping, batch = default_mapping(), BATCH[model_name]
+    print(f"\nscaling, {model_name} FedAvg, mapping {mapping.strategy}, {steps} steps x batch "
+          f"{batch}:\n| clients | round s | client-steps/s | device peak MB |\n|---|---|---|---|")
+    rows = []
+    for n in cohort_sizes(max_clients):
+        task = synthetic_task(model_name, client_sizes(n, steps * batch, False))
+        model, methods = algorithms(model_name, first_batch(task, batch))
+        seconds = time_engine_round(methods["fedavg"], task, mapping, repeats)["round_s"]
+        peak = peak_device_bytes()
+        rows.append({"clients": n, "round_s": seconds, "client_steps_per_s": n * steps / seconds,
+                     "device_peak_bytes": peak})
+        print(f"| {n} | {seconds:.3f} | {n * steps / seconds:.1f} | "
+              f"{'-' if peak is None else f'{peak / 2**20:.0f}'} |")
+    memory = memory_per_client(model_name, model, steps)
+    print("memory per concurrently trained client (params + grads + optimizer + data): "
+          + ", ".join(f"{k} {v / 2**20:.2f} MB" for k, v in memory.items()))
+    if rows[-1]["device_peak_bytes"]:
+        # An upper bound: the peak also holds the global state and any earlier, larger round.
+        print(f"device peak / clients at {rows[-1]['clients']} clients: "
+              f"{rows[-1]['device_peak_bytes'] / rows[-1]['clients'] / 2**20:.1f} MB")
+    return {"model": model_name, "mapping": mapping.strategy, "rows": rows,
+            "memory_per_client_bytes": memory}
+
+
 def main(argv):
     del argv
     clients, steps, repeats = _CLIENTS.value, _STEPS.value, _REPEATS.value
-    client_steps = clients * steps
     report = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
               "jax": jax.__version__, "clients": clients, "steps": steps,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "custom_grad": _CUSTOM_GRAD.value,
-              "models": {}}
+              "skewed": _SKEWED.value, "models": {}}
     print(f"backend={report['backend']} device={report['device']} jax={report['jax']} "
           f"XLA_FLAGS='{report['xla_flags']}' custom_grad={_CUSTOM_GRAD.value}")
     for model_name in _MODELS.value:
-        batch = BATCH[model_name]
-        task = synthetic_task(model_name, clients, steps * batch)
-        example_x = jnp.asarray(task.train.client(0, "train")["x"][:batch])
-        model, methods = algorithms(model_name, example_x)
-        rows = {}
-        central = time_centralized(model, task, clients, steps, repeats)
-        for method, algorithm in methods.items():
-            sequential = time_sequential_loop(algorithm, task, repeats)
-            rows[(method, "python loop (sequential)")] = (sequential, 1)
-            for strategy in _STRATEGIES.value:
-                rows[(method, strategy)] = time_engine_round(algorithm, task, strategy,
-                                                             _CHUNK.value, repeats)
-        print(f"\n{model_name}: {clients} clients x {steps} steps x batch {batch}; "
-              f"centralized-equivalent {client_steps / central:.1f} client-steps/s "
-              f"({central:.3f} s)")
-        print("| method | mapping | round s | client-steps/s | vs python loop | "
-              "vs centralized | compilations |")
-        print("|---|---|---|---|---|---|---|")
-        results = []
-        for (method, strategy), (seconds, compiles) in rows.items():
-            sequential = rows[(method, "python loop (sequential)")][0]
-            results.append({"method": method, "mapping": strategy, "round_s": seconds,
-                            "client_steps_per_s": client_steps / seconds,
-                            "speedup_vs_python_loop": sequential / seconds,
-                            "fraction_of_centralized": central / seconds,
-                            "compilations": compiles})
-            print(f"| {method} | {strategy} | {seconds:.3f} | {client_steps / seconds:.1f} | "
-                  f"{sequential / seconds:.2f}x | {central / seconds:.2f} | {compiles} |")
-        best = {m: min(s for (mm, _), (s, _) in rows.items() if mm == m) for m in methods}
-        print(f"Flow round / FedAvg round (best mapping each): {best['flow'] / best['fedavg']:.2f}x")
-        report["models"][model_name] = {"centralized_s": central, "rows": results,
-                                        "flow_over_fedavg": best["flow"] / best["fedavg"]}
+        timed = time_model(model_name, clients, steps, repeats)
+        report["models"][model_name] = print_model(model_name, timed, clients, steps)
+    if _SCALING.value:
+        report["scaling"] = scaling(_MODELS.value[0], steps, _MAX_CLIENTS.value, repeats)
     if _OUT.value:
         with open(_OUT.value, "w") as out:
             json.dump(report, out, indent=2)
 
 
+def normalize_flag_spelling(argv: list[str]) -> list[str]:
+    """``--compare-torch`` -> ``--compare_torch``: absl only knows underscores."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":  # everything after is positional
+            return out + argv[i:]
+        if i and arg.startswith("--"):
+            name, sep, value = arg[2:].partition("=")
+            arg = "--" + name.replace("-", "_") + sep + value
+        out.append(arg)
+    return out
+
+
 if __name__ == "__main__":
+    sys.argv = normalize_flag_spelling(sys.argv)
     app.run(main)
