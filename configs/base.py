@@ -45,6 +45,10 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
         partialfed=dict(temperature=1.0, strategy_learning_rate=0.11),
     ))
 
+    # Shared fields the paper sets per method: {algorithm: {field: value}}, applied by
+    # flowjax.config.effective_config when that algorithm runs.
+    config.per_method = ml_collections.ConfigDict()
+
     config.server = ml_collections.ConfigDict(dict(
         optimizer="sgd", learning_rate=1.0, momentum=0.0, b1=0.9, b2=0.99, eps=1e-3,
         bias_correction=True))

@@ -8,8 +8,8 @@ Dirichlet alpha). Prepare TFDS's CIFAR once as array_record on a machine with in
 
 Appendix B: 4000 rounds, 10 clients/round, K = 3, batch 20, lr 0.05, gamma 1e-3; Local
 20 epochs at lr 0.1; kNN-Per k = 5 with lambda 0.5 (CIFAR-10) / 0.4 (CIFAR-100); APFL
-alpha 0.2 / 0.25; Ditto lambda 0.01; PartialFed lr 0.11 (its 5 local epochs: pass
-``--config.epochs=5`` for that row); HypCluster k = 2.
+alpha 0.2 / 0.25; Ditto lambda 0.01; PartialFed 5 epochs at lr 0.11 (``per_method``);
+HypCluster k = 2.
 """
 
 import ml_collections
@@ -46,5 +46,7 @@ def get_config(variant: str = "cifar10_0.1") -> ml_collections.ConfigDict:
     config.methods.apfl.alpha = 0.2 if name == "cifar10" else 0.25
     config.methods.ditto.lam = 0.01
     config.methods.partialfed.strategy_learning_rate = 0.11
+    config.per_method = ml_collections.ConfigDict(
+        {"partialfed": {"epochs": 5, "learning_rate": 0.11}})
     config.eval.held_out = False  # every client's test split is the evaluation population
     return config

@@ -30,6 +30,10 @@ def paper_shakespeare(config: ml_collections.ConfigDict) -> ml_collections.Confi
     config.methods.apfl.alpha = 0.3
     config.methods.knn_per.update(neighbours=3, lam=0.45)
     config.methods.lg_fedavg.global_layers = ("dense",)
+    config.per_method = ml_collections.ConfigDict({  # "The default learning rate is 0.1"
+        name: {"learning_rate": 0.1} for name in (
+            "fedavg", "fedavg_ft", "apfl", "ditto", "fedrep", "lg_fedavg", "hypcluster",
+            "knn_per", "partialfed")})
     return config
 
 
@@ -42,6 +46,7 @@ def get_config(variant: str = "quick") -> ml_collections.ConfigDict:
         max_train_examples=config_dict.placeholder(int),
         max_test_examples=config_dict.placeholder(int)))
     if variant == "quick":
+        config.per_method = ml_collections.ConfigDict()  # one rate for every method
         config.num_rounds = 100
         config.epochs = 1
         config.learning_rate = 1.0

@@ -67,6 +67,7 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
         before anything is written.
     """
     simulation = run_config.build_simulation(config)
+    config = run_config.effective_config(config)
     resolved = json.loads(config.to_json_best_effort())
     prepare_workdir(workdir, resolved, overwrite)
     task = simulation.task

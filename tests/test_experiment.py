@@ -66,3 +66,15 @@ def test_bad_values_fail_with_one_line_errors():
         run_config.build_simulation(small_config(algorithm="flwo"))
     with pytest.raises(ValueError, match="config.model='resnet': expected one of"):
         run_config.build_simulation(small_config(model="resnet"))
+
+
+def test_per_method_rows_apply_only_to_their_method():
+    from configs import shakespeare
+    config = shakespeare.get_config("paper")
+    config.algorithm = "ditto"
+    assert run_config.effective_config(config).learning_rate == 0.1  # paper: baselines
+    config.algorithm = "flow"
+    assert run_config.effective_config(config).learning_rate == 0.11  # paper: Flow
+    config.per_method = {"flow": {"no_such_field": 1}}
+    with pytest.raises(ValueError, match="config.per_method.flow.no_such_field: no such field"):
+        run_config.effective_config(config)
