@@ -58,7 +58,7 @@ _CLIENTS = flags.DEFINE_integer("clients", 10, "Clients per round.")
 _STEPS = flags.DEFINE_integer("steps", 20, "Minibatches per client per round.")
 _CHUNK = flags.DEFINE_integer("chunk_size", 5, "Clients per vmapped chunk for 'chunked'.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (median reported).")
-_OUT = flags.DEFINE_string("out", None, "Optional JSON file for the measurements.")
+_OUT = flags.DEFINE_string("json_out", None, "Optional JSON file for the measurements.")
 _CUSTOM_GRAD = flags.DEFINE_enum("custom_grad", "auto", ["auto", "true", "false"],
                                  "Hand-written VJPs for convs/LSTMs (auto: the model's default).")
 _COMPARE_TORCH = flags.DEFINE_bool(

@@ -34,7 +34,8 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.parametrize("fault", [
-    "round:3", "checkpoint:4",
+    pytest.param("round:3", marks=pytest.mark.slow),  # the stateful test below kills mid-round
+    "checkpoint:4",
     pytest.param("round:6", marks=pytest.mark.slow),  # killed after the last round
 ])
 def test_killed_and_resumed_run_is_bit_identical(uninterrupted, tmp_path, fault):
@@ -45,6 +46,18 @@ def test_killed_and_resumed_run_is_bit_identical(uninterrupted, tmp_path, fault)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     for name in ("results.json", "metrics.jsonl"):
         assert (tmp_path / name).read_bytes() == (uninterrupted / name).read_bytes(), name
+
+
+def test_stateful_method_resumes_its_client_states_exactly(tmp_path):
+    ditto = ("--config.algorithm=ditto",)
+    clean = train(tmp_path / "clean", *ditto)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    killed = train(tmp_path / "killed", *ditto, fault="round:3")
+    assert killed.returncode == -signal.SIGKILL
+    resumed = train(tmp_path / "killed", *ditto)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for name in ("results.json", "metrics.jsonl"):
+        assert (tmp_path / "killed" / name).read_bytes() == (tmp_path / "clean" / name).read_bytes()
 
 
 @pytest.mark.slow  # in-process equivalent: test_experiment.py's same-seed test
