@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     client_optimizer, no_routing, plain_loss_sums, sgd_step,
-                                     train_plain, valid_examples)
+                                     client_optimizer, no_routing, plain_loss_sums,
+                                     require_positive_ints, sgd_step, train_plain, valid_examples)
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
 from flowjax.models.base import Params, RoutableModel, forward
@@ -68,9 +68,7 @@ class APFLConfig:
     def __post_init__(self):
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"APFL alpha must be in [0, 1], got {self.alpha}")
-        for name in ("epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_positive_ints(self, ("epochs", "batch_size"))
 
 
 def mix_params(alpha: float, personal: Params, global_params: Params) -> Params:

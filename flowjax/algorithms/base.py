@@ -93,6 +93,13 @@ class FederatedAlgorithm:
         return self.init_client_state is not None
 
 
+def require_positive_ints(config: Any, names: tuple[str, ...]) -> None:
+    """Raises a one-line ``ValueError`` for the first field of ``names`` below 1."""
+    for name in names:
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
+
+
 def client_optimizer(learning_rate: float, momentum: float = 0.0) -> optax.GradientTransformation:
     """The clients' SGD (the paper's; momentum 0.9 is the authors' code, an option)."""
     if learning_rate <= 0:

@@ -48,8 +48,8 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     client_optimizer, no_routing, plain_loss_sums, sgd_step,
-                                     train_plain, valid_examples)
+                                     client_optimizer, no_routing, plain_loss_sums,
+                                     require_positive_ints, sgd_step, train_plain, valid_examples)
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
 from flowjax.core.tree import select_tree
@@ -77,9 +77,7 @@ class DittoConfig:
     def __post_init__(self):
         if not (math.isfinite(self.lam) and self.lam >= 0):
             raise ValueError(f"Ditto lam must be finite and >= 0, got {self.lam}")
-        for name in ("epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_positive_ints(self, ("epochs", "batch_size"))
 
 
 def proximal_pull(z: Params, anchor: Params, step_times_lam: float) -> Params:

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
                                      client_optimizer, instance_weights, plain_loss_sums,
-                                     sgd_step, train_plain, valid_examples)
+                                     require_positive_ints, sgd_step, train_plain, valid_examples)
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
 from flowjax.core.losses import mean_from_sums, weighted_cross_entropy
@@ -104,9 +104,7 @@ class FlowConfig:
                              f"expected one of {GLOBAL_STEPS}")
         if self.gamma < 0:
             raise ValueError(f"gamma must be >= 0, got {self.gamma}")
-        for name in ("local_epochs", "routing_epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_positive_ints(self, ("local_epochs", "routing_epochs", "batch_size"))
 
 
 def split_halves(key: jax.Array, valid: jax.Array, split_ratio: float) -> tuple[jax.Array, jax.Array]:

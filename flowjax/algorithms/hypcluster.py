@@ -46,7 +46,7 @@ import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
                                      client_optimizer, no_routing, plain_loss_sums,
-                                     train_plain, valid_examples)
+                                     require_positive_ints, train_plain, valid_examples)
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.losses import mean_from_sums
 from flowjax.core.tree import select_tree
@@ -74,9 +74,7 @@ class HypClusterConfig:
     momentum: float = 0.0
 
     def __post_init__(self):
-        for name in ("epochs", "batch_size", "clusters"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_positive_ints(self, ("epochs", "batch_size", "clusters"))
         if self.perturbation < 0:
             raise ValueError(f"perturbation must be >= 0, got {self.perturbation}")
 

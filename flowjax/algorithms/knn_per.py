@@ -41,8 +41,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from flowjax.algorithms.base import (FederatedAlgorithm, Predictions, instance_weights,
-                                     no_routing)
+from flowjax.algorithms.base import (FederatedAlgorithm, Predictions, instance_weights, no_routing,
+                                     require_positive_ints)
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.core.cohort import ClientExamples
 from flowjax.models.base import Params, RoutableModel, layer_key
@@ -71,9 +71,7 @@ class KnnPerConfig:
     momentum: float = 0.0
 
     def __post_init__(self):
-        for name in ("epochs", "batch_size", "neighbours"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_positive_ints(self, ("epochs", "batch_size", "neighbours"))
         if not 0.0 <= self.lam <= 1.0:
             raise ValueError(f"lam must be in [0, 1], got {self.lam}")
         if self.max_datastore < self.neighbours:

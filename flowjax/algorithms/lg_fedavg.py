@@ -43,7 +43,8 @@ from typing import Sequence
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     client_optimizer, no_routing, train_plain, valid_examples)
+                                     client_optimizer, no_routing, require_positive_ints,
+                                     train_plain, valid_examples)
 from flowjax.algorithms.fedrep import split_layers
 from flowjax.core.cohort import ClientExamples
 from flowjax.models.base import Params, RoutableModel, forward
@@ -69,9 +70,7 @@ class LGFedAvgConfig:
     momentum: float = 0.0
 
     def __post_init__(self):
-        for name in ("epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_positive_ints(self, ("epochs", "batch_size"))
         if self.global_layers is not None and not self.global_layers:
             raise ValueError("LG-FedAvg global_layers must name at least one layer or be None "
                              "(the model's head), got ()")

@@ -25,7 +25,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     client_optimizer, no_routing, train_plain, valid_examples)
+                                     client_optimizer, no_routing, require_positive_ints,
+                                     train_plain, valid_examples)
 from flowjax.core.cohort import ClientExamples
 from flowjax.models.base import Params, RoutableModel, forward
 
@@ -47,9 +48,7 @@ class LocalConfig:
     momentum: float = 0.0
 
     def __post_init__(self):
-        for name in ("epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_positive_ints(self, ("epochs", "batch_size"))
 
 
 def local(model: RoutableModel, config: LocalConfig) -> FederatedAlgorithm:

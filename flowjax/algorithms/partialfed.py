@@ -53,7 +53,7 @@ import optax
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
                                      client_optimizer, instance_weights, plain_loss_sums,
-                                     valid_examples)
+                                     require_positive_ints, valid_examples)
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
 from flowjax.core.losses import mean_from_sums, weighted_cross_entropy
@@ -92,9 +92,7 @@ class PartialFedConfig:
         for name in ("learning_rate", "strategy_learning_rate", "temperature"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_positive_ints(self, ("epochs", "batch_size"))
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
 
