@@ -53,7 +53,8 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
         optimizer="sgd", learning_rate=1.0, momentum=0.0, b1=0.9, b2=0.99, eps=1e-3,
         bias_correction=True))
     config.eval = ml_collections.ConfigDict(dict(
-        every=100, clients=config_dict.placeholder(int), held_out=True, chunk=16,
+        every=100, clients=config_dict.placeholder(int), held_out=True,
+        held_out_clients=config_dict.placeholder(int), chunk=16,
         max_examples=config_dict.placeholder(int)))
     config.mapping = ml_collections.ConfigDict(dict(strategy="auto", chunk_size=1, num_devices=1))
     config.log_every = 10

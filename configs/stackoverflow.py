@@ -35,5 +35,6 @@ def get_config(variant: str = "paper") -> ml_collections.ConfigDict:
     config.gamma = 1e-3
     config.policy_hidden = (64, 64, 32, 16)
     config.methods.lg_fedavg.global_layers = ("dense2",)
-    config.eval.clients = 1000  # of 342,477 train clients; all held-out test clients
+    config.eval.clients = 1000  # of 342,477 train clients
+    config.eval.held_out_clients = 1000  # of the held-out users
     return config

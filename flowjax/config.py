@@ -59,6 +59,7 @@ def build_settings(config) -> RunSettings:
         max_examples_per_client=_none_if_negative(config.max_examples_per_client),
         max_eval_examples=_none_if_negative(config.eval.max_examples),
         eval_every=config.eval.every, eval_clients=_none_if_negative(config.eval.clients),
+        eval_held_out_clients=_none_if_negative(config.eval.get("held_out_clients")),
         eval_held_out=config.eval.held_out, eval_chunk=config.eval.chunk,
         log_every=config.log_every)
 

@@ -51,6 +51,7 @@ class RunSettings:
       max_eval_examples: cap on an eval client's train/test examples (None = no cap).
       eval_every: evaluate every N rounds (0 = only after the last round).
       eval_clients: train-population clients evaluated (None = all of them).
+      eval_held_out_clients: held-out clients evaluated (None = all of them).
       eval_held_out: also evaluate the held-out ("newly joined") clients.
       eval_chunk: clients per evaluation call.
       log_every: rounds between host syncs for training metrics.
@@ -64,6 +65,7 @@ class RunSettings:
     max_eval_examples: int | None = None
     eval_every: int = 0
     eval_clients: int | None = None
+    eval_held_out_clients: int | None = None
     eval_held_out: bool = True
     eval_chunk: int = 16
     log_every: int = 1
@@ -74,8 +76,9 @@ class RunSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
-        if self.eval_clients is not None and self.eval_clients < 1:
-            raise ValueError(f"eval_clients must be >= 1 or None (all), got {self.eval_clients}")
+        for name in ("eval_clients", "eval_held_out_clients"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or None (all), got {getattr(self, name)}")
 
 
 def _sum_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -232,13 +235,18 @@ class Simulation:
         return populations
 
     def eval_client_indices(self, population: str) -> np.ndarray:
-        """Which clients of a population are evaluated: all, or a seeded fixed subset."""
+        """Which clients of a population are evaluated: all, or a seeded fixed subset (the
+        same at every evaluation of the run)."""
         data = self.eval_populations()[population]
         num = len(data.client_ids)
-        limit = self.settings.eval_clients
-        if population != "train_clients" or limit is None or limit >= num:
+        limit = (self.settings.eval_clients if population == "train_clients"
+                 else self.settings.eval_held_out_clients)
+        if limit is None or limit >= num:
             return np.arange(num)
-        rng = np.random.default_rng([self.settings.seed, int(prng.Purpose.EVAL)])
+        stream = [self.settings.seed, int(prng.Purpose.EVAL)]
+        if population != "train_clients":
+            stream.append(1)  # an independent draw per population
+        rng = np.random.default_rng(stream)
         return np.sort(rng.choice(num, size=limit, replace=False))
 
     def _evaluate_chunk(self, params: PyTree, train: ClientExamples, test: ClientExamples,

@@ -134,6 +134,7 @@ _RULES: tuple[tuple[str, Check], ...] = (
     ("momentum", _Interval(0, 1)),
     ("max_examples_per_client", _optional_cap),
     ("eval.clients", _optional_cap),
+    ("eval.held_out_clients", _optional_cap),
     ("eval.max_examples", _optional_cap),
     ("data.train_fraction", _Interval(0, 1, closed_low=False)),
     ("data.held_out_fraction", _Interval(0, 1)),

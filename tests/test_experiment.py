@@ -78,3 +78,12 @@ def test_per_method_rows_apply_only_to_their_method():
     config.per_method = {"flow": {"no_such_field": 1}}
     with pytest.raises(ValueError, match="config.per_method.flow.no_such_field: no such field"):
         run_config.effective_config(config)
+
+
+def test_held_out_evaluation_can_be_capped():
+    config = small_config(num_rounds=1, **{"eval.held_out_clients": 3})
+    simulation, result = run(config)
+    held_out = simulation.eval_client_indices("held_out_clients")
+    assert len(held_out) == 3 and len(set(held_out.tolist())) == 3
+    assert result.summaries["held_out_clients"].num_clients <= 3
+    np.testing.assert_array_equal(held_out, simulation.eval_client_indices("held_out_clients"))
