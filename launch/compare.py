@@ -23,7 +23,7 @@ xla_env.apply()
 import json  # noqa: E402
 import time  # noqa: E402
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from flowjax.algorithms import ALGORITHMS  # noqa: E402
@@ -73,6 +73,10 @@ def expand(methods):
 
 def main(argv):
     del argv
+    # Library INFO lines (orbax's per-checkpoint messages) would bury the progress bar and
+    # the results table; --verbosity=0 brings them back.
+    if not flags.FLAGS['verbosity'].present:
+        logging.set_verbosity(logging.WARNING)
     base, workdir = _CONFIG.value, _WORKDIR.value
     if base is None or not workdir:
         raise app.UsageError("--config and --workdir are required")

@@ -17,7 +17,7 @@ from launch import cli, xla_env  # noqa: E402
 
 xla_env.apply()
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from flowjax.experiment import DivergenceError  # noqa: E402
@@ -34,6 +34,10 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False,
 
 def main(argv):
     del argv
+    # Library INFO lines (orbax's per-checkpoint messages) would bury the progress bar and
+    # the results table; --verbosity=0 brings them back.
+    if not flags.FLAGS['verbosity'].present:
+        logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
     if config is None:
         raise app.UsageError("--config is required, e.g. --config=configs/shakespeare.py:quick")
