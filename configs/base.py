@@ -61,3 +61,11 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
     config.checkpoint_every = 100  # rounds; 0 disables checkpoints (and resuming)
     config.on_divergence = "stop"  # or "skip_clients"
     return config
+
+
+def store_data() -> ml_collections.ConfigDict:
+    """``config.data`` of a dataset converted with launch/convert.py."""
+    return ml_collections.ConfigDict(dict(
+        store_dir=config_dict.placeholder(str),
+        max_train_examples=config_dict.placeholder(int),
+        max_test_examples=config_dict.placeholder(int)))

@@ -10,9 +10,8 @@ Ditto lambda 0.1; HypCluster k = 2).
 """
 
 import ml_collections
-from ml_collections import config_dict
 
-from configs.base import base_config
+from configs.base import base_config, store_data
 
 
 def get_config(variant: str = "paper") -> ml_collections.ConfigDict:
@@ -20,10 +19,7 @@ def get_config(variant: str = "paper") -> ml_collections.ConfigDict:
         raise ValueError(f"unknown emnist config variant {variant!r}; expected 'paper'")
     config = base_config(variant)
     config.dataset = "emnist_tff"
-    config.data = ml_collections.ConfigDict(dict(
-        store_dir=config_dict.placeholder(str),
-        max_train_examples=config_dict.placeholder(int),
-        max_test_examples=config_dict.placeholder(int)))
+    config.data = store_data()
     config.model = "emnist_cnn"
     config.num_rounds = 1500
     config.epochs = 3

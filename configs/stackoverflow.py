@@ -12,9 +12,8 @@ oov/bos/eos.
 """
 
 import ml_collections
-from ml_collections import config_dict
 
-from configs.base import base_config
+from configs.base import base_config, store_data
 
 
 def get_config(variant: str = "paper") -> ml_collections.ConfigDict:
@@ -22,10 +21,7 @@ def get_config(variant: str = "paper") -> ml_collections.ConfigDict:
         raise ValueError(f"unknown stackoverflow config variant {variant!r}; expected 'paper'")
     config = base_config(variant)
     config.dataset = "stackoverflow_tff"
-    config.data = ml_collections.ConfigDict(dict(
-        store_dir=config_dict.placeholder(str),
-        max_train_examples=config_dict.placeholder(int),
-        max_test_examples=config_dict.placeholder(int)))
+    config.data = store_data()
     config.model = "stackoverflow_lstm"
     config.model_options = ml_collections.ConfigDict(dict(exclude_special=False))
     config.num_rounds = 2000

@@ -6,7 +6,6 @@ import dataclasses
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 
 from flowjax.algorithms import build_algorithm
@@ -19,8 +18,9 @@ from flowjax.models import RoutableModel, get_model
 from flowjax.validation import validate_config, validate_task
 
 
-def _none_if_negative(value):
-    return None if value is None or value < 0 else int(value)
+def _optional_int(value):
+    """Caps are None (no cap) or positive ints; validation has rejected anything else."""
+    return None if value is None else int(value)
 
 
 def build_task(config) -> FederatedTask:
@@ -56,10 +56,10 @@ def build_settings(config) -> RunSettings:
     return RunSettings(
         seed=config.seed, num_rounds=config.num_rounds, clients_per_round=config.clients_per_round,
         batch_size=config.batch_size,
-        max_examples_per_client=_none_if_negative(config.max_examples_per_client),
-        max_eval_examples=_none_if_negative(config.eval.max_examples),
-        eval_every=config.eval.every, eval_clients=_none_if_negative(config.eval.clients),
-        eval_held_out_clients=_none_if_negative(config.eval.get("held_out_clients")),
+        max_examples_per_client=_optional_int(config.max_examples_per_client),
+        max_eval_examples=_optional_int(config.eval.max_examples),
+        eval_every=config.eval.every, eval_clients=_optional_int(config.eval.clients),
+        eval_held_out_clients=_optional_int(config.eval.get("held_out_clients")),
         eval_held_out=config.eval.held_out, eval_chunk=config.eval.chunk,
         log_every=config.log_every)
 
@@ -126,10 +126,3 @@ def build_simulation(config, task: FederatedTask | None = None) -> Simulation:
     return Simulation(build_algorithm_for(config, task), task, settings,
                       server_optimizer=build_server_optimizer(config),
                       mapping=build_mapping(config))
-
-
-def describe(value: Any) -> Any:
-    """JSON-friendly form of config values and numpy scalars."""
-    if isinstance(value, (np.floating, np.integer)):
-        return value.item()
-    return value

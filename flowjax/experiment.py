@@ -17,6 +17,7 @@ import numpy as np
 import optax
 
 from flowjax.algorithms.base import FederatedAlgorithm
+from flowjax.checkpoint import Checkpointer, maybe_inject_fault
 from flowjax.core import prng
 from flowjax.core.client_state import ClientStateStore
 from flowjax.core.cohort import ClientExamples, assemble_cohort, examples_per_client
@@ -26,6 +27,7 @@ from flowjax.core.server_opt import apply_server_update
 from flowjax.core.tree import select_tree, tree_all_finite, weighted_mean
 from flowjax.data.federated import ArrayFederatedData, FederatedTask
 from flowjax.evaluation.metrics import ClientCounts, EvalSummary, evaluate_client, summarize
+from flowjax.reporting import write_text_atomic
 
 PyTree = Any
 
@@ -353,7 +355,6 @@ def run(simulation: Simulation, *, workdir: str | None = None,
     first_round = 0
     checkpointer = None
     if workdir and checkpoint_every:
-        from flowjax.checkpoint import Checkpointer  # orbax only when checkpointing
         checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"))
         latest = checkpointer.latest_round()
         if latest is not None:
@@ -369,7 +370,6 @@ def run(simulation: Simulation, *, workdir: str | None = None,
     if metrics_path:
         # Exactly the records up to the resumed round: lines a killed run wrote after its
         # last checkpoint are replayed, not duplicated.
-        from flowjax.reporting import write_text_atomic
         write_text_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in history))
     metrics_file = open(metrics_path, "a") if metrics_path else None
     pending: list[tuple[int, dict[str, jax.Array]]] = []
@@ -393,7 +393,6 @@ def run(simulation: Simulation, *, workdir: str | None = None,
 
     try:
         for round_index in range(first_round, settings.num_rounds):
-            from flowjax.checkpoint import maybe_inject_fault
             state, metrics = simulation.run_round(state, round_index)
             maybe_inject_fault("round", round_index + 1)  # the round is still in flight
             pending.append((round_index, metrics))

@@ -22,3 +22,17 @@ def shakespeare_small():
 def images_small():
     from flowjax.data.synthetic import synthetic_images
     return synthetic_images(num_clients=12, num_classes=10, examples=(6, 30), seed=1, held_out=3)
+
+
+@pytest.fixture(scope="session")
+def cnn():
+    """The EMNIST CNN with 10 classes, shared by the algorithm tests."""
+    from flowjax.models import get_model
+    return get_model("emnist_cnn", num_classes=10)
+
+
+@pytest.fixture(scope="session")
+def mlp():
+    """A dropout-free two-layer model whose steps can be recomputed by hand."""
+    from tests.helpers import tiny_mlp
+    return tiny_mlp()

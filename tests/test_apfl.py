@@ -9,21 +9,11 @@ from flowjax.algorithms.apfl import APFLConfig, apfl, mix_params
 from flowjax.algorithms.base import plain_loss_sums
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.core.losses import mean_from_sums
-from flowjax.models import get_model
-from tests.helpers import (assert_trees_equal, check_state_round_trip, one_client,
-                                   tiny_mlp)
+from tests.helpers import assert_trees_equal, check_state_round_trip, one_client
 
 CONFIG = dict(learning_rate=0.05, epochs=2, batch_size=4)
 
 
-@pytest.fixture(scope="module")
-def cnn():
-    return get_model("emnist_cnn", num_classes=10)
-
-
-@pytest.fixture(scope="module")
-def mlp():
-    return tiny_mlp()
 
 
 def test_alpha_zero_makes_the_personal_model_the_local_global_model(cnn, images_small):

@@ -13,16 +13,11 @@ from flowjax import experiment
 from flowjax.algorithms.fedrep import FedRepConfig, fedrep, split_layers
 from flowjax.core import prng
 from flowjax.core.cohort import assemble_cohort, client_at
-from flowjax.models import get_model
 from flowjax.models.base import forward
 from tests.helpers import assert_trees_equal, differs, small_config
 
 CONFIG = dict(learning_rate=0.05, batch_size=4)
 
-
-@pytest.fixture(scope="module")
-def cnn():
-    return get_model("emnist_cnn", num_classes=10)
 
 
 def _client(task, index, padded_examples=32, batch_size=4):

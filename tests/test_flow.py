@@ -6,17 +6,12 @@ import numpy as np
 import pytest
 
 from flowjax.algorithms.flow import FlowConfig, flow, half_capacity, split_halves
-from flowjax.models import get_model
 from flowjax.models.base import forward
 from tests.helpers import one_client
 
 CONFIG = dict(learning_rate=0.05, local_epochs=1, routing_epochs=2, batch_size=4, gamma=0.01,
               policy_hidden=(16, 16, 16, 16))
 
-
-@pytest.fixture(scope="module")
-def cnn():
-    return get_model("emnist_cnn", num_classes=10)
 
 
 def _client(task, index, padded_examples, batch_size=4):

@@ -20,10 +20,6 @@ from tests.helpers import small_config
 CONFIG = dict(learning_rate=0.05, epochs=1, batch_size=4)
 
 
-@pytest.fixture(scope="module")
-def cnn():
-    return get_model("emnist_cnn", num_classes=10)
-
 
 @pytest.fixture(scope="module")
 def lstm():

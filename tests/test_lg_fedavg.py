@@ -11,17 +11,12 @@ from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.algorithms.lg_fedavg import LGFedAvgConfig, global_layer_names, lg_fedavg
 from flowjax.core import prng
 from flowjax.core.cohort import assemble_cohort, client_at
-from flowjax.models import get_model
 from flowjax.models.base import forward
 from tests.helpers import assert_trees_equal, check_state_round_trip, differs
 
 CONFIG = dict(learning_rate=0.05, epochs=2, batch_size=4)
 LOCAL = ("conv1", "conv2", "fc1")
 
-
-@pytest.fixture(scope="module")
-def cnn():
-    return get_model("emnist_cnn", num_classes=10)
 
 
 def _client(task, index, padded_examples=32, batch_size=4):

@@ -19,10 +19,6 @@ from tests.helpers import one_client, small_config
 CONFIG = dict(learning_rate=0.05, epochs=2, batch_size=4)
 
 
-@pytest.fixture(scope="module")
-def cnn():
-    return get_model("emnist_cnn", num_classes=10)
-
 
 def _client(task, index, padded_examples, batch_size=4):
     return one_client(task, index, padded_examples, batch_size)

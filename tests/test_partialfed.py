@@ -9,17 +9,12 @@ from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.algorithms.partialfed import (PartialFedConfig, load_layers, partialfed,
                                            sample_use_global, straight_through_choice)
 from flowjax.core.cohort import assemble_cohort, client_at
-from flowjax.models import get_model
 from tests.helpers import assert_trees_equal, check_state_round_trip, differs
 
 CONFIG = dict(learning_rate=0.05, strategy_learning_rate=0.5, temperature=1.0, epochs=2,
               batch_size=4)
 PIN = 1e4  # logits so far apart that the Gumbel noise never flips the choice
 
-
-@pytest.fixture(scope="module")
-def cnn():
-    return get_model("emnist_cnn", num_classes=10)
 
 
 @pytest.fixture(scope="module")

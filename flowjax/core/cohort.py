@@ -13,7 +13,6 @@ from typing import Sequence
 
 import flax.struct
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from flowjax.data.federated import FederatedData
@@ -99,9 +98,3 @@ def padding_efficiency(cohort: ClientExamples) -> float:
 def client_at(stacked: ClientExamples, slot: int) -> ClientExamples:
     """The client in slot ``slot`` of a stacked cohort."""
     return jax.tree.map(lambda a: a[slot], stacked)
-
-
-def concat_clients(cohorts: Sequence[ClientExamples]) -> ClientExamples:
-    """Stacked cohorts joined along the clients axis (numpy or jax)."""
-    return jax.tree.map(lambda *a: jnp.concatenate(a) if isinstance(a[0], jax.Array)
-                        else np.concatenate(a), *cohorts)

@@ -37,11 +37,6 @@ def select_tree(condition: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTr
     return jax.tree.map(lambda a, b: jnp.where(condition, a, b), on_true, on_false)
 
 
-def tree_size(tree: PyTree) -> int:
-    """Number of scalars in a pytree."""
-    return sum(int(x.size) for x in jax.tree.leaves(tree))
-
-
 def tree_all_finite(tree: PyTree) -> jax.Array:
     """True iff every leaf of ``tree`` is finite."""
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
