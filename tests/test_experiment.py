@@ -39,6 +39,21 @@ def test_results_have_the_paper_fields():
     summary = results["populations"]["train_clients"]
     assert summary["clients_benefiting"] + summary["clients_tied"] + summary["clients_hurt"] == pytest.approx(1)
     assert len(summary["q0_by_group"]["both_correct"]) == 4
+    # The q0 histogram holds every instance of its group once per layer, and its bins
+    # bracket the group's mean q0.
+    from flowjax.evaluation.metrics import GROUPS, Q0_BINS
+    centers = (np.arange(Q0_BINS) + 0.5) / Q0_BINS
+    histograms = {g: np.asarray(summary["q0_histogram"][g]) for g in GROUPS}
+    instances = sum(h[0].sum() for h in histograms.values())
+    for group, histogram in histograms.items():
+        assert histogram.shape == (4, Q0_BINS)
+        totals = histogram.sum(axis=1)
+        np.testing.assert_allclose(totals, totals[0], rtol=1e-5)
+        assert totals[0] / instances == pytest.approx(summary["breakdown"][group], abs=1e-6)
+        if totals[0] > 0:
+            binned_mean = histogram @ centers / totals
+            np.testing.assert_allclose(binned_mean, summary["q0_by_group"][group],
+                                       atol=0.5 / Q0_BINS + 1e-6)
 
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedavg_ft"])

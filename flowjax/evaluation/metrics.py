@@ -25,6 +25,9 @@ from flowjax.core.cohort import ClientExamples
 from flowjax.core.losses import correct
 
 GROUPS = ("both_correct", "global_only", "personalized_only", "neither")
+# Equal-width bins of q0 on [0, 1]: a histogram sums over clients (quantiles do not), so the
+# routing box plots come from one fixed-size array per client.
+Q0_BINS = 20
 
 
 @flax.struct.dataclass
@@ -36,6 +39,7 @@ class ClientCounts:
       correct_global, correct_personal, correct_personal_soft: correct instances.
       groups: ``[4]`` instances per breakdown group (see ``GROUPS``).
       q0_sums: ``[4, L]`` summed ``q0`` per group and routed layer (L = 0 without routing).
+      q0_histogram: ``[4, L, Q0_BINS]`` weighted instances per group, layer and q0 bin.
     """
 
     instances: jax.Array
@@ -44,6 +48,7 @@ class ClientCounts:
     correct_personal_soft: jax.Array
     groups: jax.Array
     q0_sums: jax.Array
+    q0_histogram: jax.Array
 
 
 def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: jax.Array,
@@ -59,13 +64,16 @@ def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: j
     group_weights = group_masks.astype(jnp.float32) * weights  # [4, *instance]
     q0 = predictions.q0  # [*instance, L]
     q0_sums = jnp.einsum("g...,...l->gl", group_weights, q0)
+    bins = jnp.clip(jnp.floor(q0 * Q0_BINS).astype(jnp.int32), 0, Q0_BINS - 1)
+    q0_histogram = jnp.einsum("g...,...lb->glb", group_weights,
+                              jax.nn.one_hot(bins, Q0_BINS, dtype=jnp.float32))
     return ClientCounts(
         instances=jnp.sum(weights),
         correct_global=jnp.sum(global_ok * weights),
         correct_personal=jnp.sum(personal_ok * weights),
         correct_personal_soft=jnp.sum(soft_ok * weights),
         groups=jnp.sum(group_weights.reshape(4, -1), axis=1),
-        q0_sums=q0_sums)
+        q0_sums=q0_sums, q0_histogram=q0_histogram)
 
 
 def evaluate_client(algorithm: FederatedAlgorithm, params: Any, train: ClientExamples,
@@ -104,6 +112,8 @@ class EvalSummary:
     acc_p_std: float
     acc_p_p10: float
     acc_p_p90: float
+    # Default so summaries saved in checkpoints before the histogram existed still load.
+    q0_histogram: dict[str, list[list[float]]] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -146,4 +156,6 @@ def summarize(counts: ClientCounts) -> EvalSummary:
         q0_by_group=q0_by_group,
         acc_p_std=float(np.std(acc["personal"])),
         acc_p_p10=float(np.percentile(acc["personal"], 10)),
-        acc_p_p90=float(np.percentile(acc["personal"], 90)))
+        acc_p_p90=float(np.percentile(acc["personal"], 90)),
+        q0_histogram={group: counts.q0_histogram[keep].sum(axis=0)[g].tolist()
+                      for g, group in enumerate(GROUPS)})
