@@ -155,7 +155,8 @@ class Simulation:
             key = prng.client_key(key_of_round, examples.client_id)
             return self.algorithm.client_update(state.params, examples, key, client_state)
 
-        results = map_clients(one_client, self.mapping)(cohort, client_states)
+        by_size = lambda examples, _: examples.num_examples  # noqa: E731
+        results = map_clients(one_client, self.mapping, cost=by_size)(cohort, client_states)
         # A client whose update went non-finite is dropped from the mean (its params are
         # zeroed, since 0 * nan is nan) and counted; the run loop decides to stop or go on.
         finite = jax.vmap(tree_all_finite)(results.params)
@@ -264,7 +265,9 @@ class Simulation:
             return evaluate_client(self.algorithm, params, train_examples, test_examples, key,
                                    client_state)
 
-        return map_clients(one_client, self.mapping)(train, test, client_states)
+        # Personalization trains on the train split: its size sets a client's run length.
+        by_size = lambda train, test, _: train.num_examples  # noqa: E731
+        return map_clients(one_client, self.mapping, cost=by_size)(train, test, client_states)
 
     def evaluate(self, params: PyTree, round_index: int) -> dict[str, EvalSummary]:
         """Personalize and evaluate every evaluated client of every population."""

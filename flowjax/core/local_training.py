@@ -1,9 +1,14 @@
 """Epochs of minibatch steps over a subset of one client's examples, with fixed shapes.
 
 Each epoch draws a fresh order of the subset's members from the epoch's key; members
-come first and the rest of the batches are padding, which is skipped with ``lax.cond``.
-The uniform draws are made per example index, so extra padding examples appended to a
-client leave the order of its real examples, and thus every result, bit-identical.
+come first and the rest of the batches are padding. The steps run in a ``while_loop``
+whose trip count is the client's own number of non-empty batches, so padded steps are
+never executed: the shapes stay fixed (no recompilation for any client size), while the
+work follows each client's size. Under ``vmap`` a batched ``while_loop`` runs until its
+longest client is done, so the engine groups clients of similar length into chunks
+(``core.mapping``). The uniform draws are made per example index, so extra padding
+examples appended to a client leave the order of its real examples, and thus every
+result, bit-identical.
 """
 
 from __future__ import annotations
@@ -61,19 +66,20 @@ def run_epochs(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array, member
     def epoch(carry, epoch_index):
         epoch_key = jax.random.fold_in(key, epoch_index)
         indices, mask = epoch_batches(epoch_key, member, batch_size, max_members)
+        num_steps = jnp.sum(jnp.any(mask, axis=1))  # non-empty batches come first
 
-        def step(carry, inputs):
-            step_index, batch_indices, batch_mask = inputs
-            batch = (x[batch_indices], y[batch_indices], batch_mask.astype(jnp.float32))
+        def step(state):
+            step_index, carry, stats = state
+            batch_mask = mask[step_index]
+            batch = (x[indices[step_index]], y[indices[step_index]],
+                     batch_mask.astype(jnp.float32))
             step_key = jax.random.fold_in(epoch_key, step_index)
-            return jax.lax.cond(jnp.any(batch_mask),
-                                lambda c: step_fn(c, batch, step_key),
-                                lambda c: (c, jnp.zeros((2,), jnp.float32)),
-                                carry)
+            carry, step_stats = step_fn(carry, batch, step_key)
+            return step_index + 1, carry, stats + step_stats
 
-        steps = jnp.arange(indices.shape[0])
-        carry, stats = jax.lax.scan(step, carry, (steps, indices, mask))
-        return carry, jnp.sum(stats, axis=0)
+        start = (jnp.zeros((), jnp.int32), carry, jnp.zeros((2,), jnp.float32))
+        _, carry, stats = jax.lax.while_loop(lambda state: state[0] < num_steps, step, start)
+        return carry, stats
 
     carry, stats = jax.lax.scan(epoch, carry, jnp.arange(num_epochs))
     return carry, jnp.sum(stats, axis=0)

@@ -4,6 +4,10 @@
   vmapped per-client convolution weights become grouped convolutions);
 * ``vmap``: all clients at once (the accelerator design);
 * ``chunked``: ``lax.map`` over chunks of ``chunk_size`` clients, ``vmap`` inside a chunk.
+  Given a per-client cost (the engine passes the example count), the clients are run in
+  order of decreasing cost and the outputs put back in cohort order: a vmapped chunk
+  lasts as long as its longest client (``core.local_training``), so chunks of similar
+  clients waste little on skewed sizes, with no new shapes (and no recompilation).
 
 With several devices the clients axis is additionally sharded over a 1-D mesh with axis
 ``clients`` (``shard_map``); each device maps its own clients with the chosen strategy.
@@ -16,6 +20,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -67,8 +72,16 @@ def default_mapping(backend: str | None = None) -> ClientMapping:
     return ClientMapping(strategy="loop" if backend == "cpu" else "vmap")
 
 
-def map_clients(fn: Callable[..., Any], mapping: ClientMapping) -> Callable[..., Any]:
+def map_clients(fn: Callable[..., Any], mapping: ClientMapping,
+                cost: Callable[..., jax.Array] | None = None) -> Callable[..., Any]:
     """Lifts ``fn(*per_client_args)`` to stacked args with a leading clients axis.
+
+    Args:
+      fn: the per-client function, written as if alone.
+      mapping: how to map it.
+      cost: ``cost(*stacked) -> [clients]``, the clients' relative run lengths; with the
+        ``chunked`` strategy, chunks are formed from clients sorted by it. Outputs are in
+        cohort order whatever the strategy.
 
     Example:
       >>> square = map_clients(lambda a: a * a, ClientMapping("vmap"))
@@ -79,8 +92,14 @@ def map_clients(fn: Callable[..., Any], mapping: ClientMapping) -> Callable[...,
     def local_map(*stacked):
         if mapping.strategy == "vmap":
             return jax.vmap(fn)(*stacked)
-        batch_size = mapping.chunk_size if mapping.strategy == "chunked" else None
-        return jax.lax.map(lambda args: fn(*args), stacked, batch_size=batch_size)
+        if mapping.strategy == "loop":
+            return jax.lax.map(lambda args: fn(*args), stacked)
+        if cost is None:
+            return jax.lax.map(lambda args: fn(*args), stacked, batch_size=mapping.chunk_size)
+        order = longest_first(cost(*stacked))
+        ordered = jax.tree.map(lambda a: a[order], stacked)
+        outputs = jax.lax.map(lambda args: fn(*args), ordered, batch_size=mapping.chunk_size)
+        return jax.tree.map(lambda a: a[jnp.argsort(order)], outputs)
 
     if mapping.num_devices == 1:
         return local_map
@@ -89,3 +108,31 @@ def map_clients(fn: Callable[..., Any], mapping: ClientMapping) -> Callable[...,
     # of the mesh (zero-initialized scan carries would otherwise need pcast to "varying").
     return jax.shard_map(local_map, mesh=mapping.mesh(), in_specs=spec, out_specs=spec,
                          check_vma=False)
+
+
+def longest_first(cost: jax.Array) -> jax.Array:
+    """Indices sorting ``cost`` in decreasing order; ties keep cohort order (stable)."""
+    return jnp.argsort(-cost, stable=True)
+
+
+def executed_steps(steps: np.ndarray, mapping: ClientMapping) -> int:
+    """Client-step slots a mapping executes for clients of ``steps`` local steps each.
+
+    A loop runs each client's own steps; a vmapped group of clients runs as long as its
+    longest member (chunks of clients sorted longest first; the whole cohort for
+    ``vmap``); with several devices each device maps its own contiguous share.
+
+    Example:
+      >>> executed_steps(np.array([8, 1, 1, 8]), ClientMapping("chunked", chunk_size=2))
+      18
+    """
+    steps = np.asarray(steps)
+    total = 0
+    for shard in np.split(steps, mapping.num_devices):
+        if mapping.strategy == "loop":
+            total += int(np.sum(shard))
+            continue
+        size = len(shard) if mapping.strategy == "vmap" else mapping.chunk_size
+        ordered = np.sort(shard)[::-1]
+        total += sum(len(ordered[i:i + size]) * int(ordered[i]) for i in range(0, len(ordered), size))
+    return total
