@@ -60,6 +60,9 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
     config.log_every = 10
     config.checkpoint_every = 100  # rounds; 0 disables checkpoints (and resuming)
     config.on_divergence = "stop"  # or "skip_clients"
+    # Also write metrics.jsonl's records as TensorBoard scalars to <workdir>/tensorboard/
+    # (needs tensorboardX: pip install 'flowjax[tensorboard]').
+    config.tensorboard = False
     return config
 
 

@@ -13,6 +13,8 @@ import tqdm
 from flowjax import config as run_config
 from flowjax import experiment
 from flowjax.reporting import write_json_atomic
+from flowjax.tensorboard_log import SUBDIR as TENSORBOARD_DIR
+from flowjax.tensorboard_log import TensorBoardLog
 
 RUN_FILES = ("config.json", "metrics.jsonl", "results.json", "run.json")
 
@@ -52,6 +54,7 @@ def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> 
             if os.path.exists(os.path.join(workdir, name)):
                 os.remove(os.path.join(workdir, name))
         shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
+        shutil.rmtree(os.path.join(workdir, TENSORBOARD_DIR), ignore_errors=True)
     os.makedirs(workdir, exist_ok=True)
     write_json_atomic(path, resolved)
 
@@ -60,7 +63,8 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
                           overwrite: bool = False) -> dict[str, Any]:
     """Trains and evaluates ``config``; writes ``config.json``, ``metrics.jsonl``,
     ``results.json`` (deterministic: same seed, same bytes) and ``run.json`` (wall time,
-    compilations) into ``workdir``, resuming from its newest checkpoint if any.
+    compilations) into ``workdir``, resuming from its newest checkpoint if any; with
+    ``config.tensorboard`` also TensorBoard event files in ``workdir/tensorboard/``.
 
     Raises:
       ValueError: a bad config value or an incompatible workdir (one-line message),
@@ -69,6 +73,8 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
     simulation = run_config.build_simulation(config)
     config = run_config.effective_config(config)
     resolved = json.loads(config.to_json_best_effort())
+    # Created before the workdir is touched, so a missing tensorboardX fails first.
+    tensorboard = TensorBoardLog(workdir) if config.get("tensorboard", False) else None
     prepare_workdir(workdir, resolved, overwrite)
     task = simulation.task
     print(f"{config.algorithm} on {task.name}: {len(task.train.client_ids)} training clients, "
@@ -87,10 +93,12 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
     try:
         result = experiment.run(simulation, workdir=workdir, progress=show,
                                 checkpoint_every=config.get("checkpoint_every", 0),
-                                run_fingerprint=resolved,
+                                run_fingerprint=resolved, log=tensorboard,
                                 on_divergence=config.get("on_divergence", "stop"))
     finally:
         bar.close()
+        if tensorboard is not None:
+            tensorboard.close()
     results = result.results_dict()
     results.update(algorithm=config.algorithm, dataset=task.name)
     write_json_atomic(os.path.join(workdir, "results.json"), results)

@@ -1,0 +1,581 @@
+"""Figures of finished and running runs: learning curves, instance breakdown, routing.
+
+Reads run folders as ``launch/train.py``, ``launch/compare.py`` and ``launch/reproduce.py``
+write them (``config.json``, ``metrics.jsonl``, ``results.json``) and draws
+
+* ``learning_curves_<dataset>.png``: Acc_g and Acc_p per evaluation round, one line per
+  method (the mean over seeds, with a +-std band), one row of panels per population;
+* ``breakdown_<dataset>.png``: the paper's Figure 3, one stacked bar per method (both
+  correct / global only / personalized only / neither, mean over seeds);
+* ``routing_q0_<dataset>_<method>.png``: the paper's routing analysis, one panel per
+  instance group with a box per routed layer, for methods that route (Flow and its
+  variants).
+
+A run without ``results.json`` (still training, or killed) contributes its learning
+curve up to its last evaluation, but no bar and no box: those need the final evaluation.
+
+Only this module imports matplotlib (the ``plot`` extra); the figure functions take plain
+data and return ``matplotlib.figure.Figure`` objects without touching pyplot's global
+state, so callers decide where to save them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from flowjax.evaluation.metrics import GROUPS
+
+PRIMARY = "train_clients"
+CURVE_METRICS = ("acc_g", "acc_p")
+METRIC_TITLES = {"acc_g": "Acc_g", "acc_p": "Acc_p"}
+# The paper's Figure 3 colours (both correct green, global only yellow, personalized only
+# blue); "neither" is not drawn in the paper, grey keeps it quiet.
+GROUP_COLORS = {"both_correct": "#06d6a0", "global_only": "#ffd166",
+                "personalized_only": "#118ab2", "neither": "#d9d9d9"}
+# Box whiskers at these percentiles (a histogram has no individual outliers to show).
+BOX_PERCENTILES = (5, 25, 50, 75, 95)
+RUN_MARKERS = ("results.json", "metrics.jsonl")
+_SEED_DIR = re.compile(r"^seed_(\d+)$")
+
+
+# ---------------------------------------------------------------- run files
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One run folder's data.
+
+    Attributes:
+      path: the folder.
+      dataset: ``results.json``'s or ``config.json``'s dataset ("unknown" if neither).
+      method: the method or variant name the run is plotted under.
+      seed: ``config.json``'s seed (else a ``seed_<n>`` folder name; None if neither).
+      evals: the ``kind == "eval"`` records of ``metrics.jsonl``, in file order.
+      results: ``results.json`` (None while the run has not finished).
+    """
+
+    path: str
+    dataset: str
+    method: str
+    seed: int | None
+    evals: tuple[dict[str, Any], ...]
+    results: dict[str, Any] | None
+
+
+class RunFileError(ValueError):
+    """A run file that cannot be read (one-line message naming it)."""
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except (OSError, json.JSONDecodeError) as error:
+        raise RunFileError(f"{path}: {' '.join(str(error).split())}") from None
+
+
+def read_eval_records(path: str) -> list[dict[str, Any]]:
+    """The evaluation records of a ``metrics.jsonl`` ([] when it does not exist).
+
+    A last line that does not parse is skipped: a run being written (or killed mid-line)
+    ends that way; a bad line elsewhere is an error.
+    """
+    if not os.path.exists(path):
+        return []
+    with open(path) as handle:
+        lines = [line for line in handle.read().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == len(lines):
+                break
+            raise RunFileError(f"{path}:{number}: {error}") from None
+        if record.get("kind") == "eval":
+            records.append(record)
+    return records
+
+
+def find_run_dirs(workdir: str) -> list[str]:
+    """Folders under ``workdir`` (itself included) holding ``results.json`` or
+    ``metrics.jsonl``, sorted; checkpoint and plot folders are not searched."""
+    found = []
+    for folder, subfolders, files in os.walk(workdir):
+        subfolders[:] = sorted(d for d in subfolders
+                               if d not in ("checkpoints", "plots", "tensorboard"))
+        if any(name in files for name in RUN_MARKERS):
+            found.append(folder)
+    return sorted(found)
+
+
+def _group_dir(workdir: str, run_dir: str) -> tuple[str, int | None]:
+    """The run's path relative to ``workdir`` without a trailing ``seed_<n>`` folder,
+    and that seed."""
+    parts = [p for p in os.path.relpath(run_dir, workdir).split(os.sep) if p != "."]
+    seed = None
+    if parts and _SEED_DIR.match(parts[-1]):
+        seed = int(_SEED_DIR.match(parts[-1]).group(1))
+        parts = parts[:-1]
+    return "/".join(parts), seed
+
+
+def _read_run(workdir: str, run_dir: str) -> dict[str, Any]:
+    """A run's fields (``Run``'s, plus its ``group`` folder and ``config_dataset``)."""
+    config = _read_json(os.path.join(run_dir, "config.json")) or {}
+    results = _read_json(os.path.join(run_dir, "results.json"))
+    group, folder_seed = _group_dir(workdir, run_dir)
+    if group:
+        method = group.split("/")[-1]
+    elif folder_seed is not None:  # --workdir=<grid>/<dataset>/<variant>
+        method = os.path.basename(os.path.abspath(workdir))
+    else:
+        method = str((results or {}).get("algorithm") or config.get("algorithm") or "run")
+    config_dataset = str(config.get("dataset") or "unknown")
+    return dict(path=run_dir, group=group, method=method, results=results,
+                config_dataset=config_dataset,
+                dataset=str((results or {}).get("dataset") or config_dataset),
+                seed=config.get("seed", folder_seed),
+                evals=tuple(read_eval_records(os.path.join(run_dir, "metrics.jsonl"))))
+
+
+def _settle_datasets(loaded: list[dict[str, Any]]) -> None:
+    """Gives unfinished runs the dataset name their finished siblings report.
+
+    ``results.json`` names the task as built (``cifar10_dirichlet_0.1``), ``config.json``
+    only the loader (``cifar10_dirichlet``); an unfinished run takes the name a finished
+    run with the same config dataset in the same folder reports, so both plot together.
+    """
+    def key(run):
+        return os.path.dirname(run["group"]), run["config_dataset"]
+
+    names = {key(run): run["dataset"] for run in loaded if run["results"] is not None}
+    for run in loaded:
+        if run["results"] is None:
+            run["dataset"] = names.get(key(run), run["dataset"])
+
+
+def _disambiguate(loaded: list[dict[str, Any]]) -> None:
+    """Names runs by their whole folder where two folders share (dataset, method, seed)."""
+    folders: dict[tuple[str, str, Any], set[str]] = {}
+    for run in loaded:
+        folders.setdefault((run["dataset"], run["method"], run["seed"]), set()).add(run["group"])
+    for run in loaded:
+        if len(folders[(run["dataset"], run["method"], run["seed"])]) > 1:
+            run["method"] = run["group"] or run["method"]
+
+
+def load_runs(workdir: str) -> list[Run]:
+    """Every run under ``workdir``, named as its layout implies.
+
+    The method is the folder holding the run (``<workdir>/<method>/`` of a comparison,
+    ``<dataset>/<variant>/seed_<n>/`` of a reproduction grid, ``workdir`` itself when it
+    holds ``seed_<n>/`` folders); a run at ``workdir`` itself is named by its algorithm.
+    When two folders would get the same (dataset, method, seed), each is named by its
+    whole path under ``workdir`` instead.
+
+    Raises:
+      RunFileError: a run file is not valid JSON.
+    """
+    loaded = [_read_run(workdir, run_dir) for run_dir in find_run_dirs(workdir)]
+    _settle_datasets(loaded)
+    _disambiguate(loaded)
+    fields = {f.name for f in dataclasses.fields(Run)}
+    return [Run(**{k: v for k, v in run.items() if k in fields}) for run in loaded]
+
+
+def by_dataset(runs: Iterable[Run]) -> dict[str, list[Run]]:
+    """Runs grouped by dataset, datasets sorted."""
+    grouped: dict[str, list[Run]] = {}
+    for run in runs:
+        grouped.setdefault(run.dataset, []).append(run)
+    return {name: grouped[name] for name in sorted(grouped)}
+
+
+def _methods_in_order(runs: Sequence[Run]) -> list[str]:
+    return list(dict.fromkeys(run.method for run in runs))
+
+
+def _populations_in_order(names: Iterable[str]) -> list[str]:
+    names = set(names)
+    return [p for p in (PRIMARY,) if p in names] + sorted(names - {PRIMARY})
+
+
+# ---------------------------------------------------------------- aggregation
+
+
+@dataclasses.dataclass(frozen=True)
+class Band:
+    """A metric across seeds per round: mean, standard deviation (ddof=0) and how many
+    seeds evaluated that round."""
+
+    rounds: np.ndarray
+    mean: np.ndarray
+    std: np.ndarray
+    seeds: np.ndarray
+
+
+def seed_band(series: Sequence[Mapping[int, float]]) -> Band:
+    """Mean and std over seeds per round; a round counts the seeds that evaluated it (an
+    unfinished seed stops contributing after its last evaluation)."""
+    rounds = sorted(set().union(*[set(s) for s in series])) if series else []
+    values = [[s[r] for s in series if r in s] for r in rounds]
+    return Band(rounds=np.asarray(rounds, dtype=int),
+                mean=np.asarray([np.mean(v) for v in values], dtype=float),
+                std=np.asarray([np.std(v) for v in values], dtype=float),
+                seeds=np.asarray([len(v) for v in values], dtype=int))
+
+
+def curve_bands(runs: Sequence[Run]) -> dict[str, dict[str, dict[str, Band]]]:
+    """``{population: {metric: {method: Band}}}`` of the runs' evaluation records.
+
+    A round evaluated twice in one file (a rerun appended to it) counts its last record.
+    """
+    per_run: dict[tuple[str, str], list[dict[str, dict[int, float]]]] = {}
+    for run in runs:
+        series: dict[str, dict[str, dict[int, float]]] = {}
+        for record in run.evals:
+            population = record.get("population", PRIMARY)
+            for metric in CURVE_METRICS:
+                if record.get(metric) is not None:
+                    series.setdefault(population, {}).setdefault(metric, {})[
+                        int(record["round"])] = float(record[metric])
+        for population, metrics in series.items():
+            per_run.setdefault((population, run.method), []).append(metrics)
+    out: dict[str, dict[str, dict[str, Band]]] = {}
+    methods = _methods_in_order(runs)
+    for population in _populations_in_order(p for p, _ in per_run):
+        out[population] = {}
+        for metric in CURVE_METRICS:
+            out[population][metric] = {
+                method: seed_band([s[metric] for s in per_run[(population, method)]
+                                   if metric in s])
+                for method in methods if (population, method) in per_run}
+    return out
+
+
+def mean_breakdowns(runs: Sequence[Run]) -> dict[str, dict[str, dict[str, float]]]:
+    """``{population: {method: {group: mean fraction over seeds}}}`` of finished runs."""
+    collected: dict[str, dict[str, list[Mapping[str, float]]]] = {}
+    for run in runs:
+        for population, summary in ((run.results or {}).get("populations") or {}).items():
+            if summary.get("breakdown"):
+                collected.setdefault(population, {}).setdefault(run.method, []).append(
+                    summary["breakdown"])
+    return {population: {method: {g: float(np.mean([b.get(g, 0.0) for b in seeds]))
+                                  for g in GROUPS}
+                         for method, seeds in collected[population].items()}
+            for population in _populations_in_order(collected)}
+
+
+def _has_layers(per_group: Mapping[str, Sequence[Any]] | None) -> bool:
+    return bool(per_group) and any(len(layers) > 0 for layers in per_group.values())
+
+
+def routes(run: Run) -> bool:
+    """Whether a finished run has per-layer q0 data (Flow-like methods)."""
+    populations = (run.results or {}).get("populations") or {}
+    return any(_has_layers(s.get("q0_by_group")) or _has_layers(s.get("q0_histogram"))
+               for s in populations.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """One population's routing data of a method, pooled over seeds.
+
+    Attributes:
+      histograms: ``{group: [L, bins]}`` weighted instance counts per q0 bin on [0, 1].
+      means: ``{group: [L]}`` exact mean q0 (NaN where a group has no instances).
+    """
+
+    histograms: dict[str, np.ndarray]
+    means: dict[str, np.ndarray]
+
+
+def pooled_routing(runs: Sequence[Run]) -> dict[str, Routing]:
+    """``{population: Routing}`` of one method's finished seeds.
+
+    Seeds are pooled (histogram counts added, means weighted by each seed's instances),
+    so the boxes describe every evaluated instance of every seed. Runs written before
+    ``q0_histogram`` existed are skipped.
+    """
+    out = {}
+    populations = _populations_in_order(
+        p for run in runs for p in ((run.results or {}).get("populations") or {}))
+    for population in populations:
+        summaries = [run.results["populations"][population] for run in runs
+                     if population in ((run.results or {}).get("populations") or {})]
+        summaries = [s for s in summaries if _has_layers(s.get("q0_histogram"))]
+        if not summaries:
+            continue
+        histograms, means = {}, {}
+        for group in GROUPS:
+            counts = [np.asarray(s["q0_histogram"][group], dtype=float) for s in summaries]
+            seed_means = [np.asarray([np.nan if m is None else m for m in
+                                      s.get("q0_by_group", {}).get(group, [])], dtype=float)
+                          for s in summaries]
+            histograms[group] = np.sum(counts, axis=0)
+            means[group] = _pooled_mean(counts, seed_means)
+        out[population] = Routing(histograms=histograms, means=means)
+    return out
+
+
+def _pooled_mean(counts: Sequence[np.ndarray], means: Sequence[np.ndarray]) -> np.ndarray:
+    """Per-layer mean of several seeds' means, weighted by their instance counts."""
+    layers = counts[0].shape[0]
+    totals = np.zeros(layers)
+    weights = np.zeros(layers)
+    for count, mean in zip(counts, means):
+        if mean.shape != (layers,):
+            return np.full(layers, np.nan)  # no exact means stored: the boxes use bins
+        weight = count.sum(axis=1)
+        used = weight > 0
+        totals[used] += weight[used] * mean[used]
+        weights[used] += weight[used]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(weights > 0, totals / np.where(weights > 0, weights, 1), np.nan)
+
+
+# ---------------------------------------------------------------- box statistics
+
+
+def histogram_quantile(counts: Sequence[float], q: float, low: float = 0.0,
+                       high: float = 1.0) -> float:
+    """The ``q``-quantile (0..1) of values binned into equal-width bins on [low, high].
+
+    Values are taken as spread uniformly within their bin, so the cumulative distribution
+    is piecewise linear and the quantile is interpolated within the bin it falls in.
+
+    Raises:
+      ValueError: the histogram holds no mass.
+    """
+    counts = np.asarray(counts, dtype=float)
+    total = counts.sum()
+    if not total > 0:
+        raise ValueError("an empty histogram has no quantiles")
+    width = (high - low) / len(counts)
+    filled = np.flatnonzero(counts > 0)
+    target = q * total
+    if target <= 0:
+        return low + filled[0] * width
+    cumulative = np.cumsum(counts)
+    # The first bin whose cumulative count reaches the target holds it; it is never an
+    # empty bin since the cumulative count rises there. Rounding can push the target
+    # past the total, hence the clip to the last filled bin.
+    index = min(int(np.searchsorted(cumulative, target, side="left")), int(filled[-1]))
+    before = cumulative[index] - counts[index]
+    fraction = min(max((target - before) / counts[index], 0.0), 1.0)
+    return low + (index + fraction) * width
+
+
+def histogram_box_stats(counts: Sequence[float], mean: float | None = None,
+                        label: str = "") -> dict[str, Any]:
+    """``Axes.bxp`` statistics of a [0, 1] histogram: quartiles, median, whiskers at the
+    5th and 95th percentiles, and the mean (``mean`` if given and finite, else the
+    bin-centre mean).
+
+    Raises:
+      ValueError: the histogram holds no mass.
+    """
+    counts = np.asarray(counts, dtype=float)
+    whislo, q1, med, q3, whishi = (histogram_quantile(counts, p / 100) for p in BOX_PERCENTILES)
+    if mean is None or not np.isfinite(mean):
+        centres = (np.arange(len(counts)) + 0.5) / len(counts)
+        mean = float(np.sum(centres * counts) / counts.sum())
+    return {"label": label, "whislo": whislo, "q1": q1, "med": med, "q3": q3,
+            "whishi": whishi, "mean": float(mean), "fliers": []}
+
+
+# ---------------------------------------------------------------- figures
+
+
+def _title(figure: Figure, text: str | None) -> None:
+    if text:
+        figure.suptitle(text)
+
+
+def learning_curves_figure(bands: Mapping[str, Mapping[str, Mapping[str, Band]]],
+                           title: str | None = None) -> Figure:
+    """Acc_g and Acc_p against the round, one row of panels per population.
+
+    Args:
+      bands: ``{population: {metric: {method: Band}}}`` as ``curve_bands`` returns, with
+        metrics among ``CURVE_METRICS``.
+      title: the figure's title.
+
+    Returns:
+      A figure with ``len(bands) x len(CURVE_METRICS)`` panels titled
+      ``"<Acc_g|Acc_p> (<population>)"``, one line per method (the mean over seeds) and a
+      shaded +-std band where two or more seeds evaluated a round.
+    """
+    populations = list(bands)
+    figure = Figure(figsize=(6 * len(CURVE_METRICS), 3.6 * len(populations)),
+                    layout="constrained")
+    axes = figure.subplots(len(populations), len(CURVE_METRICS), squeeze=False)
+    for row, population in enumerate(populations):
+        for col, metric in enumerate(CURVE_METRICS):
+            ax = axes[row][col]
+            for method, band in bands[population].get(metric, {}).items():
+                (line,) = ax.plot(band.rounds, 100 * band.mean, label=method,
+                                  marker="o" if len(band.rounds) < 12 else None, markersize=3)
+                spread = band.seeds > 1
+                if np.any(spread):
+                    ax.fill_between(band.rounds, 100 * (band.mean - band.std),
+                                    100 * (band.mean + band.std), where=spread,
+                                    color=line.get_color(), alpha=0.2, linewidth=0)
+            ax.set_title(f"{METRIC_TITLES[metric]} ({population})")
+            ax.set_xlabel("round")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_ylabel("accuracy (%)")
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize="small")
+    _title(figure, title)
+    return figure
+
+
+def breakdown_figure(breakdowns: Mapping[str, Mapping[str, Mapping[str, float]]],
+                     title: str | None = None) -> Figure:
+    """The paper's Figure 3: per method, the test instances by which model gets them right.
+
+    Args:
+      breakdowns: ``{population: {method: {group: fraction}}}`` as ``mean_breakdowns``
+        returns (groups as in ``GROUPS``, fractions summing to 1).
+      title: the figure's title.
+
+    Returns:
+      A figure with one panel per population titled ``"instance breakdown (<population>)"``,
+      holding one stacked bar per method, segments in ``GROUPS`` order, labelled in %.
+    """
+    populations = list(breakdowns)
+    widest = max((len(m) for m in breakdowns.values()), default=1)
+    figure = Figure(figsize=(max(4.0, 1.0 + 0.9 * widest) * len(populations), 4.8),
+                    layout="constrained")
+    axes = figure.subplots(1, len(populations), squeeze=False)[0]
+    for ax, population in zip(axes, populations):
+        methods = list(breakdowns[population])
+        positions = np.arange(len(methods))
+        bottom = np.zeros(len(methods))
+        for group in GROUPS:
+            heights = np.asarray([100 * breakdowns[population][m][group] for m in methods])
+            bars = ax.bar(positions, heights, 0.6, bottom=bottom, color=GROUP_COLORS[group],
+                          label=group.replace("_", " "), edgecolor="white", linewidth=0.5)
+            # Label segments tall enough to hold the text.
+            ax.bar_label(bars, labels=[f"{h:.1f}" if h >= 4 else "" for h in heights],
+                         label_type="center", fontsize="x-small")
+            bottom += heights
+        ax.set_xticks(positions, methods, rotation=30, ha="right")
+        ax.set_xlim(-0.7, len(methods) - 0.3)
+        ax.set_ylim(0, 100)
+        ax.set_ylabel("% of test instances")
+        ax.set_title(f"instance breakdown ({population})")
+    if populations:
+        axes[-1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    _title(figure, title)
+    return figure
+
+
+def routing_figure(routing: Mapping[str, Routing], title: str | None = None) -> Figure:
+    """The paper's routing analysis: the distribution of q0 (the probability of the
+    global route) per routed layer, for each instance group.
+
+    Args:
+      routing: ``{population: Routing}`` as ``pooled_routing`` returns.
+      title: the figure's title.
+
+    Returns:
+      A figure with one row per population and one panel per group (``GROUPS`` order),
+      titled ``"<group> (<population>)"``; each panel holds one box per layer (median,
+      quartiles, 5th-95th percentile whiskers, mean marked). A group without instances
+      gets an empty panel saying so.
+    """
+    populations = list(routing)
+    layers = max((h.shape[0] for r in routing.values() for h in r.histograms.values()),
+                 default=1)
+    figure = Figure(figsize=(max(3.2, 0.45 * layers + 1.5) * len(GROUPS),
+                             3.6 * len(populations)), layout="constrained")
+    axes = figure.subplots(len(populations), len(GROUPS), squeeze=False, sharey=True)
+    for row, population in enumerate(populations):
+        data = routing[population]
+        for col, group in enumerate(GROUPS):
+            ax = axes[row][col]
+            counts = data.histograms[group]
+            ax.set_title(f"{group} ({population})")
+            ax.set_ylim(-0.02, 1.02)
+            ax.set_xlabel("layer")
+            if col == 0:
+                ax.set_ylabel("q0 (global route)")
+            if not counts.size or not counts.sum() > 0:
+                ax.text(0.5, 0.5, "no instances in this group", ha="center", va="center",
+                        transform=ax.transAxes, fontsize="small", color="grey")
+                ax.set_xticks([])
+                continue
+            stats = [histogram_box_stats(layer, data.means[group][j], label=str(j + 1))
+                     for j, layer in enumerate(counts) if layer.sum() > 0]
+            positions = [j + 1 for j, layer in enumerate(counts) if layer.sum() > 0]
+            ax.bxp(stats, positions=positions, showmeans=True, showfliers=False,
+                   patch_artist=True,
+                   boxprops={"facecolor": GROUP_COLORS[group], "alpha": 0.8},
+                   meanprops={"marker": "^", "markerfacecolor": "black",
+                              "markeredgecolor": "black", "markersize": 4})
+            ax.grid(axis="y", alpha=0.3)
+    _title(figure, title)
+    return figure
+
+
+# ---------------------------------------------------------------- all figures of a workdir
+
+
+def run_notes(runs: Sequence[Run]) -> list[str]:
+    """One line per run that some figure leaves out, saying why."""
+    notes = []
+    for run in runs:
+        if run.results is None:
+            notes.append(f"{run.path}: no results.json (unfinished); learning curve only")
+        elif routes(run) and not pooled_routing([run]):
+            notes.append(f"{run.path}: results.json has no q0_histogram (written by an "
+                         f"older flowjax); no routing boxes")
+    return notes
+
+
+def file_stem(text: str) -> str:
+    """``text`` made safe as part of a file name."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "run"
+
+
+def workdir_figures(runs: Sequence[Run]) -> dict[str, Figure]:
+    """``{file name: figure}`` of every figure the runs support, per dataset.
+
+    Learning curves need evaluation records; the breakdown and routing figures need
+    finished runs (``results.json``), routing only for methods with q0 histograms.
+    """
+    figures: dict[str, Figure] = {}
+    for dataset, dataset_runs in by_dataset(runs).items():
+        stem = file_stem(dataset)
+        bands = curve_bands(dataset_runs)
+        if bands:
+            figures[f"learning_curves_{stem}.png"] = learning_curves_figure(
+                bands, title=f"{dataset}: accuracy during training")
+        breakdowns = mean_breakdowns(dataset_runs)
+        if breakdowns:
+            figures[f"breakdown_{stem}.png"] = breakdown_figure(
+                breakdowns, title=f"{dataset}: test instances by correct model")
+        for method in _methods_in_order(dataset_runs):
+            finished = [r for r in dataset_runs if r.method == method and routes(r)]
+            routing = pooled_routing(finished)
+            if routing:
+                seeds = len(finished)
+                figures[f"routing_q0_{stem}_{file_stem(method)}.png"] = routing_figure(
+                    routing, title=f"{dataset} / {method}: q0 per layer by instance group"
+                                   + (f" ({seeds} seeds pooled)" if seeds > 1 else ""))
+    return figures

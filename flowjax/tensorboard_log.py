@@ -1,0 +1,111 @@
+"""TensorBoard event files of a run's records, written with tensorboardX (no TensorFlow).
+
+With ``config.tensorboard = True`` the runner hands a ``TensorBoardLog`` to
+``experiment.run`` as its ``log`` callback; every record that goes into ``metrics.jsonl``
+also becomes scalars in ``<workdir>/tensorboard/``, at step = round:
+
+* a train record's numbers as ``train/<metric>`` (``train/loss``, ...);
+* an eval record's numbers as ``eval/<population>/<metric>``, nested fields joined by
+  ``/`` (``eval/train_clients/breakdown/global_only``) and per-layer lists indexed
+  (``eval/train_clients/q0_by_group/both_correct/0``, None entries left out); nested
+  lists (the q0 histograms) are not scalars and are left out.
+
+Resuming: ``experiment.run`` replays the records before the resumed checkpoint into
+``metrics.jsonl`` but does not pass them to ``log``, so the event files of the first
+attempt keep those rounds and a new event file takes the rounds after. The first attempt
+may also have logged rounds after its last checkpoint, which the resumed run computes
+again; so the new file starts with a purge marker at its first round, and TensorBoard
+hides the first attempt's events from that step on (the replayed values are the same:
+the run is deterministic). ``--overwrite`` removes the folder with the other run files.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator, Mapping
+
+SUBDIR = "tensorboard"
+_SKIPPED = ("round", "kind", "population")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _flatten(prefix: str, value: Any) -> Iterator[tuple[str, float]]:
+    if _is_number(value):
+        yield prefix, float(value)
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _flatten(f"{prefix}/{key}", item)
+    elif isinstance(value, (list, tuple)) and all(v is None or _is_number(v) for v in value):
+        for index, item in enumerate(value):
+            if item is not None:
+                yield f"{prefix}/{index}", float(item)
+
+
+def record_scalars(record: Mapping[str, Any]) -> dict[str, float]:
+    """``{tag: value}`` of one ``metrics.jsonl`` record (see the module docstring).
+
+    Non-finite values are kept: a diverging loss should show in TensorBoard too.
+    """
+    kind = record.get("kind", "train")
+    prefix = f"eval/{record.get('population', 'train_clients')}" if kind == "eval" else kind
+    scalars = {}
+    for key, value in record.items():
+        if key not in _SKIPPED:
+            scalars.update(_flatten(f"{prefix}/{key}", value))
+    return scalars
+
+
+def _event_files(logdir: str) -> list[str]:
+    if not os.path.isdir(logdir):
+        return []
+    return [name for name in os.listdir(logdir) if name.startswith("events.out.tfevents")]
+
+
+class TensorBoardLog:
+    """A ``log`` callback for ``experiment.run`` writing ``record_scalars`` per record.
+
+    The writer opens at the first record, so a finished run opened again (no record)
+    leaves no empty event file. Call ``close`` when the run ends (in a ``finally``).
+
+    Example:
+      >>> log = TensorBoardLog(workdir)
+      >>> try:
+      ...     experiment.run(simulation, workdir=workdir, log=log)
+      ... finally:
+      ...     log.close()
+
+    Raises:
+      ImportError: tensorboardX is not installed (one line naming the option).
+    """
+
+    def __init__(self, workdir: str):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise ImportError("config.tensorboard=True needs tensorboardX: pip install "
+                              "'flowjax[tensorboard]' (or tensorboardX), or set "
+                              "--config.tensorboard=False") from None
+        self._writer_class = SummaryWriter
+        self.logdir = os.path.join(workdir, SUBDIR)
+        self._writer = None
+
+    def __call__(self, record: Mapping[str, Any]) -> None:
+        step = int(record["round"])
+        if self._writer is None:
+            # Events of an earlier attempt from this step on are superseded by this one.
+            earlier = len(_event_files(self.logdir))
+            # tensorboardX names files by the second and host only: the suffix keeps an
+            # attempt started in the same second from overwriting the previous file.
+            self._writer = self._writer_class(self.logdir, purge_step=step if earlier else None,
+                                              filename_suffix=f".{earlier}")
+        for tag, value in record_scalars(record).items():
+            self._writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        """Flushes and closes the event file (a no-op when nothing was logged)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

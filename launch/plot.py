@@ -1,0 +1,72 @@
+r"""Draw the learning curves, instance breakdown and routing figures of runs as PNGs.
+
+  python launch/plot.py --workdir=runs/cmp        # a launch/compare.py folder
+  python launch/plot.py --workdir=/tmp/run        # one launch/train.py run
+  python launch/plot.py --workdir=runs/reproduce  # a launch/reproduce.py grid
+
+Every folder under ``--workdir`` holding ``results.json`` or ``metrics.jsonl`` is a run;
+runs are grouped by dataset, by method (the folder holding the run, or the algorithm of a
+run at ``--workdir`` itself) and by seed (``config.json``). Per dataset it writes into
+``<workdir>/plots/``:
+
+* ``learning_curves_<dataset>.png``: Acc_g and Acc_p per round (mean over seeds, +-std);
+* ``breakdown_<dataset>.png``: the instance breakdown of the paper's Figure 3;
+* ``routing_q0_<dataset>_<method>.png``: q0 per layer and instance group (routed methods).
+
+Unfinished runs (no ``results.json``) are drawn in the learning curves only. Needs
+matplotlib (``pip install -e '.[plot]'``).
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from launch import cli  # noqa: E402
+
+from absl import app, flags  # noqa: E402
+
+_WORKDIR = flags.DEFINE_string("workdir", None,
+                                "Folder of runs to plot; the PNGs go to <workdir>/plots.")
+_DPI = flags.DEFINE_integer("dpi", 120, "Resolution of the PNGs.")
+
+
+def main(argv):
+    del argv
+    workdir = _WORKDIR.value
+    if not os.path.isdir(workdir):
+        print(f"error: --workdir={workdir} is not a directory", file=sys.stderr)
+        return 2
+    try:
+        from flowjax import plotting  # matplotlib is an optional extra
+    except ImportError as error:
+        print(f"error: launch/plot.py needs matplotlib ({error}); pip install -e '.[plot]'",
+              file=sys.stderr)
+        return 2
+    try:
+        runs = plotting.load_runs(workdir)
+    except plotting.RunFileError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if not runs:
+        print(f"error: no runs under --workdir={workdir} (no folder holds results.json or "
+              f"metrics.jsonl)", file=sys.stderr)
+        return 2
+    for note in plotting.run_notes(runs):
+        print(f"note: {note}")
+    figures = plotting.workdir_figures(runs)
+    if not figures:
+        print(f"error: nothing to plot under --workdir={workdir}: no run has an evaluation "
+              f"yet", file=sys.stderr)
+        return 2
+    out = os.path.join(workdir, "plots")
+    os.makedirs(out, exist_ok=True)
+    for name, figure in figures.items():
+        path = os.path.join(out, name)
+        figure.savefig(path, dpi=_DPI.value)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    flags.mark_flags_as_required(["workdir"])
+    app.run(main, flags_parser=cli.parse_flags)

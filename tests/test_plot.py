@@ -1,0 +1,280 @@
+"""launch/plot.py and flowjax.plotting on hand-written run folders with known numbers."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from flowjax import plotting  # noqa: E402
+from flowjax.evaluation.metrics import GROUPS, Q0_BINS  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+LAYERS = 3
+
+
+def histogram(bins_by_layer):
+    """``[LAYERS][Q0_BINS]`` counts: layer j holds ``bins_by_layer[j]`` = {bin: count}."""
+    counts = np.zeros((LAYERS, Q0_BINS))
+    for layer, bins in enumerate(bins_by_layer):
+        for b, count in bins.items():
+            counts[layer, b] = count
+    return counts.tolist()
+
+
+def summary(breakdown, q0_histogram=None):
+    """A ``populations.<pop>`` entry of results.json (the fields the plots read, plus a
+    few others as the real file has them)."""
+    routed = q0_histogram is not None
+    q0_histogram = q0_histogram or {g: [] for g in GROUPS}
+    q0_by_group = {}
+    for group in GROUPS:
+        counts = np.asarray(q0_histogram[group], dtype=float)
+        centres = (np.arange(Q0_BINS) + 0.5) / Q0_BINS
+        q0_by_group[group] = ([None if c.sum() == 0 else float(c @ centres / c.sum())
+                               for c in counts] if routed else [])
+    return {"num_clients": 4, "acc_g": 0.5, "acc_p": 0.6, "breakdown": breakdown,
+            "q0_by_group": q0_by_group, "q0_histogram": q0_histogram}
+
+
+def write_run(folder, *, dataset, algorithm, seed, evals, breakdown=None, q0=None,
+              held_out=False):
+    """A run folder in the on-disk format; no ``breakdown`` = unfinished (no results.json)."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as handle:
+        json.dump({"dataset": dataset, "algorithm": algorithm, "seed": seed}, handle)
+    populations = ["train_clients"] + (["held_out_clients"] if held_out else [])
+    lines = []
+    for round_, (acc_g, acc_p) in sorted(evals.items()):
+        lines.append({"round": round_, "kind": "train", "loss": 1.0 / round_})
+        for population in populations:
+            lines.append({"round": round_, "kind": "eval", "population": population,
+                          "acc_g": acc_g, "acc_p": acc_p, "breakdown": {g: 0.25 for g in GROUPS}})
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as handle:
+        handle.write("".join(json.dumps(line) + "\n" for line in lines))
+    if breakdown is not None:
+        results = {"dataset": dataset, "algorithm": algorithm, "breakdown": breakdown,
+                   "populations": {p: summary(breakdown, q0) for p in populations}}
+        with open(os.path.join(folder, "results.json"), "w") as handle:
+            json.dump(results, handle)
+
+
+BREAKDOWN_A = {"both_correct": 0.4, "global_only": 0.1, "personalized_only": 0.2, "neither": 0.3}
+BREAKDOWN_B = {"both_correct": 0.6, "global_only": 0.1, "personalized_only": 0.0, "neither": 0.3}
+# Layer 1 all in bin 0, layer 2 all in the last bin, layer 3 uniform; global_only empty.
+Q0 = {"both_correct": histogram([{0: 5}, {Q0_BINS - 1: 5}, dict.fromkeys(range(Q0_BINS), 1)]),
+      "global_only": histogram([{}, {}, {}]),
+      "personalized_only": histogram([{3: 2}, {3: 2}, {}]),
+      "neither": histogram([{1: 1}, {2: 1}, {3: 1}])}
+
+
+def plot(workdir):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "launch", "plot.py"),
+                           f"--workdir={workdir}"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+
+
+def titles(figure):
+    return [ax.get_title() for ax in figure.axes]
+
+
+# ---------------------------------------------------------------- box statistics
+
+
+def test_quantiles_of_one_filled_bin_interpolate_within_it():
+    counts = np.zeros(Q0_BINS)
+    counts[4] = 7.0
+    width = 1.0 / Q0_BINS
+    stats = plotting.histogram_box_stats(counts)
+    for key, p in zip(("whislo", "q1", "med", "q3", "whishi"), (0.05, 0.25, 0.5, 0.75, 0.95)):
+        assert stats[key] == pytest.approx((4 + p) * width)
+    assert stats["mean"] == pytest.approx(4.5 * width)  # the bin centre
+    assert stats["fliers"] == []
+
+
+def test_quantiles_of_uniform_mass_are_the_percentiles():
+    stats = plotting.histogram_box_stats(np.full(Q0_BINS, 3.0), mean=0.42, label="2")
+    assert (stats["whislo"], stats["q1"], stats["med"], stats["q3"], stats["whishi"]) == \
+        pytest.approx((0.05, 0.25, 0.5, 0.75, 0.95))
+    assert stats["mean"] == 0.42 and stats["label"] == "2"  # the exact mean wins
+
+
+def test_quantiles_skip_empty_bins_and_reject_an_empty_histogram():
+    counts = np.zeros(10)
+    counts[[2, 7]] = 1.0
+    assert plotting.histogram_quantile(counts, 0.0) == pytest.approx(0.2)
+    assert plotting.histogram_quantile(counts, 0.25) == pytest.approx(0.25)
+    assert plotting.histogram_quantile(counts, 0.75) == pytest.approx(0.75)
+    assert plotting.histogram_quantile(counts, 1.0) == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="empty histogram"):
+        plotting.histogram_quantile(np.zeros(10), 0.5)
+
+
+def test_seed_band_averages_the_seeds_that_evaluated_each_round():
+    band = plotting.seed_band([{1: 0.2, 2: 0.4}, {1: 0.4, 2: 0.8}, {1: 0.6}])
+    assert band.rounds.tolist() == [1, 2]
+    np.testing.assert_allclose(band.mean, [0.4, 0.6])
+    np.testing.assert_allclose(band.std, [np.std([0.2, 0.4, 0.6]), 0.2])
+    assert band.seeds.tolist() == [3, 2]
+
+
+# ---------------------------------------------------------------- layouts
+
+
+def test_single_run_dir(tmp_path):
+    write_run(tmp_path, dataset="toy", algorithm="flow", seed=0,
+              evals={2: (0.1, 0.2), 4: (0.3, 0.5)}, breakdown=BREAKDOWN_A, q0=Q0)
+    runs = plotting.load_runs(str(tmp_path))
+    assert [(r.method, r.seed, r.dataset) for r in runs] == [("flow", 0, "toy")]
+    figures = plotting.workdir_figures(runs)
+    assert sorted(figures) == ["breakdown_toy.png", "learning_curves_toy.png",
+                               "routing_q0_toy_flow.png"]
+    curves = figures["learning_curves_toy.png"]
+    assert titles(curves) == ["Acc_g (train_clients)", "Acc_p (train_clients)"]
+    (line,) = curves.axes[1].lines
+    assert line.get_xdata().tolist() == [2, 4]
+    np.testing.assert_allclose(line.get_ydata(), [20.0, 50.0])  # percent
+
+    routing = figures["routing_q0_toy_flow.png"]
+    assert titles(routing) == [f"{g} (train_clients)" for g in GROUPS]
+    boxes = [len(ax.patches) for ax in routing.axes]  # one box patch per layer with mass
+    assert boxes == [LAYERS, 0, 2, LAYERS]
+    empty = routing.axes[GROUPS.index("global_only")]
+    assert [t.get_text() for t in empty.texts] == ["no instances in this group"]
+    # bxp draws a median line per box; layer 1 of both_correct sits in bin 0.
+    medians = [l.get_ydata()[0] for l in routing.axes[0].lines
+               if len(l.get_xdata()) == 2 and l.get_ydata()[0] == l.get_ydata()[1]]
+    assert pytest.approx(0.5 / Q0_BINS) in medians
+    assert pytest.approx(0.5) in medians  # the uniform layer
+
+
+def test_compare_dir_draws_every_method_and_routes_only_flow(tmp_path):
+    write_run(tmp_path / "flow", dataset="toy", algorithm="flow", seed=0,
+              evals={1: (0.1, 0.2), 2: (0.3, 0.4)}, breakdown=BREAKDOWN_A, q0=Q0, held_out=True)
+    write_run(tmp_path / "fedavg", dataset="toy", algorithm="fedavg", seed=0,
+              evals={1: (0.2, 0.2), 2: (0.3, 0.3)}, breakdown=BREAKDOWN_B, held_out=True)
+    figures = plotting.workdir_figures(plotting.load_runs(str(tmp_path)))
+    assert sorted(figures) == ["breakdown_toy.png", "learning_curves_toy.png",
+                               "routing_q0_toy_flow.png"]
+    curves = figures["learning_curves_toy.png"]
+    assert titles(curves) == ["Acc_g (train_clients)", "Acc_p (train_clients)",
+                              "Acc_g (held_out_clients)", "Acc_p (held_out_clients)"]
+    assert all(sorted(l.get_label() for l in ax.lines) == ["fedavg", "flow"]
+               for ax in curves.axes)
+
+    bars = figures["breakdown_toy.png"]
+    assert titles(bars) == ["instance breakdown (train_clients)",
+                            "instance breakdown (held_out_clients)"]
+    ax = bars.axes[0]
+    assert len(ax.patches) == 2 * len(GROUPS)  # 2 methods x 4 stacked segments
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["fedavg", "flow"]
+    heights = {(round(p.get_x() + p.get_width() / 2), round(p.get_y(), 6)): p.get_height()
+               for p in ax.patches}
+    # flow (x=1): both_correct 40% at the bottom, then global_only 10% from 40.
+    assert heights[(1, 0.0)] == pytest.approx(40.0)
+    assert heights[(1, 40.0)] == pytest.approx(10.0)
+    assert sum(p.get_height() for p in ax.patches) == pytest.approx(200.0)
+
+    routing = figures["routing_q0_toy_flow.png"]
+    assert len(routing.axes) == 2 * len(GROUPS)  # train and held-out rows
+
+
+def test_reproduce_grid_means_seeds_and_keeps_unfinished_curves(tmp_path):
+    grid = tmp_path / "grid"
+    write_run(grid / "toy" / "flow" / "seed_0", dataset="toy", algorithm="flow", seed=0,
+              evals={1: (0.1, 0.2), 2: (0.3, 0.4)}, breakdown=BREAKDOWN_A, q0=Q0)
+    write_run(grid / "toy" / "flow" / "seed_1", dataset="toy", algorithm="flow", seed=1,
+              evals={1: (0.3, 0.4), 2: (0.5, 0.6)}, breakdown=BREAKDOWN_B, q0=Q0)
+    write_run(grid / "toy" / "pi_flow" / "seed_0", dataset="toy", algorithm="flow", seed=0,
+              evals={1: (0.2, 0.2)})  # unfinished: curve only
+    write_run(grid / "other" / "fedavg" / "seed_0", dataset="other", algorithm="fedavg",
+              seed=0, evals={5: (0.5, 0.5)}, breakdown=BREAKDOWN_B)
+    runs = plotting.load_runs(str(grid))
+    assert sorted((r.dataset, r.method, r.seed) for r in runs) == [
+        ("other", "fedavg", 0), ("toy", "flow", 0), ("toy", "flow", 1), ("toy", "pi_flow", 0)]
+    figures = plotting.workdir_figures(runs)
+    assert sorted(figures) == ["breakdown_other.png", "breakdown_toy.png",
+                               "learning_curves_other.png", "learning_curves_toy.png",
+                               "routing_q0_toy_flow.png"]
+
+    acc_g = figures["learning_curves_toy.png"].axes[0]
+    lines = {l.get_label(): l for l in acc_g.lines}
+    assert sorted(lines) == ["flow", "pi_flow"]
+    np.testing.assert_allclose(lines["flow"].get_ydata(), [20.0, 40.0])  # mean of 2 seeds
+    assert len(acc_g.collections) == 1  # the +-std band of flow only (pi_flow: one seed)
+
+    ax = figures["breakdown_toy.png"].axes[0]
+    assert len(ax.patches) == len(GROUPS)  # the unfinished pi_flow has no bar
+    assert ax.patches[0].get_height() == pytest.approx(50.0)  # mean of 40% and 60%
+
+    pooled = plotting.pooled_routing([r for r in runs if r.method == "flow"])
+    np.testing.assert_allclose(pooled["train_clients"].histograms["both_correct"],
+                               2 * np.asarray(Q0["both_correct"]))
+    notes = plotting.run_notes(runs)
+    assert len(notes) == 1 and "pi_flow" in notes[0] and "unfinished" in notes[0]
+
+
+def test_a_variant_folder_of_seeds_is_named_by_the_folder(tmp_path):
+    for seed in (0, 1):
+        write_run(tmp_path / "pi_flow" / f"seed_{seed}", dataset="toy", algorithm="flow",
+                  seed=seed, evals={1: (0.1, 0.2)}, breakdown=BREAKDOWN_A)
+    runs = plotting.load_runs(str(tmp_path / "pi_flow"))
+    assert [(r.method, r.seed) for r in runs] == [("pi_flow", 0), ("pi_flow", 1)]
+
+
+def test_an_unfinished_run_takes_the_dataset_name_of_its_finished_siblings(tmp_path):
+    write_run(tmp_path / "flow", dataset="toy_0.1", algorithm="flow", seed=0,
+              evals={1: (0.1, 0.2)}, breakdown=BREAKDOWN_A)
+    write_run(tmp_path / "fedavg", dataset="toy", algorithm="fedavg", seed=0,
+              evals={1: (0.1, 0.2)})
+    (tmp_path / "flow" / "config.json").write_text(json.dumps({"dataset": "toy", "seed": 0}))
+    assert {r.dataset for r in plotting.load_runs(str(tmp_path))} == {"toy_0.1"}
+
+
+def test_same_method_name_in_two_folders_is_disambiguated(tmp_path):
+    for study in ("a", "b"):
+        write_run(tmp_path / study / "flow", dataset="toy", algorithm="flow", seed=0,
+                  evals={1: (0.1, 0.2)}, breakdown=BREAKDOWN_A)
+    assert sorted(r.method for r in plotting.load_runs(str(tmp_path))) == ["a/flow", "b/flow"]
+
+
+# ---------------------------------------------------------------- the command
+
+
+def test_plot_command_writes_pngs(tmp_path):
+    write_run(tmp_path / "flow", dataset="toy", algorithm="flow", seed=0,
+              evals={1: (0.1, 0.2), 2: (0.3, 0.4)}, breakdown=BREAKDOWN_A, q0=Q0, held_out=True)
+    write_run(tmp_path / "fedavg", dataset="toy", algorithm="fedavg", seed=0,
+              evals={1: (0.2, 0.2)}, breakdown=BREAKDOWN_B, held_out=True)
+    done = plot(tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = ["breakdown_toy.png", "learning_curves_toy.png", "routing_q0_toy_flow.png"]
+    assert sorted(os.listdir(tmp_path / "plots")) == expected
+    for name in expected:
+        data = (tmp_path / "plots" / name).read_bytes()
+        assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000
+        assert f"wrote {tmp_path / 'plots' / name}" in done.stdout
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda path: path / "missing", "is not a directory"),
+    (lambda path: path, "no runs under"),
+])
+def test_plot_command_rejects_bad_workdirs_in_one_line(tmp_path, make, message):
+    done = plot(make(tmp_path))
+    assert done.returncode == 2
+    lines = [l for l in done.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0]
+    assert "Traceback" not in done.stderr
+
+
+def test_a_broken_results_file_is_named(tmp_path):
+    write_run(tmp_path, dataset="toy", algorithm="flow", seed=0, evals={1: (0.1, 0.2)})
+    (tmp_path / "results.json").write_text("{not json")
+    with pytest.raises(plotting.RunFileError, match="results.json"):
+        plotting.load_runs(str(tmp_path))

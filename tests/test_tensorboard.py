@@ -1,0 +1,119 @@
+"""config.tensorboard: metrics.jsonl's records as TensorBoard scalars, read back by hand."""
+
+import json
+import math
+import os
+import struct
+import sys
+
+import pytest
+
+pytest.importorskip("tensorboardX")
+
+from tensorboardX.proto import event_pb2  # noqa: E402
+
+from flowjax import tensorboard_log  # noqa: E402
+from flowjax.runner import prepare_workdir, run_config_to_workdir  # noqa: E402
+from tests.helpers import small_config  # noqa: E402
+
+
+def read_events(logdir):
+    """Every ``Event`` of the event files in ``logdir``, file by file in name order.
+
+    An event file is TFRecord framing: uint64 length, uint32 length CRC, the serialized
+    proto, uint32 data CRC (the CRCs are not checked here).
+    """
+    events = []
+    for name in sorted(os.listdir(logdir)):
+        with open(os.path.join(logdir, name), "rb") as handle:
+            data = handle.read()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            events.append(event_pb2.Event.FromString(data[offset + 12:offset + 12 + length]))
+            offset += 12 + length + 4
+    return events
+
+
+def scalars(events):
+    """``{tag: {step: value}}`` of the scalar summaries."""
+    out = {}
+    for event in events:
+        for value in event.summary.value:
+            out.setdefault(value.tag, {})[event.step] = value.simple_value
+    return out
+
+
+def test_run_writes_the_metrics_as_scalars(tmp_path):
+    # FedAvg compiles in a third of Flow's time; the routed fields are covered below.
+    config = small_config(tensorboard=True, algorithm="fedavg", num_rounds=2,
+                          checkpoint_every=0, log_every=1,
+                          **{"eval.every": 1, "eval.held_out": False})
+    run_config_to_workdir(config, str(tmp_path), progress=False)
+    logged = scalars(read_events(tmp_path / "tensorboard"))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {r["kind"] for r in records} == {"train", "eval"}
+    expected = {}
+    for record in records:
+        for tag, value in tensorboard_log.record_scalars(record).items():
+            expected.setdefault(tag, {})[record["round"]] = value
+    assert set(logged) == set(expected)
+    for tag, steps in expected.items():
+        assert set(logged[tag]) == set(steps), tag
+        for step, value in steps.items():  # event files store float32
+            assert logged[tag][step] == pytest.approx(value, rel=1e-6, abs=1e-7), (tag, step)
+    eval_train = next(r for r in records if r["kind"] == "eval" and r["round"] == 2
+                      and r["population"] == "train_clients")
+    assert logged["eval/train_clients/acc_p"][2] == pytest.approx(eval_train["acc_p"], rel=1e-6)
+    for group, fraction in eval_train["breakdown"].items():
+        assert logged[f"eval/train_clients/breakdown/{group}"][2] == pytest.approx(
+            fraction, rel=1e-6, abs=1e-7)
+    losses = {r["round"]: r["loss"] for r in records if r["kind"] == "train"}
+    assert logged["train/loss"] == pytest.approx(losses, rel=1e-6) and len(losses) == 2
+
+
+def test_record_scalars_names_tags_by_kind_population_and_field():
+    train = {"round": 3, "kind": "train", "loss": 0.5, "weight": 8.0, "local_loss": None}
+    assert tensorboard_log.record_scalars(train) == {"train/loss": 0.5, "train/weight": 8.0}
+    evaluation = {"round": 4, "kind": "eval", "population": "held_out_clients",
+                  "acc_g": 0.25, "num_clients": 6, "breakdown": {"both_correct": 0.75},
+                  "q0_by_group": {"neither": [0.5, None]},
+                  "q0_histogram": {"neither": [[1.0, 0.0], [0.0, 1.0]]}}
+    assert tensorboard_log.record_scalars(evaluation) == {
+        "eval/held_out_clients/acc_g": 0.25, "eval/held_out_clients/num_clients": 6.0,
+        "eval/held_out_clients/breakdown/both_correct": 0.75,
+        "eval/held_out_clients/q0_by_group/neither/0": 0.5}
+    assert math.isnan(tensorboard_log.record_scalars(
+        {"round": 1, "kind": "train", "loss": float("nan")})["train/loss"])
+
+
+def test_a_resumed_run_purges_the_earlier_attempts_later_steps(tmp_path):
+    first = tensorboard_log.TensorBoardLog(str(tmp_path))
+    for round_ in (1, 2, 3):
+        first({"round": round_, "kind": "train", "loss": float(round_)})
+    first.close()
+    resumed = tensorboard_log.TensorBoardLog(str(tmp_path))
+    resumed({"round": 3, "kind": "train", "loss": 3.0})
+    resumed.close()
+    files = sorted(os.listdir(tmp_path / "tensorboard"))
+    assert len(files) == 2  # the second attempt does not overwrite the first
+    second = read_events(tmp_path / "tensorboard")
+    starts = [e.step for e in second if e.HasField("session_log")
+              and e.session_log.status == event_pb2.SessionLog.START]
+    assert starts == [3]  # TensorBoard hides the first attempt's steps >= 3
+    nothing = tensorboard_log.TensorBoardLog(str(tmp_path))
+    nothing.close()  # no record: no new, empty event file
+    assert sorted(os.listdir(tmp_path / "tensorboard")) == files
+
+
+def test_overwrite_removes_the_old_event_files(tmp_path):
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "tensorboard" / "events.out.tfevents.1.host.0").write_bytes(b"")
+    prepare_workdir(str(tmp_path), {"seed": 1}, overwrite=True)
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def test_missing_tensorboardx_names_the_option(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # makes the import fail
+    with pytest.raises(ImportError, match=r"config.tensorboard=True needs tensorboardX"):
+        tensorboard_log.TensorBoardLog(str(tmp_path))
