@@ -18,8 +18,15 @@ Options:
     (``pip install torch==2.13.0``); without it the comparison is skipped with one line.
   --scaling: FedAvg client-steps/s of the first model for cohorts of 1, 2, 4, ...
     ``--max_clients`` clients, and the memory each concurrently trained client needs.
-  --skewed: Stackoverflow-like log-normal client sizes instead of equal ones, so the padding
-    line shows what the fixed-shape cohort wastes.
+  --skewed: Stack Overflow-like client sizes (``data.synthetic.stackoverflow_like_sizes``:
+    log-normal, mean 397, capped at 1,000 examples) instead of ``steps x batch`` each. Each
+    row then counts useful client-steps (every client's own batches) and reports
+    useful / executed steps for its mapping: a loop runs each client's own steps, a
+    vmapped group runs as long as its longest member (chunks are sorted longest first).
+  --devices=1,2: also shard the clients axis over 2 devices (on CPU, emulate them with
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=2``).
+  --plan_memory_gb=78: the memory planner's clients per vmapped chunk for FedAvg and Flow
+    of each model on a device of that size (``flowjax.memory_plan``).
 """
 
 import os
@@ -30,6 +37,7 @@ from launch import xla_env  # noqa: E402
 
 xla_env.apply()
 
+import dataclasses  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
@@ -44,11 +52,13 @@ import optax  # noqa: E402
 from flowjax.algorithms.base import client_optimizer, plain_loss_sums, sgd_step  # noqa: E402
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg  # noqa: E402
 from flowjax.algorithms.flow import FlowConfig, flow  # noqa: E402
-from flowjax.core.cohort import client_at, padding_efficiency  # noqa: E402
-from flowjax.core.mapping import ClientMapping, default_mapping  # noqa: E402
+from flowjax.core.cohort import client_at  # noqa: E402
+from flowjax.core.mapping import ClientMapping, default_mapping, executed_steps  # noqa: E402
 from flowjax.core.server_opt import server_optimizer  # noqa: E402
 from flowjax.core.tree import weighted_mean  # noqa: E402
 from flowjax.data.federated import ArrayFederatedData, FederatedTask, RaggedSplit  # noqa: E402
+from flowjax.data.synthetic import stackoverflow_like_sizes  # noqa: E402
+from flowjax.memory_plan import plan_chunk_size  # noqa: E402
 from flowjax.experiment import RunSettings, Simulation  # noqa: E402
 from flowjax.models import get_model  # noqa: E402
 
@@ -68,15 +78,17 @@ _COMPARE_TORCH = flags.DEFINE_bool(
 _SCALING = flags.DEFINE_bool("scaling", False, "FedAvg client-steps/s of the first model per "
                              "cohort size 1, 2, 4, ... --max_clients, with memory per client.")
 _MAX_CLIENTS = flags.DEFINE_integer("max_clients", 32, "Largest cohort for --scaling.")
-_SKEWED = flags.DEFINE_bool("skewed", False, "Stackoverflow-like log-normal client sizes "
-                            "(median steps*batch/2, capped at steps*batch) instead of equal ones.")
+_SKEWED = flags.DEFINE_bool("skewed", False, "Stack Overflow-like client sizes (log-normal, "
+                            "mean 397, capped at 1,000) instead of steps*batch each.")
+_DEVICES = flags.DEFINE_list("devices", ["1"], "Device counts to shard the clients over.")
+_PLAN_GB = flags.DEFINE_float("plan_memory_gb", 0.0, "Plan clients per chunk for this much "
+                              "device memory (GiB; 0: no plan).")
 
-BATCH = {"emnist_cnn": 20, "shakespeare_lstm": 4}
-POLICY = {"emnist_cnn": (350, 150, 50, 50), "shakespeare_lstm": (64, 64, 32, 16)}
-LEARNING_RATE = {"emnist_cnn": 0.01, "shakespeare_lstm": 0.11}
-# Spread of log(client size) for --skewed: a heavy tail like Stackoverflow's (many small
-# clients, a few at the cap); the exact value only shapes the demo.
-SKEW_SIGMA = 1.0
+BATCH = {"emnist_cnn": 20, "shakespeare_lstm": 4, "stackoverflow_lstm": 16}
+POLICY = {"emnist_cnn": (350, 150, 50, 50), "shakespeare_lstm": (64, 64, 32, 16),
+          "stackoverflow_lstm": (64, 64, 32, 16)}
+LEARNING_RATE = {"emnist_cnn": 0.01, "shakespeare_lstm": 0.11, "stackoverflow_lstm": 0.1}
+TOKENS = {"shakespeare_lstm": (87, 81), "stackoverflow_lstm": (10004, 21)}  # (vocab, length + 1)
 
 
 def synthetic_examples(model_name: str, n: int, rng: np.random.Generator):
@@ -84,23 +96,21 @@ def synthetic_examples(model_name: str, n: int, rng: np.random.Generator):
     if model_name == "emnist_cnn":
         x = rng.normal(size=(n, 28, 28)).astype(np.float32)
         return x, rng.integers(0, 62, size=(n,)).astype(np.int32)
-    tokens = rng.integers(1, 87, size=(n, 81)).astype(np.int32)
+    vocab, length = TOKENS[model_name]
+    tokens = rng.integers(1, vocab, size=(n, length)).astype(np.int32)
     return tokens[:, :-1], tokens[:, 1:]
 
 
 def client_sizes(clients: int, cap: int, skewed: bool, seed: int = 0) -> np.ndarray:
-    """Examples per client: all ``cap`` (no padding at all), or log-normal with median
-    ``cap / 2``, clipped to ``[1, cap]``, like Stackoverflow's clients under a cap."""
+    """Examples per client: all ``cap`` (no padding at all), or Stack Overflow-like."""
     if not skewed:
         return np.full((clients,), cap, np.int64)
-    rng = np.random.default_rng(seed)
-    sizes = np.clip(np.round(rng.lognormal(np.log(cap / 2), SKEW_SIGMA, clients)), 1, cap)
-    sizes = sizes.astype(np.int64)
-    # Stackoverflow's population always has clients above the cap, so its cohorts are
-    # always ``cap`` examples long; pinning the largest client to the cap keeps that
-    # shape (``steps`` steps per client) in a small synthetic population too.
-    sizes[np.argmax(sizes)] = cap
-    return sizes
+    return stackoverflow_like_sizes(clients, seed)
+
+
+def client_steps(task: FederatedTask, batch: int) -> np.ndarray:
+    """Each client's own minibatches per epoch (what a loop over clients runs)."""
+    return -(-np.asarray(task.train.num_examples("train")) // batch)
 
 
 def synthetic_task(model_name: str, sizes: np.ndarray, seed: int = 0) -> FederatedTask:
@@ -140,17 +150,20 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def cohort_padding(cohort) -> dict[str, float]:
-    """Useful fraction of a cohort's slots: of example slots (``padding_efficiency``) and
-    of client-step slots (a step is useful when its minibatch holds a real example)."""
-    mask = np.asarray(cohort.mask)
-    return {"example_efficiency": padding_efficiency(cohort),
-            "step_efficiency": float(np.mean(np.any(mask, axis=-1)))}
+def mapping_padding(cohort, mapping: ClientMapping, batch: int) -> dict[str, float]:
+    """Useful / executed client-steps of one round under ``mapping`` (steps of one epoch),
+    and useful examples / the example slots those executed steps hold."""
+    steps = -(-np.asarray(cohort.num_examples) // batch)
+    executed = executed_steps(steps, mapping)
+    return {"useful_steps": int(np.sum(steps)), "executed_steps": executed,
+            "step_efficiency": float(np.sum(steps)) / executed,
+            "example_efficiency": float(np.sum(cohort.num_examples)) / (executed * batch)}
 
 
 def time_engine_round(algorithm, task, mapping: ClientMapping, repeats: int) -> dict:
+    batch = BATCH[algorithm.model.name]
     settings = RunSettings(seed=0, num_rounds=1, clients_per_round=len(task.train.client_ids),
-                           batch_size=BATCH[algorithm.model.name], eval_held_out=False)
+                           batch_size=batch, eval_held_out=False)
     simulation = Simulation(algorithm, task, settings, server_optimizer("sgd", 1.0), mapping)
     host_cohort = simulation.cohort(0)
     cohort = jax.device_put(host_cohort)
@@ -163,7 +176,7 @@ def time_engine_round(algorithm, task, mapping: ClientMapping, repeats: int) -> 
 
     seconds = median_seconds(one_round, repeats)
     return {"round_s": seconds, "compilations": simulation.trace_counts["round"],
-            **cohort_padding(host_cohort)}
+            **mapping_padding(jax.device_get(host_cohort), mapping, batch)}
 
 
 def time_sequential_loop(algorithm, task, repeats):
@@ -224,39 +237,54 @@ def time_torch(model_name: str, task, steps: int, repeats: int) -> dict | None:
                                              repeats=repeats)
 
 
+def mapping_label(mapping: ClientMapping) -> str:
+    label = mapping.strategy + (f" {mapping.chunk_size}" if mapping.strategy == "chunked" else "")
+    return label + (f", {mapping.num_devices} devices" if mapping.num_devices > 1 else "")
+
+
 def time_model(model_name: str, clients: int, steps: int, repeats: int) -> dict:
     """Every row of one model's table: engine rounds per mapping, the Python loop, the
     centralized-equivalent step and (with --compare_torch) PyTorch eager."""
     batch = BATCH[model_name]
     task = synthetic_task(model_name, client_sizes(clients, steps * batch, _SKEWED.value))
+    useful = int(np.sum(client_steps(task, batch)))
     model, methods = algorithms(model_name, first_batch(task, batch))
     rows = {}
     for method, algorithm in methods.items():
         rows[(method, "python loop (sequential)")] = {
-            "round_s": time_sequential_loop(algorithm, task, repeats), "compilations": 1}
-        for strategy in _STRATEGIES.value:
-            rows[(method, strategy)] = time_engine_round(
-                algorithm, task, ClientMapping(strategy, _CHUNK.value), repeats)
+            "round_s": time_sequential_loop(algorithm, task, repeats), "compilations": 1,
+            "useful_steps": useful, "executed_steps": useful}
+        for devices in (int(d) for d in _DEVICES.value):
+            for strategy in _STRATEGIES.value:
+                mapping = ClientMapping(strategy, _CHUNK.value, devices)
+                rows[(method, mapping_label(mapping))] = time_engine_round(
+                    algorithm, task, mapping, repeats)
     torch_row = time_torch(model_name, task, steps, repeats) if _COMPARE_TORCH.value else None
-    return {"rows": rows, "centralized_s": time_centralized(model, clients, steps, repeats),
-            "torch": torch_row, "methods": tuple(methods)}
+    # The centralized equivalent of the round's useful work: steps on batches of
+    # clients x batch examples, timed for a whole number of steps and scaled to exactly
+    # ``useful`` client-steps.
+    central_steps = max(1, round(useful / clients))
+    return {"rows": rows, "torch": torch_row, "methods": tuple(methods), "useful_steps": useful,
+            "centralized_s": time_centralized(model, clients, central_steps, repeats) * (
+                useful / (central_steps * clients))}
 
 
 def print_model(model_name: str, timed: dict, clients: int, steps: int) -> dict:
     """Prints one model's table and ratio lines; returns them for the JSON report."""
-    central, rows = timed["centralized_s"], dict(timed["rows"])
+    central, rows, useful = timed["centralized_s"], dict(timed["rows"]), timed["useful_steps"]
     if timed["torch"]:
         torch_row = timed["torch"]
         rows[("fedavg", f"pytorch {torch_row['torch']} eager, channels_last, "
                         f"{torch_row['threads']} threads")] = torch_row
-    print(f"\n{model_name}: {clients} clients x {steps} steps x batch {BATCH[model_name]}"
-          f"{' (skewed sizes)' if _SKEWED.value else ''}; centralized-equivalent "
-          f"{clients * steps / central:.1f} client-steps/s ({central:.3f} s)")
-    print("| method | mapping | round s | client-steps/s | vs python loop | "
-          "vs centralized | compilations | useful step slots |")
+    shape = ("Stack Overflow-like sizes" if _SKEWED.value else f"{steps} steps")
+    print(f"\n{model_name}: {clients} clients x {shape} x batch {BATCH[model_name]} "
+          f"({useful} useful client-steps); centralized-equivalent "
+          f"{useful / central:.1f} client-steps/s ({central:.3f} s)")
+    print("| method | mapping | round s | useful client-steps/s | vs python loop | "
+          "vs centralized | compilations | useful / executed steps |")
     print("|---|---|---|---|---|---|---|---|")
-    results = [print_row(key, row, rows, central, clients * steps) for key, row in rows.items()]
-    out = {"centralized_s": central, "rows": results}
+    results = [print_row(key, row, rows, central, useful) for key, row in rows.items()]
+    out = {"centralized_s": central, "useful_steps": useful, "rows": results}
     print_ratios(timed, out)
     return out
 
@@ -264,10 +292,10 @@ def print_model(model_name: str, timed: dict, clients: int, steps: int) -> dict:
 def print_row(key, row: dict, rows: dict, central: float, client_steps: int) -> dict:
     """One table row; every ratio compares round times on the same clients' work."""
     (method, mapping), seconds = key, row["round_s"]
-    # Eager PyTorch counts its own steps: it skips the padding the engine executes.
+    # Eager PyTorch counts its own steps (one per real minibatch, as the loop does).
     client_steps = row.get("client_steps", client_steps)
     sequential = rows[(method, "python loop (sequential)")]["round_s"]
-    useful = row.get("step_efficiency", 1.0 if "torch" in row else None)
+    useful = row.get("step_efficiency", 1.0 if "torch" in row or "python" in mapping else None)
     print(f"| {method} | {mapping} | {seconds:.3f} | {client_steps / seconds:.1f} | "
           f"{sequential / seconds:.2f}x | {central / seconds:.2f} | {row.get('compilations', '-')} "
           f"| {'-' if useful is None else f'{useful:.2f}'} |")
@@ -278,7 +306,7 @@ def print_row(key, row: dict, rows: dict, central: float, client_steps: int) -> 
 
 
 def print_ratios(timed: dict, out: dict) -> None:
-    """Flow over FedAvg, the padding line and flowjax over PyTorch, into ``out`` too."""
+    """Flow over FedAvg, the device and padding lines and flowjax over PyTorch, into ``out``."""
     rows = timed["rows"]
     best = {m: min((k for k in rows if k[0] == m), key=lambda k: rows[k]["round_s"])
             for m in timed["methods"]}
@@ -287,18 +315,43 @@ def print_ratios(timed: dict, out: dict) -> None:
     engine = [key for key in rows if "step_efficiency" in rows[key]]
     if not engine:
         return
-    # Every engine round here trains the same cohort, so one line covers them all; the
-    # client-steps/s above count executed slots, this says how many did real work.
-    out["padding"] = {k: rows[engine[0]][k] for k in ("step_efficiency", "example_efficiency")}
-    print(f"padding efficiency (every engine round): {out['padding']['step_efficiency']:.2f} of "
-          f"client-step slots, {out['padding']['example_efficiency']:.2f} of example slots "
-          f"hold real data")
+    out["padding"] = {k[1]: {"step_efficiency": rows[k]["step_efficiency"],
+                             "example_efficiency": rows[k]["example_efficiency"]}
+                      for k in engine if k[0] == "fedavg"}
+    print("useful / executed client-steps (example slots) per mapping: " + ", ".join(
+        f"{name} {p['step_efficiency']:.2f} ({p['example_efficiency']:.2f})"
+        for name, p in out["padding"].items()))
+    out["devices"] = {}
+    for method, mapping in engine:
+        if ", " in mapping and "devices" in mapping:
+            single = (method, mapping.split(", ")[0])
+            if single in rows:
+                speedup = rows[single]["round_s"] / rows[(method, mapping)]["round_s"]
+                out["devices"][f"{method} {mapping}"] = speedup
+                print(f"{method} {mapping} vs 1 device: {speedup:.2f}x faster")
     if timed["torch"]:
         fastest = min((k for k in engine if k[0] == "fedavg"), key=lambda k: rows[k]["round_s"])
         ratio = timed["torch"]["round_s"] / rows[fastest]["round_s"]
         out["flowjax_over_torch"] = {"mapping": fastest[1], "ratio": ratio}
         print(f"flowjax FedAvg ({fastest[1]}) / PyTorch eager, throughput on the same round: "
               f"{ratio:.2f}x")
+
+
+def memory_plans(model_name: str, steps: int, gigabytes: float) -> dict:
+    """Clients per vmapped chunk for FedAvg and Flow on ``gigabytes`` of device memory."""
+    batch = BATCH[model_name]
+    task = synthetic_task(model_name, client_sizes(2, steps * batch, _SKEWED.value))
+    _, methods = algorithms(model_name, first_batch(task, batch))
+    padded = int(np.max(task.train.num_examples("train")))
+    padded = -(-padded // batch) * batch
+    out = {}
+    for method, algorithm in methods.items():
+        plan = plan_chunk_size(algorithm, task.train.example_spec, padded_examples=padded,
+                               batch_size=batch, device_bytes=int(gigabytes * 2**30))
+        print(f"memory plan, {model_name} {method}, {padded} examples per client, "
+              f"{gigabytes:g} GiB: {plan.describe()}")
+        out[method] = dataclasses.asdict(plan)
+    return out
 
 
 def tree_bytes(tree) -> int:
@@ -366,6 +419,8 @@ def main(argv):
     for model_name in _MODELS.value:
         timed = time_model(model_name, clients, steps, repeats)
         report["models"][model_name] = print_model(model_name, timed, clients, steps)
+    if _PLAN_GB.value > 0:
+        report["memory_plans"] = {m: memory_plans(m, steps, _PLAN_GB.value) for m in _MODELS.value}
     if _SCALING.value:
         report["scaling"] = scaling(_MODELS.value[0], steps, _MAX_CLIENTS.value, repeats)
     if _OUT.value:

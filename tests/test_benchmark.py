@@ -14,11 +14,25 @@ def test_dashed_flag_names_become_absl_names():
         "benchmark.py", "--compare_torch", "--max_clients=4", "--models=a-b", "--", "--x-y"]
 
 
-def test_skewed_sizes_stay_within_the_cap_and_keep_the_cohort_shape():
-    sizes = benchmark.client_sizes(50, 400, skewed=True)
-    assert sizes.min() >= 1 and sizes.max() == 400
-    assert 100 < np.median(sizes) < 300  # log-normal around cap / 2
+def test_skewed_sizes_are_the_stackoverflow_model():
+    from flowjax.data.synthetic import stackoverflow_like_sizes
+    np.testing.assert_array_equal(benchmark.client_sizes(50, 400, skewed=True),
+                                  stackoverflow_like_sizes(50, 0))
     assert (benchmark.client_sizes(3, 400, skewed=False) == 400).all()
+
+
+def test_padding_counts_what_each_mapping_executes():
+    from flowjax.core.cohort import ClientExamples
+    from flowjax.core.mapping import ClientMapping
+    counts = np.array([40, 1, 20, 3])  # batch 10: 4, 1, 2, 1 steps
+    cohort = ClientExamples(x=None, y=None, mask=None, num_examples=counts, client_id=None)
+    loop = benchmark.mapping_padding(cohort, ClientMapping("loop"), 10)
+    assert loop == {"useful_steps": 8, "executed_steps": 8, "step_efficiency": 1.0,
+                    "example_efficiency": 64 / 80}
+    vmap = benchmark.mapping_padding(cohort, ClientMapping("vmap"), 10)
+    assert vmap["executed_steps"] == 16 and vmap["step_efficiency"] == 0.5
+    chunked = benchmark.mapping_padding(cohort, ClientMapping("chunked", 2), 10)
+    assert chunked["executed_steps"] == 4 + 4 + 1 + 1  # [4, 2] and [1, 1]
 
 
 def test_cohort_sizes_double_up_to_the_maximum():
