@@ -26,49 +26,14 @@ import time  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from flowjax.algorithms import ALGORITHMS  # noqa: E402
+# The method list, the ablations and their overrides are shared with launch/reproduce.py.
+from flowjax.experiments_plan import expand, variant_overrides  # noqa: E402
 from flowjax.reporting import comparison_csv, results_table, write_text_atomic  # noqa: E402
 from flowjax.runner import run_config_to_workdir  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Base run config.", lock_config=False)
 _METHODS = flags.DEFINE_list("methods", ["all"], "Methods / variants, or 'all', 'ablations'.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for every method's run and the table.")
-
-# The paper's main comparison (Tables 2 and 3), in its row order.
-MAIN = ("local", "fedavg", "fedavg_ft", "apfl", "ditto", "fedrep", "lg_fedavg", "hypcluster",
-        "knn_per", "partialfed", "flow")
-# Flow ablations (Section 5.2, Appendix E) as overrides of the base config.
-ABLATIONS = {
-    "flow": {},
-    "pi_flow": {"local_route": "global"},
-    "pc_flow": {"algorithm": "fedavg_ft"},
-    "flow_gamma_0": {"gamma": 0.0},
-    **{f"flow_fixed_q0_{q}": {"fixed_q0": q} for q in (0.25, 0.5, 0.75, 1.0)},
-    "flow_policy_first": {"order": "policy_first"},
-    "flow_global_first": {"order": "global_first"},
-    **{f"flow_split_{r}": {"split_ratio": r} for r in (0.25, 0.75)},
-}
-
-
-def variant_overrides(name: str) -> dict:
-    if name in ABLATIONS:
-        return {"algorithm": "flow", **ABLATIONS[name]}
-    if name in ALGORITHMS:
-        return {"algorithm": name}
-    raise ValueError(f"unknown method or variant {name!r}; expected one of "
-                     f"{sorted(set(ALGORITHMS) | set(ABLATIONS))}, 'all' or 'ablations'")
-
-
-def expand(methods):
-    names = []
-    for method in methods:
-        if method == "all":
-            names += [m for m in MAIN if m in ALGORITHMS]
-        elif method == "ablations":
-            names += list(ABLATIONS)
-        else:
-            names.append(method)
-    return list(dict.fromkeys(names))
 
 
 def main(argv):

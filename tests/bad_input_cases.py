@@ -54,7 +54,8 @@ class Case:
 
 @dataclasses.dataclass(frozen=True)
 class CommandCase:
-    """A bad command line of ``launch/train.py``; it must exit 2 with one ``error:`` line."""
+    """A bad command line of a launcher (``launch/train.py``, ``launch/reproduce.py``); it
+    must exit 2 with one ``error:`` line."""
 
     input: str
     args: tuple[str, ...]
@@ -270,6 +271,7 @@ CASES: tuple[Case, ...] = (
 )
 
 _TRAIN = ("launch/train.py", "--config=configs/shakespeare.py:quick")
+_REPRODUCE = "command line (`launch/reproduce.py`)"
 COMMAND_CASES: tuple[CommandCase, ...] = (
     CommandCase("`--config.nonexist=3`", _TRAIN + ("--config.nonexist=3",),
                 "error: unknown config field 'nonexist' (--config.nonexist=3); expected one of "
@@ -280,7 +282,7 @@ COMMAND_CASES: tuple[CommandCase, ...] = (
     CommandCase("`--config=configs/shakespeare.py:quikc`",
                 ("launch/train.py", "--config=configs/shakespeare.py:quikc"),
                 "error: --config=configs/shakespeare.py:quikc: unknown shakespeare config "
-                "variant 'quikc'; expected 'quick' or 'paper'"),
+                "variant 'quikc'; expected 'quick', 'mini' or 'paper'"),
     CommandCase("`--config=configs/missing.py`", ("launch/train.py", "--config=configs/missing.py"),
                 "error: config file 'configs/missing.py' (--config=configs/missing.py) not "
                 "found; expected a Python file defining get_config()"),
@@ -290,6 +292,19 @@ COMMAND_CASES: tuple[CommandCase, ...] = (
     CommandCase("`--config.learning_rate=abc`", _TRAIN + ("--config.learning_rate=abc",),
                 "error: flag --config.learning_rate=abc: could not convert string to float: "
                 "'abc'"),
+    CommandCase("`reproduce.py --table=tabel2`", ("launch/reproduce.py", "--table=tabel2"),
+                "error: unknown --table='tabel2'; expected one of table2, table3, "
+                "regularization, pi_pc_flow, fixed_policy, soft_hard, order, split_ratio",
+                _REPRODUCE),
+    CommandCase("`reproduce.py --datasets=emnst`",
+                ("launch/reproduce.py", "--table=table2", "--datasets=emnst"),
+                "error: unknown --datasets value 'emnst'; expected some of stackoverflow, "
+                "shakespeare, emnist, cifar10_0.1, cifar100_0.1, cifar10_0.6, cifar100_0.6",
+                _REPRODUCE),
+    CommandCase("`reproduce.py --seeds=0,x`",
+                ("launch/reproduce.py", "--table=table2", "--seeds=0,x"),
+                "error: bad --seeds value 'x'; expected comma-separated integers >= 0, e.g. "
+                "--seeds=0,44,56", _REPRODUCE),
 )
 
 

@@ -1,0 +1,349 @@
+"""What the paper's experiments run: methods, Flow ablations, datasets and table layouts.
+
+Shared by ``launch/compare.py`` (one dataset, several methods) and ``launch/reproduce.py``
+(a paper table's dataset x method x seed grid). A grid cell is one run, identified by
+dataset, cell name and seed, in ``<root>/<dataset>/<cell name>/seed_<seed>/``; tables that
+read the same runs (Table 2 and Table 3, the soft/hard ablation, every ablation's Flow row)
+name the same cells, so they are trained once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping, Sequence
+
+from flowjax.algorithms import ALGORITHMS
+
+# The methods of compare.py's ``--methods=all`` (every implemented baseline and Flow).
+MAIN = ("local", "fedavg", "fedavg_ft", "apfl", "ditto", "fedrep", "lg_fedavg", "hypcluster",
+        "knn_per", "partialfed", "flow")
+# Flow ablations (Section 5.2, Appendix E) as overrides of the base config.
+ABLATIONS = {
+    "flow": {},
+    "pi_flow": {"local_route": "global"},
+    "pc_flow": {"algorithm": "fedavg_ft"},
+    "flow_gamma_0": {"gamma": 0.0},
+    **{f"flow_fixed_q0_{q}": {"fixed_q0": q} for q in (0.25, 0.5, 0.75, 1.0)},
+    "flow_policy_first": {"order": "policy_first"},
+    "flow_global_first": {"order": "global_first"},
+    **{f"flow_split_{r}": {"split_ratio": r} for r in (0.25, 0.75)},
+}
+
+
+def variant_overrides(name: str) -> dict[str, Any]:
+    """Top-level config fields that turn a dataset config into method or ablation ``name``.
+
+    Raises:
+      ValueError: ``name`` is neither an algorithm nor an ablation (one line).
+    """
+    if name in ABLATIONS:
+        return {"algorithm": "flow", **ABLATIONS[name]}
+    if name in ALGORITHMS:
+        return {"algorithm": name}
+    raise ValueError(f"unknown method or variant {name!r}; expected one of "
+                     f"{sorted(set(ALGORITHMS) | set(ABLATIONS))}, 'all' or 'ablations'")
+
+
+def expand(methods: Sequence[str]) -> list[str]:
+    """``methods`` with ``all`` and ``ablations`` expanded, duplicates dropped, in order."""
+    names: list[str] = []
+    for method in methods:
+        if method == "all":
+            names += [m for m in MAIN if m in ALGORITHMS]
+        elif method == "ablations":
+            names += list(ABLATIONS)
+        else:
+            names.append(method)
+    return list(dict.fromkeys(names))
+
+
+def cell_name(variant: str) -> str:
+    """The folder name of ``variant``'s runs: the first method or ablation with the same
+    overrides, so identical runs share a cell (``pc_flow`` is ``fedavg_ft``, the paper's
+    "simply FedAvgFT"; the ablation ``flow`` is the method ``flow``)."""
+    overrides = variant_overrides(variant)
+    for name in (*MAIN, *ABLATIONS):
+        if (name in ALGORITHMS or name in ABLATIONS) and variant_overrides(name) == overrides:
+            return name
+    return variant
+
+
+# ---------------------------------------------------------------- datasets
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+    """A paper dataset column and the config that runs it.
+
+    Attributes:
+      name: the ``--datasets`` key and the cell folder name.
+      title: the paper's column header.
+      config_file: the config file, relative to the repository root.
+      variants: ``get_config`` variant per ``--scale``.
+    """
+
+    name: str
+    title: str
+    config_file: str
+    variants: Mapping[str, str]
+
+    def config_spec(self, scale: str) -> str:
+        """``file:variant`` as ``launch/train.py --config=`` takes it."""
+        return f"{self.config_file}:{self.variants[scale]}"
+
+
+SCALES = ("paper", "mini")
+DATASETS: dict[str, DatasetSpec] = {spec.name: spec for spec in (
+    DatasetSpec("stackoverflow", "Stackoverflow", "configs/stackoverflow.py", {"paper": "paper"}),
+    DatasetSpec("shakespeare", "Shakespeare", "configs/shakespeare.py",
+                {"paper": "paper", "mini": "mini"}),
+    DatasetSpec("emnist", "EMNIST", "configs/emnist.py", {"paper": "paper"}),
+    *(DatasetSpec(f"cifar{classes}_{alpha}", f"CIFAR{classes} ({alpha})", "configs/cifar.py",
+                  {"paper": f"cifar{classes}_{alpha}"})
+      for alpha in ("0.1", "0.6") for classes in ("10", "100")),
+)}
+# Column order of tbl:all-accuracies (Table 2); Table 3 puts EMNIST second.
+PAPER_DATASETS = ("stackoverflow", "shakespeare", "emnist", "cifar10_0.1", "cifar100_0.1",
+                  "cifar10_0.6", "cifar100_0.6")
+CROSS_DEVICE = ("stackoverflow", "shakespeare", "emnist")
+
+# ---------------------------------------------------------------- tables
+
+METRIC_TITLES = {"acc_g": "Acc_g", "acc_p": "Acc_p", "acc_p_soft": "Acc_p (soft)",
+                 "clients_benefiting": "% Acc_p > Acc_g", "clients_tied": "% ties",
+                 "clients_hurt": "% Acc_p < Acc_g"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One table row: a variant's runs, read through ``source``.
+
+    Attributes:
+      variant: method or ablation name (``variant_overrides``).
+      label: the row's name in the markdown (the paper's where it has one).
+      source: results field to read for a column metric when it differs (the soft-policy
+        row reads ``acc_p_soft`` in the ``acc_p`` column).
+    """
+
+    variant: str
+    label: str
+    source: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def field(self, metric: str) -> str:
+        return self.source.get(metric, metric)
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """A difference the paper states in words: ``plus - minus`` of ``metrics``.
+
+    Attributes:
+      key: the key of the paper's numbers in ``paper_figures.PAPER_DELTAS``.
+      label: the row's name in the markdown.
+    """
+
+    key: str
+    label: str
+    plus: str
+    minus: str
+    metrics: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+    """A paper table's layout and the runs it needs.
+
+    Attributes:
+      name: the ``--table`` value and the output file stem.
+      title: the markdown heading.
+      tex_labels: the paper's labels this table reproduces.
+      rows: in the paper's order.
+      metrics: the columns under each dataset.
+      datasets: the paper's datasets, in its column order (``--datasets`` default).
+      deltas: differences stated in the paper's text, shown below the rows.
+      not_applicable: ``(variant, metric)`` pairs the paper defines as absent ("-").
+      paper_skips: ``(variant, dataset)`` pairs the paper did not run; not run unless
+        ``--methods`` names the variant.
+    """
+
+    name: str
+    title: str
+    tex_labels: tuple[str, ...]
+    rows: tuple[Row, ...]
+    metrics: tuple[str, ...]
+    datasets: tuple[str, ...]
+    deltas: tuple[Delta, ...] = ()
+    not_applicable: frozenset[tuple[str, str]] = frozenset()
+    paper_skips: frozenset[tuple[str, str]] = frozenset()
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(row.variant for row in self.rows))
+
+
+_LABELS = {"local": "Local", "fedavg": "FedAvg", "fedavg_ft": "FedAvgFT", "knn_per": "knnPer",
+           "partialfed": "PartialFed", "apfl": "APFL", "ditto": "Ditto", "fedrep": "FedRep",
+           "lg_fedavg": "LGFedAvg", "hypcluster": "HypCluster", "flow": "Flow (Ours)"}
+# Row order of tbl:all-accuracies and tbl:clients-unharmed (Table 3 starts at FedAvgFT).
+PAPER_METHODS = ("local", "fedavg", "fedavg_ft", "knn_per", "partialfed", "apfl", "ditto",
+                 "fedrep", "lg_fedavg", "hypcluster", "flow")
+# "Since PartialFed is a stateful approach, we are unable to run it on the cross-device
+# datasets" (Sec. 5.1): the paper's "-" cells, not run by default.
+_PARTIALFED_SKIPS = frozenset(("partialfed", d) for d in CROSS_DEVICE)
+
+
+def _rows(*variants: str, labels: Mapping[str, str] | None = None) -> tuple[Row, ...]:
+    labels = {**_LABELS, **(labels or {})}
+    return tuple(Row(v, labels[v]) for v in variants)
+
+
+TABLES: dict[str, TableSpec] = {spec.name: spec for spec in (
+    TableSpec(
+        "table2", "Table 2: generalized (Acc_g) and personalized (Acc_p) accuracy, %",
+        ("tbl:gen-per-acc", "tbl:all-accuracies", "tbl:all-accuracies-variances"),
+        _rows(*PAPER_METHODS), ("acc_g", "acc_p"), PAPER_DATASETS,
+        # Local learns no global model, FedAvg does not personalize (Sec. 5.1).
+        not_applicable=frozenset({("local", "acc_g"), ("fedavg", "acc_p")}),
+        paper_skips=_PARTIALFED_SKIPS),
+    TableSpec(
+        "table3", "Table 3: % of clients with Acc_p > Acc_g (strictly; ties separate)",
+        ("tbl:clients-unharmed-abridged", "tbl:clients-unharmed"),
+        _rows(*PAPER_METHODS[2:]), ("clients_benefiting", "clients_tied"),
+        ("stackoverflow", "emnist", "shakespeare", "cifar10_0.1", "cifar100_0.1",
+         "cifar10_0.6", "cifar100_0.6"),
+        paper_skips=_PARTIALFED_SKIPS),
+    TableSpec(
+        "regularization", "Ablation: the policy regularizer gamma (Eq. 3) on and off, %",
+        ("fig:so-regularization-main-text", "fig:regularization-gen", "fig:regularization-pers"),
+        _rows("flow", "flow_gamma_0", labels={"flow": "Flow (gamma on)",
+                                              "flow_gamma_0": "Flow, gamma = 0"}),
+        ("acc_g", "acc_p"), PAPER_DATASETS,
+        deltas=(Delta("regularization", "gain from gamma", "flow", "flow_gamma_0",
+                      ("acc_g", "acc_p")),)),
+    TableSpec(
+        "pi_pc_flow", "Ablation: per-instance (pi-Flow) and per-client (pc-Flow) Flow, Acc_p %",
+        ("fig:so-ablation-pcpi-main-text", "fig:ablation-pcpi"),
+        _rows("flow", "pi_flow", "pc_flow",
+              labels={"flow": "Flow (per-instance per-client)", "pi_flow": "pi-Flow",
+                      "pc_flow": "pc-Flow (= FedAvgFT)"}),
+        ("acc_p",), PAPER_DATASETS,
+        deltas=(Delta("pi_over_pc", "pi-Flow - pc-Flow", "pi_flow", "pc_flow", ("acc_p",)),
+                Delta("flow_over_pi", "Flow - pi-Flow", "flow", "pi_flow", ("acc_p",)))),
+    TableSpec(
+        "fixed_policy", "Ablation: dynamic routing vs a fixed policy q0, Acc_p %",
+        ("fig:so-ablation-dynamic-routing-text", "fig:dynamic-routing-pers"),
+        _rows("flow", *(f"flow_fixed_q0_{q}" for q in (0.25, 0.5, 0.75, 1.0)),
+              labels={"flow": "Flow (dynamic routing)",
+                      **{f"flow_fixed_q0_{q}": f"fixed q0 = {q:.2f}"
+                         for q in (0.25, 0.5, 0.75, 1.0)}}),
+        ("acc_p",), PAPER_DATASETS),
+    TableSpec(
+        "soft_hard", "Ablation: soft vs hard routing at inference, Acc_p %",
+        ("tab:soft-versus-hard-policy-ablation",),
+        (Row("flow", "Soft policy", {"acc_p": "acc_p_soft"}), Row("flow", "Hard policy")),
+        ("acc_p",), PAPER_DATASETS),
+    TableSpec(
+        "order", "Ablation: training order of the global model and the policy, %",
+        ("fig:alternate-training",),
+        _rows("flow", "flow_policy_first", "flow_global_first",
+              labels={"flow": "alternating (Flow)", "flow_policy_first": "policy first",
+                      "flow_global_first": "global model first"}),
+        ("acc_g", "acc_p"), ("emnist",)),  # the paper's figure is on EMNIST
+    TableSpec(
+        "split_ratio", "Ablation: local:global split of each client's data, %",
+        ("fig:dataset-division",),
+        _rows("flow_split_0.25", "flow", "flow_split_0.75",
+              labels={"flow_split_0.25": "0.25 : 0.75", "flow": "0.50 : 0.50 (Flow)",
+                      "flow_split_0.75": "0.75 : 0.25"}),
+        ("acc_g", "acc_p"), ("stackoverflow",)),  # the paper's figure is on Stackoverflow
+)}
+
+
+# ---------------------------------------------------------------- the grid
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Cell:
+    """One run of the grid."""
+
+    dataset: str
+    variant: str  # a cell name (``cell_name``)
+    seed: int
+
+    def path(self, root: str) -> str:
+        return os.path.join(root, self.dataset, self.variant, f"seed_{self.seed}")
+
+
+def _choose(flag: str, given: Sequence[str], known: Sequence[str], where: str = "") -> list[str]:
+    unknown = [name for name in given if name not in known]
+    if unknown:
+        raise ValueError(f"unknown {flag} value {unknown[0]!r}{where}; expected some of "
+                         f"{', '.join(known)}")
+    return list(dict.fromkeys(given))
+
+
+def resolve_table(name: str) -> TableSpec:
+    """The table ``--table=name``; ValueError naming the known tables otherwise."""
+    if name not in TABLES:
+        raise ValueError(f"unknown --table={name!r}; expected one of {', '.join(TABLES)}")
+    return TABLES[name]
+
+
+def resolve_datasets(table: TableSpec, given: Sequence[str], scale: str) -> list[str]:
+    """``--datasets`` (default: the table's datasets that define ``scale``), checked."""
+    if scale not in SCALES:
+        raise ValueError(f"unknown --scale={scale!r}; expected one of {', '.join(SCALES)}")
+    if given:
+        names = _choose("--datasets", given, list(DATASETS))
+        lacking = [name for name in names if scale not in DATASETS[name].variants]
+        if lacking:
+            having = [n for n, spec in DATASETS.items() if scale in spec.variants]
+            raise ValueError(f"--scale={scale} is not defined for dataset {lacking[0]!r}; it "
+                             f"is defined for {', '.join(having)}")
+        return names
+    names = [name for name in table.datasets if scale in DATASETS[name].variants]
+    if not names:
+        raise ValueError(f"--table={table.name} has no dataset with --scale={scale} (its "
+                         f"datasets: {', '.join(table.datasets)}); use --scale=paper")
+    return names
+
+
+def parse_seeds(given: Sequence[str]) -> list[int]:
+    """``--seeds`` as distinct integers >= 0, in the given order."""
+    seeds = []
+    for text in given:
+        text = text.strip()
+        if not text.isdigit():
+            raise ValueError(f"bad --seeds value {text!r}; expected comma-separated integers "
+                             ">= 0, e.g. --seeds=0,44,56")
+        seeds.append(int(text))
+    if not seeds:
+        raise ValueError("--seeds is empty; expected comma-separated integers >= 0, e.g. "
+                         "--seeds=0,44,56")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds={','.join(map(str, seeds))} repeats a seed; expected "
+                         "distinct integers")
+    return seeds
+
+
+def resolve_methods(table: TableSpec, given: Sequence[str]) -> list[str]:
+    """``--methods`` as a subset of the table's variants (default: all of them)."""
+    if not given:
+        return list(table.variants)
+    return _choose("--methods", given, table.variants, f" for --table={table.name}")
+
+
+def plan_cells(table: TableSpec, datasets: Sequence[str], methods: Sequence[str],
+               seeds: Sequence[int], explicit_methods: bool = False) -> list[Cell]:
+    """The cells of the grid, dataset-major in the table's order; shared runs once.
+
+    ``paper_skips`` cells are left out unless ``explicit_methods`` (the user named them).
+    """
+    cells: list[Cell] = []
+    for dataset in datasets:
+        for variant in methods:
+            if (variant, dataset) in table.paper_skips and not explicit_methods:
+                continue
+            cells += [Cell(dataset, cell_name(variant), seed) for seed in seeds]
+    return list(dict.fromkeys(cells))

@@ -1,0 +1,355 @@
+r"""Run one paper table's dataset x method x seed grid; write it beside the paper's figures.
+
+  python launch/reproduce.py --table=table2 --workdir=runs/paper
+  python launch/reproduce.py --table=table3 --workdir=runs/paper        # Table 2's runs
+  python launch/reproduce.py --table=soft_hard --workdir=runs/paper     # Flow's runs
+  python launch/reproduce.py --table=regularization --datasets=shakespeare --scale=mini \
+      --seeds=0,44,56 --workdir=runs/mini
+  python launch/reproduce.py --table=table2 --datasets=emnist \
+      --override=emnist:data.store_dir=data/emnist --workdir=runs/paper
+  python launch/reproduce.py --table=table2 --workdir=runs/paper --dry_run   # the plan
+  python launch/reproduce.py --table=table2 --workdir=runs/paper --aggregate_only
+
+Tables: table2 (Acc_g, Acc_p), table3 (% clients with Acc_p > Acc_g, ties separate), and
+the ablations regularization, pi_pc_flow, fixed_policy, soft_hard, order, split_ratio
+(``flowjax/experiments_plan.py`` holds their layouts). Each run ("cell") goes to
+``<workdir>/<dataset>/<variant>/seed_<seed>/`` exactly as ``launch/train.py`` would write
+it; cells are shared between tables (Table 3 and soft_hard read Table 2's runs). A cell
+with ``results.json`` is finished and never run again; any other cell is run, resuming
+from its newest checkpoint. Then ``<workdir>/<table>.md`` and ``<table>.csv`` give, per
+evaluated population, each method's mean ± sample std over the seeds with the paper's
+figure beside it (``flowjax/evaluation/aggregate.py``).
+
+``--scale=paper`` runs each dataset's paper config (``configs/<dataset>.py:paper``;
+CIFAR: ``configs/cifar.py:cifar10_0.1`` etc.), ``--scale=mini`` Shakespeare's CPU-sized
+``configs/shakespeare.py:mini``. ``--override=[dataset:]field=value`` sets a config field
+(dotted path; value as a Python literal, else a string) for every cell, or for one
+dataset's cells; the cell's method, ablation and seed are applied after it.
+"""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from launch import cli, xla_env  # noqa: E402
+
+xla_env.apply()
+
+import ast  # noqa: E402
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import shlex  # noqa: E402
+import time  # noqa: E402
+from types import ModuleType  # noqa: E402
+from typing import Any, Callable, Sequence  # noqa: E402
+
+from absl import app, flags, logging  # noqa: E402
+
+from flowjax import config as run_config  # noqa: E402
+from flowjax.evaluation.aggregate import (load_results, summed_wall_time, table_csv,  # noqa: E402
+                                          table_entries, table_markdown)
+from flowjax.experiment import DivergenceError  # noqa: E402
+from flowjax.experiments_plan import (DATASETS, TABLES, Cell, TableSpec,  # noqa: E402
+                                      parse_seeds,
+                                      plan_cells, resolve_datasets, resolve_methods,
+                                      resolve_table, variant_overrides)
+from flowjax.reporting import write_text_atomic  # noqa: E402
+from flowjax.runner import run_config_to_workdir  # noqa: E402
+from flowjax.validation import validate_config  # noqa: E402
+
+_TABLE = flags.DEFINE_string("table", None, "Paper table: table2, table3, regularization, "
+                             "pi_pc_flow, fixed_policy, soft_hard, order, split_ratio.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Root of the cells and the tables.")
+_SEEDS = flags.DEFINE_list("seeds", ["0", "44", "56"], "Seeds (the paper's: 0, 44, 56).")
+_DATASETS = flags.DEFINE_list("datasets", [], "Datasets (default: the table's paper datasets "
+                              f"that define --scale); of {', '.join(DATASETS)}.")
+_SCALE = flags.DEFINE_string("scale", "paper", "paper, or mini (Shakespeare only).")
+_METHODS = flags.DEFINE_list("methods", [], "The table's rows to run (default: all).")
+_OVERRIDE = flags.DEFINE_multi_string("override", [], "[dataset:]field=value, repeatable.")
+_AGGREGATE_ONLY = flags.DEFINE_bool("aggregate_only", False,
+                                    "Train nothing; rebuild the tables from finished cells.")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the cells and their state; run nothing.")
+_DEBUG = flags.DEFINE_bool("debug", False, "Show full tracebacks on errors.")
+
+ConfigLoader = Callable[[str, str], Any]
+Runner = Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Override:
+    """``--override=[dataset:]path=value``; ``dataset`` None applies to every dataset."""
+
+    dataset: str | None
+    path: str
+    value: Any
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A checked command line."""
+
+    table: TableSpec
+    workdir: str
+    datasets: list[str]
+    methods: list[str]
+    explicit_methods: bool
+    seeds: list[int]
+    scale: str
+    overrides: list[Override]
+
+    @property
+    def cells(self) -> list[Cell]:
+        return plan_cells(self.table, self.datasets, self.methods, self.seeds,
+                          self.explicit_methods)
+
+    @property
+    def skipped(self) -> set[tuple[str, str]]:
+        """``(variant, dataset)`` pairs the paper did not run and this grid leaves out."""
+        if self.explicit_methods:
+            return set()
+        return {(v, d) for v in self.methods for d in self.datasets
+                if (v, d) in self.table.paper_skips}
+
+
+def parse_override(text: str) -> Override:
+    """``[dataset:]field.path=value`` with value as a Python literal, else a string."""
+    target, sep, raw = text.partition("=")
+    dataset, colon, path = target.rpartition(":")
+    if not sep or not path.strip():
+        raise ValueError(f"bad --override={text!r}; expected [dataset:]field=value, e.g. "
+                         "--override=emnist:data.store_dir=data/emnist")
+    if colon and dataset not in DATASETS:
+        raise ValueError(f"--override={text!r} names unknown dataset {dataset!r}; expected "
+                         f"one of {', '.join(DATASETS)}")
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw  # a bare word or path: the string itself
+    return Override(dataset if colon else None, path.strip(), value, text)
+
+
+def apply_override(config: Any, override: Override) -> None:
+    """Sets an existing field; an unknown field or a value of the wrong type is an error."""
+    parts = override.path.split(".")
+    node = config
+    for depth, part in enumerate(parts):
+        if not hasattr(node, "keys") or part not in node:
+            where = "config" + "".join(f".{p}" for p in parts[:depth])
+            fields = sorted(node.keys()) if hasattr(node, "keys") else "none (it is a value)"
+            raise ValueError(f"--override={override.text!r}: unknown config field "
+                             f"{override.path!r}; {where}'s fields: {fields}")
+        if depth < len(parts) - 1:
+            node = node[part]
+    try:
+        node[parts[-1]] = override.value
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"--override={override.text!r}: {' '.join(str(error).split())}"
+                         ) from None
+
+
+def build_request(table: str, workdir: str | None, seeds: Sequence[str],
+                  datasets: Sequence[str], scale: str, methods: Sequence[str],
+                  overrides: Sequence[str]) -> Request:
+    """The command line, checked; ValueError with one line naming the bad value."""
+    spec = resolve_table(table)
+    if not workdir:
+        raise ValueError("--workdir is required (the root of the cells and the tables)")
+    return Request(spec, workdir, resolve_datasets(spec, datasets, scale),
+                   resolve_methods(spec, methods), bool(methods), parse_seeds(seeds), scale,
+                   [parse_override(text) for text in overrides])
+
+
+@functools.lru_cache(maxsize=None)
+def _config_module(path: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"_reproduce_{os.path.basename(path)[:-3]}",
+                                                  path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_dataset_config(dataset: str, scale: str) -> Any:
+    """A fresh ``get_config(variant)`` of ``dataset``'s config file at ``scale``."""
+    spec = DATASETS[dataset]
+    module = _config_module(os.path.join(ROOT, spec.config_file))
+    return module.get_config(spec.variants[scale])
+
+
+def cell_config(cell: Cell, request: Request, load: ConfigLoader = load_dataset_config) -> Any:
+    """The cell's run config: dataset config, then overrides, then variant and seed.
+
+    The variant and seed come last because they define the cell (its folder).
+    """
+    config = load(cell.dataset, request.scale)
+    for override in request.overrides:
+        if override.dataset in (None, cell.dataset):
+            apply_override(config, override)
+    config.update(variant_overrides(cell.variant))
+    config.seed = cell.seed
+    return config
+
+
+def resolved_config(config: Any) -> dict[str, Any]:
+    """The config as the runner stores it in ``config.json``."""
+    return json.loads(run_config.effective_config(config).to_json_best_effort())
+
+
+def differing_fields(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted paths where two resolved configs differ."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return [] if old == new else [prefix.rstrip(".") or "(root)"]
+    fields = []
+    for key in sorted(set(old) | set(new)):
+        fields += differing_fields(old.get(key), new.get(key), f"{prefix}{key}.")
+    return fields
+
+
+def cell_state(path: str) -> str:
+    """``finished`` (results.json), ``interrupted`` (started, unfinished) or ``new``."""
+    if os.path.exists(os.path.join(path, "results.json")):
+        return "finished"
+    return "interrupted" if os.path.exists(os.path.join(path, "config.json")) else "new"
+
+
+def check_cells(request: Request, load: ConfigLoader = load_dataset_config) -> dict[Cell, Any]:
+    """Every cell's config, validated, before anything runs.
+
+    Raises:
+      ValueError: a bad override or config value, or a started cell holding another config
+        (it would be refused mid-grid, or a finished one silently reused).
+    """
+    configs = {}
+    for cell in request.cells:
+        path = cell.path(request.workdir)
+        try:
+            config = cell_config(cell, request, load)
+            validate_config(run_config.effective_config(config))
+        except ValueError as error:
+            raise ValueError(f"{cell.dataset}/{cell.variant}/seed_{cell.seed}: {error}") from None
+        stored = os.path.join(path, "config.json")
+        if os.path.exists(stored):
+            with open(stored) as handle:
+                try:
+                    previous = json.load(handle)
+                except json.JSONDecodeError:
+                    raise ValueError(f"{stored} is not valid JSON; delete the cell folder to "
+                                     "rerun it") from None
+            differing = differing_fields(previous, resolved_config(config))
+            if differing:
+                raise ValueError(f"{path} holds a run of another config (differs in: "
+                                 f"{', '.join(differing[:6])}); use another --workdir or "
+                                 "the same --scale and --override as before")
+        configs[cell] = config
+    return configs
+
+
+def run_cells(request: Request, configs: dict[Cell, Any], run: Runner = run_config_to_workdir,
+              progress: bool = True) -> list[Cell]:
+    """Runs every unfinished cell (resuming started ones); returns the cells that diverged."""
+    failed = []
+    for index, (cell, config) in enumerate(configs.items(), start=1):
+        path = cell.path(request.workdir)
+        state = cell_state(path)
+        where = f"[{index}/{len(configs)}] {cell.dataset}/{cell.variant}/seed_{cell.seed}"
+        if state == "finished":
+            print(f"{where}: finished earlier, reusing {path}/results.json", flush=True)
+            continue
+        print(f"{where}: {'resuming' if state == 'interrupted' else 'running'} in {path}",
+              flush=True)
+        try:
+            run(config, path, progress=progress)
+        except DivergenceError as error:
+            # One diverged seed should not cost the rest of the grid; the table shows it
+            # as a missing seed.
+            print(f"error: {where}: {error}", file=sys.stderr, flush=True)
+            failed.append(cell)
+    return failed
+
+
+def write_tables(request: Request, command: str, started: float) -> str:
+    """Writes ``<workdir>/<table>.md`` and ``.csv`` from the finished cells; the markdown."""
+    cells = request.cells
+    results = load_results(request.workdir, cells)
+    wall, timed = summed_wall_time(request.workdir, cells)
+    header = (f"Generated by `{command}`; summed wall time of {timed} of {len(cells)} cells "
+              f"{wall:.0f} s (this invocation {time.perf_counter() - started:.0f} s), "
+              f"--scale={request.scale}.")
+    entries = table_entries(request.table, results, request.datasets, request.seeds,
+                            request.methods, request.skipped)
+    markdown = table_markdown(request.table, entries, request.datasets, request.seeds, header)
+    os.makedirs(request.workdir, exist_ok=True)
+    stem = os.path.join(request.workdir, request.table.name)
+    write_text_atomic(stem + ".md", markdown)
+    write_text_atomic(stem + ".csv", table_csv(entries))
+    return markdown
+
+
+def describe_plan(request: Request) -> str:
+    """One line per cell: state, folder and config (``--dry_run``)."""
+    lines = [f"{request.table.name}: {len(request.cells)} cells (datasets "
+             f"{','.join(request.datasets)} x variants {','.join(request.methods)} x seeds "
+             f"{','.join(map(str, request.seeds))}; runs shared between rows once)"]
+    for variant, dataset in sorted(request.skipped, key=lambda pair: pair[::-1]):
+        lines.append(f"  not run (as in the paper): {variant} on {dataset}")
+    for cell in request.cells:
+        path = cell.path(request.workdir)
+        lines.append(f"  {cell_state(path):11s} {path}  "
+                     f"({DATASETS[cell.dataset].config_spec(request.scale)}, "
+                     f"{variant_overrides(cell.variant)}, seed={cell.seed})")
+    return "\n".join(lines)
+
+
+def execute(request: Request, command: str, *, aggregate_only: bool = False,
+            dry_run: bool = False, load: ConfigLoader = load_dataset_config,
+            run: Runner = run_config_to_workdir, progress: bool = True) -> int:
+    """Plans, runs and tabulates ``request``; the exit status.
+
+    Raises:
+      ValueError: a bad config, override or incompatible cell (one line), before any run.
+    """
+    started = time.perf_counter()
+    if dry_run:
+        print(describe_plan(request))
+        return 0
+    if not aggregate_only:
+        configs = check_cells(request, load)
+        failed = run_cells(request, configs, run, progress)
+    else:
+        failed = []
+    markdown = write_tables(request, command, started)
+    print(markdown)
+    print(f"wrote {request.workdir}/{request.table.name}.md and .csv")
+    if failed:
+        print(f"error: {len(failed)} cell(s) diverged and are missing from the table",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    del argv
+    # Orbax's per-checkpoint INFO lines would bury the progress bars; --verbosity=0 shows them.
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    command = "python launch/reproduce.py " + " ".join(map(shlex.quote, sys.argv[1:]))
+    try:
+        if _TABLE.value is None:
+            raise ValueError(f"--table is required; expected one of {', '.join(TABLES)}")
+        request = build_request(_TABLE.value, _WORKDIR.value, _SEEDS.value, _DATASETS.value,
+                                _SCALE.value, _METHODS.value, _OVERRIDE.value)
+        return execute(request, command, aggregate_only=_AGGREGATE_ONLY.value,
+                       dry_run=_DRY_RUN.value)
+    except (ValueError, KeyError, ImportError) as error:
+        # As launch/train.py: a bad value, a missing data file or package is one line.
+        if _DEBUG.value:
+            raise
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=cli.parse_flags)

@@ -1,0 +1,400 @@
+"""launch/reproduce.py: seed aggregation, the paper's figures, grid resume, bad input."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from flowjax import experiment
+from flowjax.checkpoint import Checkpointer
+from flowjax.evaluation import paper_figures
+from flowjax.evaluation.aggregate import (load_results, seed_stats, table_csv, table_entries,
+                                          table_markdown)
+from flowjax.experiments_plan import TABLES, Cell, cell_name, plan_cells
+from launch import reproduce
+from tests.helpers import small_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEX = "/work/shared/paper/flow-neurips2023.tex"
+
+
+# ---------------------------------------------------------------- synthetic cells
+
+
+def summary(acc_g: list[float], acc_p: list[float], soft: list[float] | None = None) -> dict:
+    """A results.json population summary from per-client accuracies, with the fields
+    ``metrics.summarize`` reports: a client benefits when Acc_p > Acc_g strictly, ties apart."""
+    g, p = np.asarray(acc_g), np.asarray(acc_p)
+    s = p if soft is None else np.asarray(soft)
+    return {"num_clients": len(g), "acc_g": float(g.mean()), "acc_p": float(p.mean()),
+            "acc_p_soft": float(s.mean()), "clients_benefiting": float(np.mean(p > g)),
+            "clients_tied": float(np.mean(p == g)), "clients_hurt": float(np.mean(p < g)),
+            "breakdown": {"both_correct": 0.5, "global_only": 0.1, "personalized_only": 0.1,
+                          "neither": 0.3}}
+
+
+def write_cell(root, dataset: str, variant: str, seed: int, populations: dict,
+               wall_time_s: float = 10.0) -> None:
+    folder = os.path.join(root, dataset, variant, f"seed_{seed}")
+    os.makedirs(folder, exist_ok=True)
+    train = populations["train_clients"]
+    results = {**{k: train[k] for k in ("acc_g", "acc_p", "acc_p_soft", "clients_benefiting",
+                                        "breakdown")},
+               "num_eval_clients": train["num_clients"], "algorithm": variant,
+               "dataset": dataset, "populations": populations}
+    with open(os.path.join(folder, "results.json"), "w") as handle:
+        json.dump(results, handle)
+    with open(os.path.join(folder, "run.json"), "w") as handle:
+        json.dump({"wall_time_s": wall_time_s, "compilations": {}}, handle)
+
+
+def md_cell(markdown: str, row_start: str, column: str, section: str = "train_clients") -> str:
+    """The entry of the markdown row starting with ``row_start`` in column ``column``."""
+    part = markdown.split(f"## {section}")[1].split("\n## ")[0]
+    lines = [line for line in part.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    for line in lines[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0].startswith(row_start):
+            return cells[header.index(column)]
+    raise AssertionError(f"no row {row_start!r} in {section}")
+
+
+def csv_rows(text: str) -> list[dict[str, str]]:
+    return list(csv.DictReader(io.StringIO(text)))
+
+
+def test_seed_stats_are_mean_and_sample_std_over_present_seeds():
+    stats = seed_stats({0: 0.5, 44: 0.6, 56: 0.7}, [0, 44, 56])
+    assert stats.mean == pytest.approx(0.6, abs=1e-12)
+    assert stats.std == pytest.approx(0.1, abs=1e-12)  # ddof=1; ddof=0 would be 0.0816
+    partial = seed_stats({0: 0.5, 56: 0.9, 7: 0.0}, [0, 44, 56])  # 7 was not asked for
+    assert (partial.seeds, partial.n, partial.expected, partial.complete) == ((0, 56), 2, 3, False)
+    assert partial.mean == pytest.approx(0.7) and partial.std == pytest.approx(0.2828427, abs=1e-6)
+    one = seed_stats({44: 0.3}, [0, 44, 56])
+    assert one.mean == pytest.approx(0.3) and one.std is None
+    assert seed_stats({}, [0]).mean is None
+
+
+@pytest.fixture()
+def table3_cells(tmp_path):
+    """Shakespeare Flow with seeds 0 and 44 (56 unfinished) and FedAvgFT with all three."""
+    flow = {0: summary([0.5, 0.5, 0.7, 0.2], [0.8, 0.5, 0.6, 0.4]),      # 50% up, 25% tie
+            44: summary([0.5, 0.5, 0.5, 0.5], [0.6, 0.7, 0.5, 0.5])}     # 50% up, 50% tie
+    for seed, s in flow.items():
+        write_cell(tmp_path, "shakespeare", "flow", seed, {"train_clients": s})
+    unfinished = tmp_path / "shakespeare" / "flow" / "seed_56" / "checkpoints"
+    unfinished.mkdir(parents=True)
+    for seed, up in ((0, 0.6), (44, 0.7), (56, 0.8)):
+        write_cell(tmp_path, "shakespeare", "fedavg_ft", seed,
+                   {"train_clients": summary([0.5] * 4, [up] * 2 + [0.5, 0.4]),
+                    "held_out_clients": summary([0.5, 0.5], [0.6, 0.6])}, wall_time_s=seed)
+    return tmp_path
+
+
+def test_table3_reports_benefiting_and_ties_with_missing_seeds(table3_cells):
+    spec, seeds = TABLES["table3"], [0, 44, 56]
+    cells = plan_cells(spec, ["shakespeare"], spec.variants, seeds)
+    results = load_results(str(table3_cells), cells)
+    assert len(results) == 5  # the unfinished seed 56 of flow is absent, not zero
+    entries = table_entries(spec, results, ["shakespeare"], seeds,
+                            skipped={("partialfed", "shakespeare")})
+    assert list(entries) == ["train_clients", "held_out_clients"]
+    markdown = table_markdown(spec, entries, ["shakespeare"], seeds, "Generated by `x`")
+    # Flow: benefiting 50%, 50% over seeds 0, 44: mean 50, std 0; ties 25%, 50%.
+    assert md_cell(markdown, "Flow (Ours)", "Shakespeare % Acc_p > Acc_g") == (
+        "50.00 ± 0.00 [n=2 of 3] (paper 89.77)")
+    assert md_cell(markdown, "Flow (Ours)", "Shakespeare % ties") == (
+        "37.50 ± 17.68 [n=2 of 3] (paper —)")
+    # FedAvgFT: two clients up, one tied, one down in every seed.
+    assert md_cell(markdown, "FedAvgFT", "Shakespeare % Acc_p > Acc_g") == (
+        "50.00 ± 0.00 (paper 79.00)")
+    assert md_cell(markdown, "FedAvgFT", "Shakespeare % ties") == "25.00 ± 0.00 (paper —)"
+    assert md_cell(markdown, "PartialFed", "Shakespeare % Acc_p > Acc_g") == "not run (paper —)"
+    assert md_cell(markdown, "knnPer", "Shakespeare % Acc_p > Acc_g") == (
+        "missing, 0 of 3 seeds (paper 68.87)")
+    assert md_cell(markdown, "FedAvgFT", "Shakespeare % Acc_p > Acc_g",
+                   "held_out_clients") == "100.00 ± 0.00 (paper 79.00)"
+    rows = csv_rows(table_csv(entries))
+    flow_ties = [r for r in rows if r["variant"] == "flow" and r["metric"] == "clients_tied"
+                 and r["population"] == "train_clients"]
+    assert len(flow_ties) == 1
+    assert (flow_ties[0]["mean_pct"], flow_ties[0]["n_seeds"], flow_ties[0]["n_expected"],
+            flow_ties[0]["seeds"], flow_ties[0]["paper_pct"]) == ("37.5000", "2", "3", "0 44", "")
+    assert float(flow_ties[0]["std_pct"]) == pytest.approx(100 * np.std([0.25, 0.5], ddof=1),
+                                                           abs=1e-4)
+    benefit = [r for r in rows if r["variant"] == "flow" and r["metric"] == "clients_benefiting"
+               and r["population"] == "train_clients"][0]
+    assert (benefit["paper_pct"], benefit["paper_source"]) == ("89.77", "tbl:clients-unharmed")
+
+
+def test_table2_places_paper_figures_and_marks_absent_metrics(tmp_path):
+    seeds = [0, 44, 56]
+    accs = {0: (0.50, 0.55), 44: (0.52, 0.56), 56: (0.54, 0.60)}
+    for seed, (g, p) in accs.items():
+        write_cell(tmp_path, "shakespeare", "flow", seed,
+                   {"train_clients": summary([g] * 2, [p] * 2)})
+        write_cell(tmp_path, "cifar10_0.1", "local", seed,
+                   {"train_clients": summary([0.1] * 2, [p] * 2)})
+    spec = TABLES["table2"]
+    datasets = ["shakespeare", "cifar10_0.1"]
+    results = load_results(str(tmp_path), plan_cells(spec, datasets, spec.variants, seeds))
+    entries = table_entries(spec, results, datasets, seeds)
+    markdown = table_markdown(spec, entries, datasets, seeds, "Generated by `x`")
+    assert markdown.startswith("Generated by `x`\n")
+    g_std, p_std = (100 * np.std([v[i] for v in accs.values()], ddof=1) for i in (0, 1))
+    assert md_cell(markdown, "Flow (Ours)", "Shakespeare Acc_g") == (
+        f"52.00 ± {g_std:.2f} (paper 55.90 ± 0.40)")
+    assert md_cell(markdown, "Flow (Ours)", "Shakespeare Acc_p") == (
+        f"57.00 ± {p_std:.2f} (paper 56.20 ± 0.49)")
+    assert md_cell(markdown, "Flow (Ours)", "CIFAR10 (0.1) Acc_p") == (
+        "missing, 0 of 3 seeds (paper 76.47 ± 1.25)")
+    # Local has no global model and FedAvg no personalization: the paper's "-".
+    assert md_cell(markdown, "Local", "CIFAR10 (0.1) Acc_g") == "—"
+    assert md_cell(markdown, "Local", "CIFAR10 (0.1) Acc_p").endswith("(paper 49.78 ± 1.56)")
+    assert md_cell(markdown, "FedAvg (", "Shakespeare Acc_p") == "—"
+    rows = csv_rows(table_csv(entries))
+    assert not [r for r in rows if r["variant"] == "local" and r["metric"] == "acc_g"]
+    flow_g = [r for r in rows if (r["dataset"], r["variant"], r["metric"])
+              == ("shakespeare", "flow", "acc_g")][0]
+    assert (flow_g["mean_pct"], flow_g["n_seeds"], flow_g["seeds"], flow_g["paper_pct"],
+            flow_g["paper_spread_pct"]) == ("52.0000", "3", "0 44 56", "55.90", "0.40")
+    assert float(flow_g["std_pct"]) == pytest.approx(g_std, abs=1e-4)
+
+
+def test_soft_hard_and_deltas_read_the_shared_flow_cells(tmp_path):
+    seeds = [0, 44]
+    for seed, (p, soft, p0) in {0: (0.6, 0.7, 0.5), 44: (0.8, 0.8, 0.6)}.items():
+        write_cell(tmp_path, "emnist", "flow", seed,
+                   {"train_clients": summary([0.5] * 2, [p] * 2, [soft] * 2)})
+        write_cell(tmp_path, "emnist", "flow_gamma_0", seed,
+                   {"train_clients": summary([0.4] * 2, [p0] * 2)})
+    soft_hard = TABLES["soft_hard"]
+    results = load_results(str(tmp_path), plan_cells(soft_hard, ["emnist"], ["flow"], seeds))
+    markdown = table_markdown(soft_hard, table_entries(soft_hard, results, ["emnist"], seeds),
+                              ["emnist"], seeds, "h")
+    assert md_cell(markdown, "Soft policy", "EMNIST Acc_p") == "75.00 ± 7.07 (paper 94.97 ± 1.06)"
+    assert md_cell(markdown, "Hard policy", "EMNIST Acc_p") == (
+        "70.00 ± 14.14 (paper 94.18 ± 1.21)")
+    regularization = TABLES["regularization"]
+    cells = plan_cells(regularization, ["emnist"], regularization.variants, seeds)
+    entries = table_entries(regularization, load_results(str(tmp_path), cells), ["emnist"], seeds)
+    markdown = table_markdown(regularization, entries, ["emnist"], seeds, "h")
+    # Paired per seed: 0.6 - 0.5 and 0.8 - 0.6.
+    assert md_cell(markdown, "*gain from gamma", "EMNIST Acc_p") == "15.00 ± 7.07 (paper 3.01)"
+    assert md_cell(markdown, "*gain from gamma", "EMNIST Acc_g") == "10.00 ± 0.00 (paper 3.98)"
+
+
+def test_tables_share_cells():
+    seeds = [0, 44, 56]
+    table2 = set(plan_cells(TABLES["table2"], ["shakespeare"], TABLES["table2"].variants, seeds))
+    for name in ("table3", "soft_hard"):
+        spec = TABLES[name]
+        assert set(plan_cells(spec, ["shakespeare"], spec.variants, seeds)) <= table2, name
+    assert cell_name("pc_flow") == "fedavg_ft"
+    pc = plan_cells(TABLES["pi_pc_flow"], ["emnist"], ["pc_flow"], [0])
+    assert pc == [Cell("emnist", "fedavg_ft", 0)]
+    assert Cell("shakespeare", "partialfed", 0) not in table2  # the paper ran none either
+    assert Cell("shakespeare", "partialfed", 0) in set(plan_cells(
+        TABLES["table2"], ["shakespeare"], ["partialfed"], [0], explicit_methods=True))
+
+
+# ---------------------------------------------------------------- the paper's numbers
+
+
+def _tex_rows(tex: str, label: str, end: str = "\\end{table") -> dict[str, list]:
+    """Rows of the tabular after ``\\label{label}``: name -> numbers (None for "-")."""
+    start = tex.index(f"\\label{{{label}}}")
+    rows: dict[str, list] = {}
+    for line in tex[start:tex.index(end, start)].splitlines():
+        match = re.match(r"\s*(?:\\textsc\{(\w+)\}|(\\projectname\{\})|(Soft|Hard) Policy)", line)
+        if not match or "&" not in line:
+            continue
+        name = match.group(1) or match.group(3) or "Flow"
+        for cell in line.split("&")[1:]:
+            cell = re.sub(r"\\textbf\{([^}]*)\}", r"\1", cell).replace("\\\\", "")
+            cell = cell.replace("\\%", "").replace("}", "").strip()
+            numbers = tuple(float(n.replace(",", ".")) for n in re.findall(r"\d+[.,]\d+", cell))
+            rows.setdefault(name, []).append(None if cell == "-" else
+                                             numbers[0] if len(numbers) == 1 else numbers)
+    return rows
+
+
+@pytest.mark.skipif(not os.path.exists(TEX), reason="the paper's source is not here")
+def test_paper_figures_match_the_tex_source():
+    with open(TEX) as handle:
+        tex = handle.read()
+    for label, table in (("tbl:all-accuracies", paper_figures.ALL_ACCURACIES),
+                         ("tbl:all-accuracies-variances", paper_figures.ALL_ACCURACY_SPREADS),
+                         ("tbl:clients-unharmed", paper_figures.CLIENTS_UNHARMED)):
+        rows = _tex_rows(tex, label)
+        assert {k: tuple(v) for k, v in rows.items()} == table, label
+    rows = _tex_rows(tex, "tab:soft-versus-hard-policy-ablation")
+    assert (tuple(rows["Soft"]), tuple(rows["Hard"])) == (paper_figures.SOFT_POLICY,
+                                                          paper_figures.HARD_POLICY)
+    for name, row in _tex_rows(tex, "tbl:gen-per-acc", "\\end{tabular}").items():
+        full = paper_figures.ALL_ACCURACIES[name]  # SO, Shakespeare, CIFAR10 0.1 and 0.6
+        assert tuple(row) == full[0:4] + full[6:8] + full[10:12], name
+    for (dataset, variant, metric), (value, spread) in paper_figures.ABLATION_TEXT.items():
+        assert f"{value:.2f}\\% $\\pm$ {spread:.2f}\\%" in tex or (
+            f"${value:.2f}\\% \\pm {spread:.2f}\\%$" in tex), (dataset, variant, metric)
+    names = ("Stackoverflow", "Shakespeare", "EMNIST", "CIFAR10 0.1", "CIFAR10 0.6",
+             "CIFAR100 0.1", "CIFAR100 0.6")
+    for key, row in paper_figures.DELTAS.items():
+        text = ", ".join(f"{v:.2f}\\% ({n})" for v, n in zip(row, names, strict=True))
+        assert text in tex, key
+    figure = paper_figures.paper_figure("emnist", "fedavg", "acc_g")
+    assert (figure.value, figure.spread) == (85.10, 1.32)  # the tex's "1,32"
+
+
+# ---------------------------------------------------------------- the launcher
+
+
+def tiny_config(dataset: str, scale: str):
+    """A seconds-long Shakespeare run standing in for every dataset's config."""
+    del dataset, scale
+    return small_config(**{"num_rounds": 2, "clients_per_round": 2, "epochs": 1,
+                           "batch_size": 4, "checkpoint_every": 1, "eval.clients": 4,
+                           "eval.held_out": False, "policy_hidden": (8, 8, 8, 8),
+                           "data.plays": ("macbeth",)})
+
+
+class Interrupted(Exception):
+    """Stands for the SIGKILL of tests/test_resume.py, without killing pytest."""
+
+
+def test_reproduce_resumes_the_grid_without_redoing_finished_cells(tmp_path, monkeypatch):
+    request = reproduce.build_request("table2", str(tmp_path), ["0", "1"], ["shakespeare"],
+                                      "paper", ["fedavg"], [])
+    finished, interrupted = request.cells
+    assert (finished, interrupted) == (Cell("shakespeare", "fedavg", 0),
+                                       Cell("shakespeare", "fedavg", 1))
+    # A finished cell of the same config (written by hand: it must never be run).
+    done = finished.path(str(tmp_path))
+    write_cell(tmp_path, "shakespeare", "fedavg", 0,
+               {"train_clients": summary([0.2] * 4, [0.2] * 4)}, wall_time_s=7.0)
+    with open(os.path.join(done, "config.json"), "w") as handle:
+        json.dump(reproduce.resolved_config(reproduce.cell_config(finished, request, tiny_config)),
+                  handle)
+    before = (os.path.getmtime(os.path.join(done, "results.json")),
+              open(os.path.join(done, "results.json"), "rb").read())
+    calls = []
+
+    def counting_run(config, workdir, **kwargs):
+        calls.append(workdir)
+        return reproduce.run_config_to_workdir(config, workdir, **kwargs)
+
+    def interrupt(point, index):
+        if (point, index) == ("round", 2):
+            raise Interrupted
+
+    monkeypatch.setattr(experiment, "maybe_inject_fault", interrupt)
+    with pytest.raises(Interrupted):
+        reproduce.execute(request, "cmd", load=tiny_config, run=counting_run, progress=False)
+    second = interrupted.path(str(tmp_path))
+    assert calls == [second]
+    assert reproduce.cell_state(second) == "interrupted"
+    assert Checkpointer(os.path.join(second, "checkpoints")).latest_round() == 1
+
+    monkeypatch.undo()
+    restored = []
+    restore = Checkpointer.restore
+
+    def recording_restore(self, rounds, *args):
+        restored.append(rounds)
+        return restore(self, rounds, *args)
+
+    monkeypatch.setattr(Checkpointer, "restore", recording_restore)
+    assert reproduce.execute(request, "cmd", load=tiny_config, run=counting_run,
+                             progress=False) == 0
+    assert calls == [second, second] and restored == [1]  # resumed after round 1
+    assert reproduce.cell_state(second) == "finished"
+    assert (os.path.getmtime(os.path.join(done, "results.json")),
+            open(os.path.join(done, "results.json"), "rb").read()) == before
+    resumed = json.loads(open(os.path.join(second, "results.json")).read())
+    rows = csv_rows((tmp_path / "table2.csv").read_text())
+    acc_g = [r for r in rows if r["variant"] == "fedavg" and r["metric"] == "acc_g"][0]
+    assert (acc_g["n_seeds"], acc_g["seeds"]) == ("2", "0 1")
+    assert float(acc_g["mean_pct"]) == pytest.approx(
+        50 * (0.2 + resumed["populations"]["train_clients"]["acc_g"]), abs=1e-3)
+    assert (tmp_path / "table2.md").read_text().startswith(
+        "Generated by `cmd`; summed wall time of 2 of 2 cells")
+
+
+def test_a_finished_cell_of_another_config_is_refused(tmp_path):
+    request = reproduce.build_request("table2", str(tmp_path), ["0"], ["shakespeare"], "paper",
+                                      ["fedavg"], [])
+    cell = request.cells[0]
+    config = reproduce.resolved_config(reproduce.cell_config(cell, request, tiny_config))
+    config["num_rounds"] = 99
+    os.makedirs(cell.path(str(tmp_path)))
+    with open(os.path.join(cell.path(str(tmp_path)), "config.json"), "w") as handle:
+        json.dump(config, handle)
+    with pytest.raises(ValueError, match=r"holds a run of another config \(differs in: "
+                                         r"num_rounds\)"):
+        reproduce.check_cells(request, tiny_config)
+
+
+def test_overrides_set_typed_fields_per_dataset():
+    request = reproduce.build_request(
+        "table2", "/tmp/unused", ["0"], ["shakespeare", "emnist"], "paper", ["flow"],
+        ["num_rounds=7", "emnist:data.store_dir=data/emnist", "shakespeare:gamma=0.5",
+         "algorithm=fedavg"])
+    shakespeare, emnist = request.cells
+    config = reproduce.cell_config(shakespeare, request, tiny_config)
+    assert (config.num_rounds, config.gamma, config.algorithm) == (7, 0.5, "flow")
+    config = reproduce.cell_config(emnist, request, reproduce.load_dataset_config)
+    assert (config.data.store_dir, config.num_rounds, config.gamma) == ("data/emnist", 7, 1e-2)
+    for bad, message in (("num_roundz=1", "unknown config field 'num_roundz'"),
+                         ("num_rounds=abc", "--override='num_rounds=abc'"),
+                         ("eval.clients.x=1", "unknown config field 'eval.clients.x'")):
+        request = reproduce.build_request("table2", "/tmp/unused", ["0"], ["shakespeare"],
+                                          "paper", ["flow"], [bad])
+        with pytest.raises(ValueError, match=re.escape(message)):
+            reproduce.cell_config(request.cells[0], request, tiny_config)
+
+
+@pytest.mark.parametrize("args, message", [
+    (dict(table="tabel2"), "unknown --table='tabel2'; expected one of table2, table3, "
+                           "regularization, pi_pc_flow, fixed_policy, soft_hard, order, "
+                           "split_ratio"),
+    (dict(datasets=["emnst"]), "unknown --datasets value 'emnst'; expected some of "
+                               "stackoverflow, shakespeare, emnist, cifar10_0.1"),
+    (dict(seeds=["0", "x"]), "bad --seeds value 'x'; expected comma-separated integers >= 0"),
+    (dict(seeds=["-1"]), "bad --seeds value '-1'"),
+    (dict(seeds=["0", "0"]), "--seeds=0,0 repeats a seed"),
+    (dict(scale="huge"), "unknown --scale='huge'; expected one of paper, mini"),
+    (dict(datasets=["emnist"], scale="mini"),
+     "--scale=mini is not defined for dataset 'emnist'; it is defined for shakespeare"),
+    (dict(table="order", scale="mini"), "--table=order has no dataset with --scale=mini"),
+    (dict(methods=["pi_flow"]), "unknown --methods value 'pi_flow' for --table=table2; "
+                                "expected some of local, fedavg"),
+    (dict(overrides=["gamma"]), "bad --override='gamma'; expected [dataset:]field=value"),
+    (dict(overrides=["cifar:gamma=1"]), "--override='cifar:gamma=1' names unknown dataset"),
+    (dict(workdir=""), "--workdir is required"),
+])
+def test_bad_command_lines_name_the_bad_value(args, message):
+    given = {**dict(table="table2", workdir="/tmp/unused", seeds=["0"], datasets=[],
+                    scale="paper", methods=[], overrides=[]), **args}
+    with pytest.raises(ValueError) as error:
+        reproduce.build_request(**given)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_bad_table_exits_2_with_one_line(tmp_path):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "reproduce.py"),
+                           "--table=tabel2", f"--workdir={tmp_path}", "--seeds=0,x"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: unknown --table='tabel2'; expected one of table2, table3, regularization, "
+        "pi_pc_flow, fixed_policy, soft_hard, order, split_ratio"]
+    assert os.listdir(tmp_path) == []
