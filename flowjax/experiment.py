@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from flowjax import distributed
 from flowjax.algorithms.base import FederatedAlgorithm
 from flowjax.checkpoint import Checkpointer, maybe_inject_fault
 from flowjax.core import prng
@@ -142,7 +143,11 @@ class Simulation:
         if self.algorithm.stateful:
             self.client_states = ClientStateStore(
                 jax.device_get(self.algorithm.init_client_state(params)))
-        return ServerState(params=params, opt_state=self.server_optimizer.init(params))
+        state = ServerState(params=params, opt_state=self.server_optimizer.init(params))
+        if distributed.multiprocess() and self.mapping.num_devices > 1:
+            # Every host computed the same state; one global array spans all their devices.
+            state = distributed.replicate(state, self.mapping.mesh())
+        return state
 
     # ----------------------------------------------------------------- training
     def _round(self, state: ServerState, cohort: ClientExamples, round_index: jax.Array,
@@ -211,12 +216,12 @@ class Simulation:
         """
         if cohort is None:
             cohort = self.cohort(round_index)
-        client_ids = np.asarray(cohort.client_id)
+        client_ids = distributed.fetch(cohort.client_id)
         states = self._client_states_for(client_ids)
-        state, metrics, new_states = self._round_fn(state, cohort,
-                                                    jnp.asarray(round_index, jnp.int32), states)
+        # A numpy scalar, not a device array: every host passes the same host value.
+        state, metrics, new_states = self._round_fn(state, cohort, np.int32(round_index), states)
         if self.client_states is not None:
-            self.client_states.scatter(client_ids, jax.device_get(new_states))
+            self.client_states.scatter(client_ids, distributed.fetch(new_states))
         return state, metrics
 
     def _client_states_for(self, client_ids: np.ndarray, population: str = "train_clients"):
@@ -285,9 +290,10 @@ class Simulation:
                                        padded_examples=self.eval_test_examples, **args)
                 states = self._client_states_for(np.asarray(train.client_id), name)
                 chunks.append(self._eval_fn(params, self._place(train), self._place(test),
-                                            jnp.asarray(round_index, jnp.int32),
-                                            jnp.asarray(population_index, jnp.int32), states))
-            counts = jax.tree.map(lambda *a: np.concatenate([np.asarray(x) for x in a]), *chunks)
+                                            np.int32(round_index), np.int32(population_index),
+                                            states))
+            chunks = distributed.fetch(chunks)
+            counts = jax.tree.map(lambda *a: np.concatenate(a), *chunks)
             summaries[name] = summarize(counts)
         return summaries
 
@@ -369,7 +375,9 @@ def run(simulation: Simulation, *, workdir: str | None = None,
                 simulation.client_states.load_state_dict(rows)
             first_round, history = latest, list(meta["history"])
             summaries = {name: EvalSummary(**s) for name, s in meta.get("summaries", {}).items()}
-    metrics_path = os.path.join(workdir, "metrics.jsonl") if workdir else None
+    # Every process of a multi-host run trains; one writes (checkpoints: orbax coordinates).
+    metrics_path = (os.path.join(workdir, "metrics.jsonl")
+                    if workdir and distributed.is_primary() else None)
     if metrics_path:
         # Exactly the records up to the resumed round: lines a killed run wrote after its
         # last checkpoint are replayed, not duplicated.
@@ -387,7 +395,7 @@ def run(simulation: Simulation, *, workdir: str | None = None,
             log(record)
 
     def flush():
-        for round_index, device_metrics in jax.device_get(pending):
+        for round_index, device_metrics in distributed.fetch(pending):
             record = {"round": round_index + 1, "kind": "train", **finalize_metrics(device_metrics)}
             emit(record)
             if on_divergence == "stop":

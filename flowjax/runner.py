@@ -11,6 +11,7 @@ from typing import Any
 import tqdm
 
 from flowjax import config as run_config
+from flowjax import distributed
 from flowjax import experiment
 from flowjax.reporting import write_json_atomic
 from flowjax.tensorboard_log import SUBDIR as TENSORBOARD_DIR
@@ -49,6 +50,9 @@ def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> 
             raise ValueError(f"--workdir={workdir} holds a run with a different config "
                              f"(differs in: {', '.join(differing[:6])}); use --overwrite to "
                              f"replace it or another --workdir")
+    if not distributed.is_primary():  # the other hosts of a multi-host run write nothing
+        distributed.barrier("workdir prepared")
+        return
     if overwrite:
         for name in RUN_FILES:
             if os.path.exists(os.path.join(workdir, name)):
@@ -57,6 +61,7 @@ def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> 
         shutil.rmtree(os.path.join(workdir, TENSORBOARD_DIR), ignore_errors=True)
     os.makedirs(workdir, exist_ok=True)
     write_json_atomic(path, resolved)
+    distributed.barrier("workdir prepared")
 
 
 def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
@@ -74,7 +79,9 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
     config = run_config.effective_config(config)
     resolved = json.loads(config.to_json_best_effort())
     # Created before the workdir is touched, so a missing tensorboardX fails first.
-    tensorboard = TensorBoardLog(workdir) if config.get("tensorboard", False) else None
+    primary = distributed.is_primary()
+    tensorboard = (TensorBoardLog(workdir) if config.get("tensorboard", False) and primary
+                   else None)
     prepare_workdir(workdir, resolved, overwrite)
     task = simulation.task
     print(f"{config.algorithm} on {task.name}: {len(task.train.client_ids)} training clients, "
@@ -82,7 +89,7 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
           f"{config.num_rounds} rounds x {config.clients_per_round} clients, "
           f"mapping={simulation.mapping.strategy}", flush=True)
     bar = tqdm.tqdm(total=config.num_rounds, unit="round", dynamic_ncols=True,
-                    disable=not progress, desc=config.algorithm)
+                    disable=not (progress and primary), desc=config.algorithm)
 
     def show(done, last):
         bar.update(done - bar.n)
@@ -101,6 +108,8 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
             tensorboard.close()
     results = result.results_dict()
     results.update(algorithm=config.algorithm, dataset=task.name)
+    if not primary:
+        return results
     write_json_atomic(os.path.join(workdir, "results.json"), results)
     write_json_atomic(os.path.join(workdir, "run.json"), {
         "wall_time_s": time.perf_counter() - start,

@@ -7,6 +7,13 @@ r"""Train and evaluate one method on one dataset.
 The workdir receives ``config.json`` (the resolved config), ``metrics.jsonl`` (one line
 per round and per evaluation) and ``results.json``; the results table is printed in the
 paper's layout.
+
+Several hosts (one command per host, the same flags except --process_id; the workdir on
+a filesystem they share; the clients sharded over every host's devices):
+
+  python launch/train.py --config=... --workdir=/shared/run \
+      --config.mapping.num_devices=8 --coordinator_address=host0:8476 \
+      --num_processes=2 --process_id=0     # on host0; --process_id=1 on host1
 """
 
 import os
@@ -20,6 +27,7 @@ xla_env.apply()
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from flowjax import distributed  # noqa: E402
 from flowjax.experiment import DivergenceError  # noqa: E402
 from flowjax.reporting import results_table  # noqa: E402
 from flowjax.runner import run_config_to_workdir  # noqa: E402
@@ -30,6 +38,10 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config, metrics a
 _DEBUG = flags.DEFINE_bool("debug", False, "Show full tracebacks on errors.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False,
                                "Replace a run of a different config in --workdir.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "Multi-host runs: HOST:PORT of process 0.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Multi-host runs: processes in all.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", 0, "Multi-host runs: this process's index.")
 
 
 def main(argv):
@@ -42,14 +54,17 @@ def main(argv):
     if config is None:
         raise app.UsageError("--config is required, e.g. --config=configs/shakespeare.py:quick")
     try:
+        if _NUM_PROCESSES.value > 1:
+            distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
         results = run_config_to_workdir(config, _WORKDIR.value, overwrite=_OVERWRITE.value)
     except (ValueError, KeyError, ImportError, DivergenceError) as error:
         if _DEBUG.value:
             raise
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(results_table({config.algorithm: results}))
-    print(f"wrote {_WORKDIR.value}/results.json")
+    if distributed.is_primary():
+        print(results_table({config.algorithm: results}))
+        print(f"wrote {_WORKDIR.value}/results.json")
     return 0
 
 

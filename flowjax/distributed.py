@@ -1,0 +1,71 @@
+"""Several processes (hosts) running one simulation: JAX's multi-controller model.
+
+Every process runs the same program on the same inputs: the sampler, the cohorts and
+every PRNG key derive from (seed, round, client id), so each host assembles the same
+cohort and ``device_put`` keeps the shards of its own devices. The clients axis is then
+sharded over the devices of all hosts (``core.mapping``), the server state is replicated,
+and only the primary process writes files.
+
+Launch (one command per host; see the README):
+
+  python launch/train.py --config=... --workdir=SHARED_DIR \
+      --config.mapping.num_devices=<all devices> \
+      --coordinator_address=HOST0:PORT --num_processes=N --process_id=<this host's index>
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+PyTree = Any
+
+
+def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
+    """Joins this process to the others (call before any JAX computation).
+
+    On CPU the cross-process collectives run over gloo, JAX's default; GPUs and TPUs
+    use their own interconnect.
+    """
+    if num_processes < 2:
+        raise ValueError(f"num_processes must be >= 2 for a multi-process run, got "
+                         f"{num_processes}")
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id must be in [0, {num_processes - 1}], got {process_id}")
+    if not coordinator_address or ":" not in coordinator_address:
+        raise ValueError(f"coordinator_address must be HOST:PORT, got {coordinator_address!r}")
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id)
+
+
+def multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+def is_primary() -> bool:
+    """Whether this process writes the run's files (process 0)."""
+    return jax.process_index() == 0
+
+
+def fetch(tree: PyTree) -> PyTree:
+    """``jax.device_get(tree)``, gathering arrays whose shards live on other hosts."""
+    def one(leaf):
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+        return jax.device_get(leaf)
+    return jax.tree.map(one, tree)
+
+
+def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
+    """``tree`` replicated on every device of ``mesh`` (each host passes the same values)."""
+    return jax.device_put(fetch(tree), NamedSharding(mesh, PartitionSpec()))
+
+
+def barrier(name: str) -> None:
+    """Waits for every process (no-op in a single-process run)."""
+    if multiprocess():
+        multihost_utils.sync_global_devices(name)

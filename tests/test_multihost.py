@@ -1,0 +1,69 @@
+"""Two processes under jax.distributed (one CPU device each, gloo collectives) run one
+simulation through launch/train.py and reproduce the single-process, two-device run."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.test_launch import ROOT, TINY
+
+FLAGS = ["--config=configs/shakespeare.py:quick", *TINY, "--config.clients_per_round=4",
+         "--config.mapping.strategy=loop", "--config.mapping.num_devices=2",
+         "--config.checkpoint_every=1", "--config.eval.held_out=True",
+         "--config.eval.held_out_clients=4"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def train(workdir, *args, devices_per_process: int = 1):
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "train.py"), *FLAGS,
+                             f"--workdir={workdir}", *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish(process):
+    out, err = process.communicate(timeout=600)
+    assert process.returncode == 0, err[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("algorithm", ["flow", "ditto"])
+def test_two_processes_equal_one_process_with_two_devices(tmp_path, algorithm):
+    address = f"localhost:{free_port()}"
+    hosts = [train(tmp_path / "multi", f"--config.algorithm={algorithm}",
+                   f"--coordinator_address={address}", "--num_processes=2",
+                   f"--process_id={i}") for i in range(2)]
+    outputs = [finish(p) for p in hosts]
+    assert "wrote" in outputs[0] and "wrote" not in outputs[1]  # only process 0 reports
+    finish(train(tmp_path / "single", f"--config.algorithm={algorithm}", devices_per_process=2))
+
+    multi, single = (json.loads((tmp_path / d / "results.json").read_text())
+                     for d in ("multi", "single"))
+    for population in ("train_clients", "held_out_clients"):
+        for field in ("acc_g", "acc_p", "acc_p_soft", "clients_benefiting"):
+            assert multi["populations"][population][field] == pytest.approx(
+                single["populations"][population][field], rel=1e-6, abs=1e-7)
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / d / "metrics.jsonl").open()
+               if json.loads(line)["kind"] == "train"] for d in ("multi", "single")]
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+    assert sorted(os.listdir(tmp_path / "multi" / "checkpoints")) == ["1", "2"]
+
+
+def test_bad_process_flags_are_one_line_errors(tmp_path):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), *FLAGS,
+                           f"--workdir={tmp_path}", "--num_processes=2", "--process_id=2",
+                           "--coordinator_address=localhost:1"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == "error: process_id must be in [0, 1], got 2"
