@@ -92,12 +92,14 @@ def compiled_peak_bytes(algorithm: FederatedAlgorithm, example_spec: Mapping[str
 
     compiled = jax.jit(chunk).lower(params, examples, states).compile()
     analysis = compiled.memory_analysis()
-    buffers = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
-               + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
-    # XLA's CPU backend reports a peak that leaves the temporaries out (measured: 11 MiB
-    # for a chunk whose temporaries alone take 213 MiB), so take the larger of the peak
-    # and every buffer live at once: the plan may waste memory, never overcommit it.
-    return int(max(getattr(analysis, "peak_memory_in_bytes", 0) or 0, buffers))
+    peak = getattr(analysis, "peak_memory_in_bytes", 0) or 0
+    if jax.default_backend() == "cpu" or not peak:
+        # XLA's CPU backend reports a peak that leaves the temporaries out (measured: 11
+        # MiB for a chunk whose temporaries alone take 213 MiB); there, count every buffer
+        # as live at once: the plan may waste memory, never overcommit it.
+        peak = max(peak, analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+                   + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
+    return int(peak)
 
 
 def plan_chunk_size(algorithm: FederatedAlgorithm, example_spec: Mapping[str, tuple], *,
