@@ -22,6 +22,10 @@ def write_text_atomic(path: str, text: str) -> None:
             out.write(text)
             out.flush()
             os.fsync(out.fileno())
+        # mkstemp creates 0600; the result files are for everyone the umask allows.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)
         os.replace(temporary, path)
     except BaseException:
         os.unlink(temporary)
