@@ -198,14 +198,17 @@ class Simulation:
                 results.client_state, client_states)
         return new_state, metrics, new_client_states
 
-    def cohort(self, round_index: int) -> ClientExamples:
+    def host_cohort(self, round_index: int) -> ClientExamples:
         """The padded, stacked training cohort of a round (host numpy arrays)."""
         clients = self.sampler.sample(round_index)
-        cohort = assemble_cohort(self.task.train, "train", clients,
-                                 num_clients=self.cohort_clients,
-                                 padded_examples=self.train_examples,
-                                 batch_size=self.settings.batch_size)
-        return self._place(cohort)
+        return assemble_cohort(self.task.train, "train", clients,
+                               num_clients=self.cohort_clients,
+                               padded_examples=self.train_examples,
+                               batch_size=self.settings.batch_size)
+
+    def cohort(self, round_index: int) -> ClientExamples:
+        """The round's cohort where the round takes it (sharded over the mesh, if any)."""
+        return self._place(self.host_cohort(round_index))
 
     def run_round(self, state: ServerState, round_index: int,
                   cohort: ClientExamples | None = None) -> tuple[ServerState, dict[str, jax.Array]]:
@@ -215,8 +218,10 @@ class Simulation:
         the host store.
         """
         if cohort is None:
-            cohort = self.cohort(round_index)
-        client_ids = distributed.fetch(cohort.client_id)
+            host = self.host_cohort(round_index)
+            client_ids, cohort = host.client_id, self._place(host)
+        else:  # a placed cohort: its ids come back from the devices (no wait on the round)
+            client_ids = distributed.fetch(cohort.client_id)
         states = self._client_states_for(client_ids)
         # A numpy scalar, not a device array: every host passes the same host value.
         state, metrics, new_states = self._round_fn(state, cohort, np.int32(round_index), states)

@@ -38,7 +38,8 @@ def finish(process):
     return out
 
 
-@pytest.mark.parametrize("algorithm", ["flow", "ditto"])
+# Ditto adds the per-client state store; it is kept out of CI for time (pytest -m slow).
+@pytest.mark.parametrize("algorithm", ["flow", pytest.param("ditto", marks=pytest.mark.slow)])
 def test_two_processes_equal_one_process_with_two_devices(tmp_path, algorithm):
     address = f"localhost:{free_port()}"
     hosts = [train(tmp_path / "multi", f"--config.algorithm={algorithm}",
