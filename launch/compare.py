@@ -63,7 +63,7 @@ def main(argv):
             config.update(overrides)
             try:
                 run_config_to_workdir(config, run_dir)
-            except ValueError as error:
+            except (ValueError, ImportError) as error:  # ImportError: an optional extra
                 print(f"error: {name}: {error}", file=sys.stderr)
                 return 2
         with open(done) as handle:
