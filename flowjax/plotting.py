@@ -31,6 +31,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from flowjax.evaluation.aggregate import seed_stats
 from flowjax.evaluation.metrics import GROUPS
 
 PRIMARY = "train_clients"
@@ -216,8 +217,8 @@ def _populations_in_order(names: Iterable[str]) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Band:
-    """A metric across seeds per round: mean, standard deviation (ddof=0) and how many
-    seeds evaluated that round."""
+    """A metric across seeds per round: mean, sample standard deviation (ddof=1, as in the
+    reproduce tables; 0 where one seed evaluated) and how many seeds evaluated that round."""
 
     rounds: np.ndarray
     mean: np.ndarray
@@ -229,11 +230,12 @@ def seed_band(series: Sequence[Mapping[int, float]]) -> Band:
     """Mean and std over seeds per round; a round counts the seeds that evaluated it (an
     unfinished seed stops contributing after its last evaluation)."""
     rounds = sorted(set().union(*[set(s) for s in series])) if series else []
-    values = [[s[r] for s in series if r in s] for r in rounds]
+    stats = [seed_stats({i: s[r] for i, s in enumerate(series) if r in s}, range(len(series)))
+             for r in rounds]
     return Band(rounds=np.asarray(rounds, dtype=int),
-                mean=np.asarray([np.mean(v) for v in values], dtype=float),
-                std=np.asarray([np.std(v) for v in values], dtype=float),
-                seeds=np.asarray([len(v) for v in values], dtype=int))
+                mean=np.asarray([st.mean for st in stats], dtype=float),
+                std=np.asarray([st.std or 0.0 for st in stats], dtype=float),
+                seeds=np.asarray([st.n for st in stats], dtype=int))
 
 
 def curve_bands(runs: Sequence[Run]) -> dict[str, dict[str, dict[str, Band]]]:

@@ -119,7 +119,8 @@ def test_seed_band_averages_the_seeds_that_evaluated_each_round():
     band = plotting.seed_band([{1: 0.2, 2: 0.4}, {1: 0.4, 2: 0.8}, {1: 0.6}])
     assert band.rounds.tolist() == [1, 2]
     np.testing.assert_allclose(band.mean, [0.4, 0.6])
-    np.testing.assert_allclose(band.std, [np.std([0.2, 0.4, 0.6]), 0.2])
+    # Sample std (ddof=1), the statistic of the reproduce tables.
+    np.testing.assert_allclose(band.std, [0.2, np.sqrt(0.08)])
     assert band.seeds.tolist() == [3, 2]
 
 
