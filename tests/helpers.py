@@ -59,6 +59,22 @@ def one_client(task, index: int, padded_examples: int, batch_size: int = 4) -> C
     return client_at(jax.tree.map(jnp.asarray, cohort), 0)
 
 
+def params_before_and_after_adam_rounds(algorithm, task, rounds: int = 2):
+    """``(initial, final)`` server params of ``rounds`` rounds with an Adam server: Adam
+    moves every parameter that gets a nonzero pseudo-gradient even once, so it exposes a
+    part that should stay frozen."""
+    import optax
+    settings = experiment.RunSettings(seed=0, num_rounds=rounds, clients_per_round=3,
+                                      batch_size=4)
+    simulation = experiment.Simulation(algorithm, task, settings,
+                                       server_optimizer=optax.adam(0.01))
+    state = simulation.init_state()
+    initial = jax.tree.map(np.array, state.params)
+    for round_index in range(rounds):
+        state, _ = simulation.run_round(state, round_index)
+    return initial, state.params
+
+
 def assert_trees_equal(a, b) -> None:
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)
