@@ -20,15 +20,37 @@ from flowjax.tensorboard_log import TensorBoardLog
 RUN_FILES = ("config.json", "metrics.jsonl", "results.json", "run.json")
 
 
-def _differing_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
+def resolved_config(config) -> dict[str, Any]:
+    """The config as a run stores it in ``config.json`` (per-method rows applied)."""
+    return json.loads(run_config.effective_config(config).to_json_best_effort())
+
+
+def differing_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted paths where two resolved configs differ."""
     fields = []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
-            fields += _differing_fields(a, b, f"{prefix}{key}.")
+            fields += differing_fields(a, b, f"{prefix}{key}.")
         elif a != b:
             fields.append(f"{prefix}{key}")
     return fields
+
+
+def stored_config(workdir: str, remedy: str) -> dict[str, Any] | None:
+    """The ``config.json`` a run left in ``workdir`` (None if there is none).
+
+    Raises:
+      ValueError: the file is not JSON (one line ending in ``remedy``).
+    """
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as handle:
+        try:
+            return json.load(handle)
+        except json.JSONDecodeError:
+            raise ValueError(f"{path} is not valid JSON; {remedy}") from None
 
 
 def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> None:
@@ -38,14 +60,10 @@ def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> 
     workdir with the same config is resumed (or left as it is when finished).
     """
     path = os.path.join(workdir, "config.json")
-    if os.path.exists(path) and not overwrite:
-        with open(path) as handle:
-            try:
-                previous = json.load(handle)
-            except json.JSONDecodeError:
-                raise ValueError(f"{path} is not valid JSON; use --overwrite to replace the run "
-                                 f"or another --workdir") from None
-        differing = _differing_fields(previous, resolved)
+    previous = None if overwrite else stored_config(
+        workdir, "use --overwrite to replace the run or another --workdir")
+    if previous is not None:
+        differing = differing_fields(previous, resolved)
         if differing:
             raise ValueError(f"--workdir={workdir} holds a run with a different config "
                              f"(differs in: {', '.join(differing[:6])}); use --overwrite to "
@@ -76,8 +94,8 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
         before anything is written.
     """
     simulation = run_config.build_simulation(config)
+    resolved = resolved_config(config)
     config = run_config.effective_config(config)
-    resolved = json.loads(config.to_json_best_effort())
     # Created before the workdir is touched, so a missing tensorboardX fails first.
     primary = distributed.is_primary()
     tensorboard = (TensorBoardLog(workdir) if config.get("tensorboard", False) and primary

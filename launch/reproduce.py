@@ -40,7 +40,6 @@ import ast  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import importlib.util  # noqa: E402
-import json  # noqa: E402
 import shlex  # noqa: E402
 import time  # noqa: E402
 from types import ModuleType  # noqa: E402
@@ -57,7 +56,8 @@ from flowjax.experiments_plan import (DATASETS, TABLES, Cell, TableSpec,  # noqa
                                       plan_cells, resolve_datasets, resolve_methods,
                                       resolve_table, variant_overrides)
 from flowjax.reporting import write_text_atomic  # noqa: E402
-from flowjax.runner import run_config_to_workdir  # noqa: E402
+from flowjax.runner import (differing_fields, resolved_config, run_config_to_workdir,  # noqa: E402
+                            stored_config)
 from flowjax.validation import validate_config  # noqa: E402
 
 _TABLE = flags.DEFINE_string("table", None, "Paper table: table2, table3, regularization, "
@@ -193,21 +193,6 @@ def cell_config(cell: Cell, request: Request, load: ConfigLoader = load_dataset_
     return config
 
 
-def resolved_config(config: Any) -> dict[str, Any]:
-    """The config as the runner stores it in ``config.json``."""
-    return json.loads(run_config.effective_config(config).to_json_best_effort())
-
-
-def differing_fields(old: Any, new: Any, prefix: str = "") -> list[str]:
-    """Dotted paths where two resolved configs differ."""
-    if not (isinstance(old, dict) and isinstance(new, dict)):
-        return [] if old == new else [prefix.rstrip(".") or "(root)"]
-    fields = []
-    for key in sorted(set(old) | set(new)):
-        fields += differing_fields(old.get(key), new.get(key), f"{prefix}{key}.")
-    return fields
-
-
 def cell_state(path: str) -> str:
     """``finished`` (results.json), ``interrupted`` (started, unfinished) or ``new``."""
     if os.path.exists(os.path.join(path, "results.json")):
@@ -230,14 +215,8 @@ def check_cells(request: Request, load: ConfigLoader = load_dataset_config) -> d
             validate_config(run_config.effective_config(config))
         except ValueError as error:
             raise ValueError(f"{cell.dataset}/{cell.variant}/seed_{cell.seed}: {error}") from None
-        stored = os.path.join(path, "config.json")
-        if os.path.exists(stored):
-            with open(stored) as handle:
-                try:
-                    previous = json.load(handle)
-                except json.JSONDecodeError:
-                    raise ValueError(f"{stored} is not valid JSON; delete the cell folder to "
-                                     "rerun it") from None
+        previous = stored_config(path, "delete the cell folder to rerun it")
+        if previous is not None:
             differing = differing_fields(previous, resolved_config(config))
             if differing:
                 raise ValueError(f"{path} holds a run of another config (differs in: "

@@ -19,6 +19,7 @@ from flowjax.evaluation import paper_figures
 from flowjax.evaluation.aggregate import (load_results, seed_stats, table_csv, table_entries,
                                           table_markdown)
 from flowjax.experiments_plan import TABLES, Cell, cell_name, plan_cells
+from flowjax.runner import resolved_config
 from launch import reproduce
 from tests.helpers import small_config
 
@@ -282,7 +283,7 @@ def test_reproduce_resumes_the_grid_without_redoing_finished_cells(tmp_path, mon
     write_cell(tmp_path, "shakespeare", "fedavg", 0,
                {"train_clients": summary([0.2] * 4, [0.2] * 4)}, wall_time_s=7.0)
     with open(os.path.join(done, "config.json"), "w") as handle:
-        json.dump(reproduce.resolved_config(reproduce.cell_config(finished, request, tiny_config)),
+        json.dump(resolved_config(reproduce.cell_config(finished, request, tiny_config)),
                   handle)
     before = (os.path.getmtime(os.path.join(done, "results.json")),
               open(os.path.join(done, "results.json"), "rb").read())
@@ -333,7 +334,7 @@ def test_a_finished_cell_of_another_config_is_refused(tmp_path):
     request = reproduce.build_request("table2", str(tmp_path), ["0"], ["shakespeare"], "paper",
                                       ["fedavg"], [])
     cell = request.cells[0]
-    config = reproduce.resolved_config(reproduce.cell_config(cell, request, tiny_config))
+    config = resolved_config(reproduce.cell_config(cell, request, tiny_config))
     config["num_rounds"] = 99
     os.makedirs(cell.path(str(tmp_path)))
     with open(os.path.join(cell.path(str(tmp_path)), "config.json"), "w") as handle:
