@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.models.base import RoutableModel
-from flowjax.models.layers import Conv2D, Dense, chain_model, dropout, max_pool_2x2
+from flowjax.models.layers import (Conv2D, chain_model, compute_dtype_of, dense, dropout,
+                                   max_pool_2x2)
 
 IMAGE_SHAPE = (28, 28, 1)
 
@@ -30,7 +31,8 @@ def _label_weights(y: jax.Array) -> jax.Array:
     return jnp.ones(y.shape, jnp.float32)
 
 
-def emnist_cnn(num_classes: int = 62, custom_grad: bool | None = None) -> RoutableModel:
+def emnist_cnn(num_classes: int = 62, custom_grad: bool | None = None, conv_impl: str = "auto",
+               compute_dtype: str = "float32") -> RoutableModel:
     """conv3x3-32, relu, conv3x3-64, relu, maxpool2, dropout .25, dense 128, relu, dropout .5,
     dense ``num_classes`` (1,206,590 params for 62 classes).
 
@@ -41,6 +43,11 @@ def emnist_cnn(num_classes: int = 62, custom_grad: bool | None = None) -> Routab
         15-20x slower without it), autodiff elsewhere (on GPU the custom VJP's one-conv-
         per-client vmap rule measured no faster than a loop; cuDNN handles the grouped
         convolutions autodiff's vmap produces).
+      conv_impl: ``"xla"``, ``"im2col"`` or ``"auto"`` (``layers.resolve_conv_impl``:
+        xla on CPU, im2col elsewhere).
+      compute_dtype: ``"float32"`` (the default; exactly the float32 model) or
+        ``"bfloat16"``: convolutions and dense layers multiply in bf16 with float32
+        accumulation; params, gradients and optimizer state stay float32.
 
     Returns:
       A model taking ``x`` float32 ``[B, 28, 28]`` or ``[B, 28, 28, 1]``, routed at
@@ -48,8 +55,10 @@ def emnist_cnn(num_classes: int = 62, custom_grad: bool | None = None) -> Routab
     """
     if custom_grad is None:
         custom_grad = jax.default_backend() == "cpu"
-    modules = (Conv2D(32, custom_grad=custom_grad), Conv2D(64, custom_grad=custom_grad),
-               Dense(128), Dense(num_classes))
+    dtype = compute_dtype_of(compute_dtype)
+    conv = lambda features: Conv2D(features, custom_grad=custom_grad, impl=conv_impl,  # noqa: E731
+                                   compute_dtype=dtype)
+    modules = (conv(32), conv(64), dense(128, dtype), dense(num_classes, dtype))
     return chain_model(
         name="emnist_cnn", layer_names=("conv1", "conv2", "fc1", "fc2"), modules=modules,
         embed_input=_embed_input, glue_apply=_glue_apply,

@@ -37,6 +37,38 @@ Dense = nn.Dense
 Embed = nn.Embed
 
 
+class MixedDense(nn.Module):
+    """``nn.Dense`` (same params, names and initializers) whose product runs in
+    ``compute_dtype`` with float32 accumulation and output; params stay float32.
+
+    Under ``vmap`` over per-client kernels the product is a ``dot_general`` with the
+    clients as its leading batch dimension on both operands: a batched GEMM, as are its
+    two backward products.
+    """
+
+    features: int
+    compute_dtype: Any = jnp.bfloat16
+    kernel_init: Callable[..., jax.Array] = nn.initializers.lecun_normal()
+    bias_init: Callable[..., jax.Array] = nn.initializers.zeros_init()
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
+        bias = self.param("bias", self.bias_init, (self.features,))
+        x_c, kernel_c = _compute_cast(self.compute_dtype, x, kernel)
+        y = lax.dot_general(x_c, kernel_c, (((x.ndim - 1,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+        return y + bias
+
+
+def dense(features: int, compute_dtype: Any = None) -> nn.Module:
+    """``nn.Dense(features)`` itself for float32 compute (so its numbers stay exactly as
+    they were), else ``MixedDense``."""
+    if compute_dtype is None:
+        return Dense(features)
+    return MixedDense(features, compute_dtype)
+
+
 # ----------------------------------------------------------------------------- conv
 
 
@@ -105,6 +137,60 @@ def _conv2d_bwd(padding: str, residuals: tuple[jax.Array, jax.Array], g: jax.Arr
 conv2d.defvjp(_conv2d_fwd, _conv2d_bwd)
 
 
+CONV_IMPLS = ("auto", "xla", "im2col")
+
+
+def resolve_conv_impl(impl: str, backend: str | None = None) -> str:
+    """``"auto"`` -> the formulation measured fastest on ``backend``.
+
+    CPU: ``"xla"`` (with the hand-written VJP; im2col's patch building is memory-bound
+    there, ``docs/performance.md``). Accelerators: ``"im2col"``, whose forward and both
+    backward products are batched GEMMs under ``vmap`` over per-client kernels, where
+    ``"xla"`` becomes a grouped convolution (``docs/benchmarks/roofline.md``).
+    """
+    if impl not in CONV_IMPLS:
+        raise ValueError(f"unknown conv_impl {impl!r}; expected one of {CONV_IMPLS}")
+    if impl != "auto":
+        return impl
+    return "xla" if (backend or jax.default_backend()) == "cpu" else "im2col"
+
+
+def conv2d_im2col(x: jax.Array, w: jax.Array, padding: str = "VALID", stride: int = 1,
+                  preferred_element_type: Any = None) -> jax.Array:
+    """The convolution as patches times a matrix: NHWC ``x``, HWIO ``w``.
+
+    ``[N, H', W', C*kh*kw] @ [C*kh*kw, O]``: one GEMM for one client, a batched GEMM under
+    ``vmap`` over per-client kernels (the patches of batched data fold the clients into
+    the batch axis, since their kernel is a constant). Autodiff's backward products are
+    GEMMs too; the patches' transpose is a convolution with a constant kernel.
+    """
+    kh, kw, c, o = w.shape
+    patches = lax.conv_general_dilated_patches(x, (kh, kw), (stride, stride), padding,
+                                               dimension_numbers=_NHWC)
+    # The patches' feature axis is channel-major: (c, kh, kw).
+    matrix = jnp.transpose(w, (2, 0, 1, 3)).reshape(c * kh * kw, o)
+    return jnp.einsum("nhwk,ko->nhwo", patches, matrix,
+                      preferred_element_type=preferred_element_type)
+
+
+COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
+
+
+def compute_dtype_of(name: str) -> Any:
+    """``config.compute_dtype`` -> the layers' ``compute_dtype`` (None: float32, no casts)."""
+    if name not in COMPUTE_DTYPES:
+        raise ValueError(f"unknown compute_dtype {name!r}; expected one of "
+                         f"{tuple(COMPUTE_DTYPES)}")
+    return COMPUTE_DTYPES[name]
+
+
+def _compute_cast(dtype: Any, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """``arrays`` in the compute dtype; unchanged (no op at all) when ``dtype`` is None."""
+    if dtype is None:
+        return arrays
+    return tuple(a.astype(dtype) for a in arrays)
+
+
 class Conv2D(nn.Module):
     """2-D convolution, optionally with bias; NHWC input, HWIO ``kernel``.
 
@@ -118,6 +204,12 @@ class Conv2D(nn.Module):
       stride: the same window stride on both spatial axes. The hand-written VJP is
         stride-1 only, so ``stride > 1`` needs ``custom_grad=False``.
       use_bias: add a ``bias``; ``False`` where a normalization follows and adds its own.
+      impl: ``"xla"`` (``lax.conv_general_dilated``, or ``conv2d`` with ``custom_grad``),
+        ``"im2col"`` (``conv2d_im2col``, autodiff; ``custom_grad`` is ignored) or
+        ``"auto"`` (``resolve_conv_impl``).
+      compute_dtype: ``None`` (compute in the params' float32) or e.g. ``jnp.bfloat16``:
+        input and kernel are cast to it for the product, which accumulates and returns
+        float32; params (and so gradients and optimizer state) stay float32.
     """
 
     features: int
@@ -128,19 +220,28 @@ class Conv2D(nn.Module):
     use_bias: bool = True
     kernel_init: Callable[..., jax.Array] = nn.initializers.lecun_normal()
     bias_init: Callable[..., jax.Array] = nn.initializers.zeros_init()
+    impl: str = "xla"
+    compute_dtype: Any = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        if self.custom_grad and self.stride != 1:
+        impl = resolve_conv_impl(self.impl)
+        if impl == "xla" and self.custom_grad and self.stride != 1:
             raise ValueError(f"stride={self.stride} needs custom_grad=False; "
                              "the hand-written conv VJP is stride-1 only")
         kernel = self.param("kernel", self.kernel_init,
                             (*self.kernel_size, x.shape[-1], self.features))
-        if self.custom_grad:
+        # float32 accumulation and output whenever the product runs in another dtype.
+        accumulate = None if self.compute_dtype is None else jnp.float32
+        x_c, kernel_c = _compute_cast(self.compute_dtype, x, kernel)
+        if impl == "im2col":
+            y = conv2d_im2col(x_c, kernel_c, self.padding, self.stride, accumulate)
+        elif self.custom_grad and self.compute_dtype is None:
             y = conv2d(x, kernel, self.padding)
         else:
-            y = lax.conv_general_dilated(x, kernel, (self.stride, self.stride), self.padding,
-                                         dimension_numbers=_NHWC)
+            y = lax.conv_general_dilated(x_c, kernel_c, (self.stride, self.stride),
+                                         self.padding, dimension_numbers=_NHWC,
+                                         preferred_element_type=accumulate)
         if not self.use_bias:
             return y
         return y + self.param("bias", self.bias_init, (self.features,))

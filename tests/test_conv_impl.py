@@ -1,0 +1,153 @@
+"""The accelerator formulations (im2col convolution, bf16 compute) against the CPU ones.
+
+im2col must compute the same function as ``lax.conv_general_dilated`` (forward and
+gradients, vmapped over clients with per-client kernels) to 1e-5; the float32 default must
+be the model it was, bit for bit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from flowjax.models import get_model, layers
+from flowjax.models.base import forward
+
+RTOL = 1e-5
+
+
+def assert_close(actual, expected, rtol: float = RTOL) -> None:
+    """Elementwise, with an absolute floor relative to each array's scale."""
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        assert a.shape == e.shape
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * np.abs(e).max())
+
+
+def normal(key: int, shape: tuple[int, ...]) -> jax.Array:
+    return jax.random.normal(jax.random.key(key), shape)
+
+
+def lax_conv(x, w, padding, stride=1):
+    return lax.conv_general_dilated(x, w, (stride, stride), padding,
+                                    dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def loss_of(conv, padding, stride=1):
+    # Non-linear, so every output element gets its own cotangent.
+    return lambda x, w: jnp.sum(jnp.sin(conv(x, w, padding, stride)))
+
+
+@pytest.mark.parametrize("padding", ["VALID", "SAME"])
+@pytest.mark.parametrize("kernel,stride", [((3, 3), 1), ((2, 3), 1), ((3, 3), 2)])
+def test_im2col_matches_lax_conv_vmapped_over_clients(padding, kernel, stride):
+    clients = 3
+    x = normal(0, (clients, 4, 9, 8, 5))  # per-client batches
+    w = normal(1, (clients, *kernel, 5, 6))  # per-client kernels
+    im2col = lambda a, b, p, s: layers.conv2d_im2col(a, b, p, s)  # noqa: E731
+    assert_close(jax.jit(jax.vmap(lambda a, b: im2col(a, b, padding, stride)))(x, w),
+                 jax.vmap(lambda a, b: lax_conv(a, b, padding, stride))(x, w))
+    grads = lambda conv: jax.vmap(jax.grad(loss_of(conv, padding, stride), argnums=(0, 1)))
+    assert_close(jax.jit(grads(im2col))(x, w), grads(lax_conv)(x, w))
+
+
+def test_im2col_shared_kernel_and_shared_data():
+    x, w = normal(0, (3, 2, 7, 7, 2)), normal(1, (3, 3, 3, 2, 4))
+    for in_axes, xs, ws in (((None, 0), x[0], w), ((0, None), x, w[0])):
+        grads = lambda conv: jax.vmap(jax.grad(loss_of(conv, "SAME"), argnums=(0, 1)), in_axes)
+        assert_close(jax.jit(grads(lambda a, b, p, s: layers.conv2d_im2col(a, b, p, s)))(xs, ws),
+                     grads(lax_conv)(xs, ws))
+
+
+def test_conv_impl_resolution():
+    assert layers.resolve_conv_impl("auto", "cpu") == "xla"
+    assert layers.resolve_conv_impl("auto", "gpu") == "im2col"
+    assert layers.resolve_conv_impl("im2col", "cpu") == "im2col"
+    with pytest.raises(ValueError, match="conv_impl 'fft'"):
+        layers.resolve_conv_impl("fft")
+    with pytest.raises(ValueError, match="compute_dtype 'float16'"):
+        layers.compute_dtype_of("float16")
+
+
+def emnist_sgd_round(model, params, x, y, lr=0.05):
+    """Three SGD steps per client under vmap over clients; returns per-client params."""
+
+    def loss(p, xb, yb):
+        logits = forward(model, p, xb, train=False, key=jax.random.key(0))
+        return jnp.mean(-jax.nn.log_softmax(logits)[jnp.arange(yb.shape[0]), yb])
+
+    def client(xs, ys):
+        def step(p, batch):
+            grads = jax.grad(loss)(p, *batch)
+            return jax.tree.map(lambda a, g: a - lr * g, p, grads), None
+        return lax.scan(step, params, (xs, ys))[0]
+
+    return jax.jit(jax.vmap(client))(x, y)
+
+
+def emnist_batches(clients=2, steps=3, batch=4):
+    x = normal(2, (clients, steps, batch, 28, 28))
+    y = jax.random.randint(jax.random.key(3), (clients, steps, batch), 0, 62)
+    return x, y
+
+
+def test_emnist_cnn_im2col_trains_like_xla():
+    """The whole model's client updates, vmapped over clients, agree to 1e-5."""
+    xla, im2col = (get_model("emnist_cnn", conv_impl=i) for i in ("xla", "im2col"))
+    params = xla.init(jax.random.key(0))
+    assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, im2col.init(
+        jax.random.key(0)))
+    x, y = emnist_batches()
+    assert_close(emnist_sgd_round(im2col, params, x, y), emnist_sgd_round(xla, params, x, y))
+
+
+def test_emnist_cnn_default_is_the_float32_xla_model_bit_for_bit():
+    default = get_model("emnist_cnn")
+    explicit = get_model("emnist_cnn", conv_impl="xla", compute_dtype="float32",
+                         custom_grad=True)
+    params = default.init(jax.random.key(0))
+    np.testing.assert_array_equal(  # same init, same params
+        np.concatenate([np.ravel(a) for a in jax.tree.leaves(params)]),
+        np.concatenate([np.ravel(a) for a in jax.tree.leaves(explicit.init(jax.random.key(0)))]))
+    x, y = emnist_batches()
+    for a, b in zip(jax.tree.leaves(emnist_sgd_round(default, params, x, y)),
+                    jax.tree.leaves(emnist_sgd_round(explicit, params, x, y)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # float32 compute adds no op: the dense layers are flax's own.
+    assert type(layers.dense(8)) is layers.Dense
+    assert type(layers.dense(8, jnp.bfloat16)) is layers.MixedDense
+
+
+@pytest.mark.parametrize("impl", ["xla", "im2col"])
+def test_bf16_compute_keeps_float32_params_and_stays_close(impl):
+    f32 = get_model("emnist_cnn", conv_impl=impl)
+    bf16 = get_model("emnist_cnn", conv_impl=impl, compute_dtype="bfloat16")
+    params = f32.init(jax.random.key(0))
+    x, y = emnist_batches()
+    trained = emnist_sgd_round(bf16, params, x, y)
+    assert {a.dtype for a in jax.tree.leaves(trained)} == {jnp.dtype(jnp.float32)}
+    logits = forward(bf16, params, x[0, 0], train=False, key=jax.random.key(0))
+    reference = forward(f32, params, x[0, 0], train=False, key=jax.random.key(0))
+    assert logits.dtype == jnp.float32
+    # bf16 operands (8-bit mantissa), float32 accumulation: about 1e-2 relative.
+    error = float(jnp.linalg.norm(logits - reference) / jnp.linalg.norm(reference))
+    assert 0 < error < 3e-2
+    update_error = max(float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b - p)) for a, b, p in zip(
+        jax.tree.leaves(trained), jax.tree.leaves(emnist_sgd_round(f32, params, x, y)),
+        jax.tree.leaves(jax.tree.map(lambda a: a[None], params))))
+    assert update_error < 5e-2
+
+
+def test_mixed_dense_matches_flax_dense_in_float32_compute():
+    x = normal(0, (3, 5, 7))
+    plain = layers.Dense(4)
+    params = plain.init(jax.random.key(0), x)
+    mixed = layers.MixedDense(4, compute_dtype=jnp.float32)
+    assert jax.tree.map(jnp.shape, mixed.init(jax.random.key(0), x)) == jax.tree.map(
+        jnp.shape, params)
+    assert_close(mixed.apply(params, x), plain.apply(params, x))
+    loss = lambda module: lambda p: jnp.sum(jnp.sin(module.apply(p, x)))  # noqa: E731
+    assert_close(jax.grad(loss(mixed))(params), jax.grad(loss(plain))(params))
