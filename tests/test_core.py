@@ -115,9 +115,10 @@ def test_adaptive_server_optimizers_follow_reddi_et_al():
     mean = {"w": jnp.array([1.0, -1.0, 0.5])}  # pseudo-gradient params - mean = -delta
     delta = mean["w"]
     lr, b1, b2, eps = 0.1, 0.9, 0.99, 1e-3
-    # Paper's Algorithm 2 without bias correction, first step.
+    # Paper's Algorithm 2 without bias correction, first step, from v_{-1} = tau^2
+    # (tests/test_server_opt.py checks every optimizer over two steps).
     m = (1 - b1) * delta
-    v = (1 - b2) * delta ** 2
+    v = b2 * eps ** 2 + (1 - b2) * delta ** 2
     optimizer = server_optimizer("adam", lr, b1=b1, b2=b2, eps=eps, bias_correction=False)
     new, _ = apply_server_update(optimizer, params, optimizer.init(params), mean)
     np.testing.assert_allclose(new["w"], lr * m / (np.sqrt(v) + eps), rtol=1e-5)
