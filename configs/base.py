@@ -57,6 +57,12 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
         held_out_clients=config_dict.placeholder(int), chunk=16,
         max_examples=config_dict.placeholder(int)))
     config.mapping = ml_collections.ConfigDict(dict(strategy="auto", chunk_size=1, num_devices=1))
+    # Per-client layer formulation and precision (models that implement them: emnist_cnn).
+    # conv_impl "auto": XLA's conv on CPU, im2col batched GEMMs on accelerators
+    # (docs/benchmarks/roofline.md); compute_dtype "bfloat16" multiplies in bf16 with float32
+    # params, gradients and optimizer state.
+    config.conv_impl = "auto"
+    config.compute_dtype = "float32"
     config.log_every = 10
     config.checkpoint_every = 100  # rounds; 0 disables checkpoints (and resuming)
     config.on_divergence = "stop"  # or "skip_clients"

@@ -15,7 +15,7 @@ from flowjax.core.server_opt import server_optimizer
 from flowjax.data import FederatedTask, load_task
 from flowjax.experiment import RunSettings, Simulation
 from flowjax.models import RoutableModel, get_model
-from flowjax.validation import validate_config, validate_task
+from flowjax.validation import model_options, validate_config, validate_task
 
 
 def _optional_int(value):
@@ -84,7 +84,7 @@ def build_algorithm_for(config, task: FederatedTask) -> FederatedAlgorithm:
     """The configured algorithm. HypCluster with ``methods.hypcluster.warmup_rounds > 0``
     first runs that many FedAvg rounds and warm-starts every cluster from the result
     (these rounds come before, and in addition to, ``num_rounds``)."""
-    model = get_model(config.model, **dict(config.get("model_options", {})))
+    model = get_model(config.model, **model_options(config))
     first = jax.numpy.asarray(task.train.client(0, "train")["x"][: config.batch_size])
     options = {}
     if config.algorithm == "hypcluster":
@@ -121,7 +121,7 @@ def build_simulation(config, task: FederatedTask | None = None) -> Simulation:
     config = effective_config(config)
     validate_config(config)
     task = task or build_task(config)
-    validate_task(task, get_model(config.model, **dict(config.get("model_options", {}))))
+    validate_task(task, get_model(config.model, **model_options(config)))
     settings = build_settings(config)
     return Simulation(build_algorithm_for(config, task), task, settings,
                       server_optimizer=build_server_optimizer(config),

@@ -25,6 +25,7 @@ from flowjax.data import DATASETS
 from flowjax.data.federated import FederatedTask
 from flowjax.models import MODELS, get_model
 from flowjax.models.base import RoutableModel
+from flowjax.models.layers import COMPUTE_DTYPES, CONV_IMPLS
 from flowjax.models.emnist_cnn import IMAGE_SHAPE
 from flowjax.models.resnet_gn import IMAGE_SHAPE as CIFAR_IMAGE_SHAPE
 from flowjax.models.shakespeare_lstm import SEQUENCE_LENGTH
@@ -115,6 +116,8 @@ _RULES: tuple[tuple[str, Check], ...] = (
     ("dataset", _one_of(DATASETS)),
     ("server.optimizer", _one_of(SERVER_OPTIMIZERS)),
     ("mapping.strategy", _one_of(("auto",) + STRATEGIES)),
+    ("conv_impl", _one_of(CONV_IMPLS)),
+    ("compute_dtype", _one_of(tuple(COMPUTE_DTYPES))),
     ("order", _one_of(ORDERS)),
     ("global_step", _one_of(GLOBAL_STEPS)),
     ("local_route", _one_of(LOCAL_ROUTES)),
@@ -189,11 +192,31 @@ def _plain(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
-def _build_model(config: Any) -> RoutableModel:
+# Top-level fields passed to the model factory when set off their defaults (only models
+# whose layers implement them take them).
+_MODEL_FIELDS = {"conv_impl": "auto", "compute_dtype": "float32"}
+
+
+def model_options(config: Any) -> dict[str, Any]:
+    """The model factory's keyword arguments: ``config.model_options`` plus
+    ``conv_impl`` / ``compute_dtype`` where the config sets them off their defaults."""
     options = dict(config.get("model_options", None) or {})
+    for name, default in _MODEL_FIELDS.items():
+        value = config.get(name, default)
+        if value != default:
+            options[name] = value
+    return options
+
+
+def _build_model(config: Any) -> RoutableModel:
+    options = model_options(config)
     try:
         return get_model(config.model, **options)
     except TypeError as error:
+        for name, default in _MODEL_FIELDS.items():
+            if name in options and f"'{name}'" in str(error):
+                _fail(name, options[name], f"expected {default!r}: {config.model} does not "
+                      f"implement {name}")
         _fail("model_options", options, f"expected keyword arguments of {config.model} ({error})")
 
 

@@ -151,3 +151,23 @@ def test_mixed_dense_matches_flax_dense_in_float32_compute():
     assert_close(mixed.apply(params, x), plain.apply(params, x))
     loss = lambda module: lambda p: jnp.sum(jnp.sin(module.apply(p, x)))  # noqa: E731
     assert_close(jax.grad(loss(mixed))(params), jax.grad(loss(plain))(params))
+
+
+def test_config_fields_reach_the_model_and_bad_values_fail_in_one_line():
+    from configs import emnist, stackoverflow
+    from flowjax.validation import model_options, validate_config
+
+    config = emnist.get_config("paper")
+    assert (config.conv_impl, config.compute_dtype) == ("auto", "float32")
+    assert "conv_impl" not in model_options(config)  # defaults: the factory's own
+    config.conv_impl, config.compute_dtype = "im2col", "bfloat16"
+    assert model_options(config) == {"conv_impl": "im2col", "compute_dtype": "bfloat16"}
+    validate_config(config)
+    config.conv_impl = "fft"
+    with pytest.raises(ValueError, match=r"^config.conv_impl='fft': expected one of \["):
+        validate_config(config)
+    config = stackoverflow.get_config("paper")
+    config.compute_dtype = "bfloat16"
+    with pytest.raises(ValueError, match="config.compute_dtype='bfloat16': expected 'float32': "
+                                         "stackoverflow_lstm does not implement compute_dtype"):
+        validate_config(config)
