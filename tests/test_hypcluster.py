@@ -12,6 +12,7 @@ from flowjax import experiment
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.algorithms.hypcluster import HypClusterConfig, hypcluster, mean_train_loss
 from flowjax.core.cohort import assemble_cohort, client_at
+from flowjax.core.server_opt import server_optimizer
 from flowjax.core.losses import masked_mean_loss
 from flowjax.experiment import RunSettings, Simulation
 from flowjax.models import get_model
@@ -122,6 +123,32 @@ def test_clusters_nobody_chose_keep_their_params_through_the_engine(mlp, images_
     assert float(metrics["clients_in_cluster0_count"]) == 3
     assert _leaves_equal(state.params["cluster1"], far_copy)
     assert not _leaves_equal(state.params["cluster0"], before)
+
+
+def test_with_an_adam_server_a_cluster_nobody_chose_does_not_move(mlp, images_small):
+    # Round 0: cluster 0 starts far off, every client picks and trains cluster 1, which
+    # gets Adam momentum. Round 1: cluster 1 is moved far off, every client picks cluster
+    # 0; cluster 1's zero pseudo-gradient must not step it on its momentum, and its Adam
+    # state must stay exactly as round 0 left it.
+    algorithm = hypcluster(mlp, HypClusterConfig(**CONFIG, clusters=2))
+    settings = RunSettings(seed=0, num_rounds=2, clients_per_round=3, batch_size=4,
+                           max_examples_per_client=16)
+    simulation = Simulation(algorithm, images_small, settings,
+                            server_optimizer=server_optimizer("adam", 0.01))
+    state = simulation.init_state()
+    far = lambda params: jax.tree.map(lambda a: 30.0 * a, params)  # noqa: E731
+    state = state.replace(params={"cluster0": far(state.params["cluster0"]),
+                                  "cluster1": state.params["cluster1"]})
+    state, metrics = simulation.run_round(state, 0)
+    assert float(metrics["clients_in_cluster1_sum"]) == 3
+    state = state.replace(params={"cluster0": mlp.init(jax.random.key(4)),
+                                  "cluster1": far(state.params["cluster1"])})
+    parked = jax.tree.map(np.array, state.params["cluster1"])
+    adam_state = jax.tree.map(np.array, state.opt_state["cluster1"])
+    state, metrics = simulation.run_round(state, 1)
+    assert float(metrics["clients_in_cluster0_sum"]) == 3
+    assert _leaves_equal(state.params["cluster1"], parked)
+    assert _leaves_equal(state.opt_state["cluster1"], adam_state)
 
 
 def test_warm_start_is_a_seeded_perturbation_of_every_cluster(mlp):

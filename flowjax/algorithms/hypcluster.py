@@ -13,7 +13,10 @@ Each round every sampled client, from the broadcast cluster models:
 
 The engine takes one example-weighted mean per cluster over the clients that chose it
 (a cluster nobody chose gets a zero pseudo-gradient) and applies the server optimizer to
-the whole ``{cluster: params}`` tree, so every optax transform is per cluster.
+the whole ``{cluster: params}`` tree. ``core.server_opt.server_optimizer`` keeps one state
+per cluster and gives a cluster with a zero pseudo-gradient no step at all: a cluster
+nobody chose keeps its params and its optimizer state (no momentum step with an adaptive
+or momentum server optimizer).
 
 Personalized model at evaluation: the cluster model with the lowest train loss for the
 client (steps 1-2 with the current server params).
