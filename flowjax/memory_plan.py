@@ -139,3 +139,43 @@ def plan_chunk_size(algorithm: FederatedAlgorithm, example_spec: Mapping[str, tu
     return MemoryPlan(fixed_bytes=int(fixed), per_client_bytes=int(per_client),
                       budget_bytes=budget, clients_per_chunk=int(chunk),
                       checked_peak_bytes=checked)
+
+
+# The cost model of ``chunk_for_sizes``: one vmapped local step of k clients costs as
+# much as (OVERHEAD_CLIENTS + k) clients' share of it. Fitted to the Stack Overflow LSTM
+# rows of docs/benchmarks/gpu-h200.md (chunks of 8: 1,412 step slots in 0.508 s, 176
+# chunk-steps; full vmap of 64: 4,032 slots in 0.759 s, 63 chunk-steps): a fixed
+# 1.6 ms per chunk-step and 0.16 ms per client-step slot, a ratio of about 10.
+OVERHEAD_CLIENTS = 10.0
+
+
+def chunk_cost(steps: np.ndarray, chunk: int, overhead_clients: float = OVERHEAD_CLIENTS) -> float:
+    """Modeled time (in client-step units) of clients with ``steps`` local steps each,
+    sorted longest first and run ``chunk`` at a time (the last chunk holds the rest): each
+    chunk runs as long as its longest client, each of its steps costs ``overhead + size``.
+    """
+    ordered = np.sort(np.asarray(steps))[::-1]
+    starts = np.arange(0, len(ordered), chunk)
+    sizes = np.minimum(chunk, len(ordered) - starts)
+    return float(np.sum(ordered[starts] * (overhead_clients + sizes)))
+
+
+def chunk_for_sizes(steps: np.ndarray, max_chunk: int,
+                    overhead_clients: float = OVERHEAD_CLIENTS) -> int:
+    """The chunk size in ``[1, max_chunk]`` of least ``chunk_cost`` (the smallest on ties).
+
+    Larger chunks fill the device (the fixed cost of a step is shared by more clients)
+    but pad more on skewed sizes (each chunk lasts as long as its longest client);
+    ``max_chunk`` is what fits in memory (``plan_chunk_size``).
+
+    Example:
+      >>> chunk_for_sizes(np.full(64, 10), 64)  # equal sizes: one chunk, no padding
+      64
+      >>> chunk_for_sizes(np.array([100] + [1] * 63), 64)  # one long client, small chunks
+      3
+    """
+    if max_chunk < 1:
+        raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
+    steps = np.asarray(steps)
+    candidates = range(1, min(max_chunk, len(steps)) + 1)
+    return min(candidates, key=lambda k: (chunk_cost(steps, k, overhead_clients), k))

@@ -50,3 +50,26 @@ def test_bad_budget_is_a_one_line_error(algorithm):
     with pytest.raises(ValueError, match="headroom must be in \\(0, 1\\], got 1.5"):
         plan_chunk_size(algorithm, SPEC, padded_examples=64, batch_size=8, device_bytes=10,
                         headroom=1.5)
+
+
+def test_chunk_cost_counts_each_sorted_chunk_at_its_longest_client():
+    from flowjax.memory_plan import chunk_cost
+    steps = np.array([2, 9, 4, 1, 7])  # sorted: 9, 7, 4, 2, 1
+    # chunks of 2: [9, 7] [4, 2] [1]: 9 * (10 + 2) + 4 * (10 + 2) + 1 * (10 + 1)
+    assert chunk_cost(steps, 2) == 9 * 12 + 4 * 12 + 11
+    assert chunk_cost(steps, 5, overhead_clients=0.0) == 9 * 5  # one vmap: all run 9 steps
+    assert chunk_cost(steps, 1, overhead_clients=0.0) == steps.sum()  # a loop: no padding
+
+
+def test_chunk_for_sizes_trades_padding_for_filling_the_device():
+    from flowjax.data.synthetic import stackoverflow_like_sizes
+    from flowjax.memory_plan import chunk_cost, chunk_for_sizes
+    assert chunk_for_sizes(np.full(64, 10), 64) == 64  # equal sizes: as wide as fits
+    assert chunk_for_sizes(np.full(64, 10), 16) == 16  # never above what fits
+    assert chunk_for_sizes(np.full(64, 10), 64, overhead_clients=0.0) == 1  # nothing to share
+    skewed = -(-stackoverflow_like_sizes(1000, 0) // 16)
+    best = chunk_for_sizes(skewed, 1000)
+    assert 1 < best < 1000
+    assert all(chunk_cost(skewed, best) <= chunk_cost(skewed, k) for k in (1, 8, 64, 500, 1000))
+    with pytest.raises(ValueError, match="max_chunk must be >= 1, got 0"):
+        chunk_for_sizes(skewed, 0)
