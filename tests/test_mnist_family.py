@@ -1,0 +1,245 @@
+"""MNIST-family data: IDX files written here by the format's spec, TFDS through mock_data,
+and the label partitions shared with CIFAR."""
+
+import gzip
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from flowjax.data import load_task
+from flowjax.data.idx import parse_idx, read_idx
+from flowjax.data.partition import (LabelPartition, dirichlet_partition, label_skew,
+                                    partition_indices, shard_partition)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def idx_bytes(array: np.ndarray) -> bytes:
+    """An IDX file of a uint8 array, written from LeCun's description of the format
+    (http://yann.lecun.com/exdb/mnist/): magic 0x00000800 | ndim as a big-endian 32-bit
+    integer (0x00000803 images, 0x00000801 labels), each dimension as a big-endian 32-bit
+    integer, then the bytes in C order."""
+    assert array.dtype == np.uint8
+    header = struct.pack(">I", 0x0800 | array.ndim)
+    header += b"".join(struct.pack(">I", d) for d in array.shape)
+    return header + np.ascontiguousarray(array).tobytes()
+
+
+def pool(num_classes: int, per_class: int, offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Images whose pixels encode their pool index (row 0) and label (row 1), in class order
+    shuffled, so a loaded example tells where it came from."""
+    labels = np.repeat(np.arange(num_classes), per_class).astype(np.uint8)
+    labels = labels[np.random.default_rng(offset).permutation(len(labels))]
+    images = np.zeros((len(labels), 28, 28), np.uint8)
+    index = np.arange(len(labels))
+    images[:, 0, 0], images[:, 0, 1] = index % 256, index // 256
+    images[:, 1, :] = labels[:, None]
+    return images, labels
+
+
+def write_files(folder, train, test, *, compress=True, prefix=""):
+    ext = ".gz" if compress else ""
+    opener = gzip.open if compress else open
+    for stem, (images, labels) in (("train", train), ("t10k", test)):
+        for kind, array in (("images-idx3", images), ("labels-idx1", labels)):
+            with opener(os.path.join(folder, f"{prefix}{stem}-{kind}-ubyte{ext}"), "wb") as out:
+                out.write(idx_bytes(array))
+
+
+def decode(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pool index and label of loaded examples (pixels / 255 back to bytes)."""
+    raw = np.rint(x * 255).astype(np.int64)
+    return raw[:, 0, 0] + 256 * raw[:, 0, 1], raw[:, 1, 0]
+
+
+def test_idx_header_is_the_formats_and_parses_back():
+    images = np.arange(3 * 28 * 28, dtype=np.int64).reshape(3, 28, 28).astype(np.uint8)
+    raw = idx_bytes(images)
+    # LeCun's page: magic 0x00000803 (2051), then 32-bit MSB-first counts n, 28 rows, 28 cols;
+    # Debian's Fashion-MNIST train images begin 00 00 08 03 00 00 ea 60 00 00 00 1c 00 00 00 1c.
+    assert raw[:16] == bytes.fromhex("00000803" "00000003" "0000001c" "0000001c")
+    assert len(raw) == 16 + 3 * 784
+    np.testing.assert_array_equal(parse_idx(raw), images)
+    labels = np.array([7, 0, 9], np.uint8)
+    assert idx_bytes(labels)[:8] == bytes.fromhex("00000801" "00000003")
+    np.testing.assert_array_equal(parse_idx(idx_bytes(labels)), labels)
+    # Multi-byte types are big-endian (type byte 0x0B = short).
+    assert parse_idx(bytes.fromhex("00000b01" "00000002" "0102" "fffe")).tolist() == [258, -2]
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b"\x00\x01\x08\x01", "is not an IDX file: magic bytes 00010801"),
+    (bytes.fromhex("00000801" "00000005") + b"\x00" * 4, "4 data bytes, expected 5"),
+    (bytes.fromhex("00000803" "0000"), "truncated header"),
+])
+def test_bad_idx_bytes_fail_in_one_line(raw, message):
+    with pytest.raises(ValueError, match=message):
+        parse_idx(raw, "x.idx")
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_dirichlet_task_from_idx_files(tmp_path, compress):
+    train, test = pool(10, 40), pool(10, 20, offset=1)
+    write_files(tmp_path, train, test, compress=compress)
+    options = dict(data_dir=str(tmp_path), alpha=0.1, num_clients=8, train_per_client=30,
+                   test_per_client=10, seed=3)
+    task = load_task("mnist_family_idx", options)
+    assert task.name == "fashion_mnist_dirichlet_0.1" and task.held_out is None
+    data = task.train
+    np.testing.assert_array_equal(data.num_examples("train"), 30)
+    np.testing.assert_array_equal(data.num_examples("test"), 10)
+    expected = partition_indices(LabelPartition("dirichlet", 0.1, num_clients=8,
+                                                train_per_client=30, test_per_client=10),
+                                 train[1].astype(np.int64), test[1].astype(np.int64), 10, 3)
+    for split, (images, labels), chosen in zip(("train", "test"), (train, test), expected):
+        features = data.splits[split].features
+        assert features["x"].dtype == np.float32 and features["x"].shape[1:] == (28, 28)
+        assert features["y"].dtype == np.int32
+        index, label = decode(features["x"])
+        np.testing.assert_array_equal(index, chosen.reshape(-1))  # the partition's examples
+        np.testing.assert_array_equal(features["y"], labels[index])  # with their own labels
+        np.testing.assert_array_equal(label, labels[index])
+        np.testing.assert_array_equal(features["x"], images[index] / np.float32(255))
+        assert len(np.unique(index)) == len(index)  # disjoint across clients
+    again = load_task("mnist_family_idx", options)  # seeded: the same task
+    np.testing.assert_array_equal(again.train.splits["train"].features["x"],
+                                  data.splits["train"].features["x"])
+
+
+def test_smaller_alpha_gives_more_skewed_clients_and_tests_follow_trains(tmp_path):
+    write_files(tmp_path, pool(10, 60), pool(10, 30, offset=1))
+    skew = {}
+    for alpha in (0.1, 100.0):
+        task = load_task("mnist_family_idx", dict(data_dir=str(tmp_path), alpha=alpha,
+                                                   num_clients=10, train_per_client=40,
+                                                   test_per_client=20))
+        ys = {s: [task.train.client(i, s)["y"] for i in range(10)] for s in ("train", "test")}
+        skew[alpha] = label_skew(ys["train"])
+        # A skewed client's most common train class dominates its test split too.
+        tops = [np.bincount(y, minlength=10).argmax() for y in ys["train"]]
+        test_share = np.mean([np.mean(y == top) for y, top in zip(ys["test"], tops)])
+        assert alpha == 100.0 or test_share > 0.6, (alpha, test_share)
+    assert skew[0.1] > 0.6 > 0.4 > skew[100.0], skew
+
+
+def test_label_shards_give_each_client_its_shards_classes(tmp_path):
+    # 10 classes x 10 examples, 5 clients x 20 examples in 2 shards of 10: every shard is
+    # exactly one class, so every client sees at most 2 classes, in train and test alike.
+    write_files(tmp_path, pool(10, 10), pool(10, 20, offset=1))
+    task = load_task("mnist_family_idx", dict(data_dir=str(tmp_path), partition="shards",
+                                              shards_per_client=2, num_clients=5,
+                                              train_per_client=20, test_per_client=6))
+    assert task.name == "fashion_mnist_shards_2"
+    seen = set()
+    for client in range(5):
+        train_y = task.train.client(client, "train")["y"]
+        counts = np.bincount(train_y, minlength=10)
+        assert sorted(counts[counts > 0]) in ([10, 10], [20])
+        assert set(task.train.client(client, "test")["y"]) <= set(train_y)
+        seen.update(decode(task.train.client(client, "train")["x"])[0].tolist())
+    assert seen == set(range(100))  # the whole pool, each example once
+
+
+def test_shard_and_dirichlet_partitions_directly():
+    rng = np.random.default_rng(0)
+    labels = np.repeat(np.arange(4), 6)
+    chosen = shard_partition(labels, num_clients=4, shards_per_client=2, per_client=6, rng=rng)
+    assert chosen.shape == (4, 6) and sorted(chosen.reshape(-1)) == list(range(24))
+    for row in chosen:  # shards of 3 consecutive sorted labels: one class per shard
+        assert len(set(labels[row[:3]])) == 1 and len(set(labels[row[3:]])) == 1
+    with pytest.raises(ValueError, match="does not divide per_client=6"):
+        shard_partition(labels, 4, 4, 6, rng)
+    with pytest.raises(ValueError, match="need 30 examples; the pool has 24"):
+        dirichlet_partition(labels, np.full((5, 4), 0.25), 6, rng)
+
+
+def test_cifar_partition_numbers_are_unchanged_by_the_move():
+    # Recorded with flowjax/data/cifar.py's dirichlet_partition before it moved (commit
+    # f21fb93): the same generator draws give the same indices.
+    rng = np.random.default_rng(7)
+    probs = rng.dirichlet(np.full(4, 0.3), size=5)
+    chosen = dirichlet_partition(np.arange(60) % 4, probs, 6, rng)
+    assert chosen.tolist() == [[1, 53, 24, 40, 33, 41], [4, 7, 56, 16, 32, 28],
+                               [52, 36, 15, 44, 8, 20], [48, 0, 12, 49, 17, 43],
+                               [51, 47, 39, 59, 55, 19]]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(partition="iid"), "partition='iid': expected one of"),
+    (dict(alpha=0.0), "alpha=0.0: expected a finite number > 0"),
+    (dict(partition="shards", shards_per_client=3), "shards_per_client=3: expected an integer"),
+    (dict(num_clients=0), "num_clients=0: expected an integer >= 1"),
+])
+def test_bad_partition_values_fail_in_one_line(tmp_path, bad, message):
+    write_files(tmp_path, pool(10, 10), pool(10, 5))
+    options = {**dict(data_dir=str(tmp_path), num_clients=4, train_per_client=10,
+                      test_per_client=5), **bad}
+    with pytest.raises(ValueError, match=message):
+        load_task("mnist_family_idx", options)
+
+
+def test_missing_files_name_the_files_and_the_package(tmp_path):
+    with pytest.raises(ValueError) as error:
+        load_task("mnist_family_idx", dict(data_dir=str(tmp_path / "none")))
+    message = str(error.value)
+    assert "\n" not in message
+    assert "train-images-idx3-ubyte.gz" in message and "t10k-labels-idx1-ubyte.gz" in message
+    assert "apt-get install dataset-fashion-mnist" in message
+    write_files(tmp_path, pool(10, 10), pool(10, 5))
+    os.remove(tmp_path / "t10k-labels-idx1-ubyte.gz")
+    with pytest.raises(ValueError, match="IDX files not found"):
+        load_task("mnist_family_idx", dict(data_dir=str(tmp_path)))
+
+
+def test_prefixed_files_as_emnist_names_them(tmp_path):
+    write_files(tmp_path, pool(4, 10), pool(4, 5), prefix="emnist-balanced-", compress=False)
+    task = load_task("mnist_family_idx", dict(data_dir=str(tmp_path), name="emnist",
+                                              prefix="emnist-balanced-", num_clients=2,
+                                              train_per_client=10, test_per_client=5))
+    assert task.name == "emnist_dirichlet_0.1"
+    assert read_idx(str(tmp_path / "emnist-balanced-train-labels-idx1-ubyte")).shape == (40,)
+
+
+@pytest.mark.parametrize("name, classes", [("mnist", 10), ("fashion_mnist", 10),
+                                           ("emnist", 62)])
+def test_tfds_source_partitions_the_same_way(name, classes):
+    with tfds.testing.mock_data(num_examples=400):
+        task = load_task("mnist_family_tfds", dict(name=name, alpha=0.6, num_clients=10,
+                                                   train_per_client=20, test_per_client=8))
+        pools = {}
+        for split in ("train", "test"):
+            source = tfds.data_source(name, split=split)
+            pools[split] = (np.stack([np.asarray(source[i]["image"]).reshape(28, 28)
+                                      for i in range(len(source))]),
+                            np.array([int(source[i]["label"]) for i in range(len(source))]))
+    assert task.name == f"{name}_dirichlet_0.6"
+    data = task.train.splits
+    assert data["train"].features["y"].shape == (200,)
+    assert data["train"].features["x"].shape == (200, 28, 28)
+    # The same partition as the IDX path: the indices partition_indices picks.
+    num_classes = int(max(pools["train"][1].max(), pools["test"][1].max())) + 1
+    assert num_classes <= classes
+    chosen = partition_indices(LabelPartition("dirichlet", 0.6, num_clients=10,
+                                              train_per_client=20, test_per_client=8),
+                               pools["train"][1], pools["test"][1], num_classes, 0)
+    for split, rows in zip(("train", "test"), chosen):
+        images, labels = pools[split]
+        np.testing.assert_array_equal(data[split].features["x"],
+                                      images[rows.reshape(-1)] / np.float32(255))
+        np.testing.assert_array_equal(data[split].features["y"], labels[rows.reshape(-1)])
+
+
+def test_fashion_mnist_config_without_files_exits_2_in_one_line(tmp_path):
+    command = [sys.executable, "launch/train.py", "--config=configs/fashion_mnist.py:mini_0.1",
+               f"--config.data.data_dir={tmp_path}", f"--workdir={tmp_path / 'run'}"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: fashion_mnist IDX files not found in data_dir="), lines
+    assert "apt-get install dataset-fashion-mnist" in lines[-1]
+    assert not (tmp_path / "run").exists()  # nothing written
