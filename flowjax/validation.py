@@ -381,12 +381,67 @@ class _SplitChecker:
                                f"({count} bad value{'s' if count > 1 else ''}): {expected}")
 
 
+class _StoreChecker(_SplitChecker):
+    """One split of an on-disk store, checked in O(1) from the value ranges its writer
+    recorded (``flowjax.data.client_store``: min, max, non-finite count per feature)."""
+
+    def __init__(self, name: str, data: Any, split: str, model: RoutableModel,
+                 rule: _InputRule, ranges: dict[str, Any]):
+        self.name, self.data, self.model, self.rule = f"{name}/{split}", data, model, rule
+        self.ranges = ranges.get(split, {})
+
+    def check(self) -> None:
+        spec = self.data.example_spec
+        for feature in ("x", "y"):
+            if feature not in spec:
+                self.fail(feature, f": missing; expected features 'x' and 'y', got "
+                                   f"{sorted(spec)}")
+        x, y = (np.empty((0,) + tuple(spec[f][0]), spec[f][1]) for f in ("x", "y"))
+        self.check_x_spec(x)
+        self.check_y_spec(x, y)
+        self.check_range("x", x.dtype)
+        self.check_range("y", y.dtype)
+
+    def check_range(self, feature: str, dtype: np.dtype) -> None:
+        recorded = self.ranges.get(feature)
+        if recorded is None:
+            self.fail(feature, ": no value range in the store's meta.json: reconvert it "
+                               "with launch/convert.py --overwrite")
+        where = "recorded in the store's meta.json"
+        if np.issubdtype(dtype, np.floating):
+            if recorded["nonfinite"]:
+                self.fail(feature, f" has {recorded['nonfinite']} NaN or inf value(s) ({where}):"
+                                   " expected finite values")
+            return
+        high = self.model.num_classes if feature == "y" else self.model.vocab_size
+        what = "labels" if feature == "y" else "token ids"
+        low_seen, high_seen = recorded["min"], recorded["max"]
+        if low_seen is not None and (low_seen < 0 or high_seen >= high):
+            self.fail(feature, f" spans [{low_seen}, {high_seen}] ({where}): expected {what} "
+                               f"in [0, {high}) for {self.model.name}")
+
+
+def _check_store(name: str, data: Any, model: RoutableModel, rule: _InputRule) -> None:
+    ranges = data.value_ranges
+    if ranges is None:
+        raise ValueError(f"data {name}: its store records no value ranges in meta.json "
+                         "(converted by an older launch/convert.py): reconvert data.store_dir "
+                         "with launch/convert.py --overwrite")
+    for split in ("train", "test"):
+        _StoreChecker(name, data, split, model, rule, ranges).check()
+    if sum(int(np.sum(data.num_examples(split))) for split in ("train", "test")) == 0:
+        raise ValueError(f"data {name}: every one of its {len(data.client_ids)} clients has 0 "
+                         f"examples: expected at least one example")
+
+
 def _check_population(name: str, data: Any, model: RoutableModel, rule: _InputRule) -> None:
     if len(data.client_ids) == 0:
         raise ValueError(f"data {name}: 0 clients: expected at least one client "
                          f"(a task without held-out clients has held_out=None)")
     splits = getattr(data, "splits", None)
-    if splits is None:  # a streaming store: its arrays are not all in memory to scan
+    if splits is None:  # a streaming store: checked from the value ranges it recorded
+        if hasattr(data, "value_ranges"):
+            _check_store(name, data, model, rule)
         return
     for split in ("train", "test"):
         if split not in splits:

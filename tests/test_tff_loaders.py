@@ -88,8 +88,9 @@ def tff_dir(tmp_path_factory):
 def sqlite_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("fedjax")
     for split in ("train", "test"):
+        # FedJAX stores the raw keys (fedjax/datasets/emnist.py load_split): pixels, label.
         write_sqlite(d / f"federated_emnist_{split}.sqlite",
-                     {c: {"x": px, "y": lb} for c, (px, lb) in EMNIST[split].items()})
+                     {c: {"pixels": px, "label": lb} for c, (px, lb) in EMNIST[split].items()})
         write_sqlite(d / f"shakespeare_{split}.sqlite",
                      {c: {"snippets": np.array([t.encode() for t in s], object)}
                       for c, s in SHAKESPEARE[split].items()})
@@ -294,7 +295,9 @@ def test_convert_cli(tff_dir, tmp_path):
                              f"--out={tmp_path / 'x'}"], capture_output=True, text=True,
                             timeout=60)
     assert failed.returncode == 2
-    assert failed.stderr.strip().startswith("error: missing TFF h5 files")
+    # --format=auto names each format's files when none is there.
+    assert failed.stderr.strip().startswith(f"error: no emnist files in {tmp_path}: expected "
+                                            "TFF SQLite: emnist_all.sqlite or ")
     assert len(failed.stderr.strip().splitlines()) == 1
 
 

@@ -4,8 +4,12 @@ Layout of a store directory (format ``flowjax-client-store``, version 1):
 
 * ``meta.json``: ``format``, ``version``, ``splits`` (ordered), ``features``
   (``{name: {"dtype": numpy dtype string, "shape": per-example shape}}``), ``num_clients``,
-  ``num_rows`` (per split), ``source`` (free-form provenance). Written last, so a store
-  without it is incomplete.
+  ``num_rows`` (per split), ``source`` (free-form provenance), ``value_ranges``
+  (``{split: {feature: {"min", "max", "nonfinite", "integral"}}}``: the smallest and
+  largest finite value, the count of NaN/inf values and whether every value is a whole
+  number, taken while writing, so that loaders check a store against a model in O(1);
+  stores written before it existed lack the key). Written last, so a store without it
+  is incomplete.
 * ``client_ids.npy``: ``S<width>`` UTF-8 ids in store order.
 * ``client_order.npy``: ``int64 [num_clients]``, the argsort of the ids (lookup by id).
 * ``offsets.npy``: ``int64 [num_splits, num_clients + 1]``; in split ``s`` (position in
@@ -59,6 +63,31 @@ def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
         raise ValueError(f"npy header for shape {shape} does not fit {_HEADER_BYTES} bytes")
     return _NPY_MAGIC + struct.pack("<H", body_len) + (text.ljust(body_len - 1) + "\n").encode(
         "latin1")
+
+
+class _Range:
+    """Running min, max, non-finite count and integrality of one feature's values."""
+
+    def __init__(self) -> None:
+        self.low: Any = None
+        self.high: Any = None
+        self.nonfinite, self.integral = 0, True
+
+    def update(self, rows: np.ndarray) -> None:
+        values = np.asarray(rows).reshape(-1)
+        if np.issubdtype(values.dtype, np.floating):
+            finite = np.isfinite(values)
+            self.nonfinite += int(values.size - np.count_nonzero(finite))
+            values = values[finite]
+            self.integral = self.integral and bool(np.all(values == np.round(values)))
+        if values.size:
+            low, high = values.min().item(), values.max().item()
+            self.low = low if self.low is None else min(self.low, low)
+            self.high = high if self.high is None else max(self.high, high)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"min": self.low, "max": self.high, "nonfinite": self.nonfinite,
+                "integral": self.integral}
 
 
 class _GrowingNpy:
@@ -130,6 +159,8 @@ def write_store(path: str | os.PathLike, clients: Iterable[ClientRecord], spec: 
     path = pathlib.Path(path)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} already exists (pass overwrite=True to replace it)")
+    if path.exists():
+        read_meta(path)  # only ever replace a store: a StoreError leaves anything else alone
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
@@ -147,6 +178,7 @@ def _fill_store(tmp: pathlib.Path, clients: Iterable[ClientRecord], spec: Spec,
     files = {(s, n): _GrowingNpy(tmp / f"{s}.{n}.npy", shape, dtype)
              for s in splits for n, (shape, dtype) in spec.items()}
     sizes = {s: array.array("q") for s in splits}
+    ranges = {(s, n): _Range() for s in splits for n in spec}
     count, width = 0, 0
     ids_file = tmp / "ids.tmp"
     with open(ids_file, "wb") as ids_out:
@@ -160,6 +192,7 @@ def _fill_store(tmp: pathlib.Path, clients: Iterable[ClientRecord], spec: Spec,
                 for name in spec:
                     if name in features:
                         files[split, name].append(features[name])
+                        ranges[split, name].update(features[name])
             encoded = str(client_id).encode("utf-8")
             ids_out.write(struct.pack("<I", len(encoded)) + encoded)
             count, width = count + 1, max(width, len(encoded))
@@ -175,6 +208,7 @@ def _fill_store(tmp: pathlib.Path, clients: Iterable[ClientRecord], spec: Spec,
             "features": {n: {"dtype": d.str, "shape": list(s)} for n, (s, d) in spec.items()},
             "num_clients": count,
             "num_rows": {s: int(offsets[k, -1]) for k, s in enumerate(splits)},
+            "value_ranges": {s: {n: ranges[s, n].as_json() for n in spec} for s in splits},
             "source": dict(source)}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
 
@@ -283,6 +317,12 @@ class ClientStore:
         return len(self.client_ids)
 
     @property
+    def value_ranges(self) -> dict[str, Any] | None:
+        """``meta.json``'s value ranges (see the module docstring); None for a store
+        written before they were recorded."""
+        return self.meta.get("value_ranges")
+
+    @property
     def example_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         return dict(self._spec)
 
@@ -352,6 +392,11 @@ class StoreView:
     @property
     def example_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         return self.store.example_spec
+
+    @property
+    def value_ranges(self) -> dict[str, Any] | None:
+        """The whole store's value ranges (a superset of this view's)."""
+        return self.store.value_ranges
 
     def num_examples(self, split: str) -> np.ndarray:
         sizes = self.store.num_examples(split)[self._indices]

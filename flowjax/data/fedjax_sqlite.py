@@ -1,7 +1,20 @@
 """Reads FedJAX's SQLite federated files and converts them into client stores.
 
 FedJAX's schema: ``federated_data(client_id BLOB PRIMARY KEY, data BLOB, num_examples
-INTEGER)``; ``data`` is ``zlib.compress(msgpack(dict of numpy arrays))``.
+INTEGER)``; ``data`` is ``zlib.compress(msgpack(dict of numpy arrays))``
+(``fedjax/core/sqlite_federated_data.py`` 0.0.17: ``SQLiteFederatedData`` docstring and
+``SQLiteFederatedDataBuilder.add_many``). Clients are read in FedJAX's order, ``ORDER BY
+rowid`` (its ``client_ids()``), i.e. the order they were written in.
+
+The stored keys are the raw ones (``fedjax/datasets/emnist.py`` ``load_split``:
+``pixels`` ``float32 [N, 28, 28]`` and ``label`` ``int32``; ``shakespeare.py``:
+``snippets``; ``stackoverflow.py``: ``tokens``, ``title``, ``tags``, ``type``,
+``creation_date``, ``score``). FedJAX's ``x``/``y`` exist only after its
+``preprocess_batch`` (EMNIST: ``x = 1 - pixels``): the raw keys are read here and go
+through the same encoders as TFF's files, so a FedJAX file and a TFF file holding the same
+clients give the same store. File names: ``federated_emnist_{train,test}.sqlite``
+(``federated_emnist_digitsonly_*`` digits only), ``shakespeare_{train,test}.sqlite``,
+``stackoverflow_{train,held_out,test}.sqlite``.
 
 The msgpack ndarray encoding implemented here (FedJAX follows flax's):
 
@@ -34,9 +47,9 @@ EXT_NDARRAY = 1
 EXT_NPSCALAR = 3
 EXT_OBJECT_NDARRAY = 4
 
-# FedJAX's feature names, keyed by TFF's (the names the encoders read).
+# FedJAX's stored keys, keyed by TFF's names (the names the encoders read).
 DEFAULT_FEATURE_MAPS: dict[str, dict[str, str]] = {
-    "emnist": {"pixels": "x", "label": "y"},
+    "emnist": {"pixels": "pixels", "label": "label"},
     "shakespeare": {"snippets": "snippets"},
     "stackoverflow": {"tokens": "tokens"},
 }
@@ -113,7 +126,7 @@ class SqliteSource:
     def client_ids(self) -> Iterator[str]:
         # Its own cursor, so that reads by id can interleave with this listing.
         for (client_id,) in self._db.cursor().execute(
-                "SELECT client_id FROM federated_data ORDER BY client_id"):
+                "SELECT client_id FROM federated_data ORDER BY rowid"):
             yield bytes(client_id).decode("utf-8")
 
     def __contains__(self, client_id: str) -> bool:
@@ -125,15 +138,33 @@ class SqliteSource:
                                (client_id.encode("utf-8"),)).fetchone()
         if row is None:
             raise KeyError(f"{self.name}: no client {client_id!r}")
-        arrays = decode_client(row[0])
+        try:
+            arrays = decode_client(row[0])
+        except (zlib.error, ValueError, TypeError, msgpack.UnpackException) as e:
+            raise ValueError(f"{self.name}: client {client_id!r}: corrupt data blob "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                             "download the file again") from None
         missing = [v for v in self._feature_map.values() if v not in arrays]
         if missing:
             raise ValueError(f"{self.name}: client {client_id!r} lacks features {missing} "
-                             f"(has {sorted(arrays)}); pass a feature_map")
+                             f"(has {sorted(arrays)}): not FedJAX's {list(self._feature_map)} "
+                             "layout")
         return {tff_name: arrays[name] for tff_name, name in self._feature_map.items()}
 
     def close(self) -> None:
         self._db.close()
+
+
+def fedjax_file_names(kind: str, only_digits: bool = False) -> dict[str, str]:
+    """``{split: file name}`` as FedJAX downloads them (see the module docstring)."""
+    if kind == "emnist":
+        stem = "federated_emnist_digitsonly" if only_digits else "federated_emnist"
+        return {s: f"{stem}_{s}.sqlite" for s in ("train", "test")}
+    if kind == "shakespeare":
+        return {s: f"shakespeare_{s}.sqlite" for s in ("train", "test")}
+    if kind == "stackoverflow":
+        return {s: f"stackoverflow_{s}.sqlite" for s in ("train", "test", "held_out")}
+    raise ValueError(f"unknown dataset {kind!r}; expected one of {list(tff_h5.KINDS)}")
 
 
 def fedjax_sqlite_files(kind: str, path: str | os.PathLike,
@@ -175,6 +206,7 @@ def convert_fedjax_sqlite(kind: str, path: str | os.PathLike, out_dir: str | os.
     sources = {s: SqliteSource(p, feature_map) for s, p in files.items()}
     try:
         return tff_h5.convert_sources(kind, sources, out_dir, origin=f"fedjax_sqlite:{path}",
+                                      num_classes=tff_h5.EMNIST_DIGITS if only_digits else None,
                                       **options)
     finally:
         for source in sources.values():

@@ -3,20 +3,26 @@
 TFF's layout: a top group ``examples``, one subgroup per client id, one dataset per
 feature (EMNIST ``pixels`` ``float32 [n, 28, 28]`` with 1.0 = background and ``label``;
 Shakespeare ``snippets``; Stack Overflow ``tokens``, space-joined, plus metadata we do
-not use). Files are read client by client with h5py, never whole.
+not use). Files are read client by client with h5py, never whole. Clients are stored in the
+source's order (h5: the group's, sorted by name; TFF SQLite: its sorted client ids;
+FedJAX: ``ORDER BY rowid``).
 
 A converted dataset is a *task directory*::
 
     task.json        {"format": "flowjax-federated-task", "version": 1, "dataset": ...,
                       "populations": ["train"] or ["train", "held_out"], "options": ...}
+                     (also the marker ``--overwrite`` looks for before deleting anything)
     train/           ClientStore of the training clients (splits "train" and "test")
     held_out/        ClientStore of never-training clients (Stack Overflow only)
     vocab.json       Stack Overflow only: the word list, see below
 
 Examples (the stored ``x``/``y``):
 
-* EMNIST: ``x`` = pixels ``float32 [28, 28]`` as stored, ``y`` = label ``int32``.
-  Clients' train rows come from ``*_train.h5`` and test rows from ``*_test.h5``.
+* EMNIST: ``x`` = pixels ``float32 [28, 28]`` as stored (TFF's convention, 1.0 =
+  background; FedJAX's ``1 - pixels`` is a batch-time step of its models, not applied),
+  ``y`` = label ``int32``. Clients' train rows come from the train split and test rows
+  from the test split. Conversion refuses labels that are not integers in
+  ``[0, 62)`` (``[0, 10)`` digits only) and pixels that are not finite values in ``[0, 1]``.
 * Shakespeare: every snippet through :func:`flowjax.data.shakespeare.snippet_to_sequences`
   (``int32 [80]`` each), exactly as the embedded dataset.
 * Stack Overflow: word ids, TFF's next-word layout (``tff.simulation.baselines``):
@@ -33,6 +39,7 @@ Examples (the stored ``x``/``y``):
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import pathlib
@@ -104,10 +111,38 @@ class H5Source:
 
 # ----------------------------------------------------------------- per-dataset encoders
 
-def emnist_examples(raw: RawClient) -> dict[str, np.ndarray]:
-    """EMNIST pixels and labels as ``x float32 [n, 28, 28]``, ``y int32 [n]``."""
-    x = np.asarray(raw["pixels"], np.float32).reshape(-1, 28, 28)
-    y = np.asarray(raw["label"]).astype(np.int32).reshape(-1)
+EMNIST_CLASSES = 62
+EMNIST_DIGITS = 10
+
+
+def _first(values: np.ndarray, bad: np.ndarray) -> str:
+    # str() of the numpy scalar: float32 3.7 prints as 3.7, not 3.700000047683716
+    return str(values.reshape(-1)[int(np.flatnonzero(bad.reshape(-1))[0])])
+
+
+def emnist_examples(raw: RawClient, num_classes: int = EMNIST_CLASSES) -> dict[str, np.ndarray]:
+    """EMNIST pixels and labels as ``x float32 [n, 28, 28]``, ``y int32 [n]``.
+
+    Raises:
+      ValueError: a label that is not an integer in ``[0, num_classes)`` or a pixel that
+        is not a finite value in ``[0, 1]`` (TFF's convention), named in one line.
+    """
+    pixels, labels = np.asarray(raw["pixels"]), np.asarray(raw["label"]).reshape(-1)
+    if labels.dtype.kind not in "iuf" or pixels.dtype.kind not in "iuf":
+        raise ValueError(f"labels are {labels.dtype} and pixels {pixels.dtype}: expected numbers")
+    if labels.dtype.kind == "f":
+        bad = ~np.isfinite(labels) | (labels != np.round(labels))
+        if bad.any():
+            raise ValueError(f"label {_first(labels, bad)}: expected integer class labels")
+    bad = (labels < 0) | (labels >= num_classes)
+    if bad.any():
+        raise ValueError(f"label {_first(labels, bad)}: expected labels in [0, {num_classes})")
+    x = pixels.astype(np.float32).reshape(-1, 28, 28)
+    bad = ~np.isfinite(x) | (x < 0) | (x > 1)
+    if bad.any():
+        raise ValueError(f"pixel {_first(x, bad)} ({pixels.dtype} source): expected finite "
+                         "values in [0, 1] (TFF's EMNIST, 1.0 = background)")
+    y = labels.astype(np.int32)
     if len(x) != len(y):
         raise ValueError(f"{len(x)} images but {len(y)} labels")
     return {"x": x, "y": y}
@@ -183,14 +218,26 @@ def _cap(examples: dict[str, np.ndarray], cap: int | None) -> dict[str, np.ndarr
     return examples if cap is None else {n: a[:cap] for n, a in examples.items()}
 
 
+def _encoded(source: ClientSource, client_id: str,
+             encode: Callable[[RawClient], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """One client's examples; a bad value is a one-line error naming file and client."""
+    try:
+        return encode(source.read(client_id))
+    except (ValueError, KeyError) as e:
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if text.startswith(source.name):
+            raise ValueError(text) from None
+        raise ValueError(f"{source.name}: client {client_id!r}: {text}") from None
+
+
 def _paired_clients(train: ClientSource, test: ClientSource,
                     encode: Callable[[RawClient], dict[str, np.ndarray]],
                     train_cap: int | None, dropped: dict[str, int]) -> Iterator[ClientRecord]:
     """Every client of ``train`` with its test rows from ``test`` (none when absent)."""
     for client_id in train.client_ids():
-        record = {"train": _cap(encode(train.read(client_id)), train_cap)}
+        record = {"train": _cap(_encoded(train, client_id, encode), train_cap)}
         if client_id in test:
-            record["test"] = encode(test.read(client_id))
+            record["test"] = _encoded(test, client_id, encode)
         yield client_id, record
     dropped["test_only_clients"] = sum(1 for c in test.client_ids() if c not in train)
 
@@ -199,27 +246,86 @@ def _split_clients(source: ClientSource, encode: Callable[[RawClient], dict[str,
                    train_fraction: float, train_cap: int | None) -> Iterator[ClientRecord]:
     """Every client of ``source``, its examples split in order into train and test."""
     for client_id in source.client_ids():
-        examples = encode(source.read(client_id))
+        examples = _encoded(source, client_id, encode)
         n = len(examples["y"])
         cut = min(max(int(train_fraction * n), 1), n - 1) if n >= 2 else n
         yield client_id, {"train": _cap({k: a[:cut] for k, a in examples.items()}, train_cap),
                           "test": {k: a[cut:] for k, a in examples.items()}}
 
 
-def _write_task_dir(out_dir: pathlib.Path, build: Callable[[pathlib.Path], dict[str, Any]],
-                    overwrite: bool) -> pathlib.Path:
-    """Runs ``build(tmp_dir) -> task.json fields`` and moves the result to ``out_dir``."""
-    if out_dir.exists() and not overwrite:
+# What a task directory holds (task.json is also the marker of one); a folder with
+# anything else in it is never deleted by --overwrite.
+_TASK_ENTRIES = frozenset({"task.json", "vocab.json", "train", "held_out"})
+
+
+def _is_task_dir(path: pathlib.Path) -> str | None:
+    """None if ``path`` is a task directory this project wrote and holds nothing else,
+    else why not."""
+    try:
+        task = json.loads((path / "task.json").read_text())
+    except (OSError, ValueError):
+        return f"no {TASK_FORMAT} task.json marker"
+    if not isinstance(task, dict) or task.get("format") != TASK_FORMAT:
+        return f"its task.json is not a {TASK_FORMAT} marker"
+    for entry in sorted(path.iterdir()):
+        if entry.name not in _TASK_ENTRIES:
+            return f"it holds {entry.name!r}, which convert.py does not write"
+        if entry.is_dir():
+            stray = [e.name for e in sorted(entry.iterdir())
+                     if e.name != "meta.json" and e.suffix != ".npy"]
+            if stray:
+                return f"it holds {entry.name}/{stray[0]}, which convert.py does not write"
+    return None
+
+
+def check_out_dir(out_dir: str | os.PathLike, overwrite: bool,
+                  protected: Sequence[str | os.PathLike] = ()) -> None:
+    """Raises unless writing ``out_dir`` can lose nothing but an older conversion.
+
+    An existing ``out_dir`` is replaced only with ``overwrite``, only when it is a task
+    directory this project wrote (:func:`_is_task_dir`), and never when it is one of
+    ``protected`` (the source folder), contains one or lies inside one.
+    """
+    out_dir = pathlib.Path(out_dir)
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if not overwrite:
         raise FileExistsError(f"{out_dir} already exists (use --overwrite to replace it)")
+    out = out_dir.resolve()
+    for folder in protected:
+        source = pathlib.Path(folder).resolve()
+        if out == source or out in source.parents or source in out.parents:
+            relation = ("is" if out == source else "contains" if out in source.parents
+                        else "lies inside")
+            raise ValueError(f"--out={out_dir} {relation} the source folder {folder}: refusing "
+                             "to replace it; choose another --out")
+    if out_dir.is_symlink() or not out_dir.is_dir():
+        raise ValueError(f"--out={out_dir} is not a folder convert.py wrote: refusing to "
+                         "replace it; choose another --out")
+    why = _is_task_dir(out_dir)
+    if why is not None:
+        raise ValueError(f"--out={out_dir} is not a task directory convert.py wrote ({why}): "
+                         "refusing to delete it; choose another --out")
+
+
+def _write_task_dir(out_dir: pathlib.Path, build: Callable[[pathlib.Path], dict[str, Any]],
+                    overwrite: bool, protected: Sequence[str | os.PathLike] = ()) -> pathlib.Path:
+    """Runs ``build(tmp_dir) -> task.json fields`` and moves the result to ``out_dir``."""
+    check_out_dir(out_dir, overwrite, protected)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         fields = build(tmp)
         task = {"format": TASK_FORMAT, "version": TASK_VERSION, **fields}
         (tmp / "task.json").write_text(json.dumps(task, indent=1, sort_keys=True))
+        old = None
         if out_dir.exists():
-            shutil.rmtree(out_dir)
+            check_out_dir(out_dir, overwrite, protected)  # unchanged while we converted
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            os.replace(out_dir, old)
         os.replace(tmp, out_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -229,7 +335,8 @@ def _write_task_dir(out_dir: pathlib.Path, build: Callable[[pathlib.Path], dict[
 def convert_sources(kind: str, sources: Mapping[str, ClientSource], out_dir: str | os.PathLike,
                     *, max_sentences: int | None = MAX_SENTENCES, vocab_size: int = VOCAB_SIZE,
                     held_out_train_fraction: float = HELD_OUT_TRAIN_FRACTION,
-                    overwrite: bool = False, origin: str = "") -> pathlib.Path:
+                    overwrite: bool = False, origin: str = "", num_classes: int | None = None,
+                    protected: Sequence[str | os.PathLike] = ()) -> pathlib.Path:
     """Converts opened split sources (``train``, ``test``, ``held_out``) to a task directory.
 
     Args:
@@ -241,14 +348,28 @@ def convert_sources(kind: str, sources: Mapping[str, ClientSource], out_dir: str
       vocab_size: Stack Overflow: number of vocabulary words.
       held_out_train_fraction: Stack Overflow: share of a held-out user's sentences
         (the first ones) used for personalization.
-      overwrite: replace an existing ``out_dir``.
+      overwrite: replace an existing ``out_dir`` (only a task directory this project
+        wrote: see :func:`check_out_dir`).
       origin: provenance recorded in the stores' metadata.
+      num_classes: EMNIST: labels must lie in ``[0, num_classes)`` (default 62).
+      protected: folders ``out_dir`` must not be, contain or lie in (the source).
+
+    Raises:
+      ValueError: one line: a split with 0 clients, a bad value (see
+        :func:`emnist_examples`), an ``out_dir`` that may not be replaced.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown dataset {kind!r}; expected one of {list(KINDS)}")
     if max_sentences is not None and max_sentences < 1:
         raise ValueError(f"max_sentences must be >= 1 or None, got {max_sentences}")
     spec = _SPECS[kind]
+    check_out_dir(out_dir, overwrite, protected)
+    needed = ("train", "test", "held_out") if kind == "stackoverflow" else ("train", "test")
+    for split in needed:
+        if next(iter(sources[split].client_ids()), None) is None:
+            raise ValueError(f"{sources[split].name}: 0 clients in its {split} split: expected "
+                             "at least one client (is it the right file, completely downloaded?)")
+    classes = EMNIST_CLASSES if num_classes is None else num_classes
     options = {"max_sentences": max_sentences, "vocab_size": vocab_size,
                "held_out_train_fraction": held_out_train_fraction} if kind == "stackoverflow" else {}
 
@@ -263,7 +384,8 @@ def convert_sources(kind: str, sources: Mapping[str, ClientSource], out_dir: str
                  "eos": vocab.eos, "size": vocab.size}))
             encode, cap = vocab.examples, max_sentences
         else:
-            encode = emnist_examples if kind == "emnist" else shakespeare_examples
+            encode = (functools.partial(emnist_examples, num_classes=classes)
+                      if kind == "emnist" else shakespeare_examples)
             cap = None
         write_store(tmp / "train", _paired_clients(sources["train"], sources["test"], encode,
                                                    cap, dropped), spec, source=source_meta)
@@ -276,13 +398,11 @@ def convert_sources(kind: str, sources: Mapping[str, ClientSource], out_dir: str
         return {"dataset": kind, "populations": populations, "options": options,
                 "origin": origin, **dropped}
 
-    return _write_task_dir(pathlib.Path(out_dir), build, overwrite)
+    return _write_task_dir(pathlib.Path(out_dir), build, overwrite, protected)
 
 
-def tff_h5_files(kind: str, source_dir: str | os.PathLike,
-                 only_digits: bool = False) -> dict[str, pathlib.Path]:
-    """The TFF file of each split of ``kind`` in ``source_dir``."""
-    source_dir = pathlib.Path(source_dir)
+def tff_h5_names(kind: str, only_digits: bool = False) -> dict[str, str]:
+    """``{split: file name}`` of TFF's h5 files of ``kind``."""
     if kind == "emnist":
         stem = "fed_emnist_digitsonly" if only_digits else "fed_emnist"
         names = {s: f"{stem}_{s}.h5" for s in ("train", "test")}
@@ -292,7 +412,14 @@ def tff_h5_files(kind: str, source_dir: str | os.PathLike,
         names = {s: f"stackoverflow_{s}.h5" for s in ("train", "test", "held_out")}
     else:
         raise ValueError(f"unknown dataset {kind!r}; expected one of {list(KINDS)}")
-    paths = {s: source_dir / n for s, n in names.items()}
+    return names
+
+
+def tff_h5_files(kind: str, source_dir: str | os.PathLike,
+                 only_digits: bool = False) -> dict[str, pathlib.Path]:
+    """The TFF file of each split of ``kind`` in ``source_dir``."""
+    source_dir = pathlib.Path(source_dir)
+    paths = {s: source_dir / n for s, n in tff_h5_names(kind, only_digits).items()}
     missing = [str(p) for p in paths.values() if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"missing TFF h5 files: {', '.join(missing)}")
@@ -313,7 +440,8 @@ def convert_tff(kind: str, source_dir: str | os.PathLike, out_dir: str | os.Path
     paths = tff_h5_files(kind, source_dir, only_digits)
     sources = {s: H5Source(p, RAW_FEATURES[kind]) for s, p in paths.items()}
     try:
-        return convert_sources(kind, sources, out_dir, origin=f"tff_h5:{source_dir}", **options)
+        return convert_sources(kind, sources, out_dir, origin=f"tff_h5:{source_dir}",
+                               num_classes=EMNIST_DIGITS if only_digits else None, **options)
     finally:
         for source in sources.values():
             source.close()

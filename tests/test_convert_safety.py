@@ -1,0 +1,70 @@
+"""``launch/convert.py`` under bad input: one line, exit 2, and no file of the user's lost.
+
+The cases live in ``tests/bad_input_cases.py`` (``CONVERT_CASES``), which also prints them
+into ``docs/bad-inputs.md``.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("h5py")
+
+from tests.bad_input_cases import CONVERT_CASES, run_convert  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "launch", "convert.py")
+
+
+def _tree(root):
+    files = {}
+    for folder, dirs, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, root)] = f.read()
+        for name in dirs:
+            files[os.path.relpath(os.path.join(folder, name), root) + "/"] = b""
+    return files
+
+
+@pytest.mark.parametrize("case", CONVERT_CASES, ids=[c.input for c in CONVERT_CASES])
+def test_convert_exits_2_with_one_line_and_loses_nothing(case, tmp_path):
+    folder = tmp_path / "work"
+    folder.mkdir()
+    before = {}
+
+    def setup(path):
+        args = case.setup(path)
+        before.update(_tree(path))
+        return args
+
+    done = run_convert(type(case)(case.input, setup, case.expected), str(folder))
+    err = done.stderr.strip()
+    assert done.returncode == 2, err[-2000:]
+    assert err.splitlines() == [err] and err.startswith(case.expected), err
+    assert "Traceback" not in done.stderr + done.stdout
+    # Every file and folder is as it was (the source, thesis.tex, notes.txt, an earlier
+    # conversion), and nothing new is left behind (no half-written output, no temp file).
+    assert _tree(folder) == before
+
+
+def test_overwrite_replaces_an_earlier_conversion(tmp_path):
+    source = os.path.join(ROOT, "tests", "fixtures", "tff_sqlite")
+    out = tmp_path / "emnist"
+
+    def run(*extra):
+        return subprocess.run([sys.executable, SCRIPT, "--dataset=emnist", f"--source={source}",
+                               f"--out={out}", *extra], capture_output=True, text=True,
+                              timeout=120)
+
+    first = run()
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.splitlines()[0] == f"found TFF SQLite emnist_all.sqlite.lzma in {source}"
+    (out / "train" / "train.y.npy").write_bytes(b"stale")
+    again = run("--overwrite")
+    assert again.returncode == 0, again.stderr
+    assert (out / "train" / "train.y.npy").read_bytes() != b"stale"
+    assert sorted(os.listdir(tmp_path)) == ["emnist"]  # no temp or old copy left behind
