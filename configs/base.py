@@ -32,6 +32,16 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
     config.policy_dropout = 0.3
     config.fixed_q0 = config_dict.placeholder(float)  # fixed-policy ablation
     config.local_route = "local"  # "global" = pi-Flow
+    # "reference": the authors' code (flowjax/algorithms/flow_reference.py); each flow_*
+    # field below switches one of its departures on alone (None = as flow_semantics says).
+    config.flow_semantics = "paper"
+    config.flow_halves = config_dict.placeholder(str)  # shard / shard_reshuffled / none
+    config.flow_frozen_momentum = config_dict.placeholder(str)  # zero_grad / set_to_none
+    config.flow_regularizer = config_dict.placeholder(str)  # reference / paper
+    config.flow_local_init = config_dict.placeholder(str)  # server / global
+    config.flow_policy_eval_dropout = config_dict.placeholder(bool)
+    config.flow_evaluation = config_dict.placeholder(str)  # reference / paper
+    config.flow_policy_last = config_dict.placeholder(str)  # dense / exit
 
     # Baselines' own hyperparameters (paper Appendix B; datasets override).
     config.methods = ml_collections.ConfigDict(dict(

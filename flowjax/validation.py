@@ -18,6 +18,8 @@ import numpy as np
 
 from flowjax.algorithms import ALGORITHMS
 from flowjax.algorithms.flow import GLOBAL_STEPS, LOCAL_ROUTES, ORDERS
+from flowjax.algorithms import flow_reference
+from flowjax.routing.policy import LAST_KINDS
 from flowjax.algorithms.lg_fedavg import global_layer_names
 from flowjax.core.mapping import STRATEGIES
 from flowjax.core.server_opt import SERVER_OPTIMIZERS
@@ -121,6 +123,14 @@ _RULES: tuple[tuple[str, Check], ...] = (
     ("order", _one_of(ORDERS)),
     ("global_step", _one_of(GLOBAL_STEPS)),
     ("local_route", _one_of(LOCAL_ROUTES)),
+    ("flow_semantics", _one_of(flow_reference.SEMANTICS)),
+    ("flow_halves", _one_of((None,) + flow_reference.HALVES)),
+    ("flow_frozen_momentum", _one_of((None,) + flow_reference.FROZEN_MOMENTUM)),
+    ("flow_regularizer", _one_of((None,) + flow_reference.REGULARIZERS)),
+    ("flow_local_init", _one_of((None,) + flow_reference.LOCAL_INITS)),
+    ("flow_policy_eval_dropout", _one_of((None, True, False))),
+    ("flow_evaluation", _one_of((None,) + flow_reference.EVALUATIONS)),
+    ("flow_policy_last", _one_of((None,) + LAST_KINDS)),
     ("seed", _integer(0)),
     ("num_rounds", _integer(1)),
     ("clients_per_round", _integer(1)),
@@ -232,6 +242,24 @@ def _check_cross_fields(config: Any) -> None:
               f"expected an integer >= neighbours ({neighbours})")
 
 
+def _check_flow_departures(config: Any, model: RoutableModel) -> None:
+    """Flow's reference options that exist only for some models, or only together."""
+    if config.get("flow_semantics", "paper") == "reference":
+        try:
+            flow_reference.reference_options(model.name)
+        except ValueError:
+            _fail("flow_semantics", "reference", "expected 'paper' for model "
+                  f"{model.name}: the reference mode covers {list(flow_reference.REFERENCE_MODELS)}")
+    options = flow_reference.resolve_options(model.name, config)
+    if (options.get("regularizer") == "reference"
+            and model.name not in flow_reference.REFERENCE_REGULARIZER_ENTRIES):
+        _fail("flow_regularizer", "reference", "expected 'paper' for model "
+              f"{model.name}: its reference indexing is defined for "
+              f"{sorted(flow_reference.REFERENCE_REGULARIZER_ENTRIES)}")
+    if options.get("local_init") == "server" and config.get("local_route", "local") == "global":
+        _fail("flow_local_init", "server", "expected 'global' with local_route='global' (pi-Flow)")
+
+
 def _check_model_fields(config: Any, model: RoutableModel) -> None:
     """Fields whose valid values depend on the model; only the configured method's
     fields, since other methods' defaults need not fit every model."""
@@ -239,6 +267,8 @@ def _check_model_fields(config: Any, model: RoutableModel) -> None:
     if config.algorithm == "flow" and len(config.policy_hidden) != model.num_layers:
         _fail("policy_hidden", config.policy_hidden,
               f"expected {model.num_layers} widths, one per routed layer of {model.name} {layers}")
+    if config.algorithm == "flow":
+        _check_flow_departures(config, model)
     if config.algorithm == "lg_fedavg":
         requested = config.methods.lg_fedavg.global_layers
         try:

@@ -16,6 +16,7 @@ from flowjax.algorithms.ditto import DittoConfig, ditto
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.algorithms.fedrep import FedRepConfig, fedrep
 from flowjax.algorithms.flow import FlowConfig, flow
+from flowjax.algorithms.flow_reference import resolve_options as flow_options
 from flowjax.algorithms.hypcluster import HypClusterConfig, hypcluster
 from flowjax.algorithms.knn_per import KnnPerConfig, knn_per
 from flowjax.algorithms.lg_fedavg import LGFedAvgConfig, lg_fedavg
@@ -32,14 +33,16 @@ def _fedavg(model, config, example_x, finetune=False):
 
 
 def _flow(model, config, example_x):
-    return flow(model, FlowConfig(
+    fields = dict(
         learning_rate=config.learning_rate, local_epochs=config.epochs,
         routing_epochs=config.epochs, batch_size=config.batch_size, gamma=config.gamma,
         policy_hidden=tuple(config.policy_hidden), split_ratio=config.split_ratio,
         policy_dropout=config.policy_dropout, order=config.order,
         global_step=config.global_step, momentum=config.momentum,
-        fixed_q0=config.get("fixed_q0"), local_route=config.get("local_route", "local")),
-        example_x)
+        fixed_q0=config.get("fixed_q0"), local_route=config.get("local_route", "local"))
+    # flow_semantics / flow_* fields: the authors' departures (flow_reference).
+    fields.update(flow_options(model.name, config))
+    return flow(model, FlowConfig(**fields), example_x)
 
 
 def _apfl(model, config, example_x):

@@ -68,12 +68,17 @@ class Predictions:
       personal_soft: the personalized model with soft routing (= hard without routing).
       q0: per-instance, per-layer probability of the global branch, ``[*instance, L]``;
         zeros with ``L = 0`` for methods without routing.
+      global_snapshot: logits of a client-side copy of the global model, where a method's
+        evaluation defines one (Flow's reference evaluation: the global branch after the
+        client's first routing epoch); None elsewhere. Reported beside, never instead of,
+        the server model's ``global_logits``.
     """
 
     global_logits: jax.Array
     personal_hard: jax.Array
     personal_soft: jax.Array
     q0: jax.Array
+    global_snapshot: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)

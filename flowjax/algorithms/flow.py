@@ -25,8 +25,17 @@ untrained policy: the fixed-policy ablation), ``local_route="global"`` (pi-Flow:
 paths of the dynamic model are global models"; here the second path is the received
 global model, frozen, and the K1 local phase is skipped, so routing chooses per instance
 between two global routes only), ``global_step="global_only"`` (the authors' code: the
-global step runs the global branch alone), ``momentum`` (their SGD momentum 0.9).
+global step runs the global branch alone), ``momentum`` (their SGD momentum 0.9), and the
+other departures of the authors' code, each alone or all at once (``halves``,
+``frozen_momentum``, ``regularizer``, ``local_init``, ``policy_eval_dropout``,
+``evaluation``, ``policy_last``; see ``flowjax.algorithms.flow_reference``).
 pc-Flow is FedAvgFT (``flowjax.algorithms.fedavg``).
+
+Optimizer: one SGD momentum buffer per parameter group (global, local, policy), kept for
+the whole client procedure; a group's buffer only moves while the group trains, unless
+``frozen_momentum="zero_grad"`` (PyTorch < 2.0 semantics of the authors' shared
+optimizer). With the default that is exactly a fresh optimizer per phase, as the paper
+describes.
 """
 
 from __future__ import annotations
@@ -40,12 +49,16 @@ import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
                                      client_optimizer, instance_weights, plain_loss_sums,
-                                     require_positive_ints, sgd_step, train_plain, valid_examples)
+                                     require_positive_ints, valid_examples)
+from flowjax.algorithms.flow_reference import (EVALUATIONS, FROZEN_MOMENTUM, HALVES,
+                                               LOCAL_INITS, REGULARIZERS, group_sgd_step,
+                                               reference_regularizer_mean, shard_batches_fn,
+                                               shard_member)
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
-from flowjax.core.losses import mean_from_sums, weighted_cross_entropy
+from flowjax.core.losses import weighted_cross_entropy
 from flowjax.models.base import RoutableModel, forward
-from flowjax.routing.policy import Policy, build_policy
+from flowjax.routing.policy import LAST_KINDS, build_policy
 from flowjax.routing.routed import routed_forward
 
 ORDERS = ("alternating", "policy_first", "global_first")
@@ -73,6 +86,16 @@ class FlowConfig:
         never trained (fixed-policy ablation).
       local_route: ``local`` (Flow) or ``global`` (pi-Flow: the second route is the
         received global model, no local fine-tuning).
+      halves: ``random`` (paper) or the authors' ``shard`` / ``shard_reshuffled`` /
+        ``none`` (``flow_reference``).
+      frozen_momentum: ``set_to_none`` (frozen groups keep still) or ``zero_grad``
+        (frozen groups step by their momentum buffer, PyTorch < 2.0).
+      regularizer: ``paper`` or ``reference`` (``gamma * mean(-log(q^2 + 1e-6))``).
+      local_init: ``global`` (paper) or ``server`` (separate random init of the local
+        branch, averaged by the server with global and policy).
+      policy_eval_dropout: keep the policy's dropout on when routing at evaluation.
+      evaluation: ``paper`` or ``reference`` (the authors' ``*_generalized_test``).
+      policy_last: ``exit`` or ``dense`` (the authors' EMNIST/CIFAR policy head).
     """
 
     learning_rate: float
@@ -88,8 +111,24 @@ class FlowConfig:
     momentum: float = 0.0
     fixed_q0: float | None = None
     local_route: str = "local"
+    halves: str = "random"
+    frozen_momentum: str = "set_to_none"
+    regularizer: str = "paper"
+    local_init: str = "global"
+    policy_eval_dropout: bool = False
+    evaluation: str = "paper"
+    policy_last: str = "exit"
 
     def __post_init__(self):
+        for name, allowed in (("halves", HALVES), ("frozen_momentum", FROZEN_MOMENTUM),
+                              ("regularizer", REGULARIZERS), ("local_init", LOCAL_INITS),
+                              ("evaluation", EVALUATIONS), ("policy_last", LAST_KINDS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"unknown Flow {name} {getattr(self, name)!r}; "
+                                 f"expected one of {allowed}")
+        if self.local_route == "global" and self.local_init != "global":
+            raise ValueError("local_route='global' (pi-Flow) needs local_init='global', got "
+                             f"local_init={self.local_init!r}")
         if self.fixed_q0 is not None and not 0.0 <= self.fixed_q0 <= 1.0:
             raise ValueError(f"fixed_q0 must be in [0, 1] or None, got {self.fixed_q0}")
         if self.local_route not in LOCAL_ROUTES:
@@ -141,123 +180,179 @@ def half_capacity(num_slots: int, split_ratio: float) -> tuple[int, int]:
 def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> FederatedAlgorithm:
     """Flow for ``model``. ``example_x`` is one input batch (for the policy's shapes)."""
     policy = build_policy(model, example_x, config.policy_hidden,
-                          dropout_rate=config.policy_dropout)
-    optimizer = client_optimizer(config.learning_rate, config.momentum)
+                          dropout_rate=config.policy_dropout, last=config.policy_last)
+    client_optimizer(config.learning_rate, config.momentum)  # validates both
     num_layers = model.num_layers
+    server_local = config.local_init == "server"
+    if config.regularizer == "reference" and config.gamma > 0:
+        # Fails now, with the model's name, rather than at the first traced step.
+        reference_regularizer_mean(model.name, jnp.ones((1, num_layers, 2)), jnp.ones((1,)))
 
     def init(key):
         model_key, policy_key = jax.random.split(key)
-        return {"global": model.init(model_key), "policy": policy.init(policy_key)}
+        params = {"global": model.init(model_key), "policy": policy.init(policy_key)}
+        if server_local:  # the authors' separate random init of the local branch
+            params["local"] = model.init(jax.random.fold_in(key, 2))
+        return params
 
-    def global_log_prob(policy_params, x, *, train: bool, key=None):
-        """``log q0``, ``[*instance, L]``: the policy's, or the fixed-policy constant."""
+    def route_log_probs(policy_params, x, *, train: bool, key=None):
+        """``log q``, ``[*instance, L, 2]`` (index 0 = global): the policy's, or the
+        fixed-policy constant."""
         if config.fixed_q0 is not None:
             instances = x.shape[: model.instance_ndim]
-            return jnp.full(instances + (num_layers,), jnp.log(config.fixed_q0), jnp.float32)
-        return policy.log_probs(policy_params, x, train=train, key=key)[..., 0]
+            fixed = jnp.asarray([config.fixed_q0, 1.0 - config.fixed_q0], jnp.float32)
+            return jnp.broadcast_to(jnp.log(fixed), instances + (num_layers, 2))
+        return policy.log_probs(policy_params, x, train=train, key=key)
 
-    def routed_sums(global_params, local_params, policy_params, batch, key, *,
-                    regularize: bool):
+    def routed_sums(params, batch, key, *, regularize: bool):
         """``[objective_sum, weight_sum]``: weighted CE (+ regularizer) of the routed model."""
         x, y, w = batch
         policy_key, model_key = jax.random.split(key)
-        log_q0 = global_log_prob(policy_params, x, train=True, key=policy_key)
-        logits = routed_forward(model, global_params, local_params, jnp.exp(log_q0), x,
+        log_q = route_log_probs(params["policy"], x, train=True, key=policy_key)
+        log_q0 = log_q[..., 0]
+        logits = routed_forward(model, params["global"], params["local"], jnp.exp(log_q0), x,
                                 train=True, key=model_key)
         weights = instance_weights(model, y, w)
         ce_sum, count = weighted_cross_entropy(logits, y, weights)
         if regularize and config.gamma > 0:
-            mean_log_q0 = jnp.sum(log_q0, axis=-1) / num_layers  # [*instance]
-            ce_sum = ce_sum - config.gamma * jnp.sum(mean_log_q0 * weights)
+            if config.regularizer == "paper":
+                mean_log_q0 = jnp.sum(log_q0, axis=-1) / num_layers  # [*instance]
+                ce_sum = ce_sum - config.gamma * jnp.sum(mean_log_q0 * weights)
+            else:  # a batch mean added to the mean CE: times count in sum form
+                ce_sum = ce_sum + config.gamma * count * reference_regularizer_mean(
+                    model.name, jnp.exp(log_q), weights)
         return jnp.stack([ce_sum, count])
 
-    def policy_sums(policy_params, carry, batch, key):
-        global_params, local_params = carry
-        return routed_sums(global_params, local_params, policy_params, batch, key,
-                           regularize=True)
+    def local_sums(params, batch, key):
+        return plain_loss_sums(model, params["local"], batch, key)
 
-    def global_sums(global_params, carry, batch, key):
-        local_params, policy_params = carry
+    def policy_sums(params, batch, key):
+        return routed_sums(params, batch, key, regularize=True)
+
+    def global_sums(params, batch, key):
         if config.global_step == "global_only":
-            return plain_loss_sums(model, global_params, batch, key)
-        return routed_sums(global_params, local_params, policy_params, batch, key,
-                           regularize=False)
+            return plain_loss_sums(model, params["global"], batch, key)
+        return routed_sums(params, batch, key, regularize=False)
 
-    def policy_step(state, batch, key, local_params):
-        (global_params, global_opt), (policy_params, policy_opt) = state
-        step = sgd_step(lambda p, b, k: policy_sums(p, (global_params, local_params), b, k),
-                        optimizer)
-        (policy_params, policy_opt), sums = step((policy_params, policy_opt), batch, key)
-        return ((global_params, global_opt), (policy_params, policy_opt)), sums
+    def step_for(loss_sums, *groups):
+        return group_sgd_step(loss_sums, groups, config.learning_rate, config.momentum,
+                              config.frozen_momentum)
 
-    def global_step(state, batch, key, local_params):
-        (global_params, global_opt), (policy_params, policy_opt) = state
-        step = sgd_step(lambda p, b, k: global_sums(p, (local_params, policy_params), b, k),
-                        optimizer)
-        (global_params, global_opt), sums = step((global_params, global_opt), batch, key)
-        return ((global_params, global_opt), (policy_params, policy_opt)), sums
+    policy_step = step_for(policy_sums, "policy")
+    global_step = step_for(global_sums, "global")
 
-    def train_client(params, examples: ClientExamples, key):
-        """Steps 1-4 of Algorithm 1: ``(w_g,m, w_l, psi_m, |zeta_g|, metrics)``."""
+    def alternating(state, batch, key):
+        state, _ = policy_step(state, batch, jax.random.fold_in(key, 0))
+        return global_step(state, batch, jax.random.fold_in(key, 1))
+
+    def phase_runs(valid):
+        """``run_epochs`` arguments of the local and the routing phase, and |zeta_g|."""
+        n = valid.shape[0]
+        if config.halves == "random":
+            return None  # drawn per client key in train_client
+        if config.halves == "none":
+            run = dict(member=valid, max_members=n)
+            return run, run, jnp.sum(valid)
+        reshuffle = config.halves == "shard_reshuffled"
+        local_run, global_run = (
+            dict(member=valid, max_members=n,
+                 batches_fn=shard_batches_fn(valid, config.batch_size, index, reshuffle, n))
+            for index in (0, 1))
+        # |shard 1| depends only on the client's size, not on the order of the examples.
+        return local_run, global_run, jnp.sum(shard_member(valid, config.batch_size, 1))
+
+    def train_client(params, examples: ClientExamples, key, *, evaluating: bool = False):
+        """Steps 1-4 of Algorithm 1: ``(params, snapshot, |zeta_g|, metrics)``.
+
+        ``params`` holds the trained ``global``, ``local`` and ``policy``; ``snapshot`` is
+        the global branch after the first routing epoch under the reference evaluation.
+        """
         split_key, local_key, routing_key = (jax.random.fold_in(key, i) for i in range(3))
         valid = valid_examples(examples)
-        zeta_l, zeta_g = split_halves(split_key, valid, config.split_ratio)
-        local_cap, global_cap = half_capacity(valid.shape[0], config.split_ratio)
-        if config.local_route == "global":  # pi-Flow: the second route is global too
-            local_params, local_sums = params["global"], jnp.zeros((2,), jnp.float32)
-        else:
-            local_params, local_sums = train_plain(
-                model, params["global"], optimizer, examples, zeta_l,
-                epochs=config.local_epochs, batch_size=config.batch_size, key=local_key,
-                max_members=local_cap)
-
+        runs = phase_runs(valid)
+        if runs is None:
+            zeta_l, zeta_g = split_halves(split_key, valid, config.split_ratio)
+            local_cap, global_cap = half_capacity(valid.shape[0], config.split_ratio)
+            runs = (dict(member=zeta_l, max_members=local_cap),
+                    dict(member=zeta_g, max_members=global_cap), jnp.sum(zeta_g))
+        local_run, global_run, weight = runs
         x, y, _ = examples.flat()
-        state = ((params["global"], optimizer.init(params["global"])),
-                 (params["policy"], optimizer.init(params["policy"])))
-        run = dict(num_epochs=config.routing_epochs, batch_size=config.batch_size,
-                   max_members=global_cap)
+        start_local = params["local"] if server_local else params["global"]
+        state = ({"global": params["global"], "local": start_local, "policy": params["policy"]},
+                 None)
+        trace = jax.tree.map(jnp.zeros_like, state[0]) if config.momentum else \
+            {group: None for group in state[0]}
+        state = (state[0], trace)
+        common = dict(batch_size=config.batch_size)
 
-        def with_local(step):
-            return lambda s, b, k: step(s, b, k, local_params)
-
-        if config.fixed_q0 is not None:  # nothing to learn in the policy
-            state, routed = run_epochs(with_local(global_step), state, x, y, zeta_g,
+        local_stats = jnp.zeros((2,), jnp.float32)
+        if config.local_route != "global":  # pi-Flow: the second route is the global model
+            state, local_stats = run_epochs(step_for(local_sums, "local"), state, x, y,
+                                            num_epochs=config.local_epochs, key=local_key,
+                                            **common, **local_run)
+        run = dict(x=x, y=y, **common, **global_run)
+        snapshot = None
+        if evaluating and config.evaluation == "reference":
+            # *_generalized_test: policy and global branch in one step on the routed loss
+            # plus regularizer; Acc_g's model is the global branch after the first epoch.
+            groups = ("global",) if config.fixed_q0 is not None else ("global", "policy")
+            joint = step_for(policy_sums, *groups)
+            state, routed = run_epochs(joint, state, num_epochs=1,
+                                       key=jax.random.fold_in(routing_key, 0), **run)
+            snapshot = state[0]["global"]
+            if config.routing_epochs > 1:
+                state, more = run_epochs(joint, state, num_epochs=config.routing_epochs - 1,
+                                         key=jax.random.fold_in(routing_key, 1), **run)
+                routed = routed + more
+        elif config.fixed_q0 is not None:  # nothing to learn in the policy
+            state, routed = run_epochs(global_step, state, num_epochs=config.routing_epochs,
                                        key=routing_key, **run)
         elif config.order == "alternating":
-            def alternating(state, batch, key):
-                state, _ = policy_step(state, batch, jax.random.fold_in(key, 0), local_params)
-                return global_step(state, batch, jax.random.fold_in(key, 1), local_params)
-            state, routed = run_epochs(alternating, state, x, y, zeta_g, key=routing_key, **run)
+            state, routed = run_epochs(alternating, state, num_epochs=config.routing_epochs,
+                                       key=routing_key, **run)
         else:
             phases = [policy_step, global_step]
             if config.order == "global_first":
                 phases.reverse()
             for i, phase in enumerate(phases):
-                state, routed = run_epochs(with_local(phase), state, x, y, zeta_g,
+                state, routed = run_epochs(phase, state, num_epochs=config.routing_epochs,
                                            key=jax.random.fold_in(routing_key, i), **run)
-        (global_params, _), (policy_params, _) = state
         metrics = {"loss_sum": routed[0], "loss_count": routed[1],
-                   "local_loss_sum": local_sums[0], "local_loss_count": local_sums[1]}
-        return global_params, local_params, policy_params, jnp.sum(zeta_g), metrics
+                   "local_loss_sum": local_stats[0], "local_loss_count": local_stats[1]}
+        return state[0], snapshot, weight, metrics
 
     def client_update(params, examples: ClientExamples, key, client_state=None) -> ClientResult:
         del client_state  # stateless
-        global_params, _, policy_params, weight, metrics = train_client(params, examples, key)
-        return ClientResult(params={"global": global_params, "policy": policy_params},
+        trained, _, weight, metrics = train_client(params, examples, key)
+        sent = ("global", "local", "policy") if server_local else ("global", "policy")
+        return ClientResult(params={group: trained[group] for group in sent},
                             weight=weight.astype(jnp.float32), metrics=metrics)
 
     def personalize(params, examples: ClientExamples, key, client_state=None):
         del client_state  # stateless
-        global_params, local_params, policy_params, _, _ = train_client(params, examples, key)
-        return {"global": global_params, "local": local_params, "policy": policy_params}
+        trained, snapshot, _, _ = train_client(params, examples, key, evaluating=True)
+        personal = dict(trained)
+        if snapshot is not None:
+            personal["snapshot"] = snapshot
+        if config.policy_eval_dropout:
+            personal["route_key"] = jax.random.key_data(jax.random.fold_in(key, 3))
+        return personal
 
     def predict(params, personal, x) -> Predictions:
-        q0 = jnp.exp(global_log_prob(personal["policy"], x, train=False))
+        route_key = personal.get("route_key")
+        if route_key is not None:  # the authors' LSTM policies keep dropout on
+            q0 = jnp.exp(route_log_probs(personal["policy"], x, train=True,
+                                         key=jax.random.wrap_key_data(route_key))[..., 0])
+        else:
+            q0 = jnp.exp(route_log_probs(personal["policy"], x, train=False)[..., 0])
         route = dict(model=model, global_params=personal["global"],
                      local_params=personal["local"], q0=q0, x=x)
+        snapshot = personal.get("snapshot")
         return Predictions(global_logits=forward(model, params["global"], x),
                            personal_hard=routed_forward(**route, hard=True),
-                           personal_soft=routed_forward(**route, hard=False), q0=q0)
+                           personal_soft=routed_forward(**route, hard=False), q0=q0,
+                           global_snapshot=None if snapshot is None else
+                           forward(model, snapshot, x))
 
     return FederatedAlgorithm(name="flow", model=model, init=init, client_update=client_update,
                               personalize=personalize, predict=predict)

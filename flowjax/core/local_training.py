@@ -47,7 +47,9 @@ def epoch_batches(key: jax.Array, member: jax.Array, batch_size: int,
 
 def run_epochs(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array, member: jax.Array, *,
                num_epochs: int, batch_size: int, key: jax.Array,
-               max_members: int | None = None) -> tuple[Carry, jax.Array]:
+               max_members: int | None = None,
+               batches_fn: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None
+               ) -> tuple[Carry, jax.Array]:
     """Runs ``num_epochs`` shuffled epochs of ``step_fn`` over the member examples.
 
     Args:
@@ -57,6 +59,9 @@ def run_epochs(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array, member
       x, y: the client's examples, ``[N, ...]``.
       member: bool ``[N]``; which examples this phase trains on.
       max_members: static upper bound of ``member.sum()`` (default ``N``).
+      batches_fn: optional ``batches_fn(epoch_key, epoch_index) -> (indices [S, B], mask
+        [S, B])`` replacing ``epoch_batches`` (non-empty batches first), for a caller that
+        builds its own epochs (e.g. Flow's reference halves); ``member`` is then unused.
 
     Returns:
       The final carry and the summed ``[loss_sum, weight_sum]`` over executed steps.
@@ -65,7 +70,10 @@ def run_epochs(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array, member
 
     def epoch(carry, epoch_index):
         epoch_key = jax.random.fold_in(key, epoch_index)
-        indices, mask = epoch_batches(epoch_key, member, batch_size, max_members)
+        if batches_fn is None:
+            indices, mask = epoch_batches(epoch_key, member, batch_size, max_members)
+        else:
+            indices, mask = batches_fn(epoch_key, epoch_index)
         num_steps = jnp.sum(jnp.any(mask, axis=1))  # non-empty batches come first
 
         def step(state):

@@ -40,6 +40,9 @@ class ClientCounts:
       groups: ``[4]`` instances per breakdown group (see ``GROUPS``).
       q0_sums: ``[4, L]`` summed ``q0`` per group and routed layer (L = 0 without routing).
       q0_histogram: ``[4, L, Q0_BINS]`` weighted instances per group, layer and q0 bin.
+      correct_global_snapshot, snapshot_instances: correct and counted instances of the
+        method's client-side global snapshot (``Predictions.global_snapshot``); both 0
+        for methods without one.
     """
 
     instances: jax.Array
@@ -49,6 +52,8 @@ class ClientCounts:
     groups: jax.Array
     q0_sums: jax.Array
     q0_histogram: jax.Array
+    correct_global_snapshot: jax.Array
+    snapshot_instances: jax.Array
 
 
 def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: jax.Array,
@@ -67,13 +72,19 @@ def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: j
     bins = jnp.clip(jnp.floor(q0 * Q0_BINS).astype(jnp.int32), 0, Q0_BINS - 1)
     q0_histogram = jnp.einsum("g...,...lb->glb", group_weights,
                               jax.nn.one_hot(bins, Q0_BINS, dtype=jnp.float32))
+    if predictions.global_snapshot is None:
+        snapshot_correct = snapshot_instances = jnp.zeros((), jnp.float32)
+    else:
+        snapshot_correct = jnp.sum(correct(predictions.global_snapshot, y) * weights)
+        snapshot_instances = jnp.sum(weights)
     return ClientCounts(
         instances=jnp.sum(weights),
         correct_global=jnp.sum(global_ok * weights),
         correct_personal=jnp.sum(personal_ok * weights),
         correct_personal_soft=jnp.sum(soft_ok * weights),
         groups=jnp.sum(group_weights.reshape(4, -1), axis=1),
-        q0_sums=q0_sums, q0_histogram=q0_histogram)
+        q0_sums=q0_sums, q0_histogram=q0_histogram,
+        correct_global_snapshot=snapshot_correct, snapshot_instances=snapshot_instances)
 
 
 def evaluate_client(algorithm: FederatedAlgorithm, params: Any, train: ClientExamples,
@@ -114,6 +125,10 @@ class EvalSummary:
     acc_p_p90: float
     # Default so summaries saved in checkpoints before the histogram existed still load.
     q0_histogram: dict[str, list[list[float]]] = dataclasses.field(default_factory=dict)
+    # Flow's reference evaluation only: accuracy of the client's copy of the global branch
+    # after its first routing epoch (the authors' "before_accuracy"), beside Acc_g.
+    acc_g_client_snapshot: float | None = None
+    acc_g_client_snapshot_weighted: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -141,6 +156,12 @@ def summarize(counts: ClientCounts) -> EvalSummary:
                    else [None] * q0_sums.shape[1]
                    for g, group in enumerate(GROUPS)}
     difference = acc["personal"] - acc["global"]
+    snapshot = {}
+    if np.sum(counts.snapshot_instances[keep]) > 0:
+        snapshot = dict(
+            acc_g_client_snapshot=float(np.mean(counts.correct_global_snapshot[keep] / n)),
+            acc_g_client_snapshot_weighted=float(
+                np.sum(counts.correct_global_snapshot[keep]) / total))
     return EvalSummary(
         num_clients=int(np.sum(keep)),
         acc_g=float(np.mean(acc["global"])),
@@ -158,4 +179,5 @@ def summarize(counts: ClientCounts) -> EvalSummary:
         acc_p_p10=float(np.percentile(acc["personal"], 10)),
         acc_p_p90=float(np.percentile(acc["personal"], 90)),
         q0_histogram={group: counts.q0_histogram[keep].sum(axis=0)[g].tolist()
-                      for g, group in enumerate(GROUPS)})
+                      for g, group in enumerate(GROUPS)},
+        **snapshot)

@@ -12,6 +12,10 @@ What the policy sees:
   labels of earlier positions in next-token prediction. (The authors' code feeds the
   LSTMs' hidden states instead; ours keeps the policy independent of the model so the
   routed forward pass stays one pass per branch.)
+
+``last="dense"`` is the authors' EMNIST/CIFAR policy (``EMNISTPolicyNet``): the last routed
+layer has no exit head; its route logits are the last base layer's own output (width 2),
+e.g. 784 -> 350 -> 150 -> 50 -> 2 with exits after the first three.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import jax.numpy as jnp
 
 from flowjax.models.base import RoutableModel
 
+LAST_KINDS = ("exit", "dense")
+
 
 class RoutingPolicy(nn.Module):
     """Early-exit routing policy.
@@ -35,6 +41,8 @@ class RoutingPolicy(nn.Module):
       vocab_size: token vocabulary (``tokens`` only).
       embed_dim: the policy's own token embedding width (``tokens`` only).
       dropout_rate: exit-head dropout (paper's code: 0.3), active in training only.
+      last: ``"exit"`` (every routed layer has an exit head) or ``"dense"`` (the last base
+        layer, of width 2, gives the last routed layer's logits directly).
     """
 
     hidden: Sequence[int]
@@ -42,6 +50,7 @@ class RoutingPolicy(nn.Module):
     vocab_size: int = 0
     embed_dim: int = 8
     dropout_rate: float = 0.3
+    last: str = "exit"
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
@@ -55,9 +64,14 @@ class RoutingPolicy(nn.Module):
             h = x.reshape((x.shape[0], -1)).astype(jnp.float32)
         else:
             raise ValueError(f"unknown policy input {self.input_kind!r}; expected 'flat' or 'tokens'")
+        if self.last not in LAST_KINDS:
+            raise ValueError(f"unknown policy last {self.last!r}; expected one of {LAST_KINDS}")
         exits = []
         for j, width in enumerate(self.hidden):
             h = nn.Dense(width, name=f"base{j}")(h)
+            if self.last == "dense" and j == len(self.hidden) - 1:
+                exits.append(h)
+                break
             exit_in = nn.Dropout(self.dropout_rate, deterministic=not train)(h)
             exits.append(nn.Dense(2, name=f"exit{j}")(nn.relu(exit_in)))
             h = nn.relu(h)
@@ -83,12 +97,15 @@ class Policy:
 
 
 def build_policy(model: RoutableModel, example_x: jax.Array, hidden: Sequence[int], *,
-                 dropout_rate: float = 0.3, embed_dim: int = 8) -> Policy:
+                 dropout_rate: float = 0.3, embed_dim: int = 8, last: str = "exit") -> Policy:
     """The policy for ``model``; ``hidden`` needs one width per routed layer."""
     if len(hidden) != model.num_layers:
         raise ValueError(f"policy hidden widths {tuple(hidden)} must have one entry per routed "
                          f"layer of {model.name} ({model.num_layers}: {model.layer_names})")
+    if last == "dense" and hidden[-1] != 2:
+        raise ValueError(f"policy last='dense' needs a last width of 2 (the route logits), "
+                         f"got hidden={tuple(hidden)}")
     module = RoutingPolicy(hidden=tuple(hidden), input_kind=model.policy_input,
                            vocab_size=model.vocab_size, embed_dim=embed_dim,
-                           dropout_rate=dropout_rate)
+                           dropout_rate=dropout_rate, last=last)
     return Policy(module, example_x)

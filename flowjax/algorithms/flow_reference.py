@@ -1,0 +1,232 @@
+"""The authors' Flow procedure (github.com/Astuary/Flow, ``trainers/client_flow.py``) as
+options of ``flowjax.algorithms.flow``: the pieces that differ from the paper's text.
+
+Each piece is one ``FlowConfig`` field, so each departure can be switched on alone
+(``docs/flow-spec.md``, "Where the reference code departs from the paper"):
+
+* ``halves``: ``"random"`` (paper: a seeded random split) or the authors' ``shard(2, i)``
+  of the batched client dataset: ``"shard"`` (even batches train the local branch, odd
+  batches the policy and global branch, batches of consecutive examples in the client's
+  order, the same every epoch: their EMNIST loader does not shuffle), ``"shard_reshuffled"``
+  (a fresh permutation per epoch before batching, then even/odd batches: their Stack
+  Overflow and Shakespeare loaders reshuffle on every pass, so a phase's half changes every
+  epoch), or ``"none"`` (their CIFAR code: both phases use every example);
+* ``frozen_momentum``: their one ``optim.SGD(net.parameters(), momentum=0.9)`` is shared by
+  all phases. Under PyTorch < 2.0 ``zero_grad()`` zeroed the gradients of frozen groups, so
+  every group that has a momentum buffer keeps stepping by it (``"zero_grad"``); from 2.0
+  ``zero_grad()`` sets them to None and frozen groups are skipped (``"set_to_none"``, which
+  is exactly one momentum state per group, the paper-mode behaviour);
+* ``regularizer``: ``"paper"`` (``-gamma/L sum_j log q0_j``) or ``"reference"``
+  (``gamma * mean(-log(q^2 + 1e-6))`` over the entries their code indexes, per model,
+  see ``REFERENCE_REGULARIZER_ENTRIES``);
+* ``global_step="global_only"`` (already a ``FlowConfig`` option): the global branch alone;
+* ``local_init``: ``"global"`` (paper: the local branch starts from the received global
+  model) or ``"server"`` (theirs: global and local branches have separate random inits and
+  the server averages every weight, local and policy included);
+* ``policy_eval_dropout``: their LSTM policies call ``F.dropout`` (always on), so routing is
+  random at evaluation too;
+* ``evaluation``: ``"paper"`` or ``"reference"`` (``*_generalized_test``: a fresh SGD
+  state; the local branch trained K epochs on half 0, then the policy and global branch
+  trained jointly by one step on routed loss + regularizer for K epochs on half 1; a copy
+  of the global branch taken after the first of those epochs gives
+  ``acc_g_client_snapshot``, reported beside the server model's Acc_g).
+
+``flow_semantics="reference"`` sets all of them to the values of the authors' code for the
+model (``reference_options``). Where their code crashes (a client with one batch has an
+empty half) the tiny-client rule of ``flow.py`` applies: both phases use all examples.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from flowjax.core.losses import mean_from_sums
+
+HALVES = ("random", "shard", "shard_reshuffled", "none")
+FROZEN_MOMENTUM = ("set_to_none", "zero_grad")
+REGULARIZERS = ("paper", "reference")
+LOCAL_INITS = ("global", "server")
+EVALUATIONS = ("paper", "reference")
+SEMANTICS = ("paper", "reference")
+REFERENCE_EPSILON = 1e-6
+
+# Which softmax entries of ``q [*instance, L, 2]`` (index 0 = global) their regularizer
+# averages: ``(layers, entries)``. EMNIST: ``probs[:, 1]`` of ``probs [B, L, 2]`` is layer 1,
+# both entries; CIFAR: ``probs[:, 1, :]`` of ``probs [B, 2, L]`` is the local entry of
+# every layer.
+REFERENCE_REGULARIZER_ENTRIES: dict[str, tuple[tuple[int, ...] | None, tuple[int, ...]]] = {
+    "emnist_cnn": ((1,), (0, 1)),
+    "resnet18_gn": (None, (1,)),
+}
+
+# flow_semantics="reference": the authors' choices per model (see the module docstring).
+_REFERENCE = {
+    "emnist_cnn": dict(halves="shard", policy_eval_dropout=False, policy_last="dense",
+                       policy_hidden=(350, 150, 50, 2)),
+    "resnet18_gn": dict(halves="none", policy_eval_dropout=False, policy_last="dense",
+                        policy_hidden=(1000, 750, 350, 150, 50, 2)),
+}
+REFERENCE_MODELS = tuple(sorted(_REFERENCE))
+_COMMON_REFERENCE = dict(frozen_momentum="zero_grad", regularizer="reference",
+                         global_step="global_only", local_init="server",
+                         evaluation="reference", momentum=0.9)
+
+
+def reference_options(model_name: str) -> dict[str, Any]:
+    """The ``FlowConfig`` fields that reproduce the authors' code for ``model_name``."""
+    if model_name not in _REFERENCE:
+        raise ValueError(f"flow_semantics='reference' is not available for model "
+                         f"{model_name!r}; expected one of {sorted(_REFERENCE)}")
+    return {**_COMMON_REFERENCE, **_REFERENCE[model_name]}
+
+
+# ----------------------------------------------------------------------------- halves
+
+
+def batch_index(valid: jax.Array, batch_size: int, sort_key: jax.Array | None = None) -> jax.Array:
+    """int ``[N]``: the batch of each valid example when the valid examples are batched in
+    ``sort_key`` order (index order if None); ``-1`` for padding."""
+    n = valid.shape[0]
+    keys = jnp.arange(n, dtype=jnp.float32) if sort_key is None else sort_key
+    order = jnp.argsort(jnp.where(valid, keys, jnp.inf), stable=True)
+    rank = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+    return jnp.where(valid, rank // batch_size, -1)
+
+
+def shard_member(valid: jax.Array, batch_size: int, index: int,
+                 sort_key: jax.Array | None = None) -> jax.Array:
+    """bool ``[N]``: the examples of ``dataset.batch(B).shard(2, index)``.
+
+    A client with a single batch would leave half 1 empty (their code then divides by
+    zero); here both halves are then every valid example (the tiny-client rule).
+    """
+    batch = batch_index(valid, batch_size, sort_key)
+    single = jnp.sum(valid) <= batch_size
+    return valid & ((batch % 2 == index) | single)
+
+
+def shard_batches_fn(valid: jax.Array, batch_size: int, index: int, reshuffle: bool,
+                     max_members: int) -> Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    """A ``run_epochs`` ``batches_fn`` giving half ``index`` of ``shard(2, index)``, batch
+    for batch as the authors' loop sees it (members packed in order: every batch but the
+    dataset's last is full, so packing the even or odd batches reproduces them exactly)."""
+    num_steps = max(1, -(-max_members // batch_size))
+    n = valid.shape[0]
+
+    def batches(epoch_key, epoch_index):
+        del epoch_index
+        sort_key = None
+        if reshuffle:
+            sort_key = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(epoch_key, i)))(
+                jnp.arange(n))
+        member = shard_member(valid, batch_size, index, sort_key)
+        keys = jnp.arange(n, dtype=jnp.float32) if sort_key is None else sort_key
+        order = jnp.argsort(jnp.where(member, keys, jnp.inf), stable=True)
+        slots = num_steps * batch_size
+        if slots > n:
+            order = jnp.pad(order, (0, slots - n))
+        indices = order[:slots].reshape(num_steps, batch_size)
+        mask = (jnp.arange(slots) < jnp.sum(member)).reshape(num_steps, batch_size)
+        return indices, mask
+
+    return batches
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def group_sgd_step(loss_sums: Callable[[dict, Any, jax.Array], jax.Array],
+                   active: tuple[str, ...], learning_rate: float, momentum: float,
+                   frozen_momentum: str):
+    """A ``run_epochs`` step of PyTorch's ``SGD(momentum)`` over a dict of parameter groups,
+    training the ``active`` groups on ``loss_sums(params, batch, key)``'s batch mean.
+
+    Carry: ``(params, trace)`` with one momentum buffer per group (zeros = no buffer yet:
+    a zero buffer with a zero gradient moves nothing, as PyTorch's missing buffer).
+    ``frozen_momentum="zero_grad"``: frozen groups step with a zero gradient (momentum
+    carries them on); ``"set_to_none"``: frozen groups and their buffers stay as they are.
+    Update: ``buf <- momentum * buf + g``, ``p <- p - lr * buf`` (``torch.optim.SGD``,
+    dampening 0, no Nesterov); with momentum 0 exactly ``p - lr * g``.
+    """
+
+    def mean_loss(trained, params, batch, key):
+        sums = loss_sums({**params, **trained}, batch, key)
+        return mean_from_sums(sums[0], sums[1]), sums
+
+    def step(carry, batch, key):
+        params, trace = carry
+        grads, sums = jax.grad(mean_loss, has_aux=True)(
+            {g: params[g] for g in active}, params, batch, key)
+        new_params, new_trace = dict(params), dict(trace)
+        for group in params:
+            if group in active:
+                grad = grads[group]
+            elif frozen_momentum == "zero_grad" and momentum:
+                grad = jax.tree.map(jnp.zeros_like, params[group])
+            else:
+                continue
+            if momentum:
+                buf = jax.tree.map(lambda t, g: momentum * t + g, trace[group], grad)
+                new_trace[group] = buf
+            else:
+                buf = grad
+            new_params[group] = jax.tree.map(lambda p, b: p - learning_rate * b,
+                                             params[group], buf)
+        return (new_params, new_trace), sums
+
+    return step
+
+
+# ----------------------------------------------------------------------------- regularizer
+
+
+def reference_regularizer_mean(model_name: str, q: jax.Array, weights: jax.Array) -> jax.Array:
+    """``mean(-log(q^2 + 1e-6))`` over the entries the authors index for ``model_name``,
+    averaged over instances with weight (padding excluded)."""
+    if model_name not in REFERENCE_REGULARIZER_ENTRIES:
+        raise ValueError(f"the reference regularizer is not defined for model {model_name!r}; "
+                         f"expected one of {sorted(REFERENCE_REGULARIZER_ENTRIES)}")
+    layers, entries = REFERENCE_REGULARIZER_ENTRIES[model_name]
+    if layers is not None:
+        q = q[..., jnp.asarray(layers), :]
+    q = q[..., jnp.asarray(entries)]  # [*instance, layers, entries]
+    terms = -jnp.log(q ** 2 + REFERENCE_EPSILON)
+    per_instance = jnp.mean(terms.reshape(terms.shape[: weights.ndim] + (-1,)), axis=-1)
+    return jnp.sum(per_instance * weights) / jnp.maximum(jnp.sum(weights), 1e-12)
+
+
+# ----------------------------------------------------------------------------- config
+
+# Run-config field -> FlowConfig field of each departure; a config value None follows
+# ``flow_semantics``.
+CONFIG_FIELDS = {
+    "flow_halves": "halves",
+    "flow_frozen_momentum": "frozen_momentum",
+    "flow_regularizer": "regularizer",
+    "flow_local_init": "local_init",
+    "flow_policy_eval_dropout": "policy_eval_dropout",
+    "flow_evaluation": "evaluation",
+    "flow_policy_last": "policy_last",
+}
+
+
+def resolve_options(model_name: str, config: Any) -> dict[str, Any]:
+    """The departure fields of ``FlowConfig`` from a run config.
+
+    ``flow_semantics="paper"``: each ``flow_*`` field set on the command line switches its
+    departure on alone; ``"reference"``: every departure takes the authors' value for the
+    model (``reference_options``, which also sets ``global_step="global_only"``, momentum
+    0.9 and the authors' policy widths), and an explicit ``flow_*`` field still wins.
+    """
+    semantics = config.get("flow_semantics", "paper")
+    if semantics not in SEMANTICS:
+        raise ValueError(f"unknown flow_semantics {semantics!r}; expected one of {SEMANTICS}")
+    options = reference_options(model_name) if semantics == "reference" else {}
+    for field, name in CONFIG_FIELDS.items():
+        value = config.get(field, None)
+        if value is not None:
+            options[name] = value
+    return options

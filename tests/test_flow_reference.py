@@ -1,0 +1,278 @@
+"""Flow's reference-code departures (flow_reference), each through ``flow()`` / the config."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import emnist
+from flowjax.algorithms import build_algorithm
+from flowjax.algorithms.base import plain_loss_sums
+from flowjax.algorithms.flow import FlowConfig, flow
+from flowjax.algorithms.flow_reference import (reference_regularizer_mean, shard_batches_fn,
+                                               shard_member)
+from flowjax.core.losses import mean_from_sums
+from flowjax.evaluation.metrics import evaluate_client, summarize
+from flowjax.validation import validate_config
+from tests.helpers import assert_trees_equal, differs, one_client
+
+BASE = dict(learning_rate=0.05, local_epochs=1, routing_epochs=1, batch_size=4, gamma=0.01,
+            policy_hidden=(16, 16))
+
+
+def _flow(model, task, **overrides):
+    x = jnp.asarray(task.train.client(0, "train")["x"][:4])
+    return flow(model, FlowConfig(**{**BASE, **overrides}), x)
+
+
+def _client_of_size(task, n, padded=16):
+    """The first training client with at least ``n`` examples, cut to exactly ``n``."""
+    sizes = task.train.num_examples("train")
+    index = int(np.argmax(sizes >= n))
+    client = one_client(task, index, padded_examples=padded)
+    mask = (jnp.arange(padded) < n).reshape(client.mask.shape)
+    return client.replace(mask=mask, num_examples=jnp.int32(n))
+
+
+def _sgd_by_hand(model, params, client, example_batches, lr):
+    """Plain SGD of ``params`` over the given example index batches, in order."""
+    x, y, _ = client.flat()
+    for batch in example_batches:
+        batch = jnp.asarray(batch)
+        data = (x[batch], y[batch], jnp.ones(batch.shape, jnp.float32))
+
+        def loss(p):
+            sums = plain_loss_sums(model, p, data, jax.random.key(0))
+            return mean_from_sums(sums[0], sums[1])
+
+        params = jax.tree.map(lambda p, g: p - lr * g, params, jax.grad(loss)(params))
+    return params
+
+
+def test_shard_member_is_even_and_odd_batches_in_client_order():
+    valid = jnp.arange(24) < 19  # batches of 4: [0-3] [4-7] [8-11] [12-15] [16-18]
+    even = np.flatnonzero(shard_member(valid, 4, 0))
+    odd = np.flatnonzero(shard_member(valid, 4, 1))
+    np.testing.assert_array_equal(even, [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18])
+    np.testing.assert_array_equal(odd, [4, 5, 6, 7, 12, 13, 14, 15])
+
+
+def test_shard_batches_reproduce_the_batched_dataset_shards():
+    valid = jnp.arange(24) < 19
+    indices, mask = shard_batches_fn(valid, 4, 0, reshuffle=False, max_members=24)(
+        jax.random.key(0), 0)
+    batches = [list(np.asarray(i)[np.asarray(m)]) for i, m in zip(indices, mask) if m.any()]
+    assert batches == [[0, 1, 2, 3], [8, 9, 10, 11], [16, 17, 18]]
+
+
+def test_reshuffled_shards_are_complementary_per_epoch_and_change_between_epochs():
+    valid = jnp.arange(24) < 19
+    halves = {}
+    for epoch in (0, 1):
+        key = jax.random.key(epoch)
+        for index in (0, 1):
+            indices, mask = shard_batches_fn(valid, 4, index, reshuffle=True, max_members=24)(
+                key, epoch)
+            halves[epoch, index] = set(np.asarray(indices)[np.asarray(mask)].tolist())
+        assert halves[epoch, 0].isdisjoint(halves[epoch, 1])
+        assert halves[epoch, 0] | halves[epoch, 1] == set(range(19))
+        assert len(halves[epoch, 1]) == 8  # two full odd batches, whatever the order
+    assert halves[0, 0] != halves[1, 0]
+
+
+def test_single_batch_client_uses_all_examples_in_both_shards():
+    valid = jnp.arange(8) < 3
+    np.testing.assert_array_equal(shard_member(valid, 4, 0), valid)
+    np.testing.assert_array_equal(shard_member(valid, 4, 1), valid)
+
+
+def test_shard_halves_train_the_local_branch_on_exactly_the_even_batches(mlp, images_small):
+    algorithm = _flow(mlp, images_small, halves="shard", local_epochs=2)
+    params = algorithm.init(jax.random.key(0))
+    client = _client_of_size(images_small, 10)  # batches [0-3] [4-7] [8-9]
+    personal = jax.jit(algorithm.personalize)(params, client, jax.random.key(1))
+    even = [range(0, 4), range(8, 10)]
+    expected = _sgd_by_hand(mlp, params["global"], client, even * 2, BASE["learning_rate"])
+    for a, b in zip(jax.tree.leaves(personal["local"]), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
+
+
+def test_global_only_step_equals_a_plain_model_step_on_the_odd_batch(mlp, images_small):
+    algorithm = _flow(mlp, images_small, halves="shard", global_step="global_only")
+    params = algorithm.init(jax.random.key(0))
+    client = _client_of_size(images_small, 8)  # batches [0-3] [4-7]
+    result = jax.jit(algorithm.client_update)(params, client, jax.random.key(1))
+    expected = _sgd_by_hand(mlp, params["global"], client, [range(4, 8)], BASE["learning_rate"])
+    for a, b in zip(jax.tree.leaves(result.params["global"]), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
+    assert float(result.weight) == 4.0  # |shard 1|, the authors' sample_count
+
+
+def test_no_split_trains_both_phases_on_every_example(mlp, images_small):
+    algorithm = _flow(mlp, images_small, halves="none")
+    client = _client_of_size(images_small, 10)
+    result = jax.jit(algorithm.client_update)(algorithm.init(jax.random.key(0)), client,
+                                              jax.random.key(1))
+    assert float(result.weight) == 10.0
+
+
+@pytest.mark.parametrize("frozen", ["set_to_none", "zero_grad"])
+def test_frozen_local_branch_moves_by_momentum_only_under_zero_grad(mlp, images_small, frozen):
+    client = _client_of_size(images_small, 12)
+    locals_ = []
+    for routing_epochs in (1, 3):
+        algorithm = _flow(mlp, images_small, halves="shard", momentum=0.9,
+                          frozen_momentum=frozen, routing_epochs=routing_epochs)
+        params = algorithm.init(jax.random.key(0))
+        locals_.append(jax.jit(algorithm.personalize)(params, client, jax.random.key(1))["local"])
+    if frozen == "set_to_none":  # the routing phase never touches the local branch
+        assert_trees_equal(locals_[0], locals_[1])
+    else:  # every routing step carries the local branch on by its momentum buffer
+        assert differs(locals_[0], locals_[1])
+
+
+def test_set_to_none_with_momentum_zero_equals_zero_grad(mlp, images_small):
+    """Without momentum a zero gradient moves nothing: both frozen rules coincide."""
+    client = _client_of_size(images_small, 12)
+    results = [jax.jit(_flow(mlp, images_small, halves="shard", frozen_momentum=f).client_update)(
+        _flow(mlp, images_small).init(jax.random.key(0)), client, jax.random.key(1))
+        for f in ("set_to_none", "zero_grad")]
+    assert_trees_equal(results[0].params, results[1].params)
+
+
+def test_reference_regularizer_matches_the_formula_per_model():
+    q = jax.nn.softmax(jax.random.normal(jax.random.key(0), (3, 4, 2)), axis=-1)
+    weights = jnp.asarray([1.0, 1.0, 0.0])  # the third instance is padding
+    emnist_value = reference_regularizer_mean("emnist_cnn", q, weights)
+    expected = np.mean(-np.log(np.asarray(q)[:2, 1, :] ** 2 + 1e-6))  # probs[:, 1]
+    np.testing.assert_allclose(emnist_value, expected, rtol=1e-6)
+    q6 = jax.nn.softmax(jax.random.normal(jax.random.key(1), (3, 6, 2)), axis=-1)
+    cifar_value = reference_regularizer_mean("resnet18_gn", q6, weights)
+    expected = np.mean(-np.log(np.asarray(q6)[:2, :, 1] ** 2 + 1e-6))  # probs[:, 1, :]
+    np.testing.assert_allclose(cifar_value, expected, rtol=1e-6)
+
+
+def test_reference_regularizer_is_refused_for_a_model_without_indexing(mlp, images_small):
+    with pytest.raises(ValueError, match="not defined for model 'mlp'"):
+        _flow(mlp, images_small, regularizer="reference")
+
+
+def test_server_local_branch_starts_from_the_server_local_params(mlp, images_small):
+    client = _client_of_size(images_small, 12)
+    reference = _flow(mlp, images_small, halves="shard", local_init="server")
+    params = reference.init(jax.random.key(0))
+    assert set(params) == {"global", "local", "policy"}
+    assert differs(params["global"], params["local"])  # separate random inits
+    result = jax.jit(reference.client_update)(params, client, jax.random.key(1))
+    assert set(result.params) == {"global", "local", "policy"}  # the server averages all
+    # With the server's local equal to its global, the update is the paper's.
+    paper = _flow(mlp, images_small, halves="shard")
+    same = {**params, "local": params["global"]}
+    expected = jax.jit(paper.client_update)(
+        {"global": params["global"], "policy": params["policy"]}, client, jax.random.key(1))
+    got = jax.jit(reference.client_update)(same, client, jax.random.key(1))
+    assert_trees_equal(got.params["global"], expected.params["global"])
+    assert_trees_equal(got.params["policy"], expected.params["policy"])
+
+
+def test_policy_last_dense_routes_the_last_layer_from_the_last_base_layer(mlp, images_small):
+    algorithm = _flow(mlp, images_small, policy_hidden=(16, 2), policy_last="dense")
+    params = algorithm.init(jax.random.key(0))
+    assert set(params["policy"]) == {"base0", "exit0", "base1"}
+    x = jnp.asarray(images_small.train.client(0, "train")["x"][:3])
+    personal = {"global": params["global"], "local": params["global"],
+                "policy": params["policy"]}
+    q0 = algorithm.predict(params, personal, x).q0
+    p = params["policy"]
+    h = jax.nn.relu(x.reshape(3, -1) @ p["base0"]["kernel"] + p["base0"]["bias"])
+    logits = h @ p["base1"]["kernel"] + p["base1"]["bias"]
+    np.testing.assert_allclose(q0[:, 1], jax.nn.softmax(logits)[:, 0], rtol=1e-5)
+    with pytest.raises(ValueError, match="last width of 2"):
+        _flow(mlp, images_small, policy_hidden=(16, 16), policy_last="dense")
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_reference_evaluation_snapshots_the_global_branch_after_the_first_epoch(
+        mlp, images_small, epochs):
+    client = _client_of_size(images_small, 12)
+    one = _flow(mlp, images_small, halves="shard", evaluation="reference", routing_epochs=1)
+    many = _flow(mlp, images_small, halves="shard", evaluation="reference",
+                 routing_epochs=epochs)
+    params = one.init(jax.random.key(0))
+    after_one = jax.jit(one.personalize)(params, client, jax.random.key(1))
+    personal = jax.jit(many.personalize)(params, client, jax.random.key(1))
+    assert_trees_equal(personal["snapshot"], after_one["global"])
+    assert differs(personal["snapshot"], params["global"])  # the joint step trains global
+    assert (epochs > 1) == differs(personal["global"], personal["snapshot"])
+    # Jointly trained: the policy moves in the same step as the global branch.
+    assert differs(personal["policy"], params["policy"])
+    predictions = many.predict(params, personal, client.flat()[0][:4])
+    assert predictions.global_snapshot is not None
+    np.testing.assert_array_equal(predictions.global_logits,
+                                  jax.jit(one.predict)(params, after_one, client.flat()[0][:4])
+                                  .global_logits)  # Acc_g stays the server model's
+
+
+def test_snapshot_accuracy_is_reported_beside_acc_g(mlp, images_small):
+    algorithm = _flow(mlp, images_small, halves="shard", evaluation="reference")
+    params = algorithm.init(jax.random.key(0))
+    train = _client_of_size(images_small, 12)
+    counts = jax.jit(lambda p, c, k: evaluate_client(algorithm, p, c, c, k))(
+        params, train, jax.random.key(3))
+    summary = summarize(jax.tree.map(lambda a: a[None], counts))
+    assert summary.acc_g_client_snapshot is not None
+    assert float(counts.snapshot_instances) == float(counts.instances) == 12.0
+    paper = _flow(mlp, images_small)
+    counts = jax.jit(lambda p, c, k: evaluate_client(paper, p, c, c, k))(
+        paper.init(jax.random.key(0)), train, jax.random.key(3))
+    assert summarize(jax.tree.map(lambda a: a[None], counts)).acc_g_client_snapshot is None
+
+
+def test_policy_eval_dropout_makes_routing_random_at_evaluation(cnn, images_small):
+    x = jnp.asarray(images_small.train.client(0, "train")["x"][:8])
+    algorithm = flow(cnn, FlowConfig(**{**BASE, "policy_hidden": (16, 16, 16, 16),
+                                        "policy_eval_dropout": True, "policy_dropout": 0.5}), x)
+    params = algorithm.init(jax.random.key(0))
+    personal = {"global": params["global"], "local": params["global"],
+                "policy": params["policy"]}
+    q0 = [algorithm.predict(params, {**personal, "route_key": jax.random.key_data(
+        jax.random.key(k))}, x).q0 for k in (0, 1)]
+    assert not np.array_equal(q0[0], q0[1])
+    np.testing.assert_array_equal(algorithm.predict(params, personal, x).q0,
+                                  algorithm.predict(params, personal, x).q0)
+
+
+def test_flow_semantics_reference_builds_the_authors_emnist_procedure(cnn):
+    config = emnist.get_config()
+    config.flow_semantics = "reference"
+    x = jnp.zeros((2, 28, 28), jnp.float32)
+    algorithm = build_algorithm("flow", cnn, config, x)
+    params = jax.eval_shape(algorithm.init, jax.random.key(0))
+    assert set(params) == {"global", "local", "policy"}
+    assert set(params["policy"]) == {"base0", "exit0", "base1", "exit1", "base2", "exit2",
+                                     "base3"}
+    assert params["policy"]["base3"]["kernel"].shape == (50, 2)  # 784-350-150-50-2
+
+
+def test_each_departure_can_be_switched_on_alone_from_the_config(cnn):
+    x = jnp.zeros((2, 28, 28), jnp.float32)
+    for field, value in (("flow_halves", "shard"), ("flow_frozen_momentum", "zero_grad"),
+                         ("flow_regularizer", "reference"), ("flow_local_init", "server"),
+                         ("flow_evaluation", "reference"), ("flow_policy_eval_dropout", True)):
+        config = emnist.get_config()
+        setattr(config, field, value)
+        build_algorithm("flow", cnn, config, x)
+
+
+def test_reference_semantics_is_refused_where_no_reference_exists():
+    from configs import shakespeare
+    config = shakespeare.get_config("quick")
+    config.flow_semantics = "reference"
+    with pytest.raises(ValueError, match="config.flow_semantics='reference'"):
+        validate_config(config)
+    config = emnist.get_config()
+    config.flow_halves = "odd"
+    with pytest.raises(ValueError, match="config.flow_halves='odd'"):
+        validate_config(config)
