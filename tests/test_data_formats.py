@@ -272,3 +272,20 @@ def test_detect_format_prefers_tff_sqlite_and_says_so(tmp_path):
     with pytest.raises(ValueError, match=r"^FedJAX SQLite emnist files in .*: found none, "
                                          r"missing federated_emnist_train.sqlite"):
         detect_format("emnist", tmp_path, "fedjax_sqlite")
+
+
+def test_readme_names_every_file_convert_reads():
+    import re
+
+    from launch.convert import expected_files
+
+    with open(os.path.join(os.path.dirname(FIXTURES), os.pardir, "README.md")) as f:
+        readme = f.read()
+    # `shakespeare_{train,test}.sqlite` names both files.
+    names = set(re.findall(r"`([\w.*]+)`", readme))
+    for head, choices, tail in re.findall(r"([\w.]*)\{([\w,]+)\}([\w.]*)", readme):
+        names.update(head + c + tail for c in choices.split(","))
+    for dataset in DATASETS:
+        for fmt in FORMATS:
+            for options in expected_files(dataset, fmt) + expected_files(dataset, fmt, True):
+                assert any(n in names or n in readme for n in options), (fmt, options)
