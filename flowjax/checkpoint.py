@@ -3,14 +3,18 @@
 Nothing else is needed to resume exactly: client sampling and every PRNG key derive from
 (seed, round, client id), so the round number *is* the sampler position and the PRNG
 state. Orbax writes each checkpoint into a temporary folder and renames it when complete,
-so a crash during a write leaves the previous checkpoint the newest usable one.
+so a crash during a write leaves the previous checkpoint the newest usable one. Ctrl-C
+(SIGINT) during a save is held until the save, and the deletion of the checkpoint it
+replaces, are complete: an interrupted run never leaves a half-deleted ``checkpoints/N``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-from typing import Any
+import threading
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -21,12 +25,34 @@ FAULT_ENV = "FLOWJAX_FAULT_INJECTION"
 
 
 def maybe_inject_fault(point: str, index: int) -> None:
-    """Kills this process with SIGKILL at ``point`` number ``index`` when the environment
-    asks for it (``FLOWJAX_FAULT_INJECTION=checkpoint:4``): how the crash tests reach a
-    mid-round or mid-write state deterministically. A no-op otherwise."""
-    wanted = os.environ.get(FAULT_ENV, "")
-    if wanted == f"{point}:{index}":
+    """Sends this process SIGKILL at ``point`` number ``index`` when the environment asks
+    for it (``FLOWJAX_FAULT_INJECTION=checkpoint:4``; ``checkpoint:4:SIGINT`` sends that
+    signal instead, as Ctrl-C would): how the crash tests reach a mid-round or mid-write
+    state deterministically. A no-op otherwise."""
+    wanted, target = os.environ.get(FAULT_ENV, ""), f"{point}:{index}"
+    if wanted == target:
         os.kill(os.getpid(), signal.SIGKILL)
+    elif wanted.startswith(target + ":"):
+        os.kill(os.getpid(), getattr(signal, wanted[len(target) + 1:]))
+
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Holds Ctrl-C until the block is done, then raises ``KeyboardInterrupt``.
+
+    Only the main thread can set signal handlers; elsewhere the block runs as it is.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
 
 
 class Checkpointer:
@@ -50,9 +76,12 @@ class Checkpointer:
         items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
         if client_rows is not None:
             items["clients"] = ocp.args.StandardSave(_rows_tree(client_rows))
-        self._manager.save(rounds_done, args=ocp.args.Composite(**items))
-        maybe_inject_fault("checkpoint", rounds_done)  # the write may still be in flight
-        self._manager.wait_until_finished()
+        # Orbax deletes the checkpoint beyond max_to_keep file by file in its finalize
+        # thread; Ctrl-C then would leave that folder half-deleted.
+        with _sigint_held():
+            self._manager.save(rounds_done, args=ocp.args.Composite(**items))
+            maybe_inject_fault("checkpoint", rounds_done)  # the write may still be in flight
+            self._manager.wait_until_finished()
 
     def restore(self, rounds_done: int, target_state: PyTree,
                 stateful: bool) -> tuple[PyTree, dict[str, Any] | None, dict[str, Any]]:

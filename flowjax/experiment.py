@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from typing import Any, Callable, Sequence
 
 import flax.struct
@@ -321,8 +322,52 @@ class RunResult:
         return out
 
 
+DEFAULT_REMEDY = ("Lower the learning rate, or set on_divergence='skip_clients' to drop "
+                  "such clients and go on")
+# A training loss above this multiple of the run's first finite training loss is reported
+# (once per run) as a warning: such growth means the run is diverging even while every
+# value is still finite (FedAvg at learning_rate=1e30 reaches losses near 1e31).
+LOSS_GROWTH_WARNING = 1e3
+
+
 class DivergenceError(RuntimeError):
-    """Training produced a non-finite loss or parameter."""
+    """Training produced a non-finite loss or parameter.
+
+    Attributes:
+      round_number: the round (1-based) whose training went non-finite.
+      loss: its training loss over the clients that stayed finite (None: none did).
+      clients_skipped: clients of the round that returned non-finite parameters.
+      last_good: the round of the newest checkpoint, None if none was written.
+      cause: what went non-finite first; remedy: what to do about it. The engine sees
+        only the loss and the parameters; ``flowjax.runner`` names a data fault instead
+        when it finds one (``explained``).
+    """
+
+    def __init__(self, round_number: int, loss: float | None, clients_skipped: int,
+                 last_good: int | None, cause: str | None = None, remedy: str | None = None):
+        self.round_number, self.loss = round_number, loss
+        self.clients_skipped, self.last_good = clients_skipped, last_good
+        self.cause = cause or self.non_finite_values()
+        self.remedy = remedy or DEFAULT_REMEDY
+        where = (f"the last good checkpoint is round {last_good}" if last_good is not None
+                 else "no checkpoint was written")
+        super().__init__(f"round {round_number}: training diverged: {self.cause}; stopping, "
+                         f"{where}. {self.remedy}")
+
+    def non_finite_values(self) -> str:
+        """The loss and parameters that went non-finite, as text."""
+        params = f"{self.clients_skipped} client(s) returned non-finite parameters"
+        if self.loss is None:  # no client stayed finite, so no loss was counted
+            return f"all {params}"
+        if not np.isfinite(self.loss):
+            return f"the loss is {self.loss}" + (f" and {params}" if self.clients_skipped else
+                                                 " (every client's parameters are finite)")
+        return f"{params} (loss of the others {self.loss:g})"
+
+    def explained(self, cause: str, remedy: str) -> "DivergenceError":
+        """The same divergence with its cause and remedy named."""
+        return DivergenceError(self.round_number, self.loss, self.clients_skipped,
+                               self.last_good, cause, remedy)
 
 
 def _check_finite(record: dict[str, Any], last_good: int | None) -> None:
@@ -330,19 +375,40 @@ def _check_finite(record: dict[str, Any], last_good: int | None) -> None:
     loss = record.get("loss")
     skipped = record.get("clients_skipped", 0) or 0
     if skipped or (loss is not None and not np.isfinite(loss)):
-        where = (f"the last good checkpoint is round {last_good}" if last_good is not None
-                 else "no checkpoint was written")
-        raise DivergenceError(
-            f"round {record['round']}: training diverged ({int(skipped)} client(s) returned "
-            f"non-finite parameters, loss={loss}); stopping, {where}. Lower the learning "
-            f"rate, or set on_divergence='skip_clients' to drop such clients and go on")
+        raise DivergenceError(record["round"], loss, int(skipped), last_good)
+
+
+def loss_growth(history: Sequence[dict[str, Any]], record: dict[str, Any]) -> str | None:
+    """A warning when ``record``'s training loss exceeds ``LOSS_GROWTH_WARNING`` times the
+    first finite, positive training loss in ``history``, else None.
+
+    Example:
+      >>> loss_growth([{"kind": "train", "round": 1, "loss": 4.0}],
+      ...             {"kind": "train", "round": 2, "loss": 5e3})
+      'round 2: training loss 5000 is over 1000x round 1's (4): the run is diverging; lower the learning rate'
+    """
+    loss = record.get("loss")
+    if record.get("kind") != "train" or loss is None or not np.isfinite(loss):
+        return None
+    first = next((r for r in history if r.get("kind") == "train" and r.get("loss") is not None
+                  and np.isfinite(r["loss"]) and r["loss"] > 0), None)
+    if first is None or first is record or loss <= LOSS_GROWTH_WARNING * first["loss"]:
+        return None
+    return (f"round {record['round']}: training loss {loss:g} is over "
+            f"{LOSS_GROWTH_WARNING:g}x round {first['round']}'s ({first['loss']:g}): the run is "
+            "diverging; lower the learning rate")
+
+
+def _print_warning(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def run(simulation: Simulation, *, workdir: str | None = None,
         progress: Callable[[int, dict[str, float]], None] | None = None,
         log: Callable[[dict[str, Any]], None] | None = None,
         checkpoint_every: int = 0, run_fingerprint: dict[str, Any] | None = None,
-        on_divergence: str = "stop") -> RunResult:
+        on_divergence: str = "stop",
+        warn: Callable[[str], None] = _print_warning) -> RunResult:
     """Trains for ``settings.num_rounds`` rounds, evaluating on the cadence and at the end.
 
     Training metrics are fetched from the device only every ``log_every`` rounds (and
@@ -359,6 +425,9 @@ def run(simulation: Simulation, *, workdir: str | None = None,
       on_divergence: ``stop`` raises ``DivergenceError`` when a client returns
         non-finite parameters or the loss is not finite; ``skip_clients`` drops such
         clients from the round's mean (always the case) and goes on, reporting them.
+      warn: receives, once per run each, a line when the training loss grows past
+        ``LOSS_GROWTH_WARNING`` times its first value and when ``skip_clients`` first
+        drops a client (default: printed to stderr).
     """
     if on_divergence not in ("stop", "skip_clients"):
         raise ValueError(f"on_divergence={on_divergence!r}: expected 'stop' or 'skip_clients'")
@@ -399,12 +468,25 @@ def run(simulation: Simulation, *, workdir: str | None = None,
         if log:
             log(record)
 
+    warned: set[str] = set()
+
+    def warn_once(kind: str, message: str | None) -> None:
+        if message is not None and kind not in warned:
+            warned.add(kind)
+            if distributed.is_primary():
+                warn(message)
+
     def flush():
         for round_index, device_metrics in distributed.fetch(pending):
             record = {"round": round_index + 1, "kind": "train", **finalize_metrics(device_metrics)}
             emit(record)
             if on_divergence == "stop":
                 _check_finite(record, last_good)
+            elif record.get("clients_skipped"):
+                warn_once("skipped", f"round {record['round']}: {int(record['clients_skipped'])} "
+                          "client(s) returned non-finite parameters and were dropped "
+                          "(on_divergence='skip_clients'; metrics.jsonl counts them per round)")
+            warn_once("growth", loss_growth(history, record))
         pending.clear()
 
     try:

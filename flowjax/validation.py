@@ -22,9 +22,11 @@ from flowjax.algorithms import flow_reference
 from flowjax.routing.policy import LAST_KINDS
 from flowjax.algorithms.lg_fedavg import global_layer_names
 from flowjax.core.mapping import STRATEGIES
+from flowjax.core.prng import SEED_LIMIT
 from flowjax.core.server_opt import SERVER_OPTIMIZERS
 from flowjax.data import DATASETS
 from flowjax.data.federated import FederatedTask
+from flowjax.experiments_plan import ABLATIONS, variant_overrides
 from flowjax.models import MODELS, get_model
 from flowjax.models.base import RoutableModel
 from flowjax.models.layers import COMPUTE_DTYPES, CONV_IMPLS
@@ -96,6 +98,23 @@ def _one_of(choices: Sequence[str]) -> Check:
     return lambda v: None if v in choices else f"expected one of {list(choices)}"
 
 
+def _algorithm(value: Any) -> str | None:
+    if value in ALGORITHMS:
+        return None
+    if value in ABLATIONS:  # a compare.py / reproduce.py variant, not an algorithm
+        flags = " ".join(f"--config.{k}={v}" for k, v in variant_overrides(value).items())
+        return (f"expected an algorithm; {value!r} is an ablation of flow: run it with "
+                f"launch/compare.py --methods={value}, or train.py with {flags}")
+    return f"expected one of {list(ALGORITHMS)}"
+
+
+def _seed(value: Any) -> str | None:
+    if not _is_int(value) or value < 0:
+        return "expected an integer >= 0"
+    # flowjax.core.prng gives every seed below 2**64 its own key; none wraps around.
+    return None if value < SEED_LIMIT else "expected an integer in [0, 2**64)"
+
+
 def _devices_visible(value: Any) -> str | None:
     if value == 1 and _is_int(value):
         return None  # there is always one device; asking jax would start its backend
@@ -113,7 +132,7 @@ def _widths(value: Any) -> str | None:
 
 # Names first: an unknown algorithm or model makes every other message moot.
 _RULES: tuple[tuple[str, Check], ...] = (
-    ("algorithm", _one_of(ALGORITHMS)),
+    ("algorithm", _algorithm),
     ("model", _one_of(MODELS)),
     ("dataset", _one_of(DATASETS)),
     ("server.optimizer", _one_of(SERVER_OPTIMIZERS)),
@@ -131,7 +150,7 @@ _RULES: tuple[tuple[str, Check], ...] = (
     ("flow_policy_eval_dropout", _one_of((None, True, False))),
     ("flow_evaluation", _one_of((None,) + flow_reference.EVALUATIONS)),
     ("flow_policy_last", _one_of((None,) + LAST_KINDS)),
-    ("seed", _integer(0)),
+    ("seed", _seed),
     ("num_rounds", _integer(1)),
     ("clients_per_round", _integer(1)),
     ("epochs", _integer(1)),
@@ -397,18 +416,41 @@ class _SplitChecker:
                            f"{_shape_text(shape)} ({what})")
 
     def check_values(self, feature: str, array: np.ndarray) -> None:
-        if np.issubdtype(array.dtype, np.floating):
-            is_bad, expected = (lambda b: ~np.isfinite(b)), "expected finite values"
-        else:
-            high = self.model.num_classes if feature == "y" else self.model.vocab_size
-            what = "labels" if feature == "y" else "token ids"
-            is_bad = lambda b, high=high: (b < 0) | (b >= high)  # noqa: E731
-            expected = f"expected {what} in [0, {high}) for {self.model.name}"
+        is_bad, expected = _value_rule(feature, array.dtype, self.model)
         bad = _first_bad(array, is_bad)
         if bad is not None:
             row, value, count = bad
             self.fail(feature, f"={value.item()!r} at client {self.client_of(row)!r} "
                                f"({count} bad value{'s' if count > 1 else ''}): {expected}")
+
+
+def _value_rule(feature: str, dtype: np.dtype, model: RoutableModel
+                ) -> tuple[Callable[[np.ndarray], np.ndarray], str]:
+    """``(is_bad, what is expected)`` for the values of feature ``x`` or ``y``."""
+    if np.issubdtype(dtype, np.floating):
+        return (lambda b: ~np.isfinite(b)), "expected finite values"
+    high = model.num_classes if feature == "y" else model.vocab_size
+    what = "labels" if feature == "y" else "token ids"
+    return ((lambda b: (b < 0) | (b >= high)),
+            f"expected {what} in [0, {high}) for {model.name}")
+
+
+def bad_values(feature: str, array: np.ndarray, model: RoutableModel) -> str | None:
+    """``'<feature>=<first bad value> (<n> bad values): expected ...'``, or None when
+    every value of ``array`` is one ``model`` takes (the rule ``validate_task`` applies).
+
+    Example:
+      >>> bad_values("y", np.array([3, 99]), get_model("emnist_cnn"))
+      'y=99 (1 bad value): expected labels in [0, 62) for emnist_cnn'
+    """
+    if array.dtype.kind not in "fiu":  # a non-numeric feature; validate_task names it
+        return None
+    is_bad, expected = _value_rule(feature, array.dtype, model)
+    bad = _first_bad(array, is_bad)
+    if bad is None:
+        return None
+    _, value, count = bad
+    return f"{feature}={value.item()!r} ({count} bad value{'s' if count > 1 else ''}): {expected}"
 
 
 class _StoreChecker(_SplitChecker):
@@ -482,6 +524,27 @@ def _check_population(name: str, data: Any, model: RoutableModel, rule: _InputRu
     if total == 0:
         raise ValueError(f"data {name}: every one of its {len(data.client_ids)} clients has 0 "
                          f"examples: expected at least one example")
+
+
+def validate_cohort_size(config: Any, task: FederatedTask) -> None:
+    """``clients_per_round`` against the training clients the data left after holding
+    some out, naming the option that made them few.
+
+    Raises:
+      ValueError: more clients per round than training clients (one line).
+    """
+    available = len(task.train.client_ids)
+    wanted = config.clients_per_round
+    if wanted <= available:
+        return
+    cause = ""
+    fraction = _field(config, "data.held_out_fraction")
+    held = len(task.held_out.client_ids) if task.held_out is not None else 0
+    if fraction is not _MISSING and fraction and held:
+        cause = (f"; data.held_out_fraction={fraction!r} holds out {held} of "
+                 f"{available + held} clients: lower it or clients_per_round")
+    clients = f"{available} training client{'s' if available != 1 else ''}"
+    _fail("clients_per_round", wanted, f"expected at most the {clients} of {task.name}{cause}")
 
 
 def validate_task(task: FederatedTask, model: RoutableModel) -> None:

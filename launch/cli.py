@@ -3,20 +3,28 @@
 ml_collections resolves ``--config.<field>`` overrides while absl parses flags, before
 ``main`` runs, and reports an unknown field, a missing config file or a bad variant as a
 traceback. ``parse_flags`` loads the config file itself first, checks every override
-against it, and turns any flag error into ``error: <one line>`` (``--debug`` keeps the
-traceback).
+against it, and turns any flag error or stray positional argument into
+``error: <one line>`` (``--debug`` keeps the traceback). ``run`` starts a launcher's
+``main`` so that Ctrl-C ends it with one line and exit status 130; ``fail`` reports a
+launcher's error in one line, exit status 2.
+
+This module imports no JAX: the launchers import it before ``xla_env.apply()``.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from absl import flags
+from absl import app, flags
 
 _DEBUG_SPELLINGS = ("--debug", "--debug=true", "--debug=True", "--debug=1")
+# 128 + SIGINT: what shells report for a command stopped by Ctrl-C, so scripts that run a
+# launcher see an interruption, not a failure (2) or a success (0).
+INTERRUPTED = 130
 
 
 def _flag_args(argv: Sequence[str]) -> list[str]:
@@ -89,6 +97,15 @@ def config_args_error(argv: Sequence[str]) -> str | None:
     return None
 
 
+def _positional_error(remaining: Sequence[str]) -> str | None:
+    """The launchers take flags only; a stray word (a typo'd ``-`` or a value split by an
+    unquoted space) would otherwise be ignored."""
+    if len(remaining) <= 1:
+        return None
+    return (f"unexpected argument {remaining[1]!r}; expected only flags such as "
+            "--config.seed=1 (quote a value that holds spaces)")
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """An ``absl.app.run`` ``flags_parser``: the parsed arguments, or exit 2 with one line.
 
@@ -96,12 +113,51 @@ def parse_flags(argv: list[str]) -> list[str]:
       >>> app.run(main, flags_parser=cli.parse_flags)
     """
     if any(arg in _DEBUG_SPELLINGS for arg in _flag_args(argv)):
-        return flags.FLAGS(argv)
-    message = config_args_error(argv)
+        remaining = flags.FLAGS(argv)
+        message = _positional_error(remaining)
+    else:
+        message = config_args_error(argv)
+        if message is None:
+            try:
+                remaining = flags.FLAGS(argv)
+                message = _positional_error(remaining)
+            except flags.Error as error:
+                message = " ".join(str(error).split())
     if message is None:
-        try:
-            return flags.FLAGS(argv)
-        except flags.Error as error:
-            message = " ".join(str(error).split())
+        return remaining
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def debug() -> bool:
+    """Whether the launcher's ``--debug`` flag (if it defines one) asks for tracebacks."""
+    return "debug" in flags.FLAGS and bool(flags.FLAGS["debug"].value)
+
+
+def fail(error: BaseException) -> int:
+    """Prints ``error: <message on one line>`` to stderr; exit status 2 (``--debug``:
+    re-raises, so the traceback shows)."""
+    if debug():
+        raise error
+    print(f"error: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _quiet_interrupt(main: Callable[[list[str]], int | None]) -> Callable[[list[str]], int]:
+    @functools.wraps(main)
+    def wrapped(argv):
+        try:
+            return main(argv)
+        except KeyboardInterrupt:
+            if debug():
+                raise
+            # Checkpoint writes hold Ctrl-C until they are complete (flowjax/checkpoint.py).
+            print("interrupted (Ctrl-C); the same command resumes from the newest "
+                  "checkpoint", file=sys.stderr, flush=True)
+            return INTERRUPTED
+    return wrapped
+
+
+def run(main: Callable[[list[str]], int | None]) -> None:
+    """``absl.app.run(main)`` with ``parse_flags`` and Ctrl-C as one line, exit 130."""
+    app.run(_quiet_interrupt(main), flags_parser=parse_flags)

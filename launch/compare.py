@@ -7,7 +7,11 @@ r"""Run several methods on the same clients and seed; write one comparison table
 Each method runs in ``<workdir>/<method>/`` exactly as ``launch/train.py`` would (same
 config except the method, so the same sampled clients, evaluation clients and seed), and a
 method whose ``results.json`` exists is not run again, so an interrupted comparison
-resumes. ``comparison.md`` and ``comparison.csv`` are generated from the results files:
+resumes. Before anything runs, every method's config is validated and compared with the
+``config.json`` its folder already holds, with the functions ``launch/reproduce.py`` uses:
+a folder holding a run of another config is refused in one line naming the differing
+fields (its numbers would otherwise be tabulated under the new flags).
+``comparison.md`` and ``comparison.csv`` are generated from the results files:
 Acc_g / Acc_p as in the paper's Table 2, % clients with Acc_p > Acc_g as in Table 3, and
 the instance breakdown of Figure 3, for the training clients and the held-out clients.
 """
@@ -22,18 +26,70 @@ xla_env.apply()
 
 import json  # noqa: E402
 import time  # noqa: E402
+from typing import Any  # noqa: E402
 
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from flowjax import config as run_config  # noqa: E402
+from flowjax.experiment import DivergenceError  # noqa: E402
 # The method list, the ablations and their overrides are shared with launch/reproduce.py.
 from flowjax.experiments_plan import expand, variant_overrides  # noqa: E402
 from flowjax.reporting import comparison_csv, results_table, write_text_atomic  # noqa: E402
-from flowjax.runner import run_config_to_workdir  # noqa: E402
+from flowjax.runner import (check_workdir, differing_fields, resolved_config,  # noqa: E402
+                            run_config_to_workdir, stored_config)
+from flowjax.validation import validate_config  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Base run config.", lock_config=False)
 _METHODS = flags.DEFINE_list("methods", ["all"], "Methods / variants, or 'all', 'ablations'.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for every method's run and the table.")
+_DEBUG = flags.DEFINE_bool("debug", False, "Show full tracebacks on errors.")
+
+
+def method_configs(base: Any, workdir: str, methods: list[str]) -> dict[str, Any]:
+    """Every method's run config, validated and checked against its folder, before any runs.
+
+    Raises:
+      ValueError: no method, an unknown one, a bad config value, or a method folder
+        holding a run (finished or not) of another config (one line).
+    """
+    names = expand(methods)
+    if not names:
+        raise ValueError("--methods is empty; expected method or ablation names, 'all' or "
+                         "'ablations', e.g. --methods=flow,fedavg")
+    configs = {}
+    for name in names:
+        config = base.copy_and_resolve_references()
+        config.update(variant_overrides(name))
+        try:
+            validate_config(run_config.effective_config(config))
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from None
+        run_dir = os.path.join(workdir, name)
+        remedy = f"delete {run_dir} to run {name} again"
+        previous = stored_config(run_dir, remedy)
+        if previous is None and os.path.exists(os.path.join(run_dir, "results.json")):
+            raise ValueError(f"{run_dir} has results.json but no config.json, so what made it "
+                             f"is unknown; {remedy}")
+        if previous is not None:
+            differing = differing_fields(previous, resolved_config(config))
+            if differing:
+                raise ValueError(f"{run_dir} holds a run of another config (differs in: "
+                                 f"{', '.join(differing[:6])}); use another --workdir, the "
+                                 f"flags of that run, or {remedy}")
+        configs[name] = config
+    return configs
+
+
+def read_json(path: str, remedy: str) -> dict[str, Any] | None:
+    """A run file's JSON (None when absent); ValueError naming it when it is not JSON."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as handle:
+        try:
+            return json.load(handle)
+        except json.JSONDecodeError:
+            raise ValueError(f"{path} is not valid JSON (truncated?); {remedy}") from None
 
 
 def main(argv):
@@ -43,38 +99,36 @@ def main(argv):
     if not flags.FLAGS['verbosity'].present:
         logging.set_verbosity(logging.WARNING)
     base, workdir = _CONFIG.value, _WORKDIR.value
-    if base is None or not workdir:
-        raise app.UsageError("--config and --workdir are required")
+    start = time.perf_counter()
     try:
-        names = expand(_METHODS.value)
-        plans = {name: variant_overrides(name) for name in names}
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    os.makedirs(workdir, exist_ok=True)
-    all_results, start = {}, time.perf_counter()
-    for name, overrides in plans.items():
-        run_dir = os.path.join(workdir, name)
-        done = os.path.join(run_dir, "results.json")
-        if os.path.exists(done):
-            print(f"{name}: finished earlier, reusing {done}")
-        else:
-            config = base.copy_and_resolve_references()
-            config.update(overrides)
-            try:
-                run_config_to_workdir(config, run_dir)
-            except (ValueError, ImportError) as error:  # ImportError: an optional extra
-                print(f"error: {name}: {error}", file=sys.stderr)
-                return 2
-        with open(done) as handle:
-            all_results[name] = json.load(handle)
+        if base is None:
+            raise ValueError("--config is required, e.g. --config=configs/shakespeare.py:quick")
+        check_workdir(workdir)
+        configs = method_configs(base, workdir, _METHODS.value)
+        all_results, wall = {}, []
+        for name, config in configs.items():
+            run_dir = os.path.join(workdir, name)
+            remedy = f"delete {run_dir} to run {name} again"
+            done = os.path.join(run_dir, "results.json")
+            if os.path.exists(done):
+                print(f"{name}: finished earlier, reusing {done}")
+            else:
+                try:
+                    run_config_to_workdir(config, run_dir)
+                except (ValueError, ImportError, DivergenceError) as error:
+                    raise ValueError(f"{name}: {error}") from None
+            all_results[name] = read_json(done, remedy)
+            timing = read_json(os.path.join(run_dir, "run.json"), remedy)
+            if timing is not None and "wall_time_s" in timing:
+                wall.append(timing["wall_time_s"])
+    except (ValueError, KeyError, ImportError, OSError) as error:  # ImportError: an extra
+        return cli.fail(error)
     table = results_table(all_results)
-    total = 0.0
-    for name in plans:
-        with open(os.path.join(workdir, name, "run.json")) as handle:
-            total += json.load(handle)["wall_time_s"]
+    # run.json is timing only: a missing one leaves the table right and the sum partial.
+    timed = ("the methods" if len(wall) == len(configs)
+             else f"{len(wall)} of the {len(configs)} methods (the others lack run.json)")
     header = (f"Generated by `python launch/compare.py {' '.join(sys.argv[1:])}`; "
-              f"summed run time of the methods {total:.0f} s "
+              f"summed run time of {timed} {sum(wall):.0f} s "
               f"(this invocation {time.perf_counter() - start:.0f} s).\n\n")
     write_text_atomic(os.path.join(workdir, "comparison.md"), header + table + "\n")
     write_text_atomic(os.path.join(workdir, "comparison.csv"), comparison_csv(all_results))
@@ -84,4 +138,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.parse_flags)
+    cli.run(main)

@@ -45,7 +45,7 @@ import time  # noqa: E402
 from types import ModuleType  # noqa: E402
 from typing import Any, Callable, Sequence  # noqa: E402
 
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 
 from flowjax import config as run_config  # noqa: E402
 from flowjax.evaluation.aggregate import (load_results, summed_wall_time, table_csv,  # noqa: E402
@@ -322,13 +322,10 @@ def main(argv: Sequence[str]) -> int:
                                 _SCALE.value, _METHODS.value, _OVERRIDE.value)
         return execute(request, command, aggregate_only=_AGGREGATE_ONLY.value,
                        dry_run=_DRY_RUN.value)
-    except (ValueError, KeyError, ImportError) as error:
+    except (ValueError, KeyError, ImportError, OSError) as error:
         # As launch/train.py: a bad value, a missing data file or package is one line.
-        if _DEBUG.value:
-            raise
-        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
-        return 2
+        return cli.fail(error)
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.parse_flags)
+    cli.run(main)

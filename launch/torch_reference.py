@@ -1,7 +1,7 @@
 r"""The PyTorch eager baseline of ``launch/benchmark.py --compare_torch`` (optional).
 
 ``torch`` is NOT a flowjax dependency; install it only to run this comparison, e.g.
-``pip install torch==2.13.0`` (the CPU build measured in ``docs/performance.md``). This
+``pip install torch==2.13.0`` (the CPU build measured in ``docs/benchmarks/cpu-2core.md``). This
 module is imported only when the flag is given, so the benchmark runs without it.
 
 It times a FedAvg round the way the PyTorch simulators (and the Flow authors' code) run
@@ -9,7 +9,8 @@ one: for each client in turn, load the global weights into one model, take its S
 in eager mode, then average the clients' state dicts weighted by their example counts.
 The model is the EMNIST CNN of ``flowjax/models/emnist_cnn.py`` with the same init scale
 (LeCun-normal kernels, zero biases), in channels_last memory format, which measured ~25%
-faster than NCHW on this CPU (``docs/performance.md``).
+faster than NCHW on this CPU (79 vs 63 client-steps/s in the project's performance notes,
+``../shared/docs/performance.md`` beside this repository).
 """
 
 from __future__ import annotations

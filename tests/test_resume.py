@@ -48,6 +48,22 @@ def test_killed_and_resumed_run_is_bit_identical(uninterrupted, tmp_path, fault)
         assert (tmp_path / name).read_bytes() == (uninterrupted / name).read_bytes(), name
 
 
+def test_ctrl_c_mid_checkpoint_is_one_line_and_resumes_exactly(uninterrupted, tmp_path):
+    # SIGINT while checkpoint 6 is written: it replaces checkpoint 2 (max_to_keep=2), which
+    # orbax deletes file by file in its finalize thread. Both finish before the exit.
+    stopped = train(tmp_path, fault="checkpoint:6:SIGINT")
+    assert stopped.returncode == 130, stopped.stderr[-2000:]
+    assert stopped.stderr.strip().splitlines()[-1] == (
+        "interrupted (Ctrl-C); the same command resumes from the newest checkpoint")
+    assert "Traceback" not in stopped.stderr
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4", "6"]
+    assert not (tmp_path / "results.json").exists()
+    resumed = train(tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for name in ("results.json", "metrics.jsonl"):
+        assert (tmp_path / name).read_bytes() == (uninterrupted / name).read_bytes(), name
+
+
 def test_stateful_method_resumes_its_client_states_exactly(tmp_path):
     ditto = ("--config.algorithm=ditto",)
     clean = train(tmp_path / "clean", *ditto)
@@ -89,6 +105,9 @@ def test_divergence_stops_with_a_one_line_message_naming_the_round(tmp_path):
     assert diverged.returncode == 2
     message = diverged.stderr.strip().splitlines()[-1]
     assert message.startswith("error: round ") and "training diverged" in message, message
+    # Valid data: the optimization is named, with the values to lower.
+    assert ("while the round's inputs and labels are valid" in message
+            and "Lower config.learning_rate (now 1e+30) or config.gamma (now 0.001)" in message)
     assert "Traceback" not in diverged.stderr
     assert not (tmp_path / "results.json").exists()
 

@@ -9,6 +9,12 @@ from __future__ import annotations
 import enum
 
 import jax
+import numpy as np
+
+# Seeds are 64-bit: ``jax.random.key`` keeps only the low 32 bits of a Python int when
+# x64 is off (seed 2**32 would be seed 0), so larger seeds fill the key's high word.
+SEED_LIMIT = 2 ** 64
+_LOW_WORD = 2 ** 32
 
 
 class Purpose(enum.IntEnum):
@@ -20,9 +26,28 @@ class Purpose(enum.IntEnum):
     SAMPLE = 3
 
 
+def seed_key(seed: int) -> jax.Array:
+    """The run's root key: distinct for every seed in ``[0, 2**64)``.
+
+    A seed below ``2**32`` gives ``jax.random.key(seed)`` (threefry's key data
+    ``[0, seed]``), so every number of such runs is unchanged; a larger seed's key data
+    is ``[seed >> 32, seed & 0xFFFFFFFF]``, which no smaller seed has.
+
+    Raises:
+      ValueError: ``seed`` is not an integer in ``[0, 2**64)``.
+    """
+    seed = int(seed)
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed={seed}: expected an integer in [0, 2**64)")
+    if seed < _LOW_WORD:
+        return jax.random.key(seed)
+    words = np.array([seed >> 32, seed & (_LOW_WORD - 1)], np.uint32)
+    return jax.random.wrap_key_data(words, impl="threefry2x32")
+
+
 def base_key(seed: int, purpose: Purpose) -> jax.Array:
     """The root key of one stream."""
-    return jax.random.fold_in(jax.random.key(seed), int(purpose))
+    return jax.random.fold_in(seed_key(seed), int(purpose))
 
 
 def round_key(stream: jax.Array, round_index: jax.Array | int) -> jax.Array:
