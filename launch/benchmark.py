@@ -27,13 +27,30 @@ Options:
     ``XLA_FLAGS=--xla_force_host_platform_device_count=2``).
   --plan_memory_gb=78: the memory planner's clients per vmapped chunk for FedAvg and Flow
     of each model on a device of that size (``flowjax.memory_plan``).
+  --strategies=planned: sorted chunks whose size the memory planner chooses per method:
+    the largest chunk that fits the device (``plan_chunk_size``; on CPU give
+    ``--plan_memory_gb``) caps ``chunk_for_sizes``'s padding-vs-fill choice.
+  --epochs=3: epochs per round (FedAvg; each of Flow's two phases).
+  --conv_impl=im2col, --compute_dtype=bfloat16: the EMNIST CNN's conv formulation and
+    matmul precision (``config.conv_impl``, ``config.compute_dtype``).
+  --nopython_loop, --nocentralized: skip the sequential baseline / the centralized step
+    (for cohorts where they take too long or, centralized, too much memory).
+  --nowarmup: compile each round ahead of time (reported as ``compile s``) and time the
+    first execution, instead of a warm-up round and then ``--repeats`` rounds: for rounds
+    too long to run twice.
+  --project_rounds=2000: also print clients/s and the time of that many such rounds.
+
+The Stack Overflow scale run of ``launch/gpu_bench.sh``:
+
+  python launch/benchmark.py --models=stackoverflow_lstm --skewed --clients=1000 --epochs=3 \
+      --strategies=planned --nopython_loop --nocentralized --nowarmup --project_rounds=2000
 """
 
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from launch import xla_env  # noqa: E402
+from launch import cli, xla_env  # noqa: E402
 
 xla_env.apply()
 
@@ -58,12 +75,13 @@ from flowjax.core.server_opt import server_optimizer  # noqa: E402
 from flowjax.core.tree import weighted_mean  # noqa: E402
 from flowjax.data.federated import ArrayFederatedData, FederatedTask, RaggedSplit  # noqa: E402
 from flowjax.data.synthetic import stackoverflow_like_sizes  # noqa: E402
-from flowjax.memory_plan import plan_chunk_size  # noqa: E402
+from flowjax.memory_plan import chunk_for_sizes, plan_chunk_size  # noqa: E402
 from flowjax.experiment import RunSettings, Simulation  # noqa: E402
 from flowjax.models import get_model  # noqa: E402
 
 _MODELS = flags.DEFINE_list("models", ["emnist_cnn", "shakespeare_lstm"], "Models to time.")
-_STRATEGIES = flags.DEFINE_list("strategies", ["loop", "chunked", "vmap"], "Client mappings.")
+_STRATEGIES = flags.DEFINE_list("strategies", ["loop", "chunked", "vmap"], "Client mappings: "
+                                 "loop, chunked, vmap, planned (memory-planned sorted chunks).")
 _CLIENTS = flags.DEFINE_integer("clients", 10, "Clients per round.")
 _STEPS = flags.DEFINE_integer("steps", 20, "Minibatches per client per round.")
 _CHUNK = flags.DEFINE_integer("chunk_size", 5, "Clients per vmapped chunk for 'chunked'.")
@@ -82,7 +100,19 @@ _SKEWED = flags.DEFINE_bool("skewed", False, "Stack Overflow-like client sizes (
                             "mean 397, capped at 1,000) instead of steps*batch each.")
 _DEVICES = flags.DEFINE_list("devices", ["1"], "Device counts to shard the clients over.")
 _PLAN_GB = flags.DEFINE_float("plan_memory_gb", 0.0, "Plan clients per chunk for this much "
-                              "device memory (GiB; 0: no plan).")
+                              "device memory (GiB; 0: no plan; 'planned' then uses the "
+                              "device's own limit).")
+_EPOCHS = flags.DEFINE_integer("epochs", 1, "Epochs per round (each of Flow's two phases).")
+_CONV_IMPL = flags.DEFINE_enum("conv_impl", "auto", ["auto", "xla", "im2col"],
+                               "EMNIST CNN convolution formulation (config.conv_impl).")
+_COMPUTE_DTYPE = flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"],
+                                   "EMNIST CNN matmul dtype (config.compute_dtype).")
+_PYTHON_LOOP = flags.DEFINE_bool("python_loop", True, "Time the sequential Python loop.")
+_CENTRALIZED = flags.DEFINE_bool("centralized", True, "Time the centralized-equivalent step.")
+_WARMUP = flags.DEFINE_bool("warmup", True, "A warm-up round before the timed ones; without "
+                            "it the round is compiled ahead of time and run --repeats times.")
+_PROJECT = flags.DEFINE_integer("project_rounds", 0, "Print clients/s and the time of this "
+                                "many rounds (0: no projection).")
 
 BATCH = {"emnist_cnn": 20, "shakespeare_lstm": 4, "stackoverflow_lstm": 16}
 POLICY = {"emnist_cnn": (350, 150, 50, 50), "shakespeare_lstm": (64, 64, 32, 16),
@@ -128,14 +158,31 @@ def first_batch(task: FederatedTask, batch: int) -> jax.Array:
     return jnp.asarray(task.train.client(0, "train")["x"][:batch])
 
 
-def algorithms(model_name: str, example_x):
+class BadFlags(ValueError):
+    """A flag combination the benchmark cannot run: one line, exit status 2."""
+
+
+def model_options(model_name: str) -> dict:
+    """The model factory's options the flags set (only those off their defaults, so a
+    model without conv_impl / compute_dtype is built as before)."""
     options = {} if _CUSTOM_GRAD.value == "auto" else {"custom_grad": _CUSTOM_GRAD.value == "true"}
-    model = get_model(model_name, **options)
-    batch, lr = BATCH[model_name], LEARNING_RATE[model_name]
+    if _CONV_IMPL.value != "auto":
+        options["conv_impl"] = _CONV_IMPL.value
+    if _COMPUTE_DTYPE.value != "float32":
+        options["compute_dtype"] = _COMPUTE_DTYPE.value
+    if model_name != "emnist_cnn" and {"conv_impl", "compute_dtype"} & set(options):
+        raise BadFlags(f"--conv_impl/--compute_dtype: only emnist_cnn implements them, "
+                             f"not {model_name}")
+    return options
+
+
+def algorithms(model_name: str, example_x):
+    model = get_model(model_name, **model_options(model_name))
+    batch, lr, epochs = BATCH[model_name], LEARNING_RATE[model_name], _EPOCHS.value
     return model, {
-        "fedavg": fedavg(model, FedAvgConfig(learning_rate=lr, epochs=1, batch_size=batch)),
-        "flow": flow(model, FlowConfig(learning_rate=lr, local_epochs=1, routing_epochs=1,
-                                       batch_size=batch, gamma=1e-3,
+        "fedavg": fedavg(model, FedAvgConfig(learning_rate=lr, epochs=epochs, batch_size=batch)),
+        "flow": flow(model, FlowConfig(learning_rate=lr, local_epochs=epochs,
+                                       routing_epochs=epochs, batch_size=batch, gamma=1e-3,
                                        policy_hidden=POLICY[model_name]), example_x),
     }
 
@@ -150,14 +197,15 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def mapping_padding(cohort, mapping: ClientMapping, batch: int) -> dict[str, float]:
-    """Useful / executed client-steps of one round under ``mapping`` (steps of one epoch),
+def mapping_padding(cohort, mapping: ClientMapping, batch: int,
+                    epochs: int = 1) -> dict[str, float]:
+    """Useful / executed client-steps of one round of ``epochs`` epochs under ``mapping``,
     and useful examples / the example slots those executed steps hold."""
     steps = -(-np.asarray(cohort.num_examples) // batch)
-    executed = executed_steps(steps, mapping)
-    return {"useful_steps": int(np.sum(steps)), "executed_steps": executed,
-            "step_efficiency": float(np.sum(steps)) / executed,
-            "example_efficiency": float(np.sum(cohort.num_examples)) / (executed * batch)}
+    executed = executed_steps(steps, mapping) * epochs
+    return {"useful_steps": int(np.sum(steps)) * epochs, "executed_steps": executed,
+            "step_efficiency": float(np.sum(steps)) * epochs / executed,
+            "example_efficiency": float(np.sum(cohort.num_examples)) * epochs / (executed * batch)}
 
 
 def time_engine_round(algorithm, task, mapping: ClientMapping, repeats: int) -> dict:
@@ -174,9 +222,52 @@ def time_engine_round(algorithm, task, mapping: ClientMapping, repeats: int) -> 
         fresh = jax.tree.map(jnp.copy, state)
         return simulation.run_round(fresh, 0, cohort)[0]
 
-    seconds = median_seconds(one_round, repeats)
-    return {"round_s": seconds, "compilations": simulation.trace_counts["round"],
-            **mapping_padding(jax.device_get(host_cohort), mapping, batch)}
+    timing = {}
+    if _WARMUP.value:
+        timing["round_s"] = median_seconds(one_round, repeats)
+    else:
+        timing = time_compiled_round(simulation, state, cohort, repeats)
+    return {**timing, "compilations": simulation.trace_counts["round"],
+            **mapping_padding(jax.device_get(host_cohort), mapping, batch, _EPOCHS.value)}
+
+
+def time_compiled_round(simulation, state, cohort, repeats: int) -> dict:
+    """Compiles the round ahead of time, then times ``repeats`` executions with no warm-up
+    run (the engine's own jitted round function, lowered for these exact arguments)."""
+    start = time.perf_counter()
+    compiled = simulation._round_fn.lower(state, cohort, np.int32(0), None).compile()
+    compile_s = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        fresh = jax.tree.map(jnp.copy, state)  # donated by the round
+        jax.block_until_ready(fresh)
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(fresh, cohort, np.int32(0), None))
+        times.append(time.perf_counter() - start)
+    return {"round_s": statistics.median(times), "compile_s": compile_s}
+
+
+def planned_mapping(algorithm, task, batch: int, device_bytes: int) -> ClientMapping:
+    """Sorted chunks of the size ``chunk_for_sizes`` picks under the memory plan's cap."""
+    padded = -(-int(np.max(task.train.num_examples("train"))) // batch) * batch
+    plan = plan_chunk_size(algorithm, task.train.example_spec, padded_examples=padded,
+                           batch_size=batch, device_bytes=device_bytes,
+                           max_clients=len(task.train.client_ids))
+    if plan.clients_per_chunk < 1:
+        raise BadFlags(f"memory plan: not one client fits ({plan.describe()})")
+    chunk = chunk_for_sizes(client_steps(task, batch), plan.clients_per_chunk)
+    print(f"memory plan, {algorithm.model.name} {algorithm.name}: {plan.describe()}; "
+          f"chunk_for_sizes picks {chunk}")
+    return ClientMapping("chunked", chunk)
+
+
+def device_memory_limit() -> int:
+    """The memory XLA's allocator may use on device 0 (what a plan must fit)."""
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        raise BadFlags("--strategies=planned on a backend that reports no memory "
+                             "limit: give --plan_memory_gb")
+    return int(stats["bytes_limit"])
 
 
 def time_sequential_loop(algorithm, task, repeats):
@@ -247,26 +338,37 @@ def time_model(model_name: str, clients: int, steps: int, repeats: int) -> dict:
     centralized-equivalent step and (with --compare_torch) PyTorch eager."""
     batch = BATCH[model_name]
     task = synthetic_task(model_name, client_sizes(clients, steps * batch, _SKEWED.value))
-    useful = int(np.sum(client_steps(task, batch)))
+    useful = int(np.sum(client_steps(task, batch))) * _EPOCHS.value
     model, methods = algorithms(model_name, first_batch(task, batch))
     rows = {}
     for method, algorithm in methods.items():
-        rows[(method, "python loop (sequential)")] = {
-            "round_s": time_sequential_loop(algorithm, task, repeats), "compilations": 1,
-            "useful_steps": useful, "executed_steps": useful}
+        if _PYTHON_LOOP.value:
+            rows[(method, "python loop (sequential)")] = {
+                "round_s": time_sequential_loop(algorithm, task, repeats), "compilations": 1,
+                "useful_steps": useful, "executed_steps": useful}
         for devices in (int(d) for d in _DEVICES.value):
             for strategy in _STRATEGIES.value:
-                mapping = ClientMapping(strategy, _CHUNK.value, devices)
-                rows[(method, mapping_label(mapping))] = time_engine_round(
-                    algorithm, task, mapping, repeats)
+                if strategy == "planned":
+                    if devices != 1:
+                        raise BadFlags("--strategies=planned plans one device's chunks; "
+                                             "use --devices=1")
+                    memory = (int(_PLAN_GB.value * 2**30) if _PLAN_GB.value > 0
+                              else device_memory_limit())
+                    mapping = planned_mapping(algorithm, task, batch, memory)
+                    label = "planned"
+                else:
+                    mapping, label = ClientMapping(strategy, _CHUNK.value, devices), ""
+                key = (method, mapping_label(mapping) + (f" ({label})" if label else ""))
+                rows[key] = time_engine_round(algorithm, task, mapping, repeats)
     torch_row = time_torch(model_name, task, steps, repeats) if _COMPARE_TORCH.value else None
     # The centralized equivalent of the round's useful work: steps on batches of
     # clients x batch examples, timed for a whole number of steps and scaled to exactly
     # ``useful`` client-steps.
     central_steps = max(1, round(useful / clients))
+    central = (time_centralized(model, clients, central_steps, repeats)
+               * (useful / (central_steps * clients)) if _CENTRALIZED.value else None)
     return {"rows": rows, "torch": torch_row, "methods": tuple(methods), "useful_steps": useful,
-            "centralized_s": time_centralized(model, clients, central_steps, repeats) * (
-                useful / (central_steps * clients))}
+            "centralized_s": central}
 
 
 def print_model(model_name: str, timed: dict, clients: int, steps: int) -> dict:
@@ -277,15 +379,35 @@ def print_model(model_name: str, timed: dict, clients: int, steps: int) -> dict:
         rows[("fedavg", f"pytorch {torch_row['torch']} eager, channels_last, "
                         f"{torch_row['threads']} threads")] = torch_row
     shape = ("Stack Overflow-like sizes" if _SKEWED.value else f"{steps} steps")
-    print(f"\n{model_name}: {clients} clients x {shape} x batch {BATCH[model_name]} "
-          f"({useful} useful client-steps); centralized-equivalent "
-          f"{useful / central:.1f} client-steps/s ({central:.3f} s)")
+    options = ", ".join(f"{k}={v}" for k, v in model_options(model_name).items())
+    print(f"\n{model_name}{f' ({options})' if options else ''}: {clients} clients x {shape} x "
+          f"batch {BATCH[model_name]} x {_EPOCHS.value} epoch(s) ({useful} useful client-steps); "
+          + (f"centralized-equivalent {useful / central:.1f} client-steps/s ({central:.3f} s)"
+             if central else "no centralized-equivalent step timed"))
     print("| method | mapping | round s | useful client-steps/s | vs python loop | "
           "vs centralized | compilations | useful / executed steps |")
     print("|---|---|---|---|---|---|---|---|")
     results = [print_row(key, row, rows, central, useful) for key, row in rows.items()]
-    out = {"centralized_s": central, "useful_steps": useful, "rows": results}
+    out = {"centralized_s": central, "useful_steps": useful, "rows": results,
+           "model_options": model_options(model_name), "epochs": _EPOCHS.value}
     print_ratios(timed, out)
+    if _PROJECT.value:
+        out["projection"] = print_projection(rows, clients, _PROJECT.value)
+    return out
+
+
+def print_projection(rows: dict, clients: int, rounds: int) -> list[dict]:
+    """Clients/s of each engine row and the time ``rounds`` such rounds would take."""
+    out = []
+    for (method, mapping), row in rows.items():
+        if "python" in mapping or "torch" in row:
+            continue
+        seconds = row["round_s"]
+        compile_note = f", compiled once in {row['compile_s']:.0f} s" if "compile_s" in row else ""
+        print(f"{method} {mapping}: {clients / seconds:.1f} clients/s; {rounds} rounds of "
+              f"{clients} clients: {rounds * seconds / 3600:.2f} h{compile_note}")
+        out.append({"method": method, "mapping": mapping, "clients_per_s": clients / seconds,
+                    "rounds": rounds, "projected_hours": rounds * seconds / 3600})
     return out
 
 
@@ -294,15 +416,17 @@ def print_row(key, row: dict, rows: dict, central: float, client_steps: int) -> 
     (method, mapping), seconds = key, row["round_s"]
     # Eager PyTorch counts its own steps (one per real minibatch, as the loop does).
     client_steps = row.get("client_steps", client_steps)
-    sequential = rows[(method, "python loop (sequential)")]["round_s"]
+    sequential = rows.get((method, "python loop (sequential)"), {}).get("round_s")
     useful = row.get("step_efficiency", 1.0 if "torch" in row or "python" in mapping else None)
+    vs_loop = sequential / seconds if sequential else None
+    vs_central = central / seconds if central else None
     print(f"| {method} | {mapping} | {seconds:.3f} | {client_steps / seconds:.1f} | "
-          f"{sequential / seconds:.2f}x | {central / seconds:.2f} | {row.get('compilations', '-')} "
+          f"{'-' if vs_loop is None else f'{vs_loop:.2f}x'} | "
+          f"{'-' if vs_central is None else f'{vs_central:.2f}'} | {row.get('compilations', '-')} "
           f"| {'-' if useful is None else f'{useful:.2f}'} |")
     return {"method": method, "mapping": mapping, **row,
             "client_steps_per_s": client_steps / seconds,
-            "speedup_vs_python_loop": sequential / seconds,
-            "fraction_of_centralized": central / seconds}
+            "speedup_vs_python_loop": vs_loop, "fraction_of_centralized": vs_central}
 
 
 def print_ratios(timed: dict, out: dict) -> None:
@@ -408,12 +532,21 @@ def scaling(model_name: str, steps: int, max_clients: int, repeats: int) -> dict
 
 
 def main(argv):
+    try:
+        run(argv)
+    except BadFlags as error:
+        return cli.fail(error)
+    return 0
+
+
+def run(argv):
     del argv
     clients, steps, repeats = _CLIENTS.value, _STEPS.value, _REPEATS.value
     report = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
               "jax": jax.__version__, "clients": clients, "steps": steps,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "custom_grad": _CUSTOM_GRAD.value,
-              "skewed": _SKEWED.value, "models": {}}
+              "conv_impl": _CONV_IMPL.value, "compute_dtype": _COMPUTE_DTYPE.value,
+              "epochs": _EPOCHS.value, "skewed": _SKEWED.value, "models": {}}
     print(f"backend={report['backend']} device={report['device']} jax={report['jax']} "
           f"XLA_FLAGS='{report['xla_flags']}' custom_grad={_CUSTOM_GRAD.value}")
     for model_name in _MODELS.value:

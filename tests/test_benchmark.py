@@ -67,3 +67,100 @@ def test_torch_fedavg_round_is_the_weighted_mean_of_the_clients():
         expected = alone[0][name] * (8 / 11) + alone[1][name] * (3 / 11)
         assert torch.allclose(mean[name], expected, atol=1e-6)
     assert not torch.allclose(mean["0.weight"], start["0.weight"])  # it trained
+
+
+def test_padding_counts_every_epoch():
+    from flowjax.core.cohort import ClientExamples
+    from flowjax.core.mapping import ClientMapping
+    cohort = ClientExamples(x=None, y=None, mask=None, num_examples=np.array([40, 10]),
+                            client_id=None)
+    three = benchmark.mapping_padding(cohort, ClientMapping("vmap"), 10, epochs=3)
+    assert three == {"useful_steps": 15, "executed_steps": 24, "step_efficiency": 15 / 24,
+                     "example_efficiency": 150 / 240}
+
+
+@pytest.fixture(scope="module")
+def skewed_fedavg():
+    from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
+    from flowjax.data.synthetic import stackoverflow_like_sizes, synthetic_images
+    from tests.helpers import tiny_mlp
+    sizes = np.maximum(stackoverflow_like_sizes(12, seed=3) // 8, 2)
+    task = synthetic_images(num_clients=12, num_classes=10, sizes=sizes, seed=0)
+    return task, fedavg(tiny_mlp(), FedAvgConfig(learning_rate=0.05, epochs=2, batch_size=4))
+
+
+def test_planned_mapping_is_the_cost_models_choice_under_the_memory_cap(skewed_fedavg, capsys):
+    from flowjax.memory_plan import chunk_for_sizes, plan_chunk_size
+    task, algorithm = skewed_fedavg
+    padded = -(-int(np.max(task.train.num_examples("train"))) // 4) * 4
+    for budget in (2**22, 2**30):
+        plan = plan_chunk_size(algorithm, task.train.example_spec, padded_examples=padded,
+                               batch_size=4, device_bytes=budget, max_clients=12)
+        mapping = benchmark.planned_mapping(algorithm, task, 4, budget)
+        assert mapping.strategy == "chunked"
+        assert mapping.chunk_size == chunk_for_sizes(benchmark.client_steps(task, 4),
+                                                     plan.clients_per_chunk)
+        assert 1 <= mapping.chunk_size <= plan.clients_per_chunk
+        assert f"chunk_for_sizes picks {mapping.chunk_size}" in capsys.readouterr().out
+    with pytest.raises(benchmark.BadFlags, match="not one client fits"):
+        benchmark.planned_mapping(algorithm, task, 4, 1000)
+
+
+def test_compiled_round_is_timed_without_a_warm_up_or_a_retrace(skewed_fedavg):
+    import jax
+    import optax
+    from flowjax.core.mapping import ClientMapping
+    from flowjax.experiment import RunSettings, Simulation
+    task, algorithm = skewed_fedavg
+    settings = RunSettings(seed=0, num_rounds=1, clients_per_round=12, batch_size=4,
+                           eval_held_out=False)
+    simulation = Simulation(algorithm, task, settings, optax.sgd(1.0), ClientMapping("chunked", 4))
+    timing = benchmark.time_compiled_round(simulation, simulation.init_state(),
+                                           jax.device_put(simulation.cohort(0)), repeats=2)
+    assert timing["compile_s"] > 0 and timing["round_s"] > 0
+    assert simulation.trace_counts["round"] == 1  # traced for the compile, never again
+
+
+def test_projection_is_clients_per_second_and_hours(capsys):
+    rows = {("fedavg", "python loop (sequential)"): {"round_s": 9.0},
+            ("fedavg", "chunked 63 (planned)"): {"round_s": 18.0, "compile_s": 30.0}}
+    out = benchmark.print_projection(rows, 1000, 2000)
+    assert out == [{"method": "fedavg", "mapping": "chunked 63 (planned)",
+                    "clients_per_s": 1000 / 18.0, "rounds": 2000, "projected_hours": 10.0}]
+    assert capsys.readouterr().out == ("fedavg chunked 63 (planned): 55.6 clients/s; 2000 rounds "
+                                       "of 1000 clients: 10.00 h, compiled once in 30 s\n")
+
+
+def test_flags_for_another_model_fail_in_one_line():
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "launch/benchmark.py", "--models=shakespeare_lstm",
+                           "--compute_dtype=bfloat16"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("error: --conv_impl/--compute_dtype: only emnist_cnn "
+                                   "implements them, not shakespeare_lstm")
+
+
+@pytest.mark.slow
+def test_scale_flags_end_to_end_at_a_tiny_size(tmp_path):
+    """The Stack Overflow scale command's flags, on the EMNIST CNN at 2 clients x 1 step."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "launch/benchmark.py", "--models=emnist_cnn", "--clients=2", "--steps=1",
+         "--epochs=2", "--strategies=planned", "--plan_memory_gb=1", "--nopython_loop",
+         "--nocentralized", "--nowarmup", "--repeats=1", "--project_rounds=2000",
+         "--conv_impl=im2col", "--compute_dtype=bfloat16", f"--json_out={out}"],
+        capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())["models"]["emnist_cnn"]
+    assert report["useful_steps"] == 2 * 1 * 2 and report["centralized_s"] is None
+    assert report["model_options"] == {"conv_impl": "im2col", "compute_dtype": "bfloat16"}
+    for row in report["rows"]:
+        assert row["mapping"].endswith("(planned)") and row["compile_s"] > 0
+        assert row["useful_steps"] == row["executed_steps"] == 4
+        assert row["speedup_vs_python_loop"] is None
+    assert [p["method"] for p in report["projection"]] == ["fedavg", "flow"]
