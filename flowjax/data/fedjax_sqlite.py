@@ -2,15 +2,16 @@
 
 FedJAX's schema: ``federated_data(client_id BLOB PRIMARY KEY, data BLOB, num_examples
 INTEGER)``; ``data`` is ``zlib.compress(msgpack(dict of numpy arrays))``
-(``fedjax/core/sqlite_federated_data.py`` 0.0.17: ``SQLiteFederatedData`` docstring and
-``SQLiteFederatedDataBuilder.add_many``). Clients are read in FedJAX's order, ``ORDER BY
-rowid`` (its ``client_ids()``), i.e. the order they were written in.
+(FedJAX 0.0.17, ``fedjax/core/sqlite_federated_data.py`` lines 31-52, the
+``SQLiteFederatedData`` docstring, and 246-260, ``SQLiteFederatedDataBuilder.add_many``).
+Clients are read in FedJAX's order, ``ORDER BY rowid`` (line 134, its ``client_ids()``),
+i.e. the order they were written in.
 
-The stored keys are the raw ones (``fedjax/datasets/emnist.py`` ``load_split``:
+The stored keys are the raw ones (``fedjax/datasets/emnist.py`` lines 40-74, ``load_split``:
 ``pixels`` ``float32 [N, 28, 28]`` and ``label`` ``int32``; ``shakespeare.py``:
 ``snippets``; ``stackoverflow.py``: ``tokens``, ``title``, ``tags``, ``type``,
 ``creation_date``, ``score``). FedJAX's ``x``/``y`` exist only after its
-``preprocess_batch`` (EMNIST: ``x = 1 - pixels``): the raw keys are read here and go
+``preprocess_batch`` (EMNIST lines 119-125: ``x = 1 - pixels``): the raw keys are read here and go
 through the same encoders as TFF's files, so a FedJAX file and a TFF file holding the same
 clients give the same store. File names: ``federated_emnist_{train,test}.sqlite``
 (``federated_emnist_digitsonly_*`` digits only), ``shakespeare_{train,test}.sqlite``,

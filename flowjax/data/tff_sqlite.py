@@ -9,7 +9,7 @@ and the decompressed ``.sqlite`` are read here, without TensorFlow.
 Checked against TFF's source (``google-parfait/tensorflow-federated`` at commit
 ``63f73da486b2``, ``tensorflow_federated/python/simulation/datasets/``):
 
-* ``sql_client_data_utils.py`` lines 202-211: the tables
+* ``sql_client_data_utils.py`` lines 202-210: the tables
   ``examples(split_name TEXT, client_id TEXT, serialized_example_proto BLOB)`` and
   ``client_metadata(client_id TEXT, split_name TEXT, num_examples INTEGER)``; lines 39-54:
   each row of ``examples`` is one serialized ``tf.train.Example``, floats as a
