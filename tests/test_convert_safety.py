@@ -68,3 +68,22 @@ def test_overwrite_replaces_an_earlier_conversion(tmp_path):
     assert again.returncode == 0, again.stderr
     assert (out / "train" / "train.y.npy").read_bytes() != b"stale"
     assert sorted(os.listdir(tmp_path)) == ["emnist"]  # no temp or old copy left behind
+
+
+def test_write_store_replaces_only_a_store(tmp_path):
+    import numpy as np
+
+    from flowjax.data.client_store import ClientStore, StoreError, write_store
+
+    spec = {"x": ((2,), np.int32), "y": ((), np.int32)}
+    clients = [("a", {"train": {"x": np.ones((1, 2), np.int32), "y": np.array([3])}})]
+    folder = tmp_path / "thesis"
+    folder.mkdir()
+    (folder / "thesis.tex").write_text("\\documentclass{article}")
+    with pytest.raises(StoreError, match=r"thesis is not a client store \(no meta.json"):
+        write_store(folder, clients, spec, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["thesis"]
+    assert (folder / "thesis.tex").read_text() == "\\documentclass{article}"
+    store = write_store(tmp_path / "s", clients, spec)
+    write_store(store, [("b", {})], spec, overwrite=True)
+    assert list(ClientStore(store).client_ids) == ["b"]

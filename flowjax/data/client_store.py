@@ -159,8 +159,12 @@ def write_store(path: str | os.PathLike, clients: Iterable[ClientRecord], spec: 
     path = pathlib.Path(path)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} already exists (pass overwrite=True to replace it)")
-    if path.exists():
-        read_meta(path)  # only ever replace a store: a StoreError leaves anything else alone
+    if path.exists():  # only ever replace a store: anything else is left alone
+        try:
+            read_meta(path)
+        except StoreError as e:
+            raise StoreError(f"{path} is not a client store ({e}): refusing to replace "
+                             "it") from None
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
