@@ -309,6 +309,251 @@ COMMAND_CASES: tuple[CommandCase, ...] = (
 )
 
 
+# ---------------------------------------------------------------- converted data
+
+
+def stored_images(edit: Edit | None = None, *, ranges: bool = True) -> FederatedTask:
+    """``images(edit)`` written to an on-disk client store as ``convert.py`` writes one, but
+    without its checks (a store edited by hand, or by another tool), opened as
+    ``emnist_tff`` opens it; ``ranges=False``: a store from before value ranges were
+    recorded."""
+    import atexit
+    import json
+    import pathlib
+    import shutil
+
+    from flowjax.data.client_store import ClientStore, StoreView, write_store
+
+    data = images(edit).train
+    root = pathlib.Path(tempfile.mkdtemp(prefix="flowjax-bad-store-"))
+    atexit.register(shutil.rmtree, root, True)
+    records = [(cid, {s: data.client(i, s) for s in ("train", "test")})
+               for i, cid in enumerate(data.client_ids)]
+    path = write_store(root / "train", records, {"x": ((28, 28), np.float32),
+                                                 "y": ((), np.int32)})
+    if not ranges:
+        meta = json.loads((path / "meta.json").read_text())
+        del meta["value_ranges"]
+        (path / "meta.json").write_text(json.dumps(meta))
+    return FederatedTask(StoreView(ClientStore(path)), None, "emnist_tff")
+
+
+CASES += (
+    Case("label 99 in a converted store (written without convert.py's checks)",
+         "data train/train/y spans [1, 99] (recorded in the store's meta.json): expected labels "
+         "in [0, 62) for emnist_cnn", CNN, lambda: stored_images(put("y", 1, 99))),
+    Case("label -3 in a converted store", "data train/train/y spans [-3, ", CNN,
+         lambda: stored_images(put("y", 1, -3))),
+    Case("a NaN pixel in a converted store", "data train/train/x has 1 NaN or inf value(s) "
+         "(recorded in the store's meta.json): expected finite values", CNN,
+         lambda: stored_images(put("x", (5, 3, 3), np.nan))),
+    Case("a store converted before value ranges were recorded", "data train: its store records "
+         "no value ranges in meta.json (converted by an older launch/convert.py): reconvert "
+         "data.store_dir with launch/convert.py --overwrite", CNN,
+         lambda: stored_images(ranges=False)),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertCase:
+    """A bad ``launch/convert.py`` command: ``setup(folder)`` lays out files in an empty
+    folder and returns the arguments (paths relative to it, where the command runs). It
+    must exit 2 with one ``error:`` line and leave every file of the folder as it was."""
+
+    input: str
+    setup: Callable[[Any], list[str]]
+    expected: str
+    where: str = "command line (`launch/convert.py`)"
+
+
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+
+
+def _copy_fixture(folder: Any, fmt: str, to: str = "src") -> Any:
+    import shutil
+    return shutil.copytree(os.path.join(FIXTURES, fmt), os.path.join(folder, to))
+
+
+def _converted(folder: Any, out: str) -> None:
+    """A conversion of the EMNIST fixture at ``folder/out`` (the output of an earlier run)."""
+    from launch.convert import convert
+    convert("emnist", os.path.join(FIXTURES, "tff_h5"), os.path.join(folder, out), "tff_h5")
+
+
+def _fedjax_emnist(folder: Any, edit: Edit | None = None, clients: bool = True,
+                   blob: bytes | None = None) -> list[str]:
+    """FedJAX EMNIST files in ``folder/src``, the first train client's arrays edited."""
+    import sqlite3
+
+    from flowjax.data.fedjax_sqlite import write_sqlite
+    from tests.fixtures import content
+
+    os.makedirs(os.path.join(folder, "src"))
+    for split in ("train", "test"):
+        data = {c: dict(f) for c, f in content.EMNIST[split].items()} if clients else {}
+        if split == "train" and edit is not None:
+            edit(data["f0000_14"])
+        path = os.path.join(folder, "src", f"federated_emnist_{split}.sqlite")
+        write_sqlite(path, data)
+        if split == "train" and blob is not None:
+            with sqlite3.connect(path) as db:
+                db.execute("UPDATE federated_data SET data = ? WHERE client_id = ?",
+                           (blob, b"f0000_14"))
+            db.close()
+    return ["--dataset=emnist", "--source=src", "--out=out"]
+
+
+def _set(feature: str, index: Any, value: Any, dtype: Any = None) -> Edit:
+    def edit(features):
+        array = np.array(features[feature], dtype=dtype or features[feature].dtype)
+        array[index] = value
+        features[feature] = array
+    return edit
+
+
+def _case_out_is_source(folder):
+    _copy_fixture(folder, "tff_h5")
+    return ["--dataset=emnist", "--source=src", "--out=src", "--overwrite"]
+
+
+def _case_out_holds_source(folder):
+    _copy_fixture(folder, "tff_h5", "data/src")
+    return ["--dataset=emnist", "--source=data/src", "--out=data", "--overwrite"]
+
+
+def _case_out_inside_source(folder):
+    _copy_fixture(folder, "tff_h5")
+    _converted(folder, "src/emnist")
+    return ["--dataset=emnist", "--source=src", "--out=src/emnist", "--overwrite"]
+
+
+def _case_user_folder(folder):
+    _copy_fixture(folder, "tff_h5")
+    os.makedirs(os.path.join(folder, "thesis"))
+    with open(os.path.join(folder, "thesis", "thesis.tex"), "w") as f:
+        f.write("\\documentclass{article}\n")
+    return ["--dataset=emnist", "--source=src", "--out=thesis", "--overwrite"]
+
+
+def _case_user_file_in_store(folder):
+    _copy_fixture(folder, "tff_h5")
+    _converted(folder, "out")
+    with open(os.path.join(folder, "out", "notes.txt"), "w") as f:
+        f.write("my notes\n")
+    return ["--dataset=emnist", "--source=src", "--out=out", "--overwrite"]
+
+
+def _case_exists(folder):
+    _copy_fixture(folder, "tff_h5")
+    _converted(folder, "out")
+    return ["--dataset=emnist", "--source=src", "--out=out"]
+
+
+def _case_partial(folder):
+    import shutil
+    os.makedirs(os.path.join(folder, "src"))
+    shutil.copy(os.path.join(FIXTURES, "tff_h5", "fed_emnist_train.h5"),
+                os.path.join(folder, "src"))
+    return ["--dataset=emnist", "--source=src", "--out=out"]
+
+
+def _case_no_files(folder):
+    os.makedirs(os.path.join(folder, "src"))
+    return ["--dataset=shakespeare", "--source=src", "--out=out"]
+
+
+def _case_bad_proto(folder):
+    import lzma
+    import sqlite3
+    os.makedirs(os.path.join(folder, "src"))
+    path = os.path.join(folder, "src", "shakespeare.sqlite")
+    with lzma.open(os.path.join(FIXTURES, "tff_sqlite", "shakespeare.sqlite.lzma")) as f, \
+            open(path, "wb") as out:
+        out.write(f.read())
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE examples SET serialized_example_proto = ? WHERE rowid = 1",
+                   (b"\x0a\x05garbage",))
+    db.close()
+    return ["--dataset=shakespeare", "--source=src", "--out=out"]
+
+
+def _case_truncated_lzma(folder):
+    os.makedirs(os.path.join(folder, "src"))
+    with open(os.path.join(FIXTURES, "tff_sqlite", "emnist_all.sqlite.lzma"), "rb") as f:
+        data = f.read()
+    with open(os.path.join(folder, "src", "emnist_all.sqlite.lzma"), "wb") as f:
+        f.write(data[:len(data) // 2])
+    return ["--dataset=emnist", "--source=src", "--out=out"]
+
+
+_REFUSE = "refusing to replace it; choose another --out"
+CONVERT_CASES: tuple[ConvertCase, ...] = (
+    ConvertCase("`--out` equal to `--source`, with `--overwrite`", _case_out_is_source,
+                f"error: --out=src is the source folder src: {_REFUSE}"),
+    ConvertCase("`--out` a folder holding `--source`, with `--overwrite`",
+                _case_out_holds_source, f"error: --out=data contains the source folder "
+                f"data/src: {_REFUSE}"),
+    ConvertCase("`--out` an earlier conversion inside `--source`, with `--overwrite`",
+                _case_out_inside_source, f"error: --out=src/emnist lies inside the source "
+                f"folder src: {_REFUSE}"),
+    ConvertCase("`--out` a folder holding the user's thesis.tex, with `--overwrite`",
+                _case_user_folder, "error: --out=thesis is not a task directory convert.py "
+                "wrote (no flowjax-federated-task task.json marker): refusing to delete it"),
+    ConvertCase("`--out` an earlier conversion the user put notes.txt in, with `--overwrite`",
+                _case_user_file_in_store, "error: --out=out is not a task directory convert.py "
+                "wrote (it holds 'notes.txt', which convert.py does not write): refusing to "
+                "delete it"),
+    ConvertCase("`--out` an earlier conversion, without `--overwrite`", _case_exists,
+                "error: out already exists (use --overwrite to replace it)"),
+    ConvertCase("a source folder with none of the dataset's files", _case_no_files,
+                "error: no shakespeare files in src: expected TFF SQLite: shakespeare.sqlite or "
+                "shakespeare.sqlite.lzma; TFF h5: "),
+    ConvertCase("a source folder with half of TFF's h5 files", _case_partial,
+                "error: found TFF h5 fed_emnist_train.h5 in src but not fed_emnist_test.h5"),
+    ConvertCase("a stray positional argument", lambda folder: ["--dataset=emnist", "extra"],
+                "error: unexpected arguments ['extra']: expected only --flags"),
+    ConvertCase("a corrupt FedJAX blob (zlib)", lambda folder: _fedjax_emnist(
+                    folder, blob=b"not zlib"),
+                "error: src/federated_emnist_train.sqlite: client 'f0000_14': corrupt data "
+                "blob (error: "),
+    ConvertCase("a FedJAX source with 0 clients", lambda folder: _fedjax_emnist(
+                    folder, clients=False),
+                "error: src/federated_emnist_train.sqlite: 0 clients in its train split: "
+                "expected at least one client"),
+    ConvertCase("label 99 in a FedJAX EMNIST file", lambda folder: _fedjax_emnist(
+                    folder, _set("label", 1, 99)),
+                "error: src/federated_emnist_train.sqlite: client 'f0000_14': label 99: "
+                "expected labels in [0, 62)"),
+    ConvertCase("label -3 in a FedJAX EMNIST file", lambda folder: _fedjax_emnist(
+                    folder, _set("label", 0, -3)),
+                "error: src/federated_emnist_train.sqlite: client 'f0000_14': label -3: "
+                "expected labels in [0, 62)"),
+    ConvertCase("float label 3.7 in a FedJAX EMNIST file", lambda folder: _fedjax_emnist(
+                    folder, _set("label", 2, 3.7, np.float32)),
+                "error: src/federated_emnist_train.sqlite: client 'f0000_14': label "
+                "3.7: expected integer class labels"),
+    ConvertCase("a NaN pixel in a FedJAX EMNIST file", lambda folder: _fedjax_emnist(
+                    folder, _set("pixels", (1, 2, 3), np.nan)),
+                "error: src/federated_emnist_train.sqlite: client 'f0000_14': pixel nan "
+                "(float32 source): expected finite values in [0, 1]"),
+    ConvertCase("uint8 pixels in 0-255 in a FedJAX EMNIST file", lambda folder: _fedjax_emnist(
+                    folder, lambda f: f.update(pixels=(f["pixels"] * 255).astype(np.uint8))),
+                "error: src/federated_emnist_train.sqlite: client 'f0000_14': pixel 255.0 "
+                "(uint8 source): expected finite values in [0, 1]"),
+    ConvertCase("a TFF SQLite row that is not a tf.train.Example", _case_bad_proto,
+                "error: src/shakespeare.sqlite[train]: client "),
+    ConvertCase("a truncated TFF `.sqlite.lzma` download", _case_truncated_lzma,
+                "error: src/emnist_all.sqlite.lzma: not a complete LZMA file"),
+)
+
+
+def run_convert(case: ConvertCase, folder: Any) -> subprocess.CompletedProcess:
+    """Lays out ``case`` in ``folder`` and runs ``launch/convert.py`` there."""
+    args = case.setup(folder)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "launch", "convert.py"), *args],
+                          capture_output=True, text=True, cwd=folder, timeout=120)
+
+
 # ---------------------------------------------------------------- running them
 
 
@@ -342,6 +587,11 @@ def markdown() -> str:
             done = run_command(case, workdir)
             line = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
             rows.append((case.input, case.where, f"`{line}` (exit {done.returncode})"))
+    for case in CONVERT_CASES:
+        with tempfile.TemporaryDirectory() as folder:
+            done = run_convert(case, folder)
+        line = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+        rows.append((case.input, case.where, f"`{line}` (exit {done.returncode})"))
     lines = ["# Bad inputs and their errors", "",
              f"Generated by `{GENERATE}` from the cases that `tests/test_validation.py` "
              "checks. Each bad input stops the run before data is loaded (config), before "
