@@ -14,13 +14,17 @@ from tests.helpers import assert_trees_equal, check_state_round_trip, one_client
 CONFIG = dict(learning_rate=0.05, epochs=2, batch_size=4)
 
 
+def _visited(v):
+    """The state of a client that has trained before, with personal model ``v``."""
+    return {"v": v, "visited": jnp.asarray(True)}
+
 
 
 def test_alpha_zero_makes_the_personal_model_the_local_global_model(cnn, images_small):
     algorithm = apfl(cnn, APFLConfig(**CONFIG, alpha=0.0))
     fedavg_ft = fedavg(cnn, FedAvgConfig(**CONFIG, finetune=True))
     params = algorithm.init(jax.random.key(0))
-    stored = {"v": cnn.init(jax.random.key(3))}
+    stored = _visited(cnn.init(jax.random.key(3)))
     client = one_client(images_small, 1, padded_examples=32)
 
     result = jax.jit(algorithm.client_update)(params, client, jax.random.key(1), stored)
@@ -42,7 +46,7 @@ def test_one_minibatch_is_the_simultaneous_update(mlp, images_small):
     w = mlp.init(jax.random.key(0))
     v = mlp.init(jax.random.key(1))
     client = one_client(images_small, 1, padded_examples=32, batch_size=32)  # one minibatch
-    result = algorithm.client_update(w, client, jax.random.key(2), {"v": v})
+    result = algorithm.client_update(w, client, jax.random.key(2), _visited(v))
 
     def loss(params):
         sums = plain_loss_sums(mlp, params, client.flat(), jax.random.key(0))
@@ -61,7 +65,7 @@ def test_personal_model_mixes_the_stored_v_with_the_locally_trained_w(mlp, image
     algorithm = apfl(mlp, APFLConfig(**CONFIG, alpha=0.3))
     fedavg_ft = fedavg(mlp, FedAvgConfig(**CONFIG, finetune=True))
     params = algorithm.init(jax.random.key(0))
-    stored = {"v": mlp.init(jax.random.key(3))}
+    stored = _visited(mlp.init(jax.random.key(3)))
     client = one_client(images_small, 2, padded_examples=32)
     personal = jax.jit(algorithm.personalize)(params, client, jax.random.key(2), stored)
     local_w = jax.jit(fedavg_ft.personalize)(params, client, jax.random.key(2))
@@ -70,16 +74,42 @@ def test_personal_model_mixes_the_stored_v_with_the_locally_trained_w(mlp, image
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_state_starts_at_the_initial_params_and_an_empty_client_keeps_it(mlp, images_small):
+def test_an_empty_client_keeps_its_state_and_stays_unvisited(mlp, images_small):
     algorithm = apfl(mlp, APFLConfig(**CONFIG, alpha=0.3))
     params = algorithm.init(jax.random.key(0))
-    assert_trees_equal(algorithm.init_client_state(params)["v"], params)
     client = one_client(images_small, 1, padded_examples=8)
     empty = client.replace(mask=jnp.zeros_like(client.mask), num_examples=jnp.int32(0))
-    stored = {"v": mlp.init(jax.random.key(3))}
-    result = jax.jit(algorithm.client_update)(params, empty, jax.random.key(1), stored)
-    assert_trees_equal(result.client_state, stored)
-    assert float(result.weight) == 0.0
+    for stored in (algorithm.init_client_state(params), _visited(mlp.init(jax.random.key(3)))):
+        result = jax.jit(algorithm.client_update)(params, empty, jax.random.key(1), stored)
+        assert_trees_equal(result.client_state, stored)
+        assert float(result.weight) == 0.0
+
+
+def test_a_client_that_never_trained_starts_v_from_the_current_global_model(mlp, images_small):
+    # The engine creates every client's state from the *initial* server params; later,
+    # with the server at w_t, neither the first update nor the personalized model of a
+    # never-trained client may depend on that state's values (no random init in vbar).
+    algorithm = apfl(mlp, APFLConfig(**CONFIG, alpha=0.3))
+    fresh = algorithm.init_client_state(algorithm.init(jax.random.key(0)))
+    assert not bool(fresh["visited"])
+    w_t = mlp.init(jax.random.key(9))  # the current global model, not the initial one
+    other = dict(fresh, v=mlp.init(jax.random.key(4)))  # same flag, other template values
+    client = one_client(images_small, 2, padded_examples=32)
+    update = jax.jit(algorithm.client_update)
+    first = update(w_t, client, jax.random.key(1), fresh)
+    assert_trees_equal(first.client_state["v"],
+                       update(w_t, client, jax.random.key(1), _visited(w_t)).client_state["v"])
+    assert_trees_equal(first.client_state, update(w_t, client, jax.random.key(1), other).client_state)
+    assert bool(first.client_state["visited"])
+
+    personalize = jax.jit(algorithm.personalize)
+    personal = personalize(w_t, client, jax.random.key(2), fresh)
+    assert_trees_equal(personal, personalize(w_t, client, jax.random.key(2), other))
+    # ... as at a first participation: vbar of the APFL update from w = v = w_t.
+    at_first = update(w_t, client, jax.random.key(2), fresh)
+    expected = mix_params(0.3, at_first.client_state["v"], at_first.params)
+    for a, b in zip(jax.tree.leaves(personal), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_bad_config_values_name_the_field():

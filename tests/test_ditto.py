@@ -100,6 +100,24 @@ def test_personal_model_at_evaluation(mlp, images_small):
     assert_trees_equal(personalize(w_t, client, key, stored), stored["v"])
 
 
+def test_a_never_trained_clients_model_ignores_the_templates_values(mlp, images_small):
+    # The engine builds every state from the *initial* params; with the server at a later
+    # w_t, a never-trained client's v (update and evaluation) depends on w_t only, the
+    # same rule as APFL's.
+    algorithm = ditto(mlp, DittoConfig(**CONFIG, lam=0.1))
+    fresh = algorithm.init_client_state(algorithm.init(jax.random.key(0)))
+    other = dict(fresh, v=mlp.init(jax.random.key(4)))
+    w_t = mlp.init(jax.random.key(9))
+    client = one_client(images_small, 2, padded_examples=32)
+    update, personalize = jax.jit(algorithm.client_update), jax.jit(algorithm.personalize)
+    key = jax.random.key(1)
+    assert_trees_equal(update(w_t, client, key, fresh).client_state,
+                       update(w_t, client, key, other).client_state)
+    assert_trees_equal(personalize(w_t, client, key, fresh), personalize(w_t, client, key, other))
+    assert_trees_equal(personalize(w_t, client, key, fresh),
+                       update(w_t, client, key, _visited(w_t)).client_state["v"])
+
+
 def test_a_client_without_examples_stays_unvisited(mlp, images_small):
     algorithm = ditto(mlp, DittoConfig(**CONFIG, lam=0.1))
     w_t = algorithm.init(jax.random.key(0))

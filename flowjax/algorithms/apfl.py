@@ -16,17 +16,22 @@ Choices where the paper is silent or offers options:
 
 * ``alpha`` is fixed (Flow's Appendix B uses .25 / .3 / .2); the paper's adaptive-alpha
   variant is not implemented.
-* ``v`` starts as the server's initial params (``init_client_state``); the paper takes
-  the initial ``v_i`` as an input. A client that never trained (e.g. a held-out client)
-  therefore mixes those initial params into its ``vbar``.
-* Personalized model at evaluation: ``vbar = alpha v + (1 - alpha) w_i`` where ``v`` is
-  the client's stored personal model as is, and ``w_i`` is the current global model
-  after E epochs of local SGD on the client's train split (FedAvgFT's fine-tuned
-  model). Why: APFL's ``vbar`` mixes ``v`` with the client's *local* iterate of the
-  global model, never with the raw server average, so the evaluation rebuilds that
-  local iterate as a round would; ``v`` is not trained further because it only learns
-  in the rounds the client is sampled, and evaluation returns no state. With
+* ``v`` starts from ``w_t``, the global model the client receives at its first
+  participation (the APFL paper initializes ``v_i`` with the global model; no random
+  init ever enters ``vbar``); the state carries a ``visited`` flag for that, as Ditto's.
+  A client with no training examples makes no step and stays unvisited.
+* Personalized model at evaluation: ``vbar = alpha v + (1 - alpha) w_i`` where ``w_i`` is
+  the current global model after E epochs of local SGD on the client's train split
+  (FedAvgFT's fine-tuned model) and ``v`` is the client's stored personal model as is.
+  Why: APFL's ``vbar`` mixes ``v`` with the client's *local* iterate of the global
+  model, never with the raw server average, so the evaluation rebuilds that local
+  iterate as a round would; a stored ``v`` is not trained further because it only
+  learns in the rounds the client is sampled, and evaluation returns no state. With
   ``alpha = 0`` the personalized model is therefore exactly FedAvgFT's.
+* A client that never trained (held-out clients, and train clients never sampled) is
+  personalized as at a first participation, the same rule as Ditto's: the APFL update
+  from ``w = v = w_t`` (the current global model) on its train split gives ``w_i`` and
+  ``v``, and ``vbar = alpha v + (1 - alpha) w_i``.
 * Randomness: the ``w`` steps use exactly FedAvg's keys and batches; the ``v`` step of a
   minibatch uses the same batch and a key folded from the step's key (its dropout).
 * ``momentum`` > 0 gives each of ``w`` and ``v`` its own SGD momentum state.
@@ -44,6 +49,7 @@ from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictio
                                      require_positive_ints, sgd_step, train_plain, valid_examples)
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
+from flowjax.core.tree import select_tree
 from flowjax.models.base import Params, RoutableModel, forward
 
 
@@ -101,25 +107,46 @@ def apfl(model: RoutableModel, config: APFLConfig) -> FederatedAlgorithm:
         # run_epochs sums one [loss, count] per step: the mixed model's ride in the carry.
         return (w_carry, (v, v_opt), personal_total + personal_sums), sums
 
-    def client_update(params, examples: ClientExamples, key, client_state) -> ClientResult:
+    def train_both(params, personal, examples: ClientExamples, key):
+        """E epochs of the APFL update from ``(w, v) = (params, personal)``."""
         x, y, valid = examples.flat()
-        personal = client_state["v"]
         carry = ((params, optimizer.init(params)), (personal, optimizer.init(personal)),
                  jnp.zeros((2,), jnp.float32))
         ((w, _), (v, _), personal_sums), sums = run_epochs(
             apfl_step, carry, x, y, valid, num_epochs=config.epochs,
             batch_size=config.batch_size, key=key)
+        return w, v, sums, personal_sums
+
+    def starting_point(params, client_state):
+        """The stored ``v``, or ``w_t`` for a client that has not trained yet."""
+        return select_tree(client_state["visited"], client_state["v"], params)
+
+    def client_update(params, examples: ClientExamples, key, client_state) -> ClientResult:
+        w, v, sums, personal_sums = train_both(params, starting_point(params, client_state),
+                                               examples, key)
+        visited = client_state["visited"] | (examples.num_examples > 0)
+        # A client without examples keeps its state bit for bit (template included).
+        state = {"v": select_tree(visited, v, client_state["v"]), "visited": visited}
         return ClientResult(
             params=w, weight=examples.num_examples.astype(jnp.float32),
             metrics={"loss_sum": sums[0], "loss_count": sums[1],
                      "personal_loss_sum": personal_sums[0],
                      "personal_loss_count": personal_sums[1]},
-            client_state={"v": v})
+            client_state=state)
 
     def personalize(params, examples: ClientExamples, key, client_state):
-        local_w, _ = train_plain(model, params, optimizer, examples, valid_examples(examples),
-                                 epochs=config.epochs, batch_size=config.batch_size, key=key)
-        return mix_params(alpha, client_state["v"], local_w)
+        def stored():
+            local_w, _ = train_plain(model, params, optimizer, examples,
+                                     valid_examples(examples), epochs=config.epochs,
+                                     batch_size=config.batch_size, key=key)
+            return mix_params(alpha, client_state["v"], local_w)
+
+        def first_participation():
+            # The w steps are FedAvg's on the same keys, so w is stored()'s local_w.
+            local_w, v, _, _ = train_both(params, params, examples, key)
+            return mix_params(alpha, v, local_w)
+
+        return jax.lax.cond(client_state["visited"], stored, first_participation)
 
     def predict(params, personal, x) -> Predictions:
         global_logits = forward(model, params, x)
@@ -128,7 +155,8 @@ def apfl(model: RoutableModel, config: APFLConfig) -> FederatedAlgorithm:
                            no_routing(global_logits))
 
     def init_client_state(params):
-        return {"v": params}
+        # ``v`` is only a shape template until the first participation sets it to w_t.
+        return {"v": jax.tree.map(jnp.zeros_like, params), "visited": jnp.asarray(False)}
 
     return FederatedAlgorithm(name="apfl", model=model, init=model.init,
                               client_update=client_update, personalize=personalize,

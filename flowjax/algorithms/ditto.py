@@ -33,7 +33,8 @@ Choices where the paper is silent:
   key), so with ``lam = 0`` a first-time client's ``v`` equals its FedAvg update exactly.
 * Personalized model at evaluation: the stored ``v``; for a client that never trained
   (including held-out clients), ``v`` trained from the current global params on its
-  train split exactly as at a first participation.
+  train split exactly as at a first participation (APFL follows the same rule). The
+  state template of such a client is never read, so no random init enters its ``v``.
 * ``momentum`` > 0 applies the optimizer's momentum to the loss gradient only
   (``z = v + sgd_momentum_update``) and keeps the exact proximal step after it; ``w``
   and ``v`` each have their own momentum state, reset every round as in FedAvg.
