@@ -37,7 +37,7 @@ from flowjax.experiment import DivergenceError  # noqa: E402
 from flowjax.experiments_plan import expand, variant_overrides  # noqa: E402
 from flowjax.reporting import comparison_csv, results_table, write_text_atomic  # noqa: E402
 from flowjax.runner import (check_workdir, differing_fields, resolved_config,  # noqa: E402
-                            run_config_to_workdir, stored_config)
+                            run_config_to_workdir, run_started, stored_config)
 from flowjax.validation import validate_config  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Base run config.", lock_config=False)
@@ -71,7 +71,7 @@ def method_configs(base: Any, workdir: str, methods: list[str]) -> dict[str, Any
         if previous is None and os.path.exists(os.path.join(run_dir, "results.json")):
             raise ValueError(f"{run_dir} has results.json but no config.json, so what made it "
                              f"is unknown; {remedy}")
-        if previous is not None:
+        if previous is not None and run_started(run_dir):  # else nothing to lose
             differing = differing_fields(previous, resolved_config(config))
             if differing:
                 raise ValueError(f"{run_dir} holds a run of another config (differs in: "

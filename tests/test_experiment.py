@@ -168,3 +168,20 @@ def test_divergence_names_bad_data_before_the_learning_rate():
     assert str(explain_divergence(simulation, config, raised.value)).startswith(
         "round 1: training diverged: client 'c2' of the round has labels y=99 (1 bad value): "
         "expected labels in [0, 62) for emnist_cnn; stopping")
+
+
+def test_a_config_json_alone_does_not_block_the_corrected_rerun(tmp_path):
+    import json
+
+    from flowjax.runner import prepare_workdir
+
+    prepare_workdir(str(tmp_path), {"seed": 1, "num_rounds": 2}, overwrite=False)
+    # A run that failed before its first round left only config.json: replaced.
+    prepare_workdir(str(tmp_path), {"seed": 0, "num_rounds": 2}, overwrite=False)
+    assert json.loads((tmp_path / "config.json").read_text()) == {"seed": 0, "num_rounds": 2}
+    # Once a round is logged, a different config is refused and nothing changes.
+    (tmp_path / "metrics.jsonl").write_text('{"round": 1, "kind": "train"}\n')
+    with pytest.raises(ValueError, match=r"holds a run with a different config \(differs in: "
+                                         r"seed\); use --overwrite"):
+        prepare_workdir(str(tmp_path), {"seed": 1, "num_rounds": 2}, overwrite=False)
+    assert json.loads((tmp_path / "config.json").read_text()) == {"seed": 0, "num_rounds": 2}

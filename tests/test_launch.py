@@ -54,3 +54,11 @@ def test_compare_writes_one_table_and_resumes(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "flow: finished earlier" in again.stdout
     assert os.path.getmtime(tmp_path / "flow" / "results.json") == stamp
+    # run.json holds only timing: without it the table stands and the sum says so.
+    table_rows = [line for line in table.splitlines() if line.startswith("| ")]
+    (tmp_path / "fedavg" / "run.json").unlink()
+    partial = launch("compare.py", *args)
+    assert partial.returncode == 0, partial.stderr[-3000:]
+    rerun = (tmp_path / "comparison.md").read_text()
+    assert "summed run time of 1 of the 2 methods (the others lack run.json)" in rerun
+    assert [line for line in rerun.splitlines() if line.startswith("| ")] == table_rows

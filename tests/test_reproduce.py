@@ -339,6 +339,10 @@ def test_a_finished_cell_of_another_config_is_refused(tmp_path):
     os.makedirs(cell.path(str(tmp_path)))
     with open(os.path.join(cell.path(str(tmp_path)), "config.json"), "w") as handle:
         json.dump(config, handle)
+    # A config.json alone is a run that failed before its first round: nothing to lose.
+    assert list(reproduce.check_cells(request, tiny_config)) == [cell]
+    with open(os.path.join(cell.path(str(tmp_path)), "results.json"), "w") as handle:
+        json.dump({"acc_g": 0.5}, handle)
     with pytest.raises(ValueError, match=r"holds a run of another config \(differs in: "
                                          r"num_rounds\)"):
         reproduce.check_cells(request, tiny_config)
