@@ -100,3 +100,14 @@ def test_quick_config_compares_fedavg_and_flow_through_compare_py(tmp_path):
     assert [row.split(" | ")[:3] for row in rows] == [["| fedavg", "train_clients", "12"],
                                                        ["| flow", "train_clients", "12"]]
     assert (tmp_path / "comparison.md").exists()
+
+
+def test_features_of_another_width_than_the_mlp_fail_in_one_line():
+    from configs import synthetic
+    from flowjax import config as run_config
+
+    config = synthetic.get_config("quick")
+    config.data.update(dimension=30, num_clients=5)
+    with pytest.raises(ValueError, match=r"data train/train/x is float32 \[30\] per example: "
+                                         r"expected float \[60\] per example for mlp"):
+        run_config.build_simulation(config)

@@ -243,3 +243,40 @@ def test_fashion_mnist_config_without_files_exits_2_in_one_line(tmp_path):
     assert lines[-1].startswith("error: fashion_mnist IDX files not found in data_dir="), lines
     assert "apt-get install dataset-fashion-mnist" in lines[-1]
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+@pytest.mark.parametrize("variant", ["dirichlet_0.1", "dirichlet_0.6", "mini_0.1", "mini_0.6"])
+def test_fashion_mnist_configs_are_valid_for_every_method(variant):
+    from configs import fashion_mnist
+    from flowjax import config as run_config
+    from flowjax.experiments_plan import MAIN
+    from flowjax.validation import validate_config
+
+    for method in MAIN:
+        config = fashion_mnist.get_config(variant)
+        config.algorithm = method
+        validate_config(run_config.effective_config(config))
+    config = fashion_mnist.get_config(variant)
+    assert config.data.alpha == float(variant.split("_")[1])
+    # The paper's EMNIST settings (Appendix B), whatever the scale.
+    assert (config.epochs, config.batch_size, config.learning_rate, config.gamma,
+            config.clients_per_round) == (3, 20, 0.01, 1e-2, 10)
+    with pytest.raises(ValueError, match="unknown fashion_mnist config variant 'mini'"):
+        fashion_mnist.get_config("mini")
+
+
+@pytest.mark.slow  # compiles the EMNIST CNN and its routed twin (a minute on 2 cores)
+def test_fashion_mnist_mini_config_trains_on_generated_files(tmp_path):
+    from configs import fashion_mnist
+    from flowjax import config as run_config
+    from flowjax import experiment
+
+    write_files(tmp_path, pool(10, 20), pool(10, 10, offset=1))
+    for method in ("fedavg", "flow"):
+        config = fashion_mnist.get_config("mini_0.1")
+        config.data.update(data_dir=str(tmp_path), num_clients=4, train_per_client=20,
+                           test_per_client=5)
+        config.update(algorithm=method, num_rounds=1, clients_per_round=2)
+        config.eval.every = 0
+        result = experiment.run(run_config.build_simulation(config))
+        assert result.summaries["train_clients"].num_clients == 4
