@@ -1,0 +1,54 @@
+"""flowjax's side of launch/parity.py against the committed figures of the authors' code.
+
+``tests/fixtures/parity_emnist.json`` was written by
+``python launch/parity.py --reference_dir=<checkout of Astuary/Flow> --write_fixture``
+(PyTorch 2.13.0 CPU): per tensor of their ``EMNISTNet`` after one ``emnist_train`` client
+update, and for the logits of their ``emnist_generalized_test``, the sum, the sum of
+squares and values at evenly spaced flat indices, plus the evaluation's metrics. This test
+recomputes flowjax's reference mode from the same initial weights and minibatches, without
+PyTorch, and checks each sampled value to the script's 1e-4 target, the sums to what that
+target allows (``|sum a - sum b| <= 1e-4 * size``) and the metrics exactly.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from launch import parity
+
+with open(parity.FIXTURE) as f:
+    FIXTURE = json.load(f)
+
+
+def _check(ours: np.ndarray, theirs: dict, name: str) -> None:
+    flat = np.asarray(ours, np.float64).reshape(-1)
+    assert flat.size == theirs["size"], name
+    np.testing.assert_allclose(flat[theirs["indices"]], theirs["values"], rtol=0,
+                               atol=FIXTURE["tolerance"], err_msg=name)
+    assert abs(flat.sum() - theirs["sum"]) <= FIXTURE["tolerance"] * flat.size, name
+
+
+def test_fixture_was_written_for_the_settings_the_script_uses():
+    assert FIXTURE["settings"] == parity.SETTINGS
+    assert set(FIXTURE["modes"]) == set(parity.ZERO_GRAD_MODES)
+
+
+@pytest.mark.parametrize("mode", parity.ZERO_GRAD_MODES)
+def test_flowjax_reference_mode_matches_the_authors_client_update(mode):
+    ours = parity.flowjax_side(mode)
+    theirs = FIXTURE["modes"][mode]
+    assert set(ours["updated"]) == set(theirs["tensors"])
+    for name, summary in theirs["tensors"].items():
+        _check(ours["updated"][name], summary, name)
+    _check(ours["eval_snapshot_logits"], theirs["eval_snapshot_logits"], "snapshot logits")
+    _check(ours["eval_personal_logits"], theirs["eval_personal_logits"], "routed logits")
+    assert ours["metrics"] == theirs["metrics"]
+
+
+def test_the_fixture_tells_the_two_frozen_group_rules_apart():
+    """The check can fail: the other rule's figures are far outside the tolerance."""
+    a = FIXTURE["modes"]["set_to_none"]["tensors"]
+    b = FIXTURE["modes"]["zero_grad"]["tensors"]
+    gap = max(np.max(np.abs(np.subtract(a[k]["values"], b[k]["values"]))) for k in a)
+    assert gap > 100 * FIXTURE["tolerance"]
