@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Issue 16's GPU measurements in one device call: every run under `timeout`, inside one time
+# budget; raw output to $OUT (gpu_bench.log + raw.tgz with each run's text and JSON).
+#
+#   bash launch/gpu_bench.sh
+#
+# Environment:
+#   NEW       code to measure (default: .), e.g. a `git archive HEAD` copy
+#   BASE      today's code, the baseline rerun in the same call (default: .baseline, made
+#             on the host with `git archive <commit> flowjax launch | tar -x -C .baseline`)
+#   BUDGET_S  seconds for all runs together (default 450); a run gets at most what is left
+#   PY        the Python with jax[cuda] (default: python3, the device image's)
+# The EMNIST runs come first (their targets are ratios within one run), then Stack Overflow
+# at 64 skewed clients (baseline, then this code), then the 1,000-client rounds (Flow first),
+# then the device's ceilings and what XLA compiled.
+set -u
+OUT=${OUT:-/tmp/gpu_bench_out}
+NEW=$(cd "${NEW:-.}" && pwd)
+BASE=$(cd "${BASE:-.baseline}" 2>/dev/null && pwd || echo "")
+BUDGET_S=${BUDGET_S:-450}
+PY=${PY:-python3}
+RAW=$OUT/raw
+LOG=$OUT/gpu_bench.log
+mkdir -p "$RAW"
+export FLOWJAX_XLA_TUNING=0 PYTHONUNBUFFERED=1
+START=$(date +%s)
+
+step() {  # step NAME TIMEOUT_S CODE_DIR ARGS...: `$PY ARGS` in CODE_DIR, if budget is left
+  local name=$1 limit=$2 dir=$3
+  shift 3
+  local left=$((BUDGET_S - ($(date +%s) - START)))
+  if ((left < 25)); then
+    echo "## $name: skipped, ${left} s of the budget left" | tee -a "$LOG"
+    return
+  fi
+  ((limit > left)) && limit=$left
+  echo "## $name (timeout ${limit} s, code $dir): $PY $*" | tee -a "$LOG"
+  local t0=$(date +%s)
+  (cd "$dir" && PYTHONPATH=. timeout "$limit" "$PY" "$@") >"$RAW/$name.txt" 2>&1
+  local rc=$?
+  grep -v -e "^W0000" -e "^I0000" -e "^WARNING: All log messages" "$RAW/$name.txt" >>"$LOG"
+  echo "## $name: rc=$rc, $(($(date +%s) - t0)) s" | tee -a "$LOG"
+}
+
+{
+  echo "# launch/gpu_bench.sh, $(date -u +%FT%TZ), budget ${BUDGET_S} s"
+  echo "# code: $NEW; baseline: ${BASE:-none}"
+  nvidia-smi -L
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.memory,power.limit,driver_version --format=csv
+  nvidia-smi
+} >>"$LOG" 2>&1
+step versions 60 "$NEW" -c "
+import jax, jaxlib, flax, optax, numpy
+d = jax.devices()[0]
+print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__,
+      'optax', optax.__version__, 'numpy', numpy.__version__)
+print('device', d.device_kind, 'platform', d.platform, 'memory_stats', d.memory_stats())
+try:
+    import torch
+    print('torch', torch.__version__, torch.cuda.get_device_properties(0))
+except Exception as error:
+    print('torch properties unavailable:', error)
+"
+
+BENCH=(launch/benchmark.py --repeats=3)
+EMNIST=(--models=emnist_cnn --clients=100 --steps=10 --strategies=vmap --nopython_loop)
+step emnist_xla 100 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=xla --json_out="$RAW/emnist_xla.json"
+step emnist_im2col 100 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col --json_out="$RAW/emnist_im2col.json"
+
+SO64=(--models=stackoverflow_lstm --skewed --clients=64)
+if [[ -n "$BASE" ]]; then
+  step so64_baseline 100 "$BASE" launch/benchmark.py "${SO64[@]}" --strategies=chunked --chunk_size=4 --repeats=1 --json_out="$RAW/so64_baseline.json"
+fi
+step so64 110 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked,planned --chunk_size=4 --nopython_loop --repeats=2 --json_out="$RAW/so64.json"
+
+SO1000=(launch/benchmark.py --models=stackoverflow_lstm --skewed --clients=1000 --epochs=3 --strategies=planned --nopython_loop --nocentralized --nowarmup --repeats=1 --project_rounds=2000)
+step so1000_flow 170 "$NEW" "${SO1000[@]}" --methods=flow --json_out="$RAW/so1000_flow.json"
+step so1000_fedavg 90 "$NEW" "${SO1000[@]}" --methods=fedavg --json_out="$RAW/so1000_fedavg.json"
+
+step emnist_bf16 80 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col --compute_dtype=bfloat16 --json_out="$RAW/emnist_bf16.json"
+step roofline 70 "$NEW" launch/roofline.py --models=emnist_cnn --ceilings --inventory --json_out="$RAW/roofline_gpu.json"
+
+echo "# done after $(($(date +%s) - START)) s" | tee -a "$LOG"
+tar czf "$OUT/raw.tgz" -C "$OUT" raw && rm -rf "$RAW"
