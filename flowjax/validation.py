@@ -59,6 +59,12 @@ def _integer(minimum: int) -> Check:
     return lambda v: None if _is_int(v) and v >= minimum else f"expected an integer >= {minimum}"
 
 
+def _optional_integer(minimum: int) -> Check:
+    """None (a default derived elsewhere) or an integer >= minimum."""
+    return lambda v: (None if v is None or (_is_int(v) and v >= minimum)
+                      else f"expected None or an integer >= {minimum}")
+
+
 def _optional_cap(value: Any) -> str | None:
     if value is None or (_is_int(value) and value >= 1):
         return None
@@ -185,8 +191,8 @@ _RULES: tuple[tuple[str, Check], ...] = (
     ("server.eps", _positive),
     ("methods.apfl.alpha", _Interval(0, 1, closed_high=True)),
     ("methods.ditto.lam", _non_negative),
-    ("methods.fedrep.head_epochs", _integer(0)),
-    ("methods.fedrep.body_epochs", _integer(0)),
+    ("methods.fedrep.head_epochs", _optional_integer(0)),
+    ("methods.fedrep.body_epochs", _optional_integer(0)),
     ("methods.hypcluster.clusters", _integer(1)),
     ("methods.hypcluster.warmup_rounds", _integer(0)),
     ("methods.hypcluster.perturbation", _non_negative),
@@ -252,7 +258,7 @@ def _build_model(config: Any) -> RoutableModel:
 def _check_cross_fields(config: Any) -> None:
     head = _field(config, "methods.fedrep.head_epochs")
     body = _field(config, "methods.fedrep.body_epochs")
-    if _MISSING not in (head, body) and head + body < 1:
+    if _MISSING not in (head, body) and None not in (head, body) and head + body < 1:
         _fail("methods.fedrep", (head, body), "expected head_epochs + body_epochs >= 1")
     store = _field(config, "methods.knn_per.max_datastore")
     neighbours = _field(config, "methods.knn_per.neighbours")

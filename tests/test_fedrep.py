@@ -10,7 +10,9 @@ import pytest
 
 from flowjax import config as run_config
 from flowjax import experiment
-from flowjax.algorithms.fedrep import FedRepConfig, fedrep, split_layers
+from configs import cifar, emnist, shakespeare, stackoverflow
+from flowjax.algorithms import build_algorithm
+from flowjax.algorithms.fedrep import FedRepConfig, epochs_for_budget, fedrep, split_layers
 from flowjax.core import prng
 from flowjax.core.cohort import assemble_cohort, client_at
 from flowjax.models.base import forward
@@ -40,6 +42,7 @@ def test_params_split_into_body_and_the_initial_head(cnn):
     assert set(params["body"]) == {"conv1", "conv2", "fc1"}
     assert_trees_equal({**params["body"], **params["initial_head"]}, cnn.init(jax.random.key(0)))
     assert_trees_equal(algorithm.init_client_state(params), params["initial_head"])
+    assert_trees_equal(params["mean_head"].value, params["initial_head"])  # until a round
 
 
 def test_head_epochs_leave_the_body_exactly_and_train_the_head(cnn, images_small):
@@ -107,7 +110,7 @@ def test_personalized_model_is_the_body_with_the_clients_adapted_head(cnn, image
     np.testing.assert_array_equal(predictions.personal_hard,
                                   forward(cnn, {**params["body"], **personal}, x))
     np.testing.assert_array_equal(predictions.global_logits,
-                                  forward(cnn, {**params["body"], **params["initial_head"]}, x))
+                                  forward(cnn, {**params["body"], **params["mean_head"].value}, x))
     assert predictions.q0.shape == (x.shape[0], 0)
 
 
@@ -164,6 +167,39 @@ def test_a_clients_head_comes_back_to_it_the_next_time_it_is_sampled(cnn, images
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         assert np.max(np.abs(got - wrong)) > 1e-3
     assert_trees_equal(stored_head(1), untouched)  # not sampled in round 1
+
+
+def test_epochs_for_budget_is_e_minus_one_head_epochs_and_one_body_epoch():
+    assert epochs_for_budget(3) == (2, 1)
+    assert epochs_for_budget(5) == (4, 1)
+    assert epochs_for_budget(1) == (1, 1)  # both phases every round (module docstring)
+    with pytest.raises(ValueError, match="epochs must be >= 1, got 0"):
+        epochs_for_budget(0)
+
+
+@pytest.mark.parametrize("module,variant,epochs", [
+    (cifar, "cifar10_0.1", 3), (emnist, "paper", 3), (stackoverflow, "paper", 3),
+    (shakespeare, "paper", 5), (shakespeare, "quick", 1)])
+def test_dataset_configs_leave_fedrep_epochs_to_the_budget(module, variant, epochs):
+    config = module.get_config(variant)
+    assert config.epochs == epochs
+    assert config.methods.fedrep.head_epochs is None
+    assert config.methods.fedrep.body_epochs is None
+
+
+def test_a_run_config_trains_e_minus_one_head_epochs_then_one_body_epoch(cnn, images_small):
+    # The EMNIST config (E = 3) through the run-config builder: 2 head epochs and 1 body
+    # epoch, seen in the per-phase instance counts of one client's round.
+    config = emnist.get_config("paper")
+    config.batch_size = 4
+    client = _client(images_small, 1)
+    algorithm = build_algorithm("fedrep", cnn, config, client.x[0])
+    params = algorithm.init(jax.random.key(0))
+    result = jax.jit(algorithm.client_update)(params, client, jax.random.key(1),
+                                              algorithm.init_client_state(params))
+    n = float(client.num_examples)
+    assert float(result.metrics["head_loss_count"]) == 2 * n
+    assert float(result.metrics["body_loss_count"]) == n
 
 
 def test_bad_config_values_name_the_field(cnn):

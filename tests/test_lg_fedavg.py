@@ -38,6 +38,7 @@ def test_params_split_into_global_top_layers_and_the_initial_local_layers(cnn):
     assert set(params["global"]) == {"fc2"} and set(params["initial_local"]) == set(LOCAL)
     assert_trees_equal({**params["initial_local"], **params["global"]}, cnn.init(jax.random.key(0)))
     assert_trees_equal(algorithm.init_client_state(params), params["initial_local"])
+    assert_trees_equal(params["mean_local"].value, params["initial_local"])  # until a round
     two = lg_fedavg(cnn, LGFedAvgConfig(**CONFIG, global_layers=("fc1", "fc2")))
     assert set(two.init(jax.random.key(0))["global"]) == {"fc1", "fc2"}
 
@@ -114,7 +115,8 @@ def test_personalized_model_is_the_clients_local_part_with_the_global_part_train
     np.testing.assert_array_equal(predictions.personal_hard, predictions.personal_soft)
     np.testing.assert_array_equal(predictions.personal_hard, forward(cnn, expected, x))
     np.testing.assert_array_equal(
-        predictions.global_logits, forward(cnn, {**params["initial_local"], **params["global"]}, x))
+        predictions.global_logits,
+        forward(cnn, {**params["mean_local"].value, **params["global"]}, x))
     assert predictions.q0.shape == (x.shape[0], 0)
 
 

@@ -14,7 +14,7 @@ from flowjax.algorithms.apfl import APFLConfig, apfl
 from flowjax.algorithms.base import FederatedAlgorithm
 from flowjax.algorithms.ditto import DittoConfig, ditto
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
-from flowjax.algorithms.fedrep import FedRepConfig, fedrep
+from flowjax.algorithms.fedrep import FedRepConfig, epochs_for_budget, fedrep
 from flowjax.algorithms.flow import FlowConfig, flow
 from flowjax.algorithms.flow_reference import resolve_options as flow_options
 from flowjax.algorithms.hypcluster import HypClusterConfig, hypcluster
@@ -62,10 +62,13 @@ def _ditto(model, config, example_x):
 def _fedrep(model, config, example_x):
     del example_x
     options = config.methods.fedrep
+    # Unset phases follow the shared budget E: (E - 1) head epochs + 1 body epoch.
+    head, body = epochs_for_budget(config.epochs)
+    head = head if options.get("head_epochs") is None else options.head_epochs
+    body = body if options.get("body_epochs") is None else options.body_epochs
     return fedrep(model, FedRepConfig(learning_rate=config.learning_rate,
-                                      batch_size=config.batch_size,
-                                      head_epochs=options.head_epochs,
-                                      body_epochs=options.body_epochs, momentum=config.momentum))
+                                      batch_size=config.batch_size, head_epochs=head,
+                                      body_epochs=body, momentum=config.momentum))
 
 
 def _lg_fedavg(model, config, example_x):

@@ -18,7 +18,11 @@ An algorithm is a frozen dataclass of pure functions, in the spirit of FedJAX's
 
 Aggregation weights: ``ClientResult.weight`` is a scalar, or a dict with one scalar per
 top-level key of the params (e.g. one per cluster), giving a separate weighted mean per
-group; a group no client trained gets a zero pseudo-gradient.
+group; a group no client trained gets a zero pseudo-gradient, on which the server
+optimizers of ``core.server_opt`` make no step and leave the group's state as it was.
+A group wrapped in ``core.server_opt.ClientMean`` is not trained by the server optimizer:
+it becomes the clients' weighted mean (FedRep and LG-FedAvg keep the mean of their
+clients' personal layers this way, for the evaluation's global model only).
 """
 
 from __future__ import annotations

@@ -14,11 +14,24 @@ client ``i``, from the broadcast body ``phi`` and its stored head ``h_i``:
 The server averages the bodies only, ``phi <- sum_i n_i phi_i / sum_i n_i``, through the
 engine's server optimizer (SGD with rate 1 applies this mean).
 
-Server params: ``{"body": phi, "initial_head": h_0}``. ``h_0`` is the head drawn at
-initialization. Clients return it unchanged with aggregation weight 0, so the engine's
-per-group mean gives that group a zero pseudo-gradient: it stays ``h_0`` bit for bit under
-every server optimizer, and no head is ever averaged. ``init_client_state`` hands ``h_0``
-to every client that has not trained yet (held-out clients included).
+Server params: ``{"body": phi, "initial_head": h_0, "mean_head": ClientMean(h_bar)}``.
+``h_0`` is the head drawn at initialization. Clients return it unchanged with aggregation
+weight 0, so the engine's per-group mean gives that group a zero pseudo-gradient: it stays
+``h_0`` bit for bit under every server optimizer. ``init_client_state`` hands ``h_0`` to
+every client that has not trained yet (held-out clients included). ``h_bar`` is for
+reporting only (see "Global model" below): each client also sends its new head with
+weight ``n_i``, and the server sets ``h_bar`` to their example-weighted mean, bypassing
+the server optimizer (``core.server_opt.ClientMean``); it starts at ``h_0``, no client
+update reads it, and it is checkpointed with the rest of the server state.
+
+Epochs. The Flow paper gives every method the same E local epochs per round; for FedRep
+(baselines.md) that is ``E - 1`` head epochs and then 1 body epoch, which
+``epochs_for_budget(E)`` returns and the run config uses unless
+``methods.fedrep.head_epochs`` / ``body_epochs`` are set. ``E = 1`` cannot hold both
+phases; FedRep's defining update is a head phase followed by a body phase in every round
+(Collins et al.'s Algorithm 1; their experiments run more head epochs than body epochs),
+so ``E = 1`` gives 1 + 1: the one budget where FedRep trains an epoch more than E.
+(1 + 0 would never train the shared body, 0 + 1 never a head: no personalization.)
 
 Choices where the paper is silent or the reference code differs:
 
@@ -33,10 +46,11 @@ Choices where the paper is silent or the reference code differs:
 * Personalized model at evaluation: the current body ``phi`` with the client's stored head
   after ``head_epochs`` head-only epochs on its train split (body frozen). Evaluation never
   writes the state back.
-* Global model (``Acc_g``): FedRep has no global head. The global logits are those of what
-  the server holds, ``phi`` with ``h_0``: the model a newly joined client starts from
-  before it personalizes its head. Its accuracy is therefore near chance and is not
-  comparable with the global model of methods that average a head.
+* Global model (``Acc_g``): FedRep trains no global head, and ``phi`` with the random
+  ``h_0`` is near chance. The global logits are those of ``phi`` with ``h_bar``, the
+  example-weighted mean of the heads the clients of the latest round trained (weights
+  ``n_i``): a real global model, comparable with FedAvg's, that training never uses
+  (the authors' code averages every layer, heads included, on the server).
 """
 
 from __future__ import annotations
@@ -53,6 +67,7 @@ from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictio
                                      valid_examples)
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
+from flowjax.core.server_opt import ClientMean
 from flowjax.models.base import Params, RoutableModel, forward
 
 
@@ -63,9 +78,9 @@ class FedRepConfig:
     Attributes:
       learning_rate: client SGD learning rate of both phases.
       batch_size: client batch size.
-      head_epochs: epochs of head-only training per round (and at evaluation); the
-        paper's ``E - 1`` with its one body epoch.
-      body_epochs: epochs of body-only training per round.
+      head_epochs: epochs of head-only training per round (and at evaluation);
+        ``epochs_for_budget(E)`` gives the paper's ``E - 1``.
+      body_epochs: epochs of body-only training per round (the paper's 1).
       momentum: client SGD momentum (0 = plain SGD, the paper's).
     """
 
@@ -84,6 +99,14 @@ class FedRepConfig:
                              f"{self.head_epochs} + {self.body_epochs}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+
+
+def epochs_for_budget(epochs: int) -> tuple[int, int]:
+    """``(head_epochs, body_epochs)`` for E local epochs: ``(E - 1, 1)``, and ``(1, 1)``
+    for ``E = 1`` (see the module docstring)."""
+    if epochs < 1:
+        raise ValueError(f"epochs must be >= 1, got {epochs}")
+    return max(epochs - 1, 1), 1
 
 
 def split_layers(params: Params, names: Sequence[str]) -> tuple[Params, Params]:
@@ -134,7 +157,9 @@ def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
 
     def init(key) -> Params:
         head, body = split_layers(model.init(key), head_names)
-        return {"body": body, "initial_head": head}
+        # A copy: the engine donates the server state, and one buffer cannot be donated twice.
+        return {"body": body, "initial_head": head,
+                "mean_head": ClientMean(jax.tree.map(jnp.copy, head))}
 
     def train_head(body, head, examples: ClientExamples, key):
         return train_part(model, head, body, optimizer, examples, valid_examples(examples),
@@ -148,8 +173,9 @@ def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
         sums = head_sums + body_sums
         weight = examples.num_examples.astype(jnp.float32)
         return ClientResult(
-            params={"body": body, "initial_head": params["initial_head"]},
-            weight={"body": weight, "initial_head": jnp.zeros_like(weight)},
+            params={"body": body, "initial_head": params["initial_head"],
+                    "mean_head": ClientMean(head)},
+            weight={"body": weight, "initial_head": jnp.zeros_like(weight), "mean_head": weight},
             metrics={"loss_sum": sums[0], "loss_count": sums[1],
                      "head_loss_sum": head_sums[0], "head_loss_count": head_sums[1],
                      "body_loss_sum": body_sums[0], "body_loss_count": body_sums[1]},
@@ -159,7 +185,7 @@ def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
         return train_head(params["body"], client_state, examples, key)[0]
 
     def predict(params, personal, x) -> Predictions:
-        global_logits = forward(model, {**params["body"], **params["initial_head"]}, x)
+        global_logits = forward(model, {**params["body"], **params["mean_head"].value}, x)
         personal_logits = forward(model, {**params["body"], **personal}, x)
         return Predictions(global_logits, personal_logits, personal_logits,
                            no_routing(global_logits))

@@ -14,11 +14,16 @@ global part ``g``; the layers below are the local representation ``l``. A sample
 The server averages the global layers only, ``g <- sum_i n_i g_i / sum_i n_i``, through
 the engine's server optimizer (SGD with rate 1 applies this mean).
 
-Server params: ``{"global": g, "initial_local": l_0}``. ``l_0`` is the local part drawn at
-initialization. Clients return it unchanged with aggregation weight 0, so the engine's
-per-group mean gives that group a zero pseudo-gradient: it stays ``l_0`` bit for bit under
-every server optimizer, and no local layer is ever averaged. ``init_client_state`` hands
-``l_0`` to every client that has not trained yet (held-out clients included).
+Server params: ``{"global": g, "initial_local": l_0, "mean_local": ClientMean(l_bar)}``.
+``l_0`` is the local part drawn at initialization. Clients return it unchanged with
+aggregation weight 0, so the engine's per-group mean gives that group a zero
+pseudo-gradient: it stays ``l_0`` bit for bit under every server optimizer.
+``init_client_state`` hands ``l_0`` to every client that has not trained yet (held-out
+clients included). ``l_bar`` is for reporting only (see "Global model" below): each
+client also sends its new local layers with weight ``n_i``, and the server sets ``l_bar``
+to their example-weighted mean, bypassing the server optimizer
+(``core.server_opt.ClientMean``); it starts at ``l_0``, no client update reads it, and it
+is checkpointed with the rest of the server state.
 
 Choices where the paper is silent or differs:
 
@@ -30,9 +35,11 @@ Choices where the paper is silent or differs:
 * Personalized model at evaluation: the client's stored local layers with the current
   global layers, both trained for E epochs on the client's train split (the same update
   as a round). Evaluation never writes the state back.
-* Global model (``Acc_g``): what the server holds, ``l_0`` with ``g``: the model a newly
-  joined client starts from. Its accuracy is near chance (random local layers) and is not
-  comparable with the global model of methods that average every layer.
+* Global model (``Acc_g``): LG-FedAvg trains no global local layers, and ``l_0`` with
+  ``g`` is near chance. The global logits are those of ``l_bar`` with ``g``, where
+  ``l_bar`` is the example-weighted mean of the local layers the clients of the latest
+  round trained (weights ``n_i``): a real global model, comparable with FedAvg's, that
+  training never uses.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
@@ -47,6 +55,7 @@ from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictio
                                      train_plain, valid_examples)
 from flowjax.algorithms.fedrep import split_layers
 from flowjax.core.cohort import ClientExamples
+from flowjax.core.server_opt import ClientMean
 from flowjax.models.base import Params, RoutableModel, forward
 
 
@@ -100,7 +109,9 @@ def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorith
 
     def init(key) -> Params:
         global_part, local_part = split_layers(model.init(key), global_names)
-        return {"global": global_part, "initial_local": local_part}
+        return {"global": global_part, "initial_local": local_part,
+                # A copy: the engine donates the server state (no buffer donated twice).
+                "mean_local": ClientMean(jax.tree.map(jnp.copy, local_part))}
 
     def local_train(global_part, local_part, examples: ClientExamples, key):
         trained, sums = train_plain(model, {**local_part, **global_part}, optimizer, examples,
@@ -113,8 +124,11 @@ def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorith
         global_part, local_part, sums = local_train(params["global"], client_state, examples, key)
         weight = examples.num_examples.astype(jnp.float32)
         return ClientResult(
-            params={"global": global_part, "initial_local": params["initial_local"]},
-            weight={"global": weight, "initial_local": jnp.zeros_like(weight)},
+            params={"global": global_part, "initial_local": params["initial_local"],
+                    # A copy: the engine donates the server state (no buffer donated twice).
+                "mean_local": ClientMean(jax.tree.map(jnp.copy, local_part))},
+            weight={"global": weight, "initial_local": jnp.zeros_like(weight),
+                    "mean_local": weight},
             metrics={"loss_sum": sums[0], "loss_count": sums[1]},
             client_state=local_part)
 
@@ -123,7 +137,7 @@ def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorith
         return {**local_part, **global_part}
 
     def predict(params, personal, x) -> Predictions:
-        global_logits = forward(model, {**params["initial_local"], **params["global"]}, x)
+        global_logits = forward(model, {**params["mean_local"].value, **params["global"]}, x)
         personal_logits = forward(model, personal, x)
         return Predictions(global_logits, personal_logits, personal_logits,
                            no_routing(global_logits))
