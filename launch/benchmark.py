@@ -81,7 +81,8 @@ from flowjax.models import get_model  # noqa: E402
 
 _MODELS = flags.DEFINE_list("models", ["emnist_cnn", "shakespeare_lstm"], "Models to time.")
 _STRATEGIES = flags.DEFINE_list("strategies", ["loop", "chunked", "vmap"], "Client mappings: "
-                                 "loop, chunked, vmap, planned (memory-planned sorted chunks).")
+                                 "loop, chunked (--chunk_size), chunked:N (N clients), vmap, "
+                                 "planned (memory-planned sorted chunks).")
 _CLIENTS = flags.DEFINE_integer("clients", 10, "Clients per round.")
 _STEPS = flags.DEFINE_integer("steps", 20, "Minibatches per client per round.")
 _CHUNK = flags.DEFINE_integer("chunk_size", 5, "Clients per vmapped chunk for 'chunked'.")
@@ -237,6 +238,14 @@ def time_engine_round(algorithm, task, mapping: ClientMapping, repeats: int) -> 
             **mapping_padding(jax.device_get(host_cohort), mapping, batch, _EPOCHS.value)}
 
 
+def parse_strategy(strategy: str, chunk_size: int, devices: int) -> ClientMapping:
+    """``loop`` / ``vmap`` / ``chunked`` (of ``chunk_size``) / ``chunked:N`` (of N)."""
+    name, _, size = strategy.partition(":")
+    if size and not (name == "chunked" and size.isdigit() and int(size) > 0):
+        raise BadFlags(f"--strategies: {strategy!r}; expected chunked:N with N >= 1")
+    return ClientMapping(name, int(size) if size else chunk_size, devices)
+
+
 def time_compiled_round(simulation, state, cohort, repeats: int) -> dict:
     """Compiles the round ahead of time, then times ``repeats`` executions with no warm-up
     run (the engine's own jitted round function, lowered for these exact arguments)."""
@@ -363,7 +372,7 @@ def time_model(model_name: str, clients: int, steps: int, repeats: int) -> dict:
                     mapping = planned_mapping(algorithm, task, batch, memory)
                     label = "planned"
                 else:
-                    mapping, label = ClientMapping(strategy, _CHUNK.value, devices), ""
+                    mapping, label = parse_strategy(strategy, _CHUNK.value, devices), ""
                 key = (method, mapping_label(mapping) + (f" ({label})" if label else ""))
                 rows[key] = time_engine_round(algorithm, task, mapping, repeats)
                 print(f"timed {key[0]}, {key[1]}: {rows[key]['round_s']:.3f} s per round",

@@ -164,3 +164,14 @@ def test_scale_flags_end_to_end_at_a_tiny_size(tmp_path):
         assert row["useful_steps"] == row["executed_steps"] == 4
         assert row["speedup_vs_python_loop"] is None
     assert [p["method"] for p in report["projection"]] == ["fedavg", "flow"]
+
+
+def test_strategy_names_carry_their_own_chunk_size():
+    from flowjax.core.mapping import ClientMapping
+    assert benchmark.parse_strategy("chunked:19", 5, 1) == ClientMapping("chunked", 19)
+    assert benchmark.parse_strategy("chunked", 5, 1) == ClientMapping("chunked", 5)
+    assert benchmark.parse_strategy("vmap", 5, 1) == ClientMapping("vmap", 5)
+    with pytest.raises(benchmark.BadFlags, match="'vmap:3'; expected chunked:N with N >= 1"):
+        benchmark.parse_strategy("vmap:3", 5, 1)
+    with pytest.raises(benchmark.BadFlags, match="'chunked:0'"):
+        benchmark.parse_strategy("chunked:0", 5, 1)
