@@ -45,30 +45,55 @@ COLUMNS = ("acc_g", "acc_p", "acc_p_soft", "clients_benefiting", "clients_tied",
            "acc_g_weighted", "acc_p_weighted")
 
 
+def _breakdown(summary: Mapping[str, Any], average: str) -> list[float | None]:
+    """The four groups' fractions under one average: ``client_mean`` (pairs with acc_g,
+    acc_p) or ``weighted`` (instances pooled, pairs with acc_*_weighted); None for a
+    results file written before the client mean existed."""
+    if average == "client_mean":
+        values = summary.get("breakdown_client_mean")
+    else:
+        values = summary["breakdown"]
+    return [values[g] if values else None for g in GROUPS]
+
+
 def comparison_csv(results: Mapping[str, Mapping[str, Any]]) -> str:
-    """One row per (method, population): the table's numbers as fractions, for scripts."""
-    header = ["method", "population", "num_clients", *COLUMNS, *GROUPS]
+    """One row per (method, population): the table's numbers as fractions, for scripts.
+
+    ``acc_*`` and ``<group>_client_mean`` are means over clients of per-client fractions;
+    ``acc_*_weighted`` and ``<group>_weighted`` pool the instances of all clients.
+    """
+    header = ["method", "population", "num_clients", *COLUMNS,
+              *[f"{g}_client_mean" for g in GROUPS], *[f"{g}_weighted" for g in GROUPS]]
     rows = [",".join(header)]
     for method, result in results.items():
         for population, s in result["populations"].items():
             values = [method, population, str(s["num_clients"])]
             values += [f"{s[c]:.6f}" for c in COLUMNS]
-            values += [f"{s['breakdown'][g]:.6f}" for g in GROUPS]
+            values += ["" if v is None else f"{v:.6f}"
+                       for v in _breakdown(s, "client_mean") + _breakdown(s, "weighted")]
             rows.append(",".join(values))
     return "\n".join(rows) + "\n"
 
 
 def results_table(results: Mapping[str, Mapping[str, Any]]) -> str:
     """A markdown table: accuracies (paper Table 2), % clients benefiting (Table 3) and the
-    instance breakdown (Fig. 3), one row per method, for each evaluated population."""
-    header = ("| method | population | clients | Acc_g | Acc_p | Acc_p (soft) | "
-              "% clients Acc_p > Acc_g | % ties | both correct | global only | "
-              "personalized only | neither |")
+    instance breakdown (Fig. 3), one row per method, for each evaluated population.
+
+    Every percentage in a row is a mean over clients of per-client figures, so
+    ``both correct + global only = Acc_g`` and ``both correct + personalized only =
+    Acc_p`` (up to the rounding of the printed digits); the instance-pooled figures are
+    in ``comparison_csv``.
+    """
+    header = ("| method | population | clients | Acc_g (client mean) | Acc_p (client mean) | "
+              "Acc_p soft (client mean) | % clients Acc_p > Acc_g | % ties | "
+              "both correct (client mean) | global only (client mean) | "
+              "personalized only (client mean) | neither (client mean) |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for method, result in results.items():
         for population, s in result["populations"].items():
             lines.append("| " + " | ".join([
                 method, population, str(s["num_clients"]), _pct(s["acc_g"]), _pct(s["acc_p"]),
                 _pct(s["acc_p_soft"]), _pct(s["clients_benefiting"]), _pct(s["clients_tied"]),
-                *[_pct(s["breakdown"][g]) for g in GROUPS]]) + " |")
+                *["n/a" if v is None else _pct(v) for v in _breakdown(s, "client_mean")]])
+                + " |")
     return "\n".join(lines)

@@ -8,6 +8,12 @@ host turns them into the paper's aggregates.
 
 Groups of the 2x2 breakdown, in this order everywhere: both correct, global only,
 personalized only, neither.
+
+Two averages, never mixed in one figure: ``acc_*`` and ``breakdown_client_mean`` are
+means over clients of per-client fractions (the paper's accuracy formula), so
+``both_correct + global_only = acc_g`` and ``both_correct + personalized_only = acc_p``;
+``acc_*_weighted`` and ``breakdown`` pool the instances of all clients (the Figure 3
+instance breakdown), with the same identities against ``acc_*_weighted``.
 """
 
 from __future__ import annotations
@@ -129,6 +135,10 @@ class EvalSummary:
     # after its first routing epoch (the authors' "before_accuracy"), beside Acc_g.
     acc_g_client_snapshot: float | None = None
     acc_g_client_snapshot_weighted: float | None = None
+    # The breakdown as a mean over clients of each client's group fractions (pairs with
+    # acc_g / acc_p; ``breakdown`` pools instances and pairs with acc_*_weighted). Empty
+    # in summaries saved before it existed.
+    breakdown_client_mean: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -138,18 +148,20 @@ def summarize(counts: ClientCounts) -> EvalSummary:
     """The paper's aggregates from stacked per-client counts (numpy on the host).
 
     Per-client accuracy is averaged over clients with at least one counted instance (the
-    paper's formula); ``*_weighted`` pools instances. A client benefits when
-    ``Acc_p > Acc_g`` strictly; ties are reported separately.
+    paper's formula), and so is ``breakdown_client_mean``; ``*_weighted`` and
+    ``breakdown`` pool instances. A client benefits when ``Acc_p > Acc_g`` strictly; ties
+    are reported separately.
     """
     counts = jax.tree.map(np.asarray, counts)
     keep = counts.instances > 0
     if not np.any(keep):
         raise ValueError("no evaluation client has a test instance; cannot summarize")
-    n = counts.instances[keep]
+    n = counts.instances[keep].astype(np.float64)  # float64: the identities above hold to 1e-15
     acc = {name: getattr(counts, f"correct_{name}")[keep] / n
            for name in ("global", "personal", "personal_soft")}
     total = float(np.sum(n))
-    groups = counts.groups[keep].sum(axis=0)
+    groups = counts.groups[keep].sum(axis=0, dtype=np.float64)
+    group_fractions = counts.groups[keep] / n[:, None]  # [clients, 4]
     q0_sums = counts.q0_sums[keep].sum(axis=0)  # [4, L]
     # None (JSON null) marks a group without instances, so results compare and serialize.
     q0_by_group = {group: (q0_sums[g] / groups[g]).tolist() if groups[g] > 0
@@ -167,13 +179,16 @@ def summarize(counts: ClientCounts) -> EvalSummary:
         acc_g=float(np.mean(acc["global"])),
         acc_p=float(np.mean(acc["personal"])),
         acc_p_soft=float(np.mean(acc["personal_soft"])),
-        acc_g_weighted=float(np.sum(counts.correct_global[keep]) / total),
-        acc_p_weighted=float(np.sum(counts.correct_personal[keep]) / total),
-        acc_p_soft_weighted=float(np.sum(counts.correct_personal_soft[keep]) / total),
+        acc_g_weighted=float(np.sum(counts.correct_global[keep], dtype=np.float64) / total),
+        acc_p_weighted=float(np.sum(counts.correct_personal[keep], dtype=np.float64) / total),
+        acc_p_soft_weighted=float(np.sum(counts.correct_personal_soft[keep], dtype=np.float64)
+                                  / total),
         clients_benefiting=float(np.mean(difference > 0)),
         clients_tied=float(np.mean(difference == 0)),
         clients_hurt=float(np.mean(difference < 0)),
         breakdown={group: float(groups[g] / total) for g, group in enumerate(GROUPS)},
+        breakdown_client_mean={group: float(np.mean(group_fractions[:, g]))
+                               for g, group in enumerate(GROUPS)},
         q0_by_group=q0_by_group,
         acc_p_std=float(np.std(acc["personal"])),
         acc_p_p10=float(np.percentile(acc["personal"], 10)),
