@@ -42,6 +42,8 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
     config.flow_policy_eval_dropout = config_dict.placeholder(bool)
     config.flow_evaluation = config_dict.placeholder(str)  # reference / paper
     config.flow_policy_last = config_dict.placeholder(str)  # dense / exit
+    # LSTM routing: "mixed_state" (Eq. 3 per time step) or "separate" (None = separate).
+    config.flow_recurrence = config_dict.placeholder(str)
 
     # Baselines' own hyperparameters (paper Appendix B; datasets override).
     config.methods = ml_collections.ConfigDict(dict(

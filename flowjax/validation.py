@@ -20,6 +20,7 @@ from flowjax.algorithms import ALGORITHMS
 from flowjax.algorithms.flow import GLOBAL_STEPS, LOCAL_ROUTES, ORDERS
 from flowjax.algorithms import flow_reference
 from flowjax.routing.policy import LAST_KINDS
+from flowjax.routing.routed import RECURRENCES
 from flowjax.algorithms.lg_fedavg import global_layer_names
 from flowjax.core.mapping import STRATEGIES
 from flowjax.core.prng import SEED_LIMIT
@@ -156,6 +157,7 @@ _RULES: tuple[tuple[str, Check], ...] = (
     ("flow_policy_eval_dropout", _one_of((None, True, False))),
     ("flow_evaluation", _one_of((None,) + flow_reference.EVALUATIONS)),
     ("flow_policy_last", _one_of((None,) + LAST_KINDS)),
+    ("flow_recurrence", _one_of((None,) + RECURRENCES)),
     ("seed", _seed),
     ("num_rounds", _integer(1)),
     ("clients_per_round", _integer(1)),

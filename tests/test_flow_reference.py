@@ -276,3 +276,20 @@ def test_reference_semantics_is_refused_where_no_reference_exists():
     config.flow_halves = "odd"
     with pytest.raises(ValueError, match="config.flow_halves='odd'"):
         validate_config(config)
+
+
+def test_mixed_state_recurrence_is_a_flow_option(shakespeare_small):
+    from flowjax.models import get_model
+    model = get_model("shakespeare_lstm", hidden=16)
+    x = jnp.asarray(shakespeare_small.train.client(0, "train")["x"][:4])
+    config = {**BASE, "policy_hidden": (8, 8, 8, 8)}
+    separate = flow(model, FlowConfig(**config), x)
+    mixed = flow(model, FlowConfig(**config, recurrence="mixed_state"), x)
+    params = separate.init(jax.random.key(0))
+    personal = {"global": params["global"], "local": model.init(jax.random.key(1)),
+                "policy": params["policy"]}
+    a = separate.predict(params, personal, x).personal_soft
+    b = mixed.predict(params, personal, x).personal_soft
+    assert not np.allclose(a, b, atol=1e-5)
+    client = one_client(shakespeare_small, 0, padded_examples=8)
+    jax.jit(mixed.client_update)(params, client, jax.random.key(2))  # trains, jitted

@@ -13,12 +13,20 @@ from flowjax.routing import build_policy, routed_forward
 def _inputs(model_name, key):
     if model_name == "emnist_cnn":
         return jax.random.normal(key, (5, 28, 28), jnp.float32)
+    if model_name == "stackoverflow_lstm_small":
+        return jax.random.randint(key, (3, 20), 0, 60)
     return jax.random.randint(key, (3, 80), 0, 90)
 
 
-@pytest.fixture(params=["emnist_cnn", "shakespeare_lstm"])
+def _model(name):
+    if name == "stackoverflow_lstm_small":
+        return get_model("stackoverflow_lstm", vocab_size=60, embed_dim=8, hidden=16, dense=8)
+    return get_model(name)
+
+
+@pytest.fixture(params=["emnist_cnn", "shakespeare_lstm", "stackoverflow_lstm_small"])
 def routed_setup(request):
-    model = get_model(request.param)
+    model = _model(request.param)
     k1, k2, k3 = jax.random.split(jax.random.key(7), 3)
     global_params, local_params = model.init(k1), model.init(k2)
     x = _inputs(request.param, k3)
@@ -27,16 +35,30 @@ def routed_setup(request):
 
 
 @pytest.mark.parametrize("hard", [False, True])
-def test_q0_one_is_global_and_zero_is_local_exactly(routed_setup, hard):
+def test_q0_one_is_global_and_zero_is_local_exactly(routed_setup, hard, recurrence="separate"):
     model, global_params, local_params, x, instance_shape = routed_setup
     ones = jnp.ones(instance_shape + (model.num_layers,))
     # Both sides jitted with params as arguments, as in training (params closed over as
     # constants let XLA pre-transform the weights differently in each program).
-    routed = jax.jit(lambda g, l, q0: routed_forward(model, g, l, q0, x, hard=hard))
+    routed = jax.jit(lambda g, l, q0: routed_forward(model, g, l, q0, x, hard=hard,
+                                                     recurrence=recurrence))
     plain = jax.jit(lambda params: forward(model, params, x))
     np.testing.assert_array_equal(routed(global_params, local_params, ones), plain(global_params))
     np.testing.assert_array_equal(routed(global_params, local_params, ones * 0),
                                   plain(local_params))
+
+
+@pytest.mark.parametrize("hard", [False, True])
+def test_mixed_state_at_q0_one_is_global_and_zero_is_local(routed_setup, hard):
+    """To float32 rounding: XLA fuses the routed loop differently (``routed_lstm``)."""
+    model, global_params, local_params, x, instance_shape = routed_setup
+    ones = jnp.ones(instance_shape + (model.num_layers,))
+    routed = jax.jit(lambda g, l, q0: routed_forward(model, g, l, q0, x, hard=hard,
+                                                     recurrence="mixed_state"))
+    plain = jax.jit(lambda params: forward(model, params, x))
+    for q0, params in ((ones, global_params), (ones * 0, local_params)):
+        np.testing.assert_allclose(routed(global_params, local_params, q0), plain(params),
+                                   rtol=0, atol=1e-6)
 
 
 def test_hard_routing_picks_one_branch_per_layer_per_instance(routed_setup):
@@ -88,3 +110,51 @@ def test_policy_needs_one_width_per_layer():
     model = get_model("emnist_cnn")
     with pytest.raises(ValueError, match="one entry per routed layer"):
         build_policy(model, jnp.zeros((1, 28, 28)), (350, 150, 50))
+
+
+def _cell(x_t, h, c, weights):
+    """One LSTM step written out (gates i, f, g, o), independent of flowjax.models.layers."""
+    w_x, w_h, b = weights
+    z = x_t @ w_x + h @ w_h + b
+    i, f, g, o = jnp.split(z, 4, axis=-1)
+    c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+    return jax.nn.sigmoid(o) * jnp.tanh(c), c
+
+
+def test_mixed_state_recurrence_feeds_the_mixed_state_back_at_every_step():
+    """Eq. 3 per time step, written as a loop: both cells step from the mixed (h, c)."""
+    model = _model("stackoverflow_lstm_small")
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(3), 4)
+    g, l = model.init(k1), model.init(k2)
+    x = jax.random.randint(k3, (2, 20), 1, 60)
+    q0 = jax.random.uniform(k4, (2, 20, model.num_layers))
+    routed = routed_forward(model, g, l, q0, x, recurrence="mixed_state")
+    # By hand: the embedding layer is routed on its outputs, then the recurrence.
+    h_in = (q0[..., 0, None] * model.layer_apply(0, g["embedding"], x)
+            + (1 - q0[..., 0, None]) * model.layer_apply(0, l["embedding"], x))
+    wg = tuple(g["lstm"][k] for k in ("kernel", "recurrent_kernel", "bias"))
+    wl = tuple(l["lstm"][k] for k in ("kernel", "recurrent_kernel", "bias"))
+    h = c = jnp.zeros((2, 16))
+    outputs = []
+    for t in range(20):
+        h_g, c_g = _cell(h_in[:, t], h, c, wg)
+        h_l, c_l = _cell(h_in[:, t], h, c, wl)
+        q = q0[:, t, 1, None]
+        h, c = q * h_g + (1 - q) * h_l, q * c_g + (1 - q) * c_l
+        outputs.append(h)
+    h = jnp.stack(outputs, axis=1)
+    for j in (2, 3):
+        name = model.layer_names[j]
+        h = (q0[..., j, None] * model.layer_apply(j, g[name], h)
+             + (1 - q0[..., j, None]) * model.layer_apply(j, l[name], h))
+    np.testing.assert_allclose(routed, h, rtol=1e-5, atol=1e-5)
+    separate = routed_forward(model, g, l, q0, x)  # the default, "separate"
+    assert not np.allclose(routed, separate, atol=1e-4)  # the two recurrences differ
+
+
+def test_unknown_recurrence_is_refused():
+    model = _model("stackoverflow_lstm_small")
+    params = model.init(jax.random.key(0))
+    with pytest.raises(ValueError, match="unknown recurrence 'mixed'"):
+        routed_forward(model, params, params, jnp.ones((1, 20, 4)), jnp.ones((1, 20), jnp.int32),
+                       recurrence="mixed")

@@ -59,7 +59,7 @@ from flowjax.core.local_training import run_epochs
 from flowjax.core.losses import weighted_cross_entropy
 from flowjax.models.base import RoutableModel, forward
 from flowjax.routing.policy import LAST_KINDS, build_policy
-from flowjax.routing.routed import routed_forward
+from flowjax.routing.routed import RECURRENCES, routed_forward
 
 ORDERS = ("alternating", "policy_first", "global_first")
 GLOBAL_STEPS = ("routed", "global_only")
@@ -96,6 +96,8 @@ class FlowConfig:
       policy_eval_dropout: keep the policy's dropout on when routing at evaluation.
       evaluation: ``paper`` or ``reference`` (the authors' ``*_generalized_test``).
       policy_last: ``exit`` or ``dense`` (the authors' EMNIST/CIFAR policy head).
+      recurrence: LSTM layers' routing, ``separate`` or ``mixed_state`` (Eq. 3 per time
+        step; ``flowjax.routing.routed``).
     """
 
     learning_rate: float
@@ -118,11 +120,13 @@ class FlowConfig:
     policy_eval_dropout: bool = False
     evaluation: str = "paper"
     policy_last: str = "exit"
+    recurrence: str = "separate"
 
     def __post_init__(self):
         for name, allowed in (("halves", HALVES), ("frozen_momentum", FROZEN_MOMENTUM),
                               ("regularizer", REGULARIZERS), ("local_init", LOCAL_INITS),
-                              ("evaluation", EVALUATIONS), ("policy_last", LAST_KINDS)):
+                              ("evaluation", EVALUATIONS), ("policy_last", LAST_KINDS),
+                              ("recurrence", RECURRENCES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unknown Flow {name} {getattr(self, name)!r}; "
                                  f"expected one of {allowed}")
@@ -211,7 +215,7 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
         log_q = route_log_probs(params["policy"], x, train=True, key=policy_key)
         log_q0 = log_q[..., 0]
         logits = routed_forward(model, params["global"], params["local"], jnp.exp(log_q0), x,
-                                train=True, key=model_key)
+                                train=True, key=model_key, recurrence=config.recurrence)
         weights = instance_weights(model, y, w)
         ce_sum, count = weighted_cross_entropy(logits, y, weights)
         if regularize and config.gamma > 0:
@@ -346,7 +350,8 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
         else:
             q0 = jnp.exp(route_log_probs(personal["policy"], x, train=False)[..., 0])
         route = dict(model=model, global_params=personal["global"],
-                     local_params=personal["local"], q0=q0, x=x)
+                     local_params=personal["local"], q0=q0, x=x,
+                     recurrence=config.recurrence)
         snapshot = personal.get("snapshot")
         return Predictions(global_logits=forward(model, params["global"], x),
                            personal_hard=routed_forward(**route, hard=True),

@@ -210,6 +210,7 @@ CONFIG_FIELDS = {
     "flow_policy_eval_dropout": "policy_eval_dropout",
     "flow_evaluation": "evaluation",
     "flow_policy_last": "policy_last",
+    "flow_recurrence": "recurrence",
 }
 
 
