@@ -293,3 +293,20 @@ def test_mixed_state_recurrence_is_a_flow_option(shakespeare_small):
     assert not np.allclose(a, b, atol=1e-5)
     client = one_client(shakespeare_small, 0, padded_examples=8)
     jax.jit(mixed.client_update)(params, client, jax.random.key(2))  # trains, jitted
+
+
+@pytest.mark.parametrize("order", ["policy_first", "global_first"])
+def test_sequential_orders_give_the_global_branch_the_same_steps_as_alternating(
+        mlp, images_small, order):
+    """The README's budget of the Appendix E.2 variants: K2 epochs per phase, so the global
+    branch takes exactly alternating's steps (fixed shard batches make the orders' batch
+    sequences equal, and a global-only step does not read the policy)."""
+    client = _client_of_size(images_small, 12)
+    settings = dict(halves="shard", global_step="global_only", routing_epochs=2)
+    alternating = _flow(mlp, images_small, **settings)
+    params = alternating.init(jax.random.key(0))
+    expected = jax.jit(alternating.client_update)(params, client, jax.random.key(1))
+    other = _flow(mlp, images_small, order=order, **settings)
+    got = jax.jit(other.client_update)(params, client, jax.random.key(1))
+    assert_trees_equal(got.params["global"], expected.params["global"])
+    assert float(got.metrics["loss_count"]) == float(expected.metrics["loss_count"]) == 2 * 4
