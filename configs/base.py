@@ -49,7 +49,7 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
     config.methods = ml_collections.ConfigDict(dict(
         apfl=dict(alpha=0.25),
         ditto=dict(lam=0.1),
-        # None: derived from E, (E - 1) head + 1 body epochs (E = 1: 1 + 1; algorithms/fedrep.py).
+        # None: derived from E, (E - 1) head + 1 body epochs (E = 1: 0 + 1; algorithms/fedrep.py).
         fedrep=dict(head_epochs=config_dict.placeholder(int),
                     body_epochs=config_dict.placeholder(int)),
         lg_fedavg=dict(global_layers=config_dict.placeholder(tuple)),  # None = the head

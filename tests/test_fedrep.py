@@ -172,7 +172,7 @@ def test_a_clients_head_comes_back_to_it_the_next_time_it_is_sampled(cnn, images
 def test_epochs_for_budget_is_e_minus_one_head_epochs_and_one_body_epoch():
     assert epochs_for_budget(3) == (2, 1)
     assert epochs_for_budget(5) == (4, 1)
-    assert epochs_for_budget(1) == (1, 1)  # both phases every round (module docstring)
+    assert epochs_for_budget(1) == (0, 1)  # the same formula (module docstring)
     with pytest.raises(ValueError, match="epochs must be >= 1, got 0"):
         epochs_for_budget(0)
 

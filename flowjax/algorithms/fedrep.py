@@ -27,11 +27,13 @@ update reads it, and it is checkpointed with the rest of the server state.
 Epochs. The Flow paper gives every method the same E local epochs per round; for FedRep
 (baselines.md) that is ``E - 1`` head epochs and then 1 body epoch, which
 ``epochs_for_budget(E)`` returns and the run config uses unless
-``methods.fedrep.head_epochs`` / ``body_epochs`` are set. ``E = 1`` cannot hold both
-phases; FedRep's defining update is a head phase followed by a body phase in every round
-(Collins et al.'s Algorithm 1; their experiments run more head epochs than body epochs),
-so ``E = 1`` gives 1 + 1: the one budget where FedRep trains an epoch more than E.
-(1 + 0 would never train the shared body, 0 + 1 never a head: no personalization.)
+``methods.fedrep.head_epochs`` / ``body_epochs`` are set. It is also the rule of the
+FedRep authors' code (head epochs = local epochs - representation epochs, default 1 body
+epoch). ``E = 1`` follows the same formula: 0 head epochs + 1 body epoch, as their code
+does with one local epoch. FedRep then trains no head, neither in a round nor at
+evaluation, so its personalized model is its global model (``Acc_p = Acc_g`` for every
+client, ties only) and it reduces to FedAvg of the body under the fixed initial head; the
+quick Shakespeare config (E = 1) shows that, the paper's configs (E = 3 or 5) do not.
 
 Choices where the paper is silent or the reference code differs:
 
@@ -102,11 +104,11 @@ class FedRepConfig:
 
 
 def epochs_for_budget(epochs: int) -> tuple[int, int]:
-    """``(head_epochs, body_epochs)`` for E local epochs: ``(E - 1, 1)``, and ``(1, 1)``
-    for ``E = 1`` (see the module docstring)."""
+    """``(head_epochs, body_epochs) = (E - 1, 1)`` for E local epochs (``E = 1``: no
+    head epoch; see the module docstring)."""
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
-    return max(epochs - 1, 1), 1
+    return epochs - 1, 1
 
 
 def split_layers(params: Params, names: Sequence[str]) -> tuple[Params, Params]:
