@@ -64,8 +64,8 @@ def check_workdir(workdir: str | None) -> None:
         would be created in is not writable (one line).
     """
     if not workdir:
-        raise ValueError("--workdir is empty; expected a directory for the run's files, "
-                         "e.g. --workdir=runs/quick")
+        raise ValueError("--workdir is missing or empty; expected a directory for the run's "
+                         "files, e.g. --workdir=runs/quick")
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ValueError(f"--workdir={workdir} is a file; expected a directory (new, or "
                          "holding a run)")

