@@ -29,6 +29,21 @@ ABLATIONS = {
     "flow_global_first": {"order": "global_first"},
     **{f"flow_split_{r}": {"split_ratio": r} for r in (0.25, 0.75)},
 }
+# The authors' code (flowjax.algorithms.flow_reference): all its departures, each alone on
+# top of the paper's Flow, and the baselines with the client optimizer their code gives
+# every method (SGD momentum 0.9), so no row has an advantage the others lack. Not part of
+# --methods=ablations; the `gain_source` table runs them.
+REFERENCE_VARIANTS = {
+    "flow_reference": {"flow_semantics": "reference"},
+    "flow_ref_halves": {"flow_halves": "shard"},
+    "flow_ref_optimizer": {"momentum": 0.9, "flow_frozen_momentum": "zero_grad"},
+    "flow_ref_regularizer": {"flow_regularizer": "reference"},
+    "flow_ref_global_only": {"global_step": "global_only"},
+    "flow_ref_local_init": {"flow_local_init": "server"},
+    "flow_ref_evaluation": {"flow_evaluation": "reference"},
+    **{f"{method}_momentum": {"algorithm": method, "momentum": 0.9}
+       for method in ("fedavg", "fedavg_ft", "apfl", "ditto", "knn_per")},
+}
 
 
 def variant_overrides(name: str) -> dict[str, Any]:
@@ -39,10 +54,13 @@ def variant_overrides(name: str) -> dict[str, Any]:
     """
     if name in ABLATIONS:
         return {"algorithm": "flow", **ABLATIONS[name]}
+    if name in REFERENCE_VARIANTS:
+        return {"algorithm": "flow", **REFERENCE_VARIANTS[name]}
     if name in ALGORITHMS:
         return {"algorithm": name}
     raise ValueError(f"unknown method or variant {name!r}; expected one of "
-                     f"{sorted(set(ALGORITHMS) | set(ABLATIONS))}, 'all' or 'ablations'")
+                     f"{sorted(set(ALGORITHMS) | set(ABLATIONS) | set(REFERENCE_VARIANTS))}, "
+                     "'all' or 'ablations'")
 
 
 def expand(methods: Sequence[str]) -> list[str]:
@@ -63,8 +81,9 @@ def cell_name(variant: str) -> str:
     overrides, so identical runs share a cell (``pc_flow`` is ``fedavg_ft``, the paper's
     "simply FedAvgFT"; the ablation ``flow`` is the method ``flow``)."""
     overrides = variant_overrides(variant)
-    for name in (*MAIN, *ABLATIONS):
-        if (name in ALGORITHMS or name in ABLATIONS) and variant_overrides(name) == overrides:
+    for name in (*MAIN, *ABLATIONS, *REFERENCE_VARIANTS):
+        if ((name in ALGORITHMS or name in ABLATIONS or name in REFERENCE_VARIANTS)
+                and variant_overrides(name) == overrides):
             return name
     return variant
 
@@ -117,7 +136,8 @@ CROSS_DEVICE = ("stackoverflow", "shakespeare", "emnist")
 
 METRIC_TITLES = {"acc_g": "Acc_g", "acc_p": "Acc_p", "acc_p_soft": "Acc_p (soft)",
                  "clients_benefiting": "% Acc_p > Acc_g", "clients_tied": "% ties",
-                 "clients_hurt": "% Acc_p < Acc_g"}
+                 "clients_hurt": "% Acc_p < Acc_g",
+                 "acc_g_client_snapshot": "Acc_g client snapshot"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +282,25 @@ TABLES: dict[str, TableSpec] = {spec.name: spec for spec in (
               labels={"flow_split_0.25": "0.25 : 0.75", "flow": "0.50 : 0.50 (Flow)",
                       "flow_split_0.75": "0.75 : 0.25"}),
         ("acc_g", "acc_p"), ("stackoverflow",)),  # the paper's figure is on Stackoverflow
+    TableSpec(
+        "gain_source", "Where Flow's gain comes from: the authors' code, each of its "
+        "departures alone, and the baselines with their client optimizer, %",
+        ("tbl:all-accuracies",),
+        _rows("fedavg", "fedavg_ft", "ditto", "apfl", "knn_per", "flow", *REFERENCE_VARIANTS,
+              labels={"flow": "Flow (paper)", "flow_reference": "Flow (reference: all of "
+                      "the authors' code)",
+                      **{f"flow_ref_{d}": f"Flow (paper) + their {text}" for d, text in (
+                          ("halves", "even/odd batch halves"),
+                          ("optimizer", "shared SGD momentum 0.9, pre-2.0 zero_grad"),
+                          ("regularizer", "regularizer"),
+                          ("global_only", "global-branch-alone global step"),
+                          ("local_init", "separate local init, server averages all"),
+                          ("evaluation", "evaluation"))},
+                      **{f"{m}_momentum": f"{_LABELS[m]}, SGD momentum 0.9"
+                         for m in ("fedavg", "fedavg_ft", "apfl", "ditto", "knn_per")}}),
+        ("acc_g", "acc_g_client_snapshot", "acc_p", "clients_benefiting"),
+        ("fashion_mnist_0.1", "fashion_mnist_0.6"),
+        not_applicable=frozenset({("fedavg", "acc_p"), ("fedavg_momentum", "acc_p")})),
 )}
 
 

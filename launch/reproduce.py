@@ -11,7 +11,8 @@ r"""Run one paper table's dataset x method x seed grid; write it beside the pape
   python launch/reproduce.py --table=table2 --workdir=runs/paper --aggregate_only
 
 Tables: table2 (Acc_g, Acc_p), table3 (% clients with Acc_p > Acc_g, ties separate), and
-the ablations regularization, pi_pc_flow, fixed_policy, soft_hard, order, split_ratio
+the ablations regularization, pi_pc_flow, fixed_policy, soft_hard, order, split_ratio,
+and gain_source (the authors' code, each of its departures alone, on Fashion-MNIST)
 (``flowjax/experiments_plan.py`` holds their layouts). Each run ("cell") goes to
 ``<workdir>/<dataset>/<variant>/seed_<seed>/`` exactly as ``launch/train.py`` would write
 it; cells are shared between tables (Table 3 and soft_hard read Table 2's runs). A cell
@@ -61,7 +62,8 @@ from flowjax.runner import (differing_fields, resolved_config, run_config_to_wor
 from flowjax.validation import validate_config  # noqa: E402
 
 _TABLE = flags.DEFINE_string("table", None, "Paper table: table2, table3, regularization, "
-                             "pi_pc_flow, fixed_policy, soft_hard, order, split_ratio.")
+                             "pi_pc_flow, fixed_policy, soft_hard, order, split_ratio, "
+                             "gain_source.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Root of the cells and the tables.")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "44", "56"], "Seeds (the paper's: 0, 44, 56).")
 _DATASETS = flags.DEFINE_list("datasets", [], "Datasets (default: the table's paper datasets "

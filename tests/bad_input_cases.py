@@ -324,7 +324,8 @@ COMMAND_CASES: tuple[CommandCase, ...] = (
                 "'abc'"),
     CommandCase("`reproduce.py --table=tabel2`", ("launch/reproduce.py", "--table=tabel2"),
                 "error: unknown --table='tabel2'; expected one of table2, table3, "
-                "regularization, pi_pc_flow, fixed_policy, soft_hard, order, split_ratio",
+                "regularization, pi_pc_flow, fixed_policy, soft_hard, order, split_ratio, "
+                "gain_source",
                 _REPRODUCE),
     CommandCase("`reproduce.py --datasets=emnst`",
                 ("launch/reproduce.py", "--table=table2", "--datasets=emnst"),

@@ -310,3 +310,19 @@ def test_sequential_orders_give_the_global_branch_the_same_steps_as_alternating(
     got = jax.jit(other.client_update)(params, client, jax.random.key(1))
     assert_trees_equal(got.params["global"], expected.params["global"])
     assert float(got.metrics["loss_count"]) == float(expected.metrics["loss_count"]) == 2 * 4
+
+
+def test_gain_source_grid_reuses_the_mini_reproduction_cells_and_every_row_validates():
+    from configs import fashion_mnist
+    from flowjax.experiments_plan import TABLES, plan_cells, variant_overrides
+    from tests.helpers import apply_overrides
+    spec = TABLES["gain_source"]
+    datasets, seeds = ["fashion_mnist_0.1", "fashion_mnist_0.6"], [0, 44, 56]
+    table2 = set(plan_cells(TABLES["table2"], datasets, TABLES["table2"].variants, seeds))
+    cells = plan_cells(spec, datasets, spec.variants, seeds)
+    shared = {c for c in cells if c.variant in ("fedavg", "fedavg_ft", "ditto", "apfl",
+                                                "knn_per", "flow")}
+    assert shared and shared <= table2  # the same runs, trained once
+    for variant in spec.variants:
+        config = apply_overrides(fashion_mnist.get_config("mini_0.1"), variant_overrides(variant))
+        validate_config(config)
