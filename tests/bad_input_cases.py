@@ -203,7 +203,7 @@ CASES: tuple[Case, ...] = (
     _config("fixed_q0", 1.5, "config.fixed_q0=1.5: expected None or a number in [0, 1]"),
     _config("algorithm", "flwo", "config.algorithm='flwo': expected one of ['apfl', "),
     _config("model", "resnet", "config.model='resnet': expected one of ['emnist_cnn', "
-            "'resnet18_gn', 'shakespeare_lstm', 'stackoverflow_lstm']"),
+            "'mlp', 'resnet18_gn', 'shakespeare_lstm', 'stackoverflow_lstm']"),
     _config("model_options", {"hiden": 32}, "config.model_options={'hiden': 32}: expected "
             "keyword arguments of shakespeare_lstm"),
     _config("dataset", "emnist", "config.dataset='emnist': expected one of ["),

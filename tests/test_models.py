@@ -66,8 +66,8 @@ def test_shakespeare_lstm_spec():
 
 
 def test_registry_rejects_unknown_name():
-    with pytest.raises(ValueError, match=r"unknown model 'mlp'; expected one of \["):
-        get_model("mlp")
+    with pytest.raises(ValueError, match=r"unknown model 'transformer'; expected one of \["):
+        get_model("transformer")
 
 
 def test_emnist_accepts_images_with_or_without_channel():
