@@ -211,6 +211,10 @@ CASES: tuple[Case, ...] = (
             "['sgd', 'adam', 'yogi', 'adagrad']"),
     _config("mapping.strategy", "pmap", "config.mapping.strategy='pmap': expected one of "
             "['auto', 'loop', 'vmap', 'chunked']"),
+    _config("conv_impl", "fft", "config.conv_impl='fft': expected one of ['auto', 'xla', "
+            "'im2col']"),
+    _config("compute_dtype", "bfloat16", "config.compute_dtype='bfloat16': expected 'float32': "
+            "shakespeare_lstm does not implement compute_dtype"),
     _config("order", "random", "config.order='random': expected one of ['alternating', "
             "'policy_first', 'global_first']"),
     _config("global_step", "local_only", "config.global_step='local_only': expected one of "
