@@ -326,3 +326,22 @@ def test_gain_source_grid_reuses_the_mini_reproduction_cells_and_every_row_valid
     for variant in spec.variants:
         config = apply_overrides(fashion_mnist.get_config("mini_0.1"), variant_overrides(variant))
         validate_config(config)
+
+
+def test_reference_client_update_vmaps_over_clients(mlp, images_small):
+    """All departures on at once stay one pure function the engine can vmap."""
+    algorithm = _flow(mlp, images_small, halves="shard_reshuffled", momentum=0.9,
+                      frozen_momentum="zero_grad", global_step="global_only",
+                      local_init="server", evaluation="reference")
+    params = algorithm.init(jax.random.key(0))
+    clients = [_client_of_size(images_small, n) for n in (9, 14)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *clients)
+    keys = jax.random.split(jax.random.key(1), 2)
+    batched = jax.jit(jax.vmap(algorithm.client_update, in_axes=(None, 0, 0)))(
+        params, stacked, keys)
+    for i, client in enumerate(clients):
+        alone = jax.jit(algorithm.client_update)(params, client, keys[i])
+        for a, b in zip(jax.tree.leaves(alone.params),
+                        jax.tree.leaves(jax.tree.map(lambda x: x[i], batched.params))):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert float(batched.weight[i]) == float(alone.weight)
