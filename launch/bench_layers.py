@@ -6,6 +6,13 @@ process-wide, so compare flags by running this script once per setting, e.g.::
 
   python launch/bench_layers.py
   XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=individual_dot python launch/bench_layers.py
+
+``--compute_dtype_accuracy`` instead trains the EMNIST CNN with FedAvg on synthetic
+EMNIST-shaped clients (``flowjax.data.synthetic.synthetic_images``: class prototypes,
+per-client style and noise, Dirichlet labels) once with float32 and once with bf16
+compute (``config.compute_dtype``), same seed, and prints each run's test accuracy::
+
+  python launch/bench_layers.py --compute_dtype_accuracy --rounds=3
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -73,6 +81,39 @@ def client_steps_per_s(model: RoutableModel, client_map: str, clients: int, step
     return clients * steps / statistics.median(times)
 
 
+def compute_dtype_accuracy(rounds: int, conv_impl: str = "auto") -> dict[str, dict]:
+    """Test accuracy and loss of the global model after ``rounds`` FedAvg rounds (10 of
+    50 synthetic clients per round, 3 epochs of batch 20, lr 0.01, the EMNIST settings),
+    with float32 and with bf16 compute."""
+    from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
+    from flowjax.core.server_opt import server_optimizer
+    from flowjax.data.synthetic import synthetic_images
+    from flowjax.experiment import RunSettings, Simulation
+
+    task = synthetic_images(num_clients=50, num_classes=62, examples=(40, 120), seed=0)
+    test = [task.train.client(i, "test") for i in range(len(task.train.client_ids))]
+    x = jnp.asarray(np.concatenate([t["x"] for t in test]))
+    y = jnp.asarray(np.concatenate([t["y"] for t in test]))
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        model = get_model("emnist_cnn", conv_impl=conv_impl, compute_dtype=dtype)
+        algorithm = fedavg(model, FedAvgConfig(learning_rate=0.01, epochs=3, batch_size=20))
+        settings = RunSettings(seed=0, num_rounds=rounds, clients_per_round=10,
+                               batch_size=20, eval_held_out=False)
+        simulation = Simulation(algorithm, task, settings, server_optimizer("sgd", 1.0))
+        state = simulation.init_state()
+        for round_index in range(rounds):
+            state, _ = simulation.run_round(state, round_index)
+        logits = forward(model, state.params, x, train=False, key=jax.random.key(0))
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        out[dtype] = {"accuracy": float(jnp.mean(jnp.argmax(logits, -1) == y)),
+                      "loss": float(jnp.mean(loss))}
+        print(f"emnist_cnn FedAvg, {rounds} rounds, compute_dtype={dtype}: test accuracy "
+              f"{out[dtype]['accuracy']:.4f}, loss {out[dtype]['loss']:.4f} on {y.shape[0]} "
+              "examples", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=10)
@@ -80,7 +121,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--slow_clients", type=int, default=2,
                         help="clients for the slow autodiff-conv baseline")
+    parser.add_argument("--compute_dtype_accuracy", action="store_true",
+                        help="train with float32 and bf16 compute; print test accuracies")
+    parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
+    if args.compute_dtype_accuracy:
+        print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
+        compute_dtype_accuracy(args.rounds)
+        return
     cases = [  # model, batch, custom_grad, client map, clients
         ("emnist_cnn", 20, True, "map", args.clients),
         ("emnist_cnn", 20, True, "vmap", args.clients),
