@@ -138,7 +138,10 @@ def test_bf16_compute_keeps_float32_params_and_stays_close(impl):
     update_error = max(float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b - p)) for a, b, p in zip(
         jax.tree.leaves(trained), jax.tree.leaves(emnist_sgd_round(f32, params, x, y)),
         jax.tree.leaves(jax.tree.map(lambda a: a[None], params))))
-    assert update_error < 5e-2
+    # The updates (3 SGD steps) differ by about 5% of their size (measured 0.046-0.051
+    # across processes: XLA CPU's threaded bf16 reductions); 0.1 still fails a float16
+    # or an unaccumulated bf16 product.
+    assert 0 < update_error < 0.1
 
 
 def test_mixed_dense_matches_flax_dense_in_float32_compute():
