@@ -103,7 +103,10 @@ _DEVICES = flags.DEFINE_list("devices", ["1"], "Device counts to shard the clien
 _PLAN_GB = flags.DEFINE_float("plan_memory_gb", 0.0, "Plan clients per chunk for this much "
                               "device memory (GiB; 0: no plan; 'planned' then uses the "
                               "device's own limit).")
-_METHODS = flags.DEFINE_list("methods", ["fedavg", "flow"], "Methods to time (fedavg, flow).")
+_ALGORITHMS = flags.DEFINE_list(
+    "algorithms", ["fedavg", "flow"],
+    "Methods to time (fedavg, flow); not --methods, which compare.py and reproduce.py define "
+    "in the same flag registry when tests import the launchers together.")
 _EPOCHS = flags.DEFINE_integer("epochs", 1, "Epochs per round (each of Flow's two phases).")
 _CONV_IMPL = flags.DEFINE_enum("conv_impl", "auto", ["auto", "xla", "im2col"],
                                "EMNIST CNN convolution formulation (config.conv_impl).")
@@ -188,10 +191,10 @@ def algorithms(model_name: str, example_x):
             learning_rate=lr, local_epochs=epochs, routing_epochs=epochs, batch_size=batch,
             gamma=1e-3, policy_hidden=POLICY[model_name]), example_x),
     }
-    unknown = set(_METHODS.value) - set(builders)
-    if unknown or not _METHODS.value:
-        raise BadFlags(f"--methods={','.join(_METHODS.value)}: expected some of fedavg, flow")
-    return model, {name: builders[name]() for name in _METHODS.value}
+    unknown = set(_ALGORITHMS.value) - set(builders)
+    if unknown or not _ALGORITHMS.value:
+        raise BadFlags(f"--algorithms={','.join(_ALGORITHMS.value)}: expected some of fedavg, flow")
+    return model, {name: builders[name]() for name in _ALGORITHMS.value}
 
 
 def median_seconds(fn, repeats: int) -> float:

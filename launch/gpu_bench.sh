@@ -76,8 +76,8 @@ fi
 step so64 110 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:4,chunked:19 --nopython_loop --repeats=2 --json_out="$RAW/so64.json"
 
 SO1000=(launch/benchmark.py --models=stackoverflow_lstm --skewed --clients=1000 --epochs=3 --strategies=planned --nopython_loop --nocentralized --nowarmup --repeats=1 --project_rounds=2000)
-step so1000_flow 170 "$NEW" "${SO1000[@]}" --methods=flow --json_out="$RAW/so1000_flow.json"
-step so1000_fedavg 90 "$NEW" "${SO1000[@]}" --methods=fedavg --json_out="$RAW/so1000_fedavg.json"
+step so1000_flow 170 "$NEW" "${SO1000[@]}" --algorithms=flow --json_out="$RAW/so1000_flow.json"
+step so1000_fedavg 90 "$NEW" "${SO1000[@]}" --algorithms=fedavg --json_out="$RAW/so1000_fedavg.json"
 
 step emnist_bf16 80 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col --compute_dtype=bfloat16 --json_out="$RAW/emnist_bf16.json"
 step roofline 70 "$NEW" launch/roofline.py --models=emnist_cnn --ceilings --inventory --json_out="$RAW/roofline_gpu.json"
