@@ -21,7 +21,13 @@ def get_config(variant: str = "paper") -> ml_collections.ConfigDict:
     config.dataset = "emnist_tff"
     config.data = store_data()
     config.model = "emnist_cnn"
+    return appendix_b_emnist(config)
+
+
+def appendix_b_emnist(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Appendix B's EMNIST settings, shared by every config that runs the EMNIST CNN."""
     config.num_rounds = 1500
+    config.clients_per_round = 10
     config.epochs = 3
     config.batch_size = 20
     config.learning_rate = 0.01

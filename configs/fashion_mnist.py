@@ -28,6 +28,7 @@ The partition is seeded by ``data.seed`` (0), not by the run's seed, so the pape
 import ml_collections
 
 from configs.base import base_config
+from configs.emnist import appendix_b_emnist
 
 DATA_DIR = "/usr/share/datasets/fashion-mnist/"
 VARIANTS = ("dirichlet_0.1", "dirichlet_0.6", "mini_0.1", "mini_0.6")
@@ -50,16 +51,7 @@ def get_config(variant: str = "dirichlet_0.1") -> ml_collections.ConfigDict:
         test_per_client=20, seed=0))
     config.model = "emnist_cnn"
     config.model_options = ml_collections.ConfigDict(dict(num_classes=10))
-    # Appendix B, EMNIST (as configs/emnist.py).
-    config.num_rounds = 1500
-    config.clients_per_round = 10
-    config.epochs = 3
-    config.batch_size = 20
-    config.learning_rate = 0.01
-    config.gamma = 1e-2
-    config.policy_hidden = (350, 150, 50, 50)
-    config.methods.knn_per.update(neighbours=10, lam=0.4)
-    config.methods.local.update(epochs=10, learning_rate=0.05)
+    appendix_b_emnist(config)
     config.eval.held_out = False  # every client's test split is the evaluation population
     if scale == "mini":
         config.data.num_clients = MINI["num_clients"]

@@ -40,20 +40,24 @@ def differing_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
     return fields
 
 
-def stored_config(workdir: str, remedy: str) -> dict[str, Any] | None:
-    """The ``config.json`` a run left in ``workdir`` (None if there is none).
+def read_json(path: str, remedy: str) -> dict[str, Any] | None:
+    """A run file's JSON (None when absent).
 
     Raises:
-      ValueError: the file is not JSON (one line ending in ``remedy``).
+      ValueError: the file is not JSON, truncated say (one line ending in ``remedy``).
     """
-    path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         return None
     with open(path) as handle:
         try:
             return json.load(handle)
         except json.JSONDecodeError:
-            raise ValueError(f"{path} is not valid JSON; {remedy}") from None
+            raise ValueError(f"{path} is not valid JSON (truncated?); {remedy}") from None
+
+
+def stored_config(workdir: str, remedy: str) -> dict[str, Any] | None:
+    """The ``config.json`` a run left in ``workdir`` (None if there is none)."""
+    return read_json(os.path.join(workdir, "config.json"), remedy)
 
 
 def check_workdir(workdir: str | None) -> None:

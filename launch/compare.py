@@ -24,7 +24,6 @@ from launch import cli, xla_env  # noqa: E402
 
 xla_env.apply()
 
-import json  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -37,7 +36,8 @@ from flowjax.experiment import DivergenceError  # noqa: E402
 from flowjax.experiments_plan import expand, variant_overrides  # noqa: E402
 from flowjax.reporting import comparison_csv, results_table, write_text_atomic  # noqa: E402
 from flowjax.runner import (check_workdir, differing_fields, resolved_config,  # noqa: E402
-                            run_config_to_workdir, run_started, stored_config)
+                            read_json, run_config_to_workdir, run_started,
+                            stored_config)
 from flowjax.validation import validate_config  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Base run config.", lock_config=False)
@@ -79,17 +79,6 @@ def method_configs(base: Any, workdir: str, methods: list[str]) -> dict[str, Any
                                  f"flags of that run, or {remedy}")
         configs[name] = config
     return configs
-
-
-def read_json(path: str, remedy: str) -> dict[str, Any] | None:
-    """A run file's JSON (None when absent); ValueError naming it when it is not JSON."""
-    if not os.path.exists(path):
-        return None
-    with open(path) as handle:
-        try:
-            return json.load(handle)
-        except json.JSONDecodeError:
-            raise ValueError(f"{path} is not valid JSON (truncated?); {remedy}") from None
 
 
 def main(argv):
