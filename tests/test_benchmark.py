@@ -89,6 +89,7 @@ def skewed_fedavg():
     return task, fedavg(tiny_mlp(), FedAvgConfig(learning_rate=0.05, epochs=2, batch_size=4))
 
 
+@pytest.mark.slow  # CI time; run with -m slow
 def test_planned_mapping_is_the_cost_models_choice_under_the_memory_cap(skewed_fedavg, capsys):
     from flowjax.memory_plan import chunk_for_sizes, plan_chunk_size
     task, algorithm = skewed_fedavg

@@ -278,6 +278,7 @@ def test_reference_semantics_is_refused_where_no_reference_exists():
         validate_config(config)
 
 
+@pytest.mark.slow  # CI time; run with -m slow
 def test_mixed_state_recurrence_is_a_flow_option(shakespeare_small):
     from flowjax.models import get_model
     model = get_model("shakespeare_lstm", hidden=16)
