@@ -60,6 +60,19 @@ def stored_config(workdir: str, remedy: str) -> dict[str, Any] | None:
     return read_json(os.path.join(workdir, "config.json"), remedy)
 
 
+def conflicting_fields(workdir: str, resolved: dict, remedy: str) -> list[str]:
+    """Dotted fields in which the started run in ``workdir`` differs from ``resolved``.
+
+    Empty when ``workdir`` holds no ``config.json`` or nothing was started (a config.json
+    alone loses nothing when replaced). Raises ValueError (ending in ``remedy``) when the
+    stored config is not JSON.
+    """
+    previous = stored_config(workdir, remedy)
+    if previous is None or not run_started(workdir):
+        return []
+    return differing_fields(previous, resolved)
+
+
 def check_workdir(workdir: str | None) -> None:
     """Refuses a workdir that cannot hold a run, before anything is loaded or written.
 
@@ -106,11 +119,10 @@ def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> 
         (one line).
     """
     path = os.path.join(workdir, "config.json")
-    previous = None if overwrite else stored_config(
-        workdir, "use --overwrite to replace the run or another --workdir")
-    if previous is not None:
-        differing = differing_fields(previous, resolved)
-        if differing and run_started(workdir):
+    if not overwrite:
+        differing = conflicting_fields(
+            workdir, resolved, "use --overwrite to replace the run or another --workdir")
+        if differing:
             raise ValueError(f"--workdir={workdir} holds a run with a different config "
                              f"(differs in: {', '.join(differing[:6])}); use --overwrite to "
                              f"replace it or another --workdir")

@@ -35,9 +35,8 @@ from flowjax.experiment import DivergenceError  # noqa: E402
 # The method list, the ablations and their overrides are shared with launch/reproduce.py.
 from flowjax.experiments_plan import expand, variant_overrides  # noqa: E402
 from flowjax.reporting import comparison_csv, results_table, write_text_atomic  # noqa: E402
-from flowjax.runner import (check_workdir, differing_fields, resolved_config,  # noqa: E402
-                            read_json, run_config_to_workdir, run_started,
-                            stored_config)
+from flowjax.runner import (check_workdir, conflicting_fields, read_json,  # noqa: E402
+                            resolved_config, run_config_to_workdir)
 from flowjax.validation import validate_config  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Base run config.", lock_config=False)
@@ -67,16 +66,15 @@ def method_configs(base: Any, workdir: str, methods: list[str]) -> dict[str, Any
             raise ValueError(f"{name}: {error}") from None
         run_dir = os.path.join(workdir, name)
         remedy = f"delete {run_dir} to run {name} again"
-        previous = stored_config(run_dir, remedy)
-        if previous is None and os.path.exists(os.path.join(run_dir, "results.json")):
+        if (not os.path.exists(os.path.join(run_dir, "config.json"))
+                and os.path.exists(os.path.join(run_dir, "results.json"))):
             raise ValueError(f"{run_dir} has results.json but no config.json, so what made it "
                              f"is unknown; {remedy}")
-        if previous is not None and run_started(run_dir):  # else nothing to lose
-            differing = differing_fields(previous, resolved_config(config))
-            if differing:
-                raise ValueError(f"{run_dir} holds a run of another config (differs in: "
-                                 f"{', '.join(differing[:6])}); use another --workdir, the "
-                                 f"flags of that run, or {remedy}")
+        differing = conflicting_fields(run_dir, resolved_config(config), remedy)
+        if differing:
+            raise ValueError(f"{run_dir} holds a run of another config (differs in: "
+                             f"{', '.join(differing[:6])}); use another --workdir, the "
+                             f"flags of that run, or {remedy}")
         configs[name] = config
     return configs
 

@@ -57,8 +57,8 @@ from flowjax.experiments_plan import (DATASETS, TABLES, Cell, TableSpec,  # noqa
                                       plan_cells, resolve_datasets, resolve_methods,
                                       resolve_table, variant_overrides)
 from flowjax.reporting import write_text_atomic  # noqa: E402
-from flowjax.runner import (differing_fields, resolved_config, run_config_to_workdir,  # noqa: E402
-                            run_started, stored_config)
+from flowjax.runner import (conflicting_fields, resolved_config,  # noqa: E402
+                            run_config_to_workdir)
 from flowjax.validation import validate_config  # noqa: E402
 
 _TABLE = flags.DEFINE_string("table", None, "Paper table: table2, table3, regularization, "
@@ -217,13 +217,12 @@ def check_cells(request: Request, load: ConfigLoader = load_dataset_config) -> d
             validate_config(run_config.effective_config(config))
         except ValueError as error:
             raise ValueError(f"{cell.dataset}/{cell.variant}/seed_{cell.seed}: {error}") from None
-        previous = stored_config(path, "delete the cell folder to rerun it")
-        if previous is not None and run_started(path):  # a config.json alone loses nothing
-            differing = differing_fields(previous, resolved_config(config))
-            if differing:
-                raise ValueError(f"{path} holds a run of another config (differs in: "
-                                 f"{', '.join(differing[:6])}); use another --workdir or "
-                                 "the same --scale and --override as before")
+        differing = conflicting_fields(path, resolved_config(config),
+                                       "delete the cell folder to rerun it")
+        if differing:
+            raise ValueError(f"{path} holds a run of another config (differs in: "
+                             f"{', '.join(differing[:6])}); use another --workdir or "
+                             "the same --scale and --override as before")
         configs[cell] = config
     return configs
 

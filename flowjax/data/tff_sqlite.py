@@ -334,6 +334,7 @@ def convert_tff_sqlite(kind: str, source_dir: str | os.PathLike, out_dir: str | 
             sources = {ours: TffSqliteSource(db, path, theirs, FEATURES[kind])
                        for ours, theirs in splits.items()}
             return tff_h5.convert_sources(kind, sources, out_dir, origin=f"tff_sqlite:{source_dir}",
-                                          num_classes=10 if only_digits else None, **options)
+                                          num_classes=tff_h5.EMNIST_DIGITS if only_digits else None,
+                                          **options)
         finally:
             db.close()
