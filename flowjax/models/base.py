@@ -70,6 +70,11 @@ class RoutableModel:
         return len(self.layer_names)
 
 
+def uniform_label_weights(y: jax.Array) -> jax.Array:
+    """Weight 1 for every label: models whose labels have no padding value."""
+    return jnp.ones(y.shape, jnp.float32)
+
+
 def layer_key(key: jax.Array, j: int) -> jax.Array:
     """The dropout key of layer ``j``; the plain and the routed model use the same one."""
     return jax.random.fold_in(key, j)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flowjax.models.base import RoutableModel
+from flowjax.models.base import RoutableModel, uniform_label_weights
 from flowjax.models.layers import (Conv2D, chain_model, compute_dtype_of, dense, dropout,
                                    max_pool_2x2)
 
@@ -25,10 +25,6 @@ def _glue_apply(j: int, h: jax.Array, train: bool, key: jax.Array) -> jax.Array:
     if j == 2:
         return dropout(jax.nn.relu(h), 0.5, train, key)
     return h
-
-
-def _label_weights(y: jax.Array) -> jax.Array:
-    return jnp.ones(y.shape, jnp.float32)
 
 
 def emnist_cnn(num_classes: int = 62, custom_grad: bool | None = None, conv_impl: str = "auto",
@@ -63,5 +59,5 @@ def emnist_cnn(num_classes: int = 62, custom_grad: bool | None = None, conv_impl
         name="emnist_cnn", layer_names=("conv1", "conv2", "fc1", "fc2"), modules=modules,
         embed_input=_embed_input, glue_apply=_glue_apply,
         example_input=jax.ShapeDtypeStruct((1,) + IMAGE_SHAPE, jnp.float32),
-        label_weights=_label_weights, instance_ndim=1, num_classes=num_classes,
+        label_weights=uniform_label_weights, instance_ndim=1, num_classes=num_classes,
         policy_input="flat", head_layers=("fc2",))

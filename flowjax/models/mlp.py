@@ -12,12 +12,8 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from flowjax.models.base import RoutableModel
+from flowjax.models.base import RoutableModel, uniform_label_weights
 from flowjax.models.layers import Dense, chain_model
-
-
-def _label_weights(y: jax.Array) -> jax.Array:
-    return jnp.ones(y.shape, jnp.float32)
 
 
 def mlp(input_dim: int = 60, hidden: Sequence[int] = (64, 64),
@@ -45,5 +41,5 @@ def mlp(input_dim: int = 60, hidden: Sequence[int] = (64, 64),
         name="mlp", layer_names=names, modules=tuple(Dense(w) for w in widths),
         embed_input=lambda x: x.reshape(x.shape[0], -1), glue_apply=glue_apply,
         example_input=jax.ShapeDtypeStruct((1, int(input_dim)), jnp.float32),
-        label_weights=_label_weights, instance_ndim=1, num_classes=int(num_classes),
+        label_weights=uniform_label_weights, instance_ndim=1, num_classes=int(num_classes),
         policy_input="flat", head_layers=(names[-1],))

@@ -20,7 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flowjax.models.base import RoutableModel
+from flowjax.models.base import RoutableModel, uniform_label_weights
 from flowjax.models.layers import Conv2D, Dense, chain_model
 
 IMAGE_SHAPE = (32, 32, 3)
@@ -108,10 +108,6 @@ def _glue_apply(j: int, h: jax.Array, train: bool, key: jax.Array) -> jax.Array:
     return h
 
 
-def _label_weights(y: jax.Array) -> jax.Array:
-    return jnp.ones(y.shape, jnp.float32)
-
-
 def resnet18_gn(num_classes: int = 10, groups: int = 2,
                 custom_grad: bool | None = None) -> RoutableModel:
     """ResNet-18 (CIFAR variant) with GroupNorm: 11,173,962 params for 10 classes.
@@ -140,5 +136,5 @@ def resnet18_gn(num_classes: int = 10, groups: int = 2,
         name="resnet18_gn", layer_names=LAYER_NAMES, modules=modules,
         embed_input=_embed_input, glue_apply=_glue_apply,
         example_input=jax.ShapeDtypeStruct((1,) + IMAGE_SHAPE, jnp.float32),
-        label_weights=_label_weights, instance_ndim=1, num_classes=num_classes,
+        label_weights=uniform_label_weights, instance_ndim=1, num_classes=num_classes,
         policy_input="flat", head_layers=("fc",))
