@@ -121,6 +121,15 @@ def metric_by_seed(results: Results, dataset: str, variant: str, population: str
     return values
 
 
+def finished_seeds(results: Results, dataset: str, variant: str, population: str
+                   ) -> set[int]:
+    """Seeds of ``variant`` whose finished results evaluated ``population``."""
+    name = cell_name(variant)
+    return {cell.seed for cell, result in results.items()
+            if cell.dataset == dataset and cell.variant == name
+            and population in result.get("populations", {})}
+
+
 def paired_differences(plus: Mapping[int, float], minus: Mapping[int, float]
                        ) -> dict[int, float]:
     """``plus - minus`` per seed, for the seeds both have (same seed, same clients)."""
@@ -176,7 +185,12 @@ def _row_entries(spec: TableSpec, row: Row, results: Results, datasets: Sequence
             field = row.field(metric)
             stats = seed_stats(metric_by_seed(results, dataset, row.variant, population, field),
                                seeds)
+            # A metric that the row's finished runs do not report (the client snapshot of a
+            # method without one) is absent by definition, not a missing seed.
+            unreported = stats.n == 0 and finished_seeds(results, dataset, row.variant,
+                                                         population)
             status = ("not_applicable" if (row.variant, metric) in spec.not_applicable
+                      or unreported
                       else "not_run" if (row.variant, dataset) in skipped and stats.n == 0
                       else "ok")
             entries.append(Entry(spec.name, dataset, row.label, row.variant, population, field,
