@@ -27,7 +27,7 @@ from flowjax.core.prng import SEED_LIMIT
 from flowjax.core.server_opt import SERVER_OPTIMIZERS
 from flowjax.data import DATASETS
 from flowjax.data.federated import FederatedTask
-from flowjax.experiments_plan import ABLATIONS, variant_overrides
+from flowjax.paper.plan import ABLATIONS, variant_overrides
 from flowjax.models import MODELS, get_model
 from flowjax.models.base import RoutableModel
 from flowjax.models.layers import COMPUTE_DTYPES, CONV_IMPLS

@@ -33,7 +33,7 @@ from ml_collections import config_flags  # noqa: E402
 from flowjax import config as run_config  # noqa: E402
 from flowjax.experiment import DivergenceError  # noqa: E402
 # The method list, the ablations and their overrides are shared with launch/reproduce.py.
-from flowjax.experiments_plan import expand, variant_overrides  # noqa: E402
+from flowjax.paper.plan import expand, variant_overrides  # noqa: E402
 from flowjax.reporting import comparison_csv, results_table, write_text_atomic  # noqa: E402
 from flowjax.runner import (check_workdir, conflicting_fields, read_json,  # noqa: E402
                             resolved_config, run_config_to_workdir)

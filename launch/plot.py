@@ -37,7 +37,7 @@ def main(argv):
         print(f"error: --workdir={workdir} is not a directory", file=sys.stderr)
         return 2
     try:
-        from flowjax import plotting  # matplotlib is an optional extra
+        from flowjax.paper import plot_data as plotting  # matplotlib is an optional extra
     except ImportError as error:
         print(f"error: launch/plot.py needs matplotlib ({error}); pip install -e '.[plot]'",
               file=sys.stderr)

@@ -13,13 +13,13 @@ r"""Run one paper table's dataset x method x seed grid; write it beside the pape
 Tables: table2 (Acc_g, Acc_p), table3 (% clients with Acc_p > Acc_g, ties separate), and
 the ablations regularization, pi_pc_flow, fixed_policy, soft_hard, order, split_ratio,
 and gain_source (the authors' code, each of its departures alone, on Fashion-MNIST)
-(``flowjax/experiments_plan.py`` holds their layouts). Each run ("cell") goes to
+(``flowjax/paper/plan.py`` holds their layouts). Each run ("cell") goes to
 ``<workdir>/<dataset>/<variant>/seed_<seed>/`` exactly as ``launch/train.py`` would write
 it; cells are shared between tables (Table 3 and soft_hard read Table 2's runs). A cell
 with ``results.json`` is finished and never run again; any other cell is run, resuming
 from its newest checkpoint. Then ``<workdir>/<table>.md`` and ``<table>.csv`` give, per
 evaluated population, each method's mean ± sample std over the seeds with the paper's
-figure beside it (``flowjax/evaluation/aggregate.py``).
+figure beside it (``flowjax/paper/aggregate.py``).
 
 ``--scale=paper`` runs each dataset's paper config (``configs/<dataset>.py:paper``;
 CIFAR: ``configs/cifar.py:cifar10_0.1`` etc.), ``--scale=mini`` Shakespeare's CPU-sized
@@ -49,13 +49,12 @@ from typing import Any, Callable, Sequence  # noqa: E402
 from absl import flags, logging  # noqa: E402
 
 from flowjax import config as run_config  # noqa: E402
-from flowjax.evaluation.aggregate import (load_results, summed_wall_time, table_csv,  # noqa: E402
-                                          table_entries, table_markdown)
 from flowjax.experiment import DivergenceError  # noqa: E402
-from flowjax.experiments_plan import (DATASETS, TABLES, Cell, TableSpec,  # noqa: E402
-                                      parse_seeds,
-                                      plan_cells, resolve_datasets, resolve_methods,
-                                      resolve_table, variant_overrides)
+from flowjax.paper.aggregate import (load_results, summed_wall_time, table_csv,  # noqa: E402
+                                     table_entries, table_markdown)
+from flowjax.paper.plan import (DATASETS, TABLES, Cell, TableSpec, parse_seeds,  # noqa: E402
+                                plan_cells, resolve_datasets, resolve_methods,
+                                resolve_table, variant_overrides)
 from flowjax.reporting import write_text_atomic  # noqa: E402
 from flowjax.runner import (conflicting_fields, resolved_config,  # noqa: E402
                             run_config_to_workdir)

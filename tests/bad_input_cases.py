@@ -608,7 +608,7 @@ def finished_method(method: str, results: bytes, **changed: Any) -> Callable[[st
     def setup(workdir: str) -> None:
         import json
 
-        from flowjax.experiments_plan import variant_overrides
+        from flowjax.paper.plan import variant_overrides
         from flowjax.runner import resolved_config
         config = shakespeare.get_config("quick")
         config.update(variant_overrides(method))

@@ -315,7 +315,7 @@ def test_sequential_orders_give_the_global_branch_the_same_steps_as_alternating(
 
 def test_gain_source_grid_reuses_the_mini_reproduction_cells_and_every_row_validates():
     from configs import fashion_mnist
-    from flowjax.experiments_plan import TABLES, plan_cells, variant_overrides
+    from flowjax.paper.plan import TABLES, plan_cells, variant_overrides
     from tests.helpers import apply_overrides
     spec = TABLES["gain_source"]
     datasets, seeds = ["fashion_mnist_0.1", "fashion_mnist_0.6"], [0, 44, 56]

@@ -249,7 +249,7 @@ def test_fashion_mnist_config_without_files_exits_2_in_one_line(tmp_path):
 def test_fashion_mnist_configs_are_valid_for_every_method(variant):
     from configs import fashion_mnist
     from flowjax import config as run_config
-    from flowjax.experiments_plan import MAIN
+    from flowjax.paper.plan import MAIN
     from flowjax.validation import validate_config
 
     for method in MAIN:

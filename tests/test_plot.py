@@ -1,4 +1,4 @@
-"""launch/plot.py and flowjax.plotting on hand-written run folders with known numbers."""
+"""launch/plot.py and flowjax.paper.plot_data on hand-written run folders with known numbers."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from flowjax import plotting  # noqa: E402
+from flowjax.paper import plot_data as plotting  # noqa: E402
 from flowjax.evaluation.metrics import GROUPS, Q0_BINS  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

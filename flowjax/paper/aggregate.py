@@ -24,9 +24,9 @@ import math
 import os
 from typing import Any, Iterable, Mapping, Sequence
 
-from flowjax.evaluation.paper_figures import PaperFigure, paper_delta, paper_figure
-from flowjax.experiments_plan import (DATASETS, METRIC_TITLES, Cell, Delta, Row, TableSpec,
-                                      cell_name)
+from flowjax.paper.figures import PaperFigure, paper_delta, paper_figure
+from flowjax.paper.plan import (DATASETS, METRIC_TITLES, Cell, Delta, Row, TableSpec,
+                                cell_name)
 
 Results = Mapping[Cell, Mapping[str, Any]]
 POPULATION_ORDER = ("train_clients", "held_out_clients")

@@ -164,7 +164,7 @@ class Delta:
     """A difference the paper states in words: ``plus - minus`` of ``metrics``.
 
     Attributes:
-      key: the key of the paper's numbers in ``paper_figures.PAPER_DELTAS``.
+      key: the key of the paper's numbers in ``figures.DELTAS``.
       label: the row's name in the markdown.
     """
 

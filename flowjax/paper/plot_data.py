@@ -31,7 +31,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from flowjax.evaluation.aggregate import seed_stats
+from flowjax.paper.aggregate import seed_stats
 from flowjax.evaluation.metrics import GROUPS
 
 PRIMARY = "train_clients"

@@ -183,7 +183,7 @@ def paper_figure(dataset: str, variant: str, metric: str) -> PaperFigure | None:
     """The paper's number for ``metric`` of ``variant`` on ``dataset``, or None.
 
     Args:
-      dataset: a ``experiments_plan.DATASETS`` key, e.g. ``cifar10_0.1``.
+      dataset: a ``plan.DATASETS`` key, e.g. ``cifar10_0.1``.
       variant: a method or ablation name, e.g. ``flow``, ``flow_gamma_0``.
       metric: a results field: ``acc_g``, ``acc_p``, ``acc_p_soft``, ``clients_benefiting``.
     """
