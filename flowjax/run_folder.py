@@ -1,0 +1,175 @@
+"""The run folder (``--workdir``): the only module that knows its file names, writes them
+atomically and reads them back.
+
+A run folder holds:
+
+* ``config.json``: the resolved config, written before the first round;
+* ``metrics.jsonl``: one JSON record per line, a ``train`` record per round and an
+  ``eval`` record per evaluated population (``flowjax.engine.callbacks.MetricsFile``);
+* ``results.json``: the final evaluation, written last, so its presence marks a finished
+  run (same seed, same bytes);
+* ``run.json``: wall time, compilations and warnings (never compared: time varies);
+* ``checkpoints/``: orbax checkpoints by round (``flowjax.checkpoint``);
+* ``tensorboard/``: event files, with ``config.tensorboard`` (``flowjax.tensorboard_log``);
+* ``plots/``: what ``launch/plot.py`` draws.
+
+Example:
+  >>> write_json_atomic(path(workdir, RESULTS), {"acc_g": 0.5})
+  >>> read_results(workdir, remedy="rerun it")["acc_g"]
+  0.5
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+CONFIG = "config.json"
+METRICS = "metrics.jsonl"
+RESULTS = "results.json"
+RUN_INFO = "run.json"
+CHECKPOINTS = "checkpoints"
+TENSORBOARD = "tensorboard"
+PLOTS = "plots"
+# The files a run writes (``--overwrite`` removes them with the two folders below).
+RUN_FILES = (CONFIG, METRICS, RESULTS, RUN_INFO)
+RUN_FOLDERS = (CHECKPOINTS, TENSORBOARD)
+# Subfolders that are never runs themselves when runs are searched for under a folder.
+NOT_RUNS = (CHECKPOINTS, PLOTS, TENSORBOARD)
+
+
+def path(workdir: str, name: str) -> str:
+    """Where ``name`` (one of this module's names) lies in ``workdir``."""
+    return os.path.join(workdir, name)
+
+
+# ---------------------------------------------------------------------------- writing
+def write_text_atomic(file: str, text: str) -> None:
+    """Writes to a temporary file in the same folder, then renames it over ``file``.
+
+    A crash mid-write leaves the previous file intact.
+    """
+    folder = os.path.dirname(os.path.abspath(file))
+    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    try:
+        with os.fdopen(handle, "w") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        # mkstemp creates 0600; the result files are for everyone the umask allows.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)
+        os.replace(temporary, file)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+def write_json_atomic(file: str, payload: Any) -> None:
+    """``write_text_atomic`` of ``payload`` as indented JSON."""
+    write_text_atomic(file, json.dumps(payload, indent=2, sort_keys=True))
+
+
+def metrics_line(record: dict[str, Any]) -> str:
+    """One ``metrics.jsonl`` line."""
+    return json.dumps(record) + "\n"
+
+
+def write_metrics(workdir: str, records: list[dict[str, Any]]) -> None:
+    """Replaces ``metrics.jsonl`` by exactly ``records`` (atomically)."""
+    write_text_atomic(path(workdir, METRICS), "".join(metrics_line(r) for r in records))
+
+
+def remove_run(workdir: str) -> None:
+    """Removes a previous run's files and folders from ``workdir`` (``--overwrite``)."""
+    for name in RUN_FILES:
+        if os.path.exists(path(workdir, name)):
+            os.remove(path(workdir, name))
+    for name in RUN_FOLDERS:
+        shutil.rmtree(path(workdir, name), ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- reading
+def read_json(file: str, remedy: str) -> Any:
+    """A run file's JSON (None when absent).
+
+    Raises:
+      ValueError: the file is not JSON, truncated say (one line ending in ``remedy``).
+    """
+    if not os.path.exists(file):
+        return None
+    with open(file) as handle:
+        try:
+            return json.load(handle)
+        except json.JSONDecodeError:
+            raise ValueError(f"{file} is not valid JSON (truncated?); {remedy}") from None
+
+
+def read_config(workdir: str, remedy: str) -> dict[str, Any] | None:
+    """The ``config.json`` a run left in ``workdir`` (None if there is none)."""
+    return read_json(path(workdir, CONFIG), remedy)
+
+
+def read_results(workdir: str, remedy: str) -> dict[str, Any] | None:
+    """``results.json`` of ``workdir`` (None while the run has not finished)."""
+    return read_json(path(workdir, RESULTS), remedy)
+
+
+def read_run_info(workdir: str, remedy: str) -> dict[str, Any] | None:
+    """``run.json`` of ``workdir`` (None if absent)."""
+    return read_json(path(workdir, RUN_INFO), remedy)
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+    """The records of ``metrics.jsonl``, in order ([] when it does not exist).
+
+    A last line that does not parse is skipped: a run being written (or killed mid-line)
+    ends that way, and the resumed run writes it again.
+
+    Raises:
+      ValueError: a line before the last is not JSON (``<file>:<line>: <error>``).
+    """
+    file = path(workdir, METRICS)
+    if not os.path.exists(file):
+        return []
+    with open(file) as handle:
+        lines = [line for line in handle.read().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            if number == len(lines):
+                break
+            raise ValueError(f"{file}:{number}: {error}") from None
+    return records
+
+
+def finished(workdir: str) -> bool:
+    """Whether ``workdir`` holds a finished run (``results.json``)."""
+    return os.path.exists(path(workdir, RESULTS))
+
+
+def has_config(workdir: str) -> bool:
+    """Whether ``workdir`` holds a ``config.json``."""
+    return os.path.exists(path(workdir, CONFIG))
+
+
+def is_run(folder: str) -> bool:
+    """Whether ``folder`` holds a run's results or metrics (finished or not)."""
+    return finished(folder) or os.path.exists(path(folder, METRICS))
+
+
+def run_started(workdir: str) -> bool:
+    """Whether ``workdir``'s run got past its start: a result, a training line in
+    ``metrics.jsonl`` or anything under ``checkpoints/``. A ``config.json`` alone is a
+    run that failed before its first round: replacing it loses nothing."""
+    metrics = path(workdir, METRICS)
+    checkpoints = path(workdir, CHECKPOINTS)
+    return (finished(workdir)
+            or (os.path.exists(metrics) and os.path.getsize(metrics) > 0)
+            or (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints))))
