@@ -25,6 +25,8 @@ from launch import cli  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
+from flowjax.paper import plot_data  # noqa: E402
+
 _WORKDIR = flags.DEFINE_string("workdir", None,
                                 "Folder of runs to plot; the PNGs go to <workdir>/plots.")
 _DPI = flags.DEFINE_integer("dpi", 120, "Resolution of the PNGs.")
@@ -37,23 +39,23 @@ def main(argv):
         print(f"error: --workdir={workdir} is not a directory", file=sys.stderr)
         return 2
     try:
-        from flowjax.paper import plot_data as plotting  # matplotlib is an optional extra
+        from flowjax.paper import plot_draw  # matplotlib is an optional extra
     except ImportError as error:
         print(f"error: launch/plot.py needs matplotlib ({error}); pip install -e '.[plot]'",
               file=sys.stderr)
         return 2
     try:
-        runs = plotting.load_runs(workdir)
-    except plotting.RunFileError as error:
+        runs = plot_data.load_runs(workdir)
+    except plot_data.RunFileError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if not runs:
         print(f"error: no runs under --workdir={workdir} (no folder holds results.json or "
               f"metrics.jsonl)", file=sys.stderr)
         return 2
-    for note in plotting.run_notes(runs):
+    for note in plot_data.run_notes(runs):
         print(f"note: {note}")
-    figures = plotting.workdir_figures(runs)
+    figures = plot_draw.workdir_figures(runs)
     if not figures:
         print(f"error: nothing to plot under --workdir={workdir}: no run has an evaluation "
               f"yet", file=sys.stderr)

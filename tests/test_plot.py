@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from flowjax.paper import plot_data as plotting  # noqa: E402
+from flowjax.paper import plot_data, plot_draw  # noqa: E402
 from flowjax.evaluation.metrics import GROUPS, Q0_BINS  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,7 +90,7 @@ def test_quantiles_of_one_filled_bin_interpolate_within_it():
     counts = np.zeros(Q0_BINS)
     counts[4] = 7.0
     width = 1.0 / Q0_BINS
-    stats = plotting.histogram_box_stats(counts)
+    stats = plot_data.histogram_box_stats(counts)
     for key, p in zip(("whislo", "q1", "med", "q3", "whishi"), (0.05, 0.25, 0.5, 0.75, 0.95)):
         assert stats[key] == pytest.approx((4 + p) * width)
     assert stats["mean"] == pytest.approx(4.5 * width)  # the bin centre
@@ -98,7 +98,7 @@ def test_quantiles_of_one_filled_bin_interpolate_within_it():
 
 
 def test_quantiles_of_uniform_mass_are_the_percentiles():
-    stats = plotting.histogram_box_stats(np.full(Q0_BINS, 3.0), mean=0.42, label="2")
+    stats = plot_data.histogram_box_stats(np.full(Q0_BINS, 3.0), mean=0.42, label="2")
     assert (stats["whislo"], stats["q1"], stats["med"], stats["q3"], stats["whishi"]) == \
         pytest.approx((0.05, 0.25, 0.5, 0.75, 0.95))
     assert stats["mean"] == 0.42 and stats["label"] == "2"  # the exact mean wins
@@ -107,16 +107,16 @@ def test_quantiles_of_uniform_mass_are_the_percentiles():
 def test_quantiles_skip_empty_bins_and_reject_an_empty_histogram():
     counts = np.zeros(10)
     counts[[2, 7]] = 1.0
-    assert plotting.histogram_quantile(counts, 0.0) == pytest.approx(0.2)
-    assert plotting.histogram_quantile(counts, 0.25) == pytest.approx(0.25)
-    assert plotting.histogram_quantile(counts, 0.75) == pytest.approx(0.75)
-    assert plotting.histogram_quantile(counts, 1.0) == pytest.approx(0.8)
+    assert plot_data.histogram_quantile(counts, 0.0) == pytest.approx(0.2)
+    assert plot_data.histogram_quantile(counts, 0.25) == pytest.approx(0.25)
+    assert plot_data.histogram_quantile(counts, 0.75) == pytest.approx(0.75)
+    assert plot_data.histogram_quantile(counts, 1.0) == pytest.approx(0.8)
     with pytest.raises(ValueError, match="empty histogram"):
-        plotting.histogram_quantile(np.zeros(10), 0.5)
+        plot_data.histogram_quantile(np.zeros(10), 0.5)
 
 
 def test_seed_band_averages_the_seeds_that_evaluated_each_round():
-    band = plotting.seed_band([{1: 0.2, 2: 0.4}, {1: 0.4, 2: 0.8}, {1: 0.6}])
+    band = plot_data.seed_band([{1: 0.2, 2: 0.4}, {1: 0.4, 2: 0.8}, {1: 0.6}])
     assert band.rounds.tolist() == [1, 2]
     np.testing.assert_allclose(band.mean, [0.4, 0.6])
     # Sample std (ddof=1), the statistic of the reproduce tables.
@@ -130,9 +130,9 @@ def test_seed_band_averages_the_seeds_that_evaluated_each_round():
 def test_single_run_dir(tmp_path):
     write_run(tmp_path, dataset="toy", algorithm="flow", seed=0,
               evals={2: (0.1, 0.2), 4: (0.3, 0.5)}, breakdown=BREAKDOWN_A, q0=Q0)
-    runs = plotting.load_runs(str(tmp_path))
+    runs = plot_data.load_runs(str(tmp_path))
     assert [(r.method, r.seed, r.dataset) for r in runs] == [("flow", 0, "toy")]
-    figures = plotting.workdir_figures(runs)
+    figures = plot_draw.workdir_figures(runs)
     assert sorted(figures) == ["breakdown_toy.png", "learning_curves_toy.png",
                                "routing_q0_toy_flow.png"]
     curves = figures["learning_curves_toy.png"]
@@ -159,7 +159,7 @@ def test_compare_dir_draws_every_method_and_routes_only_flow(tmp_path):
               evals={1: (0.1, 0.2), 2: (0.3, 0.4)}, breakdown=BREAKDOWN_A, q0=Q0, held_out=True)
     write_run(tmp_path / "fedavg", dataset="toy", algorithm="fedavg", seed=0,
               evals={1: (0.2, 0.2), 2: (0.3, 0.3)}, breakdown=BREAKDOWN_B, held_out=True)
-    figures = plotting.workdir_figures(plotting.load_runs(str(tmp_path)))
+    figures = plot_draw.workdir_figures(plot_data.load_runs(str(tmp_path)))
     assert sorted(figures) == ["breakdown_toy.png", "learning_curves_toy.png",
                                "routing_q0_toy_flow.png"]
     curves = figures["learning_curves_toy.png"]
@@ -195,10 +195,10 @@ def test_reproduce_grid_means_seeds_and_keeps_unfinished_curves(tmp_path):
               evals={1: (0.2, 0.2)})  # unfinished: curve only
     write_run(grid / "other" / "fedavg" / "seed_0", dataset="other", algorithm="fedavg",
               seed=0, evals={5: (0.5, 0.5)}, breakdown=BREAKDOWN_B)
-    runs = plotting.load_runs(str(grid))
+    runs = plot_data.load_runs(str(grid))
     assert sorted((r.dataset, r.method, r.seed) for r in runs) == [
         ("other", "fedavg", 0), ("toy", "flow", 0), ("toy", "flow", 1), ("toy", "pi_flow", 0)]
-    figures = plotting.workdir_figures(runs)
+    figures = plot_draw.workdir_figures(runs)
     assert sorted(figures) == ["breakdown_other.png", "breakdown_toy.png",
                                "learning_curves_other.png", "learning_curves_toy.png",
                                "routing_q0_toy_flow.png"]
@@ -213,18 +213,44 @@ def test_reproduce_grid_means_seeds_and_keeps_unfinished_curves(tmp_path):
     assert len(ax.patches) == len(GROUPS)  # the unfinished pi_flow has no bar
     assert ax.patches[0].get_height() == pytest.approx(50.0)  # mean of 40% and 60%
 
-    pooled = plotting.pooled_routing([r for r in runs if r.method == "flow"])
+    pooled = plot_data.pooled_routing([r for r in runs if r.method == "flow"])
     np.testing.assert_allclose(pooled["train_clients"].histograms["both_correct"],
                                2 * np.asarray(Q0["both_correct"]))
-    notes = plotting.run_notes(runs)
+    notes = plot_data.run_notes(runs)
     assert len(notes) == 1 and "pi_flow" in notes[0] and "unfinished" in notes[0]
+
+
+def test_plot_data_needs_no_matplotlib(tmp_path):
+    """The figures' data (names, kinds, seed means) comes from plot_data alone; only
+    plot_draw imports matplotlib."""
+    for seed, breakdown in ((0, BREAKDOWN_A), (1, BREAKDOWN_B)):
+        write_run(tmp_path / "flow" / f"seed_{seed}", dataset="toy", algorithm="flow",
+                  seed=seed, evals={1: (0.1, 0.2)}, breakdown=breakdown, q0=Q0)
+    script = (
+        "import json, sys\n"
+        "sys.modules['matplotlib'] = None  # any matplotlib import raises ImportError\n"
+        "from flowjax.paper import plot_data\n"
+        f"plots = plot_data.workdir_plots(plot_data.load_runs({str(tmp_path)!r}))\n"
+        "print(json.dumps({name: [p.kind, p.title] for name, p in plots.items()}))\n"
+        "print(json.dumps(plots['breakdown_toy.png'].data))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    kinds, breakdown = map(json.loads, done.stdout.splitlines())
+    assert kinds == {
+        "learning_curves_toy.png": ["learning_curves", "toy: accuracy during training"],
+        "breakdown_toy.png": ["breakdown", "toy: test instances by correct model"],
+        "routing_q0_toy_flow.png": ["routing", "toy / flow: q0 per layer by instance group "
+                                               "(2 seeds pooled)"]}
+    assert breakdown == {"train_clients": {"flow": {g: (BREAKDOWN_A[g] + BREAKDOWN_B[g]) / 2
+                                                    for g in GROUPS}}}
 
 
 def test_a_variant_folder_of_seeds_is_named_by_the_folder(tmp_path):
     for seed in (0, 1):
         write_run(tmp_path / "pi_flow" / f"seed_{seed}", dataset="toy", algorithm="flow",
                   seed=seed, evals={1: (0.1, 0.2)}, breakdown=BREAKDOWN_A)
-    runs = plotting.load_runs(str(tmp_path / "pi_flow"))
+    runs = plot_data.load_runs(str(tmp_path / "pi_flow"))
     assert [(r.method, r.seed) for r in runs] == [("pi_flow", 0), ("pi_flow", 1)]
 
 
@@ -234,14 +260,14 @@ def test_an_unfinished_run_takes_the_dataset_name_of_its_finished_siblings(tmp_p
     write_run(tmp_path / "fedavg", dataset="toy", algorithm="fedavg", seed=0,
               evals={1: (0.1, 0.2)})
     (tmp_path / "flow" / "config.json").write_text(json.dumps({"dataset": "toy", "seed": 0}))
-    assert {r.dataset for r in plotting.load_runs(str(tmp_path))} == {"toy_0.1"}
+    assert {r.dataset for r in plot_data.load_runs(str(tmp_path))} == {"toy_0.1"}
 
 
 def test_same_method_name_in_two_folders_is_disambiguated(tmp_path):
     for study in ("a", "b"):
         write_run(tmp_path / study / "flow", dataset="toy", algorithm="flow", seed=0,
                   evals={1: (0.1, 0.2)}, breakdown=BREAKDOWN_A)
-    assert sorted(r.method for r in plotting.load_runs(str(tmp_path))) == ["a/flow", "b/flow"]
+    assert sorted(r.method for r in plot_data.load_runs(str(tmp_path))) == ["a/flow", "b/flow"]
 
 
 # ---------------------------------------------------------------- the command
@@ -277,5 +303,5 @@ def test_plot_command_rejects_bad_workdirs_in_one_line(tmp_path, make, message):
 def test_a_broken_results_file_is_named(tmp_path):
     write_run(tmp_path, dataset="toy", algorithm="flow", seed=0, evals={1: (0.1, 0.2)})
     (tmp_path / "results.json").write_text("{not json")
-    with pytest.raises(plotting.RunFileError, match="results.json"):
-        plotting.load_runs(str(tmp_path))
+    with pytest.raises(plot_data.RunFileError, match="results.json"):
+        plot_data.load_runs(str(tmp_path))
