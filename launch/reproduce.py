@@ -19,7 +19,7 @@ it; cells are shared between tables (Table 3 and soft_hard read Table 2's runs).
 with ``results.json`` is finished and never run again; any other cell is run, resuming
 from its newest checkpoint. Then ``<workdir>/<table>.md`` and ``<table>.csv`` give, per
 evaluated population, each method's mean ± sample std over the seeds with the paper's
-figure beside it (``flowjax/paper/aggregate.py``).
+figure beside it (``flowjax/paper/aggregate.py``, ``flowjax/paper/tables.py``).
 
 ``--scale=paper`` runs each dataset's paper config (``configs/<dataset>.py:paper``;
 CIFAR: ``configs/cifar.py:cifar10_0.1`` etc.), ``--scale=mini`` Shakespeare's CPU-sized
@@ -50,11 +50,11 @@ from absl import flags, logging  # noqa: E402
 
 from flowjax import config as run_config  # noqa: E402
 from flowjax.experiment import DivergenceError  # noqa: E402
-from flowjax.paper.aggregate import (load_results, summed_wall_time, table_csv,  # noqa: E402
-                                     table_entries, table_markdown)
+from flowjax.paper.aggregate import load_results, summed_wall_time  # noqa: E402
 from flowjax.paper.plan import (DATASETS, TABLES, Cell, TableSpec, parse_seeds,  # noqa: E402
                                 plan_cells, resolve_datasets, resolve_methods,
                                 resolve_table, variant_overrides)
+from flowjax.paper.tables import table_csv, table_entries, table_markdown  # noqa: E402
 from flowjax.reporting import write_text_atomic  # noqa: E402
 from flowjax.runner import (conflicting_fields, resolved_config,  # noqa: E402
                             run_config_to_workdir)

@@ -16,9 +16,9 @@ import pytest
 from flowjax import experiment
 from flowjax.checkpoint import Checkpointer
 from flowjax.paper import figures as paper_figures
-from flowjax.paper.aggregate import (load_results, seed_stats, table_csv, table_entries,
-                                     table_markdown)
+from flowjax.paper.aggregate import load_results, seed_stats
 from flowjax.paper.plan import TABLES, Cell, cell_name, plan_cells
+from flowjax.paper.tables import table_csv, table_entries, table_markdown
 from flowjax.runner import resolved_config
 from launch import reproduce
 from tests.helpers import small_config

@@ -1,0 +1,195 @@
+"""The paper's tables from seed statistics: entries beside the paper's figures, as
+markdown and CSV.
+
+One entry per (table, dataset, row, population, metric): ours (``aggregate.SeedStats``
+over the seeds asked for), the paper's figure and its spread (``figures``), and why ours
+may be absent (the paper's "-", a cell the paper did not run, or seeds not finished).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+from typing import Iterable, Mapping, Sequence
+
+from flowjax.paper.aggregate import (Results, SeedStats, finished_seeds, metric_by_seed,
+                                     paired_differences, populations_of, seed_stats)
+from flowjax.paper.figures import PaperFigure, paper_delta, paper_figure
+from flowjax.paper.plan import DATASETS, METRIC_TITLES, Delta, Row, TableSpec
+
+POPULATION_NOTES = {
+    "train_clients": "the training clients' test splits, as the paper evaluates",
+    "held_out_clients": "clients never sampled in training (not in the paper)",
+}
+CSV_HEADER = ("table", "dataset", "row", "variant", "population", "metric", "mean_pct",
+              "std_pct", "n_seeds", "n_expected", "seeds", "paper_pct", "paper_spread_pct",
+              "paper_source")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One table entry: ours, the paper's, and why ours may be absent.
+
+    Attributes:
+      row: the row's label; variant: its method or ablation (``plus - minus`` for a delta).
+      metric: the results field read (``acc_p_soft`` for the soft-policy row).
+      stats: ours over the seeds; paper: the paper's figure, if it has one.
+      status: ``ok``; ``not_applicable`` (the paper's "-": a metric the method lacks);
+        ``not_run`` (a cell the paper did not run, left out of the grid).
+      delta: a difference the paper states in words, paired per seed.
+    """
+
+    table: str
+    dataset: str
+    row: str
+    variant: str
+    population: str
+    metric: str
+    stats: SeedStats
+    paper: PaperFigure | None
+    status: str = "ok"
+    delta: bool = False
+
+    @property
+    def label(self) -> str:
+        text = f"{self.row} (`{self.variant}`)"
+        return f"*{text}*" if self.delta else text
+
+
+def _row_entries(spec: TableSpec, row: Row, results: Results, datasets: Sequence[str],
+                 seeds: Sequence[int], population: str, skipped: set[tuple[str, str]]
+                 ) -> list[Entry]:
+    entries = []
+    for dataset in datasets:
+        for metric in spec.metrics:
+            field = row.field(metric)
+            stats = seed_stats(metric_by_seed(results, dataset, row.variant, population, field),
+                               seeds)
+            # A metric that the row's finished runs do not report (the client snapshot of a
+            # method without one) is absent by definition, not a missing seed.
+            unreported = stats.n == 0 and finished_seeds(results, dataset, row.variant,
+                                                         population)
+            status = ("not_applicable" if (row.variant, metric) in spec.not_applicable
+                      or unreported
+                      else "not_run" if (row.variant, dataset) in skipped and stats.n == 0
+                      else "ok")
+            entries.append(Entry(spec.name, dataset, row.label, row.variant, population, field,
+                                 stats, paper_figure(dataset, row.variant, field), status))
+    return entries
+
+
+def _delta_entries(spec: TableSpec, delta: Delta, results: Results, datasets: Sequence[str],
+                   seeds: Sequence[int], population: str) -> list[Entry]:
+    name, entries = f"{delta.plus} - {delta.minus}", []
+    for dataset in datasets:
+        for metric in spec.metrics:
+            if metric not in delta.metrics:
+                entries.append(Entry(spec.name, dataset, delta.label, name, population, metric,
+                                     SeedStats((), (), len(seeds)), None, "not_applicable",
+                                     delta=True))
+                continue
+            by_seed = paired_differences(
+                metric_by_seed(results, dataset, delta.plus, population, metric),
+                metric_by_seed(results, dataset, delta.minus, population, metric))
+            entries.append(Entry(spec.name, dataset, delta.label, name, population, metric,
+                                 seed_stats(by_seed, seeds),
+                                 paper_delta(delta.key, dataset, metric), delta=True))
+    return entries
+
+
+def table_entries(spec: TableSpec, results: Results, datasets: Sequence[str],
+                  seeds: Sequence[int], methods: Sequence[str] | None = None,
+                  skipped: Iterable[tuple[str, str]] = ()) -> dict[str, list[list[Entry]]]:
+    """Per population, the table's rows (then its paper-stated differences) of entries.
+
+    Args:
+      spec: the table.
+      results: finished cells' results.
+      datasets: the columns, in order.
+      seeds: the seeds asked for.
+      methods: the variants to show (default: all the table's rows).
+      skipped: ``(variant, dataset)`` cells left out of the grid (shown as not run).
+    """
+    shown = set(methods) if methods is not None else set(spec.variants)
+    skipped = set(skipped)
+    table = {}
+    for population in populations_of(results):
+        lines = [_row_entries(spec, row, results, datasets, seeds, population, skipped)
+                 for row in spec.rows if row.variant in shown]
+        lines += [_delta_entries(spec, delta, results, datasets, seeds, population)
+                  for delta in spec.deltas if {delta.plus, delta.minus} <= shown]
+        table[population] = lines
+    return table
+
+
+def _pct(value: float | None) -> str:
+    return "" if value is None else f"{100 * value:.4f}"
+
+
+def _paper_text(paper: PaperFigure | None) -> str:
+    if paper is None:
+        return "paper —"
+    spread = "" if paper.spread is None else f" ± {paper.spread:.2f}"
+    return f"paper {paper.value:.2f}{spread}"
+
+
+def format_entry(entry: Entry) -> str:
+    """``ours mean ± std [n=k of N] (paper X ± Y)``, in percent, for the markdown."""
+    paper = _paper_text(entry.paper)
+    if entry.status == "not_applicable":
+        return "—"
+    if entry.status == "not_run":
+        return f"not run ({paper})"
+    stats = entry.stats
+    if stats.n == 0:
+        return f"missing, 0 of {stats.expected} seeds ({paper})"
+    ours = f"{100 * stats.mean:.2f}"
+    if stats.std is not None:
+        ours += f" ± {100 * stats.std:.2f}"
+    if not stats.complete:
+        ours += f" [n={stats.n} of {stats.expected}]"
+    return f"{ours} ({paper})"
+
+
+def table_markdown(spec: TableSpec, entries: Mapping[str, list[list[Entry]]],
+                   datasets: Sequence[str], seeds: Sequence[int], header: str) -> str:
+    """The table in the paper's layout: rows = methods, columns = dataset x metric."""
+    seed_text = ", ".join(map(str, seeds))
+    lines = [header, "", f"# {spec.title}", "",
+             f"Reproduces the paper's {', '.join(spec.tex_labels)}. Each entry: ours, the "
+             f"mean ± sample standard deviation (ddof=1) over seeds {seed_text}, in percent; "
+             "`[n=k of N]` marks seeds whose run has not finished (left out, not imputed); "
+             "then the paper's figure ± its spread across its 3 seeds. `—`: no number; "
+             "`not run`: a cell the paper did not run either. Accuracies average each "
+             "client's accuracy over clients (the paper's Acc_g, Acc_p); `% Acc_p > Acc_g` "
+             "counts clients strictly improved, tied clients are `% ties`."]
+    columns = [f"{DATASETS[d].title} {METRIC_TITLES[m]}" for d in datasets for m in spec.metrics]
+    for population, rows in entries.items():
+        lines += ["", f"## {population}: {POPULATION_NOTES.get(population, population)}", "",
+                  "| " + " | ".join(["method", *columns]) + " |",
+                  "|" + "---|" * (len(columns) + 1)]
+        for row in rows:
+            lines.append("| " + " | ".join([row[0].label, *map(format_entry, row)]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def table_csv(entries: Mapping[str, list[list[Entry]]]) -> str:
+    """One line per (table, dataset, row, population, metric); numbers in percent."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(CSV_HEADER)
+    for rows in entries.values():
+        for row in rows:
+            for e in row:
+                if e.status == "not_applicable":
+                    continue
+                paper = e.paper
+                writer.writerow([
+                    e.table, e.dataset, e.row, e.variant, e.population, e.metric,
+                    _pct(e.stats.mean), _pct(e.stats.std), e.stats.n, e.stats.expected,
+                    " ".join(map(str, e.stats.seeds)),
+                    "" if paper is None else f"{paper.value:.2f}",
+                    "" if paper is None or paper.spread is None else f"{paper.spread:.2f}",
+                    "" if paper is None else paper.source])
+    return out.getvalue()
