@@ -8,9 +8,9 @@ It times a FedAvg round the way the PyTorch simulators (and the Flow authors' co
 one: for each client in turn, load the global weights into one model, take its SGD steps
 in eager mode, then average the clients' state dicts weighted by their example counts.
 The model is the EMNIST CNN of ``flowjax/models/emnist_cnn.py`` with the same init scale
-(LeCun-normal kernels, zero biases), in channels_last memory format, which measured ~25%
-faster than NCHW on this CPU (79 vs 63 client-steps/s in the project's performance notes,
-``../shared/docs/performance.md`` beside this repository).
+(LeCun-normal kernels, zero biases), in channels_last memory format, the faster of the two
+layouts for this CNN on the project's 2-core CPU when this benchmark was written (that
+timing is not kept here; the comparison against flowjax is in README, "Speed").
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ the server optimizer (``core.server_opt.ClientMean``); it starts at ``h_0``, no 
 update reads it, and it is checkpointed with the rest of the server state.
 
 Epochs. The Flow paper gives every method the same E local epochs per round; for FedRep
-(baselines.md) that is ``E - 1`` head epochs and then 1 body epoch, which
+(README, "Baselines as implemented") that is ``E - 1`` head epochs and then 1 body epoch, which
 ``epochs_for_budget(E)`` returns and the run config uses unless
 ``methods.fedrep.head_epochs`` / ``body_epochs`` are set. It is also the rule of the
 FedRep authors' code (head epochs = local epochs - representation epochs, default 1 body

@@ -2,7 +2,7 @@
 options of ``flowjax.algorithms.flow``: the pieces that differ from the paper's text.
 
 Each piece is one ``FlowConfig`` field, so each departure can be switched on alone
-(``docs/flow-spec.md``, "Where the reference code departs from the paper"):
+(README, "Reference mode: the authors' code, step for step"):
 
 * ``halves``: ``"random"`` (paper: a seeded random split) or the authors' ``shard(2, i)``
   of the batched client dataset: ``"shard"`` (even batches train the local branch, odd

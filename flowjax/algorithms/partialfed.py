@@ -33,14 +33,14 @@ personalized model is ``load(G, P, argmax a)``. PartialFed personalizes per clie
 per instance, so ``personal_soft = personal_hard`` and ``q0`` is the 0/1 choice per layer,
 the same for every instance.
 
-Choices this file makes where the paper's description (and docs/baselines.md's rule) does
-not fix them: the initial strategy (zero logits); strategy-first alternation with fresh
-noise for each sample; the strategy gradient through the mixed layer outputs (so the
-strategy step runs both copies of every layer, twice the forward cost; the weight step runs
-the loaded model only); the final choice by argmax rather than a last sample; copies not
-loaded stay put; the strategy's SGD uses the client momentum setting too. With the strategy
-pinned to global (logits ``(+inf, -inf)`` in effect) a client trains exactly as FedAvg:
-same shuffles, same dropout keys, same steps on ``G``.
+Choices this file makes where the paper's description (and the README's "Baselines as
+implemented") does not fix them: the initial strategy (zero logits); strategy-first
+alternation with fresh noise for each sample; the strategy gradient through the mixed layer
+outputs (so the strategy step runs both copies of every layer, twice the forward cost; the
+weight step runs the loaded model only); the final choice by argmax rather than a last
+sample; copies not loaded stay put; the strategy's SGD uses the client momentum setting too.
+With the strategy pinned to global (logits ``(+inf, -inf)`` in effect) a client trains
+exactly as FedAvg: same shuffles, same dropout keys, same steps on ``G``.
 """
 
 from __future__ import annotations

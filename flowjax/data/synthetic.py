@@ -14,9 +14,10 @@ from flowjax.data.federated import ArrayFederatedData, FederatedTask, RaggedSpli
 
 
 # Stack Overflow's TFF training split: 135,818,730 examples over 342,477 clients (mean
-# 397), a heavy right tail, at most 1,000 sentences kept per client (flow-spec.md). A
-# log-normal with sigma 1.5 and that mean (median 129) stands in for its histogram, which
-# no file here holds; it is a model of the skew, not the data.
+# 397), a heavy right tail, at most 1,000 sentences kept per client (as the converter
+# keeps them, ``tff_h5.MAX_SENTENCES``). A log-normal with sigma 1.5 and that mean
+# (median 129) stands in for its histogram, which no file here holds; it is a model of
+# the skew, not the data.
 STACKOVERFLOW_MEAN = 135_818_730 / 342_477
 STACKOVERFLOW_SIGMA = 1.5
 STACKOVERFLOW_CAP = 1_000

@@ -1,7 +1,7 @@
 """Routable ops as Flax linen modules, written to be fast on XLA's CPU backend.
 
 Two ops carry a hand-written VJP because autodiff's version is slow on CPU inside
-``lax.scan`` (see ``docs/performance.md``):
+``lax.scan`` (``launch/bench_layers.py`` times both; README, "Speed"):
 
 * ``conv2d``: XLA CPU canonicalizes convolution layouts only at the top level, so the
   backward convolutions autodiff emits inside a loop body fall back to a naive loop
@@ -143,12 +143,13 @@ CONV_IMPLS = ("auto", "xla", "im2col")
 def resolve_conv_impl(impl: str, backend: str | None = None) -> str:
     """``"auto"`` -> the formulation measured fastest on ``backend``: ``"xla"`` everywhere.
 
-    CPU: the hand-written VJP's convolutions (im2col's patch building is memory-bound
-    there, ``docs/performance.md``). GPU (one H100, EMNIST CNN, 100 clients vmapped,
-    ``docs/benchmarks/gpu-h100-2026-11-26.md``): cuDNN's grouped convolutions ran the
-    FedAvg round in 0.154 s and Flow's in 0.190 s, im2col's batched GEMMs in 0.207 s and
-    0.433 s (its patches, 9x conv2's input, cost more memory traffic than the grouped
-    convolution loses). ``backend`` is accepted so the choice can differ per backend.
+    CPU: the hand-written VJP's convolutions (im2col's patch building is memory-bound there;
+    ``docs/benchmarks/roofline.md`` counts the patches' bytes). GPU (one H100, EMNIST CNN,
+    100 clients vmapped, ``docs/benchmarks/gpu-h100-2026-11-26.md``): cuDNN's grouped
+    convolutions ran the FedAvg round in 0.154 s and Flow's in 0.190 s, im2col's batched
+    GEMMs in 0.207 s and 0.433 s (its patches, 9x conv2's input, cost more memory traffic
+    than the grouped convolution loses). ``backend`` is accepted so the choice can differ
+    per backend.
     """
     if impl not in CONV_IMPLS:
         raise ValueError(f"unknown conv_impl {impl!r}; expected one of {CONV_IMPLS}")

@@ -9,8 +9,8 @@ Recurrent layers (``recurrence``): an LSTM layer is a cell applied at every time
 Eq. 3 applied per step mixes the cells' new states ``(h, c)`` and feeds the mixed state
 back into both cells at the next step (``"mixed_state"``: the routed model is then one
 recurrent network whose every cell application is routed, as Eq. 3 routes every layer
-application; the authors' code does this for its global branch, see
-``docs/flow-spec.md``). ``"separate"`` (the default, for now) runs each branch's
+application; the authors' code does this for its global branch, see their
+``models/shakespeare_rnn_dynamic_v4.py``). ``"separate"`` (the default, for now) runs each branch's
 recurrence on its own state over the whole sequence and mixes only the per-step outputs:
 it gives exactly the global (local) model at ``q0 = 1`` (``0``) and keeps the LSTMs'
 hand-written VJP; ``"mixed_state"`` matches them to float32 rounding (``routed_lstm``).
