@@ -31,7 +31,7 @@ import pathlib
 import shutil
 import struct
 import tempfile
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -411,9 +411,3 @@ class StoreView:
         rows = self.store.client(int(self._indices[index]), split)
         cap = self._caps.get(split)
         return rows if cap is None else {n: a[:cap] for n, a in rows.items()}
-
-
-def iter_store(store: ClientStore) -> Iterator[ClientRecord]:
-    """Re-reads a store client by client (to copy or re-split it)."""
-    for i, client_id in enumerate(store.client_ids):
-        yield client_id, {s: store.client(i, s) for s in store.split_names}

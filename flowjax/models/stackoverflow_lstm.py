@@ -29,11 +29,6 @@ PAD_ID = 0
 NUM_SPECIAL_AFTER_WORDS = 3
 
 
-def special_ids(vocab_size: int) -> tuple[int, int, int]:
-    """The ``(oov, bos, eos)`` ids of a ``vocab_size`` vocabulary."""
-    return vocab_size - 3, vocab_size - 2, vocab_size - 1
-
-
 def _embed_input(x: jax.Array) -> jax.Array:
     return x
 
