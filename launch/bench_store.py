@@ -8,20 +8,16 @@ build never holds more than one client.
 """
 
 import os
-import sys
+import resource
+import shutil
+import time
+from typing import Iterator
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+from absl import app, flags
 
-import resource  # noqa: E402
-import shutil  # noqa: E402
-import time  # noqa: E402
-from typing import Iterator  # noqa: E402
-
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-
-from flowjax.core.cohort import assemble_cohort, examples_per_client  # noqa: E402
-from flowjax.data.client_store import ClientRecord, ClientStore, write_store  # noqa: E402
+from flowjax.core.cohort import assemble_cohort, examples_per_client
+from flowjax.data.client_store import ClientRecord, ClientStore, write_store
 
 _NUM_CLIENTS = flags.DEFINE_integer("num_clients", 342_477, "Clients in the store.")
 _DIR = flags.DEFINE_string("dir", "/tmp/flowjax_bench_store", "Store directory (replaced).")

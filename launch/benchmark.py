@@ -49,7 +49,6 @@ The Stack Overflow scale run of ``launch/gpu_bench.sh``:
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch import cli, xla_env  # noqa: E402
 
 xla_env.apply()

@@ -129,6 +129,11 @@ def parse_flags(argv: list[str]) -> list[str]:
     sys.exit(2)
 
 
+def define_debug_flag() -> None:
+    """Defines the launcher's ``--debug`` flag, read by ``debug`` (not by the launcher)."""
+    flags.DEFINE_bool("debug", False, "Show full tracebacks on errors.")
+
+
 def debug() -> bool:
     """Whether the launcher's ``--debug`` flag (if it defines one) asks for tracebacks."""
     return "debug" in flags.FLAGS and bool(flags.FLAGS["debug"].value)

@@ -19,7 +19,6 @@ the instance breakdown of Figure 3, for the training clients and the held-out cl
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch import cli, xla_env  # noqa: E402
 
 xla_env.apply()
@@ -42,7 +41,7 @@ from flowjax.validation import validate_config  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Base run config.", lock_config=False)
 _METHODS = flags.DEFINE_list("methods", ["all"], "Methods / variants, or 'all', 'ablations'.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for every method's run and the table.")
-_DEBUG = flags.DEFINE_bool("debug", False, "Show full tracebacks on errors.")
+cli.define_debug_flag()
 
 
 def method_configs(base: Any, workdir: str, methods: list[str]) -> dict[str, Any]:

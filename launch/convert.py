@@ -21,17 +21,14 @@ source folder, a folder holding it or one inside it.
 """
 
 import os
+import pathlib
 import sys
 import time
+from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-import pathlib  # noqa: E402
-from typing import Any  # noqa: E402
-
-from absl import app, flags  # noqa: E402
-
-from flowjax.data import fedjax_sqlite, tff_h5, tff_sqlite  # noqa: E402
+from flowjax.data import fedjax_sqlite, tff_h5, tff_sqlite
 
 # In the order --format=auto prefers them when several are complete.
 FORMATS = ("tff_sqlite", "tff_h5", "fedjax_sqlite")

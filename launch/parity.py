@@ -48,8 +48,6 @@ from typing import Any
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "parity_emnist.json")
 TOLERANCE = 1e-4

@@ -20,7 +20,6 @@ matplotlib (``pip install -e '.[plot]'``).
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch import cli  # noqa: E402
 
 from absl import app, flags  # noqa: E402

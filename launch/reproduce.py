@@ -32,7 +32,6 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 from launch import cli, xla_env  # noqa: E402
 
 xla_env.apply()
@@ -73,7 +72,7 @@ _OVERRIDE = flags.DEFINE_multi_string("override", [], "[dataset:]field=value, re
 _AGGREGATE_ONLY = flags.DEFINE_bool("aggregate_only", False,
                                     "Train nothing; rebuild the tables from finished cells.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the cells and their state; run nothing.")
-_DEBUG = flags.DEFINE_bool("debug", False, "Show full tracebacks on errors.")
+cli.define_debug_flag()
 
 ConfigLoader = Callable[[str, str], Any]
 Runner = Callable[..., Any]

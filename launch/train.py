@@ -16,11 +16,7 @@ a filesystem they share; the clients sharded over every host's devices):
       --num_processes=2 --process_id=0     # on host0; --process_id=1 on host1
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from launch import cli, xla_env  # noqa: E402
+from launch import cli, xla_env
 
 xla_env.apply()
 
@@ -35,7 +31,7 @@ from flowjax.runner import run_config_to_workdir  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Run config file, e.g. configs/shakespeare.py:quick.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config, metrics and results.")
-_DEBUG = flags.DEFINE_bool("debug", False, "Show full tracebacks on errors.")
+cli.define_debug_flag()
 _OVERWRITE = flags.DEFINE_bool("overwrite", False,
                                "Replace a run of a different config in --workdir.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
