@@ -21,19 +21,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 PyTree = Any
-FAULT_ENV = "FLOWJAX_FAULT_INJECTION"
-
-
-def maybe_inject_fault(point: str, index: int) -> None:
-    """Sends this process SIGKILL at ``point`` number ``index`` when the environment asks
-    for it (``FLOWJAX_FAULT_INJECTION=checkpoint:4``; ``checkpoint:4:SIGINT`` sends that
-    signal instead, as Ctrl-C would): how the crash tests reach a mid-round or mid-write
-    state deterministically. A no-op otherwise."""
-    wanted, target = os.environ.get(FAULT_ENV, ""), f"{point}:{index}"
-    if wanted == target:
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif wanted.startswith(target + ":"):
-        os.kill(os.getpid(), getattr(signal, wanted[len(target) + 1:]))
 
 
 @contextlib.contextmanager
@@ -80,7 +67,6 @@ class Checkpointer:
         # thread; Ctrl-C then would leave that folder half-deleted.
         with _sigint_held():
             self._manager.save(rounds_done, args=ocp.args.Composite(**items))
-            maybe_inject_fault("checkpoint", rounds_done)  # the write may still be in flight
             self._manager.wait_until_finished()
 
     def restore(self, rounds_done: int, target_state: PyTree,

@@ -4,23 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import sys
 import time
 from typing import Any
 
 import numpy as np
-import tqdm
 
 from flowjax import config as run_config
-from flowjax import distributed
-from flowjax import experiment
-from flowjax.reporting import write_json_atomic
-from flowjax.tensorboard_log import SUBDIR as TENSORBOARD_DIR
+from flowjax import distributed, run_folder
+from flowjax.engine import loop
+from flowjax.engine.callbacks import (DivergenceError, DivergenceGuard, ProgressBar,
+                                      run_folder_callbacks)
 from flowjax.tensorboard_log import TensorBoardLog
 from flowjax.validation import bad_values
-
-RUN_FILES = ("config.json", "metrics.jsonl", "results.json", "run.json")
 
 
 def resolved_config(config) -> dict[str, Any]:
@@ -40,26 +35,6 @@ def differing_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
     return fields
 
 
-def read_json(path: str, remedy: str) -> dict[str, Any] | None:
-    """A run file's JSON (None when absent).
-
-    Raises:
-      ValueError: the file is not JSON, truncated say (one line ending in ``remedy``).
-    """
-    if not os.path.exists(path):
-        return None
-    with open(path) as handle:
-        try:
-            return json.load(handle)
-        except json.JSONDecodeError:
-            raise ValueError(f"{path} is not valid JSON (truncated?); {remedy}") from None
-
-
-def stored_config(workdir: str, remedy: str) -> dict[str, Any] | None:
-    """The ``config.json`` a run left in ``workdir`` (None if there is none)."""
-    return read_json(os.path.join(workdir, "config.json"), remedy)
-
-
 def conflicting_fields(workdir: str, resolved: dict, remedy: str) -> list[str]:
     """Dotted fields in which the started run in ``workdir`` differs from ``resolved``.
 
@@ -67,8 +42,8 @@ def conflicting_fields(workdir: str, resolved: dict, remedy: str) -> list[str]:
     alone loses nothing when replaced). Raises ValueError (ending in ``remedy``) when the
     stored config is not JSON.
     """
-    previous = stored_config(workdir, remedy)
-    if previous is None or not run_started(workdir):
+    previous = run_folder.read_config(workdir, remedy)
+    if previous is None or not run_folder.run_started(workdir):
         return []
     return differing_fields(previous, resolved)
 
@@ -97,17 +72,6 @@ def check_workdir(workdir: str | None) -> None:
                          "directory you can write")
 
 
-def run_started(workdir: str) -> bool:
-    """Whether ``workdir``'s run got past its start: a result, a training line in
-    ``metrics.jsonl`` or anything under ``checkpoints/``. A ``config.json`` alone is a
-    run that failed before its first round: replacing it loses nothing."""
-    metrics = os.path.join(workdir, "metrics.jsonl")
-    checkpoints = os.path.join(workdir, "checkpoints")
-    return (os.path.exists(os.path.join(workdir, "results.json"))
-            or (os.path.exists(metrics) and os.path.getsize(metrics) > 0)
-            or (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints))))
-
-
 def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> None:
     """Refuses a workdir that holds a run of another config, unless ``overwrite``.
 
@@ -118,7 +82,6 @@ def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> 
       ValueError: a started run of another config, or the filesystem refused a write
         (one line).
     """
-    path = os.path.join(workdir, "config.json")
     if not overwrite:
         differing = conflicting_fields(
             workdir, resolved, "use --overwrite to replace the run or another --workdir")
@@ -131,21 +94,16 @@ def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> 
         return
     try:
         if overwrite:
-            for name in RUN_FILES:
-                if os.path.exists(os.path.join(workdir, name)):
-                    os.remove(os.path.join(workdir, name))
-            shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
-            shutil.rmtree(os.path.join(workdir, TENSORBOARD_DIR), ignore_errors=True)
+            run_folder.remove_run(workdir)
         os.makedirs(workdir, exist_ok=True)
-        write_json_atomic(path, resolved)
+        run_folder.write_json_atomic(run_folder.path(workdir, run_folder.CONFIG), resolved)
     except OSError as error:
         raise ValueError(f"--workdir={workdir}: cannot write it ({error.strerror or error}); "
                          "expected a directory you can write") from None
     distributed.barrier("workdir prepared")
 
 
-def explain_divergence(simulation, config, error: experiment.DivergenceError
-                       ) -> experiment.DivergenceError:
+def explain_divergence(simulation, config, error: DivergenceError) -> DivergenceError:
     """``error`` with what went non-finite first: the round's inputs, then its labels (as
     ``validate_task`` checks them), else the loss and parameters, so the optimization."""
     cohort = simulation.host_cohort(error.round_number - 1)
@@ -179,7 +137,7 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
     Raises:
       ValueError: a bad config value or an incompatible workdir (one-line message),
         before anything is written.
-      experiment.DivergenceError: training went non-finite (``on_divergence='stop'``);
+      DivergenceError: training went non-finite (``on_divergence='stop'``);
         the message names the round's bad inputs or labels first, if any.
     """
     check_workdir(workdir)
@@ -196,38 +154,27 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
           f"{len(task.held_out.client_ids) if task.held_out else 0} held-out clients, "
           f"{config.num_rounds} rounds x {config.clients_per_round} clients, "
           f"mapping={simulation.mapping.strategy}", flush=True)
-    bar = tqdm.tqdm(total=config.num_rounds, unit="round", dynamic_ncols=True,
-                    disable=not (progress and primary), desc=config.algorithm)
-
-    def show(done, last):
-        bar.update(done - bar.n)
-        if last.get("loss") is not None:
-            bar.set_postfix(loss=f"{last['loss']:.4f}")
-
+    bar = ProgressBar(config.num_rounds, config.algorithm, enabled=progress and primary)
     warnings: list[str] = []
 
     def warn(message):
         warnings.append(message)
-        bar.write(f"warning: {message}", file=sys.stderr)
+        bar.write(f"warning: {message}")
 
+    callbacks = [*run_folder_callbacks(workdir, config.get("checkpoint_every", 0), resolved),
+                 *([tensorboard] if tensorboard is not None else []),
+                 DivergenceGuard(config.get("on_divergence", "stop"), warn), bar]
     start = time.perf_counter()
     try:
-        result = experiment.run(simulation, workdir=workdir, progress=show,
-                                checkpoint_every=config.get("checkpoint_every", 0),
-                                run_fingerprint=resolved, log=tensorboard,
-                                on_divergence=config.get("on_divergence", "stop"), warn=warn)
-    except experiment.DivergenceError as error:
+        result = loop.run(simulation, callbacks)
+    except DivergenceError as error:
         raise explain_divergence(simulation, config, error) from None
-    finally:
-        bar.close()
-        if tensorboard is not None:
-            tensorboard.close()
     results = result.results_dict()
     results.update(algorithm=config.algorithm, dataset=task.name)
     if not primary:
         return results
-    write_json_atomic(os.path.join(workdir, "results.json"), results)
-    write_json_atomic(os.path.join(workdir, "run.json"), {
+    run_folder.write_json_atomic(run_folder.path(workdir, run_folder.RESULTS), results)
+    run_folder.write_json_atomic(run_folder.path(workdir, run_folder.RUN_INFO), {
         "wall_time_s": time.perf_counter() - start,
         "compilations": dict(simulation.trace_counts), "warnings": warnings})
     return results

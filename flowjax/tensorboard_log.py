@@ -1,8 +1,8 @@
 """TensorBoard event files of a run's records, written with tensorboardX (no TensorFlow).
 
-With ``config.tensorboard = True`` the runner hands a ``TensorBoardLog`` to
-``experiment.run`` as its ``log`` callback; every record that goes into ``metrics.jsonl``
-also becomes scalars in ``<workdir>/tensorboard/``, at step = round:
+With ``config.tensorboard = True`` the runner hands a ``TensorBoardLog`` callback to the
+run loop (``flowjax.engine.loop``); every record that goes into ``metrics.jsonl`` also
+becomes scalars in ``<workdir>/tensorboard/``, at step = round:
 
 * a train record's numbers as ``train/<metric>`` (``train/loss``, ...);
 * an eval record's numbers as ``eval/<population>/<metric>``, nested fields joined by
@@ -10,8 +10,8 @@ also becomes scalars in ``<workdir>/tensorboard/``, at step = round:
   (``eval/train_clients/q0_by_group/both_correct/0``, None entries left out); nested
   lists (the q0 histograms) are not scalars and are left out.
 
-Resuming: ``experiment.run`` replays the records before the resumed checkpoint into
-``metrics.jsonl`` but does not pass them to ``log``, so the event files of the first
+Resuming: the run loop replays the records before the resumed checkpoint into
+``metrics.jsonl`` but does not pass them to ``on_record``, so the event files of the first
 attempt keep those rounds and a new event file takes the rounds after. The first attempt
 may also have logged rounds after its last checkpoint, which the resumed run computes
 again; so the new file starts with a purge marker at its first round, and TensorBoard
@@ -24,7 +24,9 @@ from __future__ import annotations
 import os
 from typing import Any, Iterator, Mapping
 
-SUBDIR = "tensorboard"
+from flowjax import run_folder
+from flowjax.engine.callbacks import Callback, RunState
+
 _SKIPPED = ("round", "kind", "population")
 
 
@@ -64,18 +66,14 @@ def _event_files(logdir: str) -> list[str]:
     return [name for name in os.listdir(logdir) if name.startswith("events.out.tfevents")]
 
 
-class TensorBoardLog:
-    """A ``log`` callback for ``experiment.run`` writing ``record_scalars`` per record.
+class TensorBoardLog(Callback):
+    """A run-loop callback writing ``record_scalars`` per record.
 
     The writer opens at the first record, so a finished run opened again (no record)
-    leaves no empty event file. Call ``close`` when the run ends (in a ``finally``).
+    leaves no empty event file; the loop closes it when the run ends.
 
     Example:
-      >>> log = TensorBoardLog(workdir)
-      >>> try:
-      ...     experiment.run(simulation, workdir=workdir, log=log)
-      ... finally:
-      ...     log.close()
+      >>> loop.run(simulation, [MetricsFile(workdir), TensorBoardLog(workdir)])
 
     Raises:
       ImportError: tensorboardX is not installed (one line naming the option).
@@ -89,10 +87,17 @@ class TensorBoardLog:
                               "'flowjax[tensorboard]' (or tensorboardX), or set "
                               "--config.tensorboard=False") from None
         self._writer_class = SummaryWriter
-        self.logdir = os.path.join(workdir, SUBDIR)
+        self.logdir = run_folder.path(workdir, run_folder.TENSORBOARD)
         self._writer = None
 
+    def on_record(self, run: RunState, record: Mapping[str, Any]) -> None:
+        self(record)
+
+    def on_run_end(self, run: RunState) -> None:
+        self.close()
+
     def __call__(self, record: Mapping[str, Any]) -> None:
+        """Writes one record's scalars."""
         step = int(record["round"])
         if self._writer is None:
             # Events of an earlier attempt from this step on are superseded by this one.

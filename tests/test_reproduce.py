@@ -13,8 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from flowjax import experiment
 from flowjax.checkpoint import Checkpointer
+from flowjax.engine.simulation import Simulation
 from flowjax.paper import figures as paper_figures
 from flowjax.paper.aggregate import load_results, seed_stats
 from flowjax.paper.plan import TABLES, Cell, cell_name, plan_cells
@@ -316,11 +316,15 @@ def test_reproduce_resumes_the_grid_without_redoing_finished_cells(tmp_path, mon
         calls.append(workdir)
         return reproduce.run_config_to_workdir(config, workdir, **kwargs)
 
-    def interrupt(point, index):
-        if (point, index) == ("round", 2):
-            raise Interrupted
+    run_round = Simulation.run_round
 
-    monkeypatch.setattr(experiment, "maybe_inject_fault", interrupt)
+    def interrupt(self, state, round_index, cohort=None):  # once round 2 is dispatched
+        result = run_round(self, state, round_index, cohort)
+        if round_index + 1 == 2:
+            raise Interrupted
+        return result
+
+    monkeypatch.setattr(Simulation, "run_round", interrupt)
     with pytest.raises(Interrupted):
         reproduce.execute(request, "cmd", load=tiny_config, run=counting_run, progress=False)
     second = interrupted.path(str(tmp_path))

@@ -1,4 +1,10 @@
-"""Crash safety: SIGKILL mid-round and mid-checkpoint, resume, identical results."""
+"""Crash safety: SIGKILL mid-round and mid-checkpoint, resume, identical results.
+
+Every run is a ``launch/train.py`` process (crashes through ``tests/crashing_train.py``).
+They share JAX's persistent compilation cache: the first run compiles, the others load
+the same executables, which changes no number (the runs compare byte for byte) and
+takes most of the time out of the later runs.
+"""
 
 import json
 import os
@@ -15,13 +21,23 @@ RUN = ["--config=configs/shakespeare.py:quick", "--config.data.plays=('macbeth',
        "--config.eval.clients=4", "--config.eval.every=3", "--config.policy_hidden=(8,8,8,8)"]
 
 
+COMPILE_CACHE = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+    COMPILE_CACHE["dir"] = str(tmp_path_factory.mktemp("jax_cache"))
+    yield
+    COMPILE_CACHE.clear()
+
+
 def train(workdir, *extra, fault=None):
-    env = dict(os.environ)
-    env.pop("FLOWJAX_FAULT_INJECTION", None)
-    if fault:
-        env["FLOWJAX_FAULT_INJECTION"] = fault
-    return subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), *RUN,
-                           f"--workdir={workdir}", *extra],
+    """``launch/train.py`` with ``RUN`` and ``extra``; with ``fault`` (``round:3``,
+    ``checkpoint:4``, ``checkpoint:6:SIGINT``) the run crashes there."""
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=COMPILE_CACHE["dir"],
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    script = (["tests/crashing_train.py", fault] if fault else ["launch/train.py"])
+    return subprocess.run([sys.executable, *script, *RUN, f"--workdir={workdir}", *extra],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
 
 

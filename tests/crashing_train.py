@@ -1,0 +1,57 @@
+"""``launch/train.py`` with a crash at a chosen point, for the crash tests only: the
+fault is injected here, from the test side; production code has no hook for it.
+
+  python tests/crashing_train.py round:3 <launch/train.py flags>
+      SIGKILL once round 3 is dispatched (the round still in flight on the device)
+  python tests/crashing_train.py checkpoint:4 <flags>
+      SIGKILL while checkpoint 4 is being written (orbax's save started, not finished)
+  python tests/crashing_train.py checkpoint:6:SIGINT <flags>
+      that signal instead (SIGINT: Ctrl-C)
+"""
+
+import os
+import signal
+import sys
+
+
+def crash(signum: int) -> None:
+    os.kill(os.getpid(), signum)
+
+
+def inject(fault: str) -> None:
+    """Wraps the engine's round or orbax's save so that ``fault`` happens there."""
+    point, index, *name = fault.split(":")
+    index, signum = int(index), getattr(signal, name[0]) if name else signal.SIGKILL
+    if point == "round":
+        from flowjax.engine.simulation import Simulation
+        run_round = Simulation.run_round
+
+        def crashing_round(self, state, round_index, cohort=None):
+            result = run_round(self, state, round_index, cohort)
+            if round_index + 1 == index:
+                crash(signum)
+            return result
+
+        Simulation.run_round = crashing_round
+    elif point == "checkpoint":
+        import orbax.checkpoint as ocp
+        save = ocp.CheckpointManager.save
+
+        def crashing_save(self, step, *args, **kwargs):
+            saved = save(self, step, *args, **kwargs)  # asynchronous: the write goes on
+            if step == index:
+                crash(signum)
+            return saved
+
+        ocp.CheckpointManager.save = crashing_save
+    else:
+        raise ValueError(f"fault {fault!r}: expected round:N or checkpoint:N[:SIGNAL]")
+
+
+if __name__ == "__main__":
+    fault = sys.argv.pop(1)
+    # launch.train sets the XLA flags before JAX is imported, as the plain command does.
+    from launch import cli, train
+    inject(fault)
+    train.flags.mark_flags_as_required(["workdir"])
+    cli.run(train.main)
