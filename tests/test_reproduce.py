@@ -16,8 +16,9 @@ import pytest
 from flowjax.checkpoint import Checkpointer
 from flowjax.engine.simulation import Simulation
 from flowjax.paper import figures as paper_figures
-from flowjax.paper.aggregate import load_results, seed_stats
+from flowjax.paper.aggregate import load_results
 from flowjax.paper.plan import TABLES, Cell, cell_name, plan_cells
+from flowjax.paper.stats import seed_stats
 from flowjax.paper.tables import table_csv, table_entries, table_markdown
 from flowjax.runner import resolved_config
 from launch import reproduce

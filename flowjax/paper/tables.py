@@ -1,7 +1,7 @@
 """The paper's tables from seed statistics: entries beside the paper's figures, as
 markdown and CSV.
 
-One entry per (table, dataset, row, population, metric): ours (``aggregate.SeedStats``
+One entry per (table, dataset, row, population, metric): ours (``stats.SeedStats``
 over the seeds asked for), the paper's figure and its spread (``figures``), and why ours
 may be absent (the paper's "-", a cell the paper did not run, or seeds not finished).
 """
@@ -13,10 +13,11 @@ import dataclasses
 import io
 from typing import Iterable, Mapping, Sequence
 
-from flowjax.paper.aggregate import (Results, SeedStats, finished_seeds, metric_by_seed,
-                                     paired_differences, populations_of, seed_stats)
+from flowjax.paper.aggregate import (Results, finished_seeds, metric_by_seed, paired_differences,
+                                     populations_of)
 from flowjax.paper.figures import PaperFigure, paper_delta, paper_figure
 from flowjax.paper.plan import DATASETS, METRIC_TITLES, Delta, Row, TableSpec
+from flowjax.paper.stats import SeedStats, seed_stats
 
 POPULATION_NOTES = {
     "train_clients": "the training clients' test splits, as the paper evaluates",
