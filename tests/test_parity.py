@@ -41,13 +41,14 @@ def test_fixture_was_written_for_the_settings_the_script_uses():
 _CHILD = """
 import pickle, sys
 from launch import parity
-with open(sys.argv[2], "wb") as f:
-    pickle.dump(parity.flowjax_side(sys.argv[1]), f)
+with open(sys.argv[1], "wb") as f:
+    pickle.dump({mode: parity.flowjax_side(mode) for mode in parity.ZERO_GRAD_MODES}, f)
 """
 
 
-def _flowjax_side_under_default_xla(mode: str, out: str) -> dict:
-    """``parity.flowjax_side(mode)`` in a fresh process without the launchers' XLA tuning.
+def _flowjax_side_under_default_xla(out: str) -> dict:
+    """``parity.flowjax_side(mode)`` for every mode, in one fresh process (one start and
+    its shared compilations instead of one per mode) without the launchers' XLA tuning.
 
     The parity figures hold for XLA's default CPU matmuls, as ``launch/parity.py`` runs.
     Importing any launcher sets ``xla_env.CPU_FLAGS`` (YNNPACK dots) for the whole test
@@ -58,15 +59,20 @@ def _flowjax_side_under_default_xla(mode: str, out: str) -> dict:
     flags = [f for f in env.get("XLA_FLAGS", "").split()
              if f.split("=")[0] not in {c.split("=")[0] for c in xla_env.CPU_FLAGS}]
     env["XLA_FLAGS"] = " ".join(flags)
-    subprocess.run([sys.executable, "-c", _CHILD, mode, out], env=env, check=True,
+    subprocess.run([sys.executable, "-c", _CHILD, out], env=env, check=True,
                    cwd=parity.ROOT)
     with open(out, "rb") as f:
         return pickle.load(f)
 
 
+@pytest.fixture(scope="module")
+def flowjax_sides(tmp_path_factory):
+    return _flowjax_side_under_default_xla(str(tmp_path_factory.mktemp("parity") / "ours.pkl"))
+
+
 @pytest.mark.parametrize("mode", parity.ZERO_GRAD_MODES)
-def test_flowjax_reference_mode_matches_the_authors_client_update(mode, tmp_path):
-    ours = _flowjax_side_under_default_xla(mode, str(tmp_path / "ours.pkl"))
+def test_flowjax_reference_mode_matches_the_authors_client_update(mode, flowjax_sides):
+    ours = flowjax_sides[mode]
     theirs = FIXTURE["modes"][mode]
     assert set(ours["updated"]) == set(theirs["tensors"])
     for name, summary in theirs["tensors"].items():
