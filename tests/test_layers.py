@@ -146,21 +146,23 @@ def lstm_loss(fn):
     return lambda *args: jnp.sum(jnp.sin(fn(*args)))
 
 
+# The references run jitted: one compilation each instead of one per eager op, for CI time.
 def test_lstm_matches_naive_scan():
     args = lstm_args()
-    assert_close(layers.lstm(*args), reference_lstm(*args))
+    assert_close(layers.lstm(*args), jax.jit(reference_lstm)(*args))
     grads = jax.jit(jax.grad(lstm_loss(layers.lstm), argnums=(0, 1, 2, 3)))(*args)
-    assert_close(grads, jax.grad(lstm_loss(reference_lstm), argnums=(0, 1, 2, 3))(*args))
+    assert_close(grads, jax.jit(jax.grad(lstm_loss(reference_lstm), argnums=(0, 1, 2, 3)))(
+        *args))
 
 
 def test_lstm_under_vmap_and_in_scan():
     x, w_x, w_h, b = lstm_args(batch=(2, 3, 2))  # clients, steps, batch
     params = jax.tree.map(lambda a: jnp.stack([a, 1.1 * a]), (w_x, w_h, b))  # per client
     run = lambda fn: jax.vmap(lambda p, x: sgd_scan(lambda p, x: lstm_loss(fn)(x, *p), p, x))
-    assert_close(jax.jit(run(layers.lstm))(params, x), run(reference_lstm)(params, x))
+    assert_close(jax.jit(run(layers.lstm))(params, x), jax.jit(run(reference_lstm))(params, x))
     grad = lambda fn: jax.vmap(jax.grad(lstm_loss(fn), argnums=(0, 1, 2, 3)))
     stacked = (x[:, 0],) + params
-    assert_close(jax.jit(grad(layers.lstm))(*stacked), grad(reference_lstm)(*stacked))
+    assert_close(jax.jit(grad(layers.lstm))(*stacked), jax.jit(grad(reference_lstm))(*stacked))
 
 
 def test_lstm_module():
