@@ -1,11 +1,23 @@
-"""Whole runs through the public entry points: reproducibility, compilation, learning."""
+"""Whole runs through the public entry points: reproducibility, compilation, learning.
 
+The tests that only read a run share one (``shared_run``), and the module's runs share
+JAX's persistent compilation cache: a run of a config compiled before loads its
+executables instead of compiling them again (its trace count still counts the trace).
+"""
+
+import jax
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 from flowjax import config as run_config
 from flowjax import experiment
 from tests.helpers import small_config
+
+# 12 rounds of 5 clients at a rate where the loss falls; 3 evaluations; 3 of the 4
+# held-out clients evaluated.
+SHARED = {"num_rounds": 12, "clients_per_round": 5, "sgd.learning_rate": 0.5,
+          "eval.every": 4, "eval.held_out_clients": 3}
 
 
 def run(config):
@@ -13,22 +25,42 @@ def run(config):
     return simulation, experiment.run(simulation)
 
 
-def test_same_seed_same_results_and_one_compilation_per_kind():
-    config = small_config(**{"eval.every": 2, "num_rounds": 4})
-    simulation, first = run(config)
-    _, second = run(config)
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+    """The persistent compilation cache in a fresh folder for this module's runs."""
+    options = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = {name: getattr(jax.config, name) for name in options}
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    compilation_cache.reset_cache()
+    yield
+    for name, value in before.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def shared_run():
+    """``(simulation, result)`` of ``small_config(**SHARED)``."""
+    return run(small_config(**SHARED))
+
+
+def test_same_seed_same_results_and_one_compilation_per_kind(shared_run):
+    simulation, first = shared_run
+    _, second = run(small_config(**SHARED))
     assert first.results_dict() == second.results_dict()
     def without_time(history):
         return [{k: v for k, v in h.items() if k != "elapsed_s"} for h in history]
     assert without_time(first.history) == without_time(second.history)
-    # 4 rounds and 2 evaluations, each compiled exactly once.
+    # 12 rounds and 3 evaluations, each compiled exactly once.
+    assert [h["round"] for h in first.history if h["kind"] == "eval"] == [4, 4, 8, 8, 12, 12]
     assert simulation.trace_counts == {"round": 1, "eval": 1}
-    _, other_seed = run(small_config(**{"eval.every": 2, "num_rounds": 4, "seed": 1}))
+    _, other_seed = run(small_config(**SHARED, seed=1))
     assert other_seed.results_dict() != first.results_dict()
 
 
-def test_results_have_the_paper_fields():
-    _, result = run(small_config(num_rounds=1))
+def test_results_have_the_paper_fields(shared_run):
+    _, result = shared_run
     results = result.results_dict()
     for field in ("acc_g", "acc_p", "acc_p_soft", "clients_benefiting", "num_eval_clients"):
         assert field in results
@@ -65,10 +97,8 @@ def test_baselines_run_on_the_same_engine(algorithm):
     assert 0 < summary.acc_g < 1
 
 
-def test_flow_training_loss_falls_on_the_default_data():
-    config = small_config(num_rounds=12, clients_per_round=5, learning_rate=0.5)
-    config.eval.held_out = False
-    _, result = run(config)
+def test_flow_training_loss_falls_on_the_default_data(shared_run):
+    _, result = shared_run
     losses = [h["loss"] for h in result.history if h["kind"] == "train"]
     assert len(losses) == 12
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.05, losses
@@ -96,9 +126,8 @@ def test_per_method_rows_apply_only_to_their_method():
         run_config.effective_config(config)
 
 
-def test_held_out_evaluation_can_be_capped():
-    config = small_config(num_rounds=1, **{"eval.held_out_clients": 3})
-    simulation, result = run(config)
+def test_held_out_evaluation_can_be_capped(shared_run):
+    simulation, result = shared_run
     held_out = simulation.eval_client_indices("held_out_clients")
     assert len(held_out) == 3 and len(set(held_out.tolist())) == 3
     assert result.summaries["held_out_clients"].num_clients <= 3
