@@ -2,39 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from typing import Any, Mapping
 
 from flowjax.evaluation.metrics import GROUPS
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    """Writes to a temporary file in the same folder, then renames it over ``path``.
-
-    A crash mid-write leaves the previous file intact.
-    """
-    folder = os.path.dirname(os.path.abspath(path))
-    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".tmp-")
-    try:
-        with os.fdopen(handle, "w") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        # mkstemp creates 0600; the result files are for everyone the umask allows.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
-
-
-def write_json_atomic(path: str, payload: Any) -> None:
-    """``write_text_atomic`` of ``payload`` as indented JSON."""
-    write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True))
 
 
 def _pct(value: float) -> str:

@@ -48,13 +48,13 @@ from typing import Any, Callable, Sequence  # noqa: E402
 from absl import flags, logging  # noqa: E402
 
 from flowjax import config as run_config  # noqa: E402
+from flowjax import run_folder  # noqa: E402
 from flowjax.experiment import DivergenceError  # noqa: E402
 from flowjax.paper.aggregate import load_results, summed_wall_time  # noqa: E402
 from flowjax.paper.plan import (DATASETS, TABLES, Cell, TableSpec, parse_seeds,  # noqa: E402
                                 plan_cells, resolve_datasets, resolve_methods,
                                 resolve_table, variant_overrides)
 from flowjax.paper.tables import table_csv, table_entries, table_markdown  # noqa: E402
-from flowjax.reporting import write_text_atomic  # noqa: E402
 from flowjax.runner import (conflicting_fields, resolved_config,  # noqa: E402
                             run_config_to_workdir)
 from flowjax.validation import validate_config  # noqa: E402
@@ -195,9 +195,9 @@ def cell_config(cell: Cell, request: Request, load: ConfigLoader = load_dataset_
 
 def cell_state(path: str) -> str:
     """``finished`` (results.json), ``interrupted`` (started, unfinished) or ``new``."""
-    if os.path.exists(os.path.join(path, "results.json")):
+    if run_folder.finished(path):
         return "finished"
-    return "interrupted" if os.path.exists(os.path.join(path, "config.json")) else "new"
+    return "interrupted" if run_folder.has_config(path) else "new"
 
 
 def check_cells(request: Request, load: ConfigLoader = load_dataset_config) -> dict[Cell, Any]:
@@ -261,8 +261,8 @@ def write_tables(request: Request, command: str, started: float) -> str:
     markdown = table_markdown(request.table, entries, request.datasets, request.seeds, header)
     os.makedirs(request.workdir, exist_ok=True)
     stem = os.path.join(request.workdir, request.table.name)
-    write_text_atomic(stem + ".md", markdown)
-    write_text_atomic(stem + ".csv", table_csv(entries))
+    run_folder.write_text_atomic(stem + ".md", markdown)
+    run_folder.write_text_atomic(stem + ".csv", table_csv(entries))
     return markdown
 
 

@@ -11,10 +11,9 @@ lays the statistics out as the paper's tables.
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any, Iterable, Mapping
 
+from flowjax import run_folder
 from flowjax.paper.plan import Cell, cell_name
 
 Results = Mapping[Cell, Mapping[str, Any]]
@@ -25,10 +24,9 @@ def load_results(root: str, cells: Iterable[Cell]) -> dict[Cell, dict[str, Any]]
     """``results.json`` of every finished cell under ``root`` (unfinished ones are absent)."""
     found = {}
     for cell in cells:
-        path = os.path.join(cell.path(root), "results.json")
-        if os.path.exists(path):
-            with open(path) as handle:
-                found[cell] = json.load(handle)
+        results = run_folder.read_results(cell.path(root), "delete the cell folder to rerun it")
+        if results is not None:
+            found[cell] = results
     return found
 
 
@@ -36,10 +34,9 @@ def summed_wall_time(root: str, cells: Iterable[Cell]) -> tuple[float, int]:
     """Total ``wall_time_s`` of the cells' ``run.json`` files and how many there were."""
     total, count = 0.0, 0
     for cell in cells:
-        path = os.path.join(cell.path(root), "run.json")
-        if os.path.exists(path):
-            with open(path) as handle:
-                total += float(json.load(handle)["wall_time_s"])
+        info = run_folder.read_run_info(cell.path(root), "delete the cell folder to rerun it")
+        if info is not None:
+            total += float(info["wall_time_s"])
             count += 1
     return total, count
 

@@ -22,13 +22,13 @@ draws them. This module needs no matplotlib.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from flowjax import run_folder
 from flowjax.paper.stats import seed_stats
 from flowjax.evaluation.metrics import GROUPS
 
@@ -36,7 +36,6 @@ PRIMARY = "train_clients"
 CURVE_METRICS = ("acc_g", "acc_p")
 # Box whiskers at these percentiles (a histogram has no individual outliers to show).
 BOX_PERCENTILES = (5, 25, 50, 75, 95)
-RUN_MARKERS = ("results.json", "metrics.jsonl")
 _SEED_DIR = re.compile(r"^seed_(\d+)$")
 
 
@@ -69,36 +68,22 @@ class RunFileError(ValueError):
 
 
 def _read_json(path: str) -> dict[str, Any] | None:
-    if not os.path.exists(path):
-        return None
     try:
-        with open(path) as handle:
-            return json.load(handle)
-    except (OSError, json.JSONDecodeError) as error:
-        raise RunFileError(f"{path}: {' '.join(str(error).split())}") from None
+        return run_folder.read_json(path, "fix or delete it")
+    except (OSError, ValueError) as error:
+        raise RunFileError(" ".join(str(error).split())) from None
 
 
-def read_eval_records(path: str) -> list[dict[str, Any]]:
-    """The evaluation records of a ``metrics.jsonl`` ([] when it does not exist).
+def read_eval_records(run_dir: str) -> list[dict[str, Any]]:
+    """The evaluation records of a run's ``metrics.jsonl`` ([] when it does not exist).
 
     A last line that does not parse is skipped: a run being written (or killed mid-line)
     ends that way; a bad line elsewhere is an error.
     """
-    if not os.path.exists(path):
-        return []
-    with open(path) as handle:
-        lines = [line for line in handle.read().splitlines() if line.strip()]
-    records = []
-    for number, line in enumerate(lines, start=1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            if number == len(lines):
-                break
-            raise RunFileError(f"{path}:{number}: {error}") from None
-        if record.get("kind") == "eval":
-            records.append(record)
-    return records
+    try:
+        return [r for r in run_folder.read_metrics(run_dir) if r.get("kind") == "eval"]
+    except (OSError, ValueError) as error:
+        raise RunFileError(" ".join(str(error).split())) from None
 
 
 def find_run_dirs(workdir: str) -> list[str]:
@@ -107,8 +92,8 @@ def find_run_dirs(workdir: str) -> list[str]:
     found = []
     for folder, subfolders, files in os.walk(workdir):
         subfolders[:] = sorted(d for d in subfolders
-                               if d not in ("checkpoints", "plots", "tensorboard"))
-        if any(name in files for name in RUN_MARKERS):
+                               if d not in run_folder.NOT_RUNS)
+        if run_folder.is_run(folder):
             found.append(folder)
     return sorted(found)
 
@@ -126,8 +111,8 @@ def _group_dir(workdir: str, run_dir: str) -> tuple[str, int | None]:
 
 def _read_run(workdir: str, run_dir: str) -> dict[str, Any]:
     """A run's fields (``Run``'s, plus its ``group`` folder and ``config_dataset``)."""
-    config = _read_json(os.path.join(run_dir, "config.json")) or {}
-    results = _read_json(os.path.join(run_dir, "results.json"))
+    config = _read_json(run_folder.path(run_dir, run_folder.CONFIG)) or {}
+    results = _read_json(run_folder.path(run_dir, run_folder.RESULTS))
     group, folder_seed = _group_dir(workdir, run_dir)
     if group:
         method = group.split("/")[-1]
@@ -140,7 +125,7 @@ def _read_run(workdir: str, run_dir: str) -> dict[str, Any]:
                 config_dataset=config_dataset,
                 dataset=str((results or {}).get("dataset") or config_dataset),
                 seed=config.get("seed", folder_seed),
-                evals=tuple(read_eval_records(os.path.join(run_dir, "metrics.jsonl"))))
+                evals=tuple(read_eval_records(run_dir)))
 
 
 def _settle_datasets(loaded: list[dict[str, Any]]) -> None:
