@@ -2,7 +2,8 @@
 
 Dataset configs call ``base_config()`` and then set their dataset, model and the paper's
 Appendix B hyperparameters. Every field can be overridden from the command line
-(``--config.methods.ditto.lam=0.01``).
+(``--config.sgd.learning_rate=0.05``, ``--config.methods.flow.gamma=0``,
+``--config.methods.ditto.lam=0.01``, ``--config.methods.partialfed.sgd.epochs=5``).
 """
 
 import ml_collections
@@ -15,38 +16,36 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
     config.seed = 0
     config.algorithm = "flow"
 
-    # Client training; the dataset config sets the paper's values.
     config.num_rounds = 1500
     config.clients_per_round = 10
-    config.epochs = 3
-    config.batch_size = 20
-    config.learning_rate = 0.01
-    config.momentum = 0.0
     config.max_examples_per_client = config_dict.placeholder(int)
+    # The clients' SGD, shared by every method; the dataset config sets the paper's values.
+    config.sgd = ml_collections.ConfigDict(dict(
+        learning_rate=0.01, epochs=3, batch_size=20, momentum=0.0))
 
-    # Flow (paper defaults; the ablations are these fields).
-    config.gamma = 1e-3
-    config.split_ratio = 0.5
-    config.order = "alternating"
-    config.global_step = "routed"
-    config.policy_dropout = 0.3
-    config.fixed_q0 = config_dict.placeholder(float)  # fixed-policy ablation
-    config.local_route = "local"  # "global" = pi-Flow
-    # "reference": the authors' code (flowjax/algorithms/flow_reference.py); each flow_*
-    # field below switches one of its departures on alone (None = as flow_semantics says).
-    config.flow_semantics = "paper"
-    config.flow_halves = config_dict.placeholder(str)  # shard / shard_reshuffled / none
-    config.flow_frozen_momentum = config_dict.placeholder(str)  # zero_grad / set_to_none
-    config.flow_regularizer = config_dict.placeholder(str)  # reference / paper
-    config.flow_local_init = config_dict.placeholder(str)  # server / global
-    config.flow_policy_eval_dropout = config_dict.placeholder(bool)
-    config.flow_evaluation = config_dict.placeholder(str)  # reference / paper
-    config.flow_policy_last = config_dict.placeholder(str)  # dense / exit
-    # LSTM routing: "mixed_state" (Eq. 3 per time step) or "separate" (None = separate).
-    config.flow_recurrence = config_dict.placeholder(str)
-
-    # Baselines' own hyperparameters (paper Appendix B; datasets override).
-    config.methods = ml_collections.ConfigDict(dict(
+    # Each method's own fields (the paper's Appendix B; datasets override), passed straight
+    # to its config dataclass (flowjax.algorithms.method_config). methods.<name>.sgd: the
+    # SGD fields the paper sets for that method alone (None = as config.sgd).
+    methods = dict(
+        fedavg=dict(),
+        fedavg_ft=dict(),
+        flow=dict(
+            gamma=1e-3, split_ratio=0.5, order="alternating", global_step="routed",
+            policy_dropout=0.3, policy_hidden=config_dict.placeholder(tuple),  # dataset's
+            fixed_q0=config_dict.placeholder(float),  # fixed-policy ablation
+            local_route="local",  # "global" = pi-Flow
+            # "reference": the authors' code (flowjax/algorithms/flow_reference.py); each
+            # field below switches one of its departures on alone (None = as semantics says).
+            semantics="paper",
+            halves=config_dict.placeholder(str),  # shard / shard_reshuffled / none
+            frozen_momentum=config_dict.placeholder(str),  # zero_grad / set_to_none
+            regularizer=config_dict.placeholder(str),  # reference / paper
+            local_init=config_dict.placeholder(str),  # server / global
+            policy_eval_dropout=config_dict.placeholder(bool),
+            evaluation=config_dict.placeholder(str),  # reference / paper
+            policy_last=config_dict.placeholder(str),  # dense / exit
+            # LSTM routing: "mixed_state" (Eq. 3 per time step) or "separate" (None).
+            recurrence=config_dict.placeholder(str)),
         apfl=dict(alpha=0.25),
         ditto=dict(lam=0.1),
         # None: derived from E, (E - 1) head + 1 body epochs (E = 1: 0 + 1; algorithms/fedrep.py).
@@ -55,13 +54,12 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
         lg_fedavg=dict(global_layers=config_dict.placeholder(tuple)),  # None = the head
         hypcluster=dict(clusters=2, warmup_rounds=10, perturbation=0.01),
         knn_per=dict(neighbours=5, lam=0.5, max_datastore=4096),
-        local=dict(epochs=10, learning_rate=0.05),
+        local=dict(),
         partialfed=dict(temperature=1.0, strategy_learning_rate=0.11),
-    ))
-
-    # Shared fields the paper sets per method: {algorithm: {field: value}}, applied by
-    # flowjax.config.effective_config when that algorithm runs.
-    config.per_method = ml_collections.ConfigDict()
+    )
+    config.methods = ml_collections.ConfigDict(
+        {name: dict(fields, sgd=sgd_override()) for name, fields in methods.items()})
+    config.methods.local.sgd.update(epochs=10, learning_rate=0.05)
 
     config.server = ml_collections.ConfigDict(dict(
         optimizer="sgd", learning_rate=1.0, momentum=0.0, b1=0.9, b2=0.99, eps=1e-3,
@@ -84,6 +82,13 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
     # (needs tensorboardX: pip install 'flowjax[tensorboard]').
     config.tensorboard = False
     return config
+
+
+def sgd_override() -> ml_collections.ConfigDict:
+    """A method's ``sgd`` subtree: every field None (as ``config.sgd``) until set."""
+    return ml_collections.ConfigDict(dict(
+        learning_rate=config_dict.placeholder(float), epochs=config_dict.placeholder(int),
+        batch_size=config_dict.placeholder(int), momentum=config_dict.placeholder(float)))
 
 
 def store_data() -> ml_collections.ConfigDict:

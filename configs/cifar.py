@@ -8,7 +8,7 @@ Dirichlet alpha). Prepare TFDS's CIFAR once as array_record on a machine with in
 
 Appendix B: 4000 rounds, 10 clients/round, K = 3, batch 20, lr 0.05, gamma 1e-3; Local
 20 epochs at lr 0.1; kNN-Per k = 5 with lambda 0.5 (CIFAR-10) / 0.4 (CIFAR-100); APFL
-alpha 0.2 / 0.25; Ditto lambda 0.01; PartialFed 5 epochs at lr 0.11 (``per_method``);
+alpha 0.2 / 0.25; Ditto lambda 0.01; PartialFed 5 epochs at lr 0.11 (``methods.partialfed.sgd``);
 HypCluster k = 2.
 """
 
@@ -35,18 +35,15 @@ def get_config(variant: str = "cifar10_0.1") -> ml_collections.ConfigDict:
     config.model = "resnet18_gn"
     config.model_options = ml_collections.ConfigDict(dict(num_classes=10 if name == "cifar10" else 100))
     config.num_rounds = 4000
-    config.epochs = 3
-    config.batch_size = 20
-    config.learning_rate = 0.05
-    config.gamma = 1e-3
+    config.sgd.update(epochs=3, batch_size=20, learning_rate=0.05)
+    config.methods.flow.gamma = 1e-3
     # The authors' policy widths 3072-1000-750-350-150-50, one base layer per routed layer.
-    config.policy_hidden = (1000, 750, 350, 150, 50, 50)
-    config.methods.local.update(epochs=20, learning_rate=0.1)
+    config.methods.flow.policy_hidden = (1000, 750, 350, 150, 50, 50)
+    config.methods.local.sgd.update(epochs=20, learning_rate=0.1)
     config.methods.knn_per.update(neighbours=5, lam=0.5 if name == "cifar10" else 0.4)
     config.methods.apfl.alpha = 0.2 if name == "cifar10" else 0.25
     config.methods.ditto.lam = 0.01
     config.methods.partialfed.strategy_learning_rate = 0.11
-    config.per_method = ml_collections.ConfigDict(
-        {"partialfed": {"epochs": 5, "learning_rate": 0.11}})
+    config.methods.partialfed.sgd.update(epochs=5, learning_rate=0.11)
     config.eval.held_out = False  # every client's test split is the evaluation population
     return config

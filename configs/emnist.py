@@ -28,12 +28,10 @@ def appendix_b_emnist(config: ml_collections.ConfigDict) -> ml_collections.Confi
     """Appendix B's EMNIST settings, shared by every config that runs the EMNIST CNN."""
     config.num_rounds = 1500
     config.clients_per_round = 10
-    config.epochs = 3
-    config.batch_size = 20
-    config.learning_rate = 0.01
-    config.gamma = 1e-2
+    config.sgd.update(epochs=3, batch_size=20, learning_rate=0.01)
+    config.methods.flow.gamma = 1e-2
     # Eq. 2 has one base layer per routed layer; the authors' widths 350-150-50 plus one.
-    config.policy_hidden = (350, 150, 50, 50)
+    config.methods.flow.policy_hidden = (350, 150, 50, 50)
     config.methods.knn_per.update(neighbours=10, lam=0.4)
-    config.methods.local.update(epochs=10, learning_rate=0.05)
+    config.methods.local.sgd.update(epochs=10, learning_rate=0.05)
     return config

@@ -25,11 +25,9 @@ def get_config(variant: str = "paper") -> ml_collections.ConfigDict:
     config.model = "stackoverflow_lstm"
     config.model_options = ml_collections.ConfigDict(dict(exclude_special=False))
     config.num_rounds = 2000
-    config.epochs = 3
-    config.batch_size = 16
-    config.learning_rate = 0.1
-    config.gamma = 1e-3
-    config.policy_hidden = (64, 64, 32, 16)
+    config.sgd.update(epochs=3, batch_size=16, learning_rate=0.1)
+    config.methods.flow.gamma = 1e-3
+    config.methods.flow.policy_hidden = (64, 64, 32, 16)
     config.methods.lg_fedavg.global_layers = ("dense2",)
     config.eval.clients = 1000  # of 342,477 train clients
     config.eval.held_out_clients = 1000  # of the held-out users

@@ -37,13 +37,11 @@ def get_config(variant: str = "quick") -> ml_collections.ConfigDict:
         input_dim=60, hidden=(64, 64), num_classes=10))
     config.num_rounds = 1000
     config.clients_per_round = 10
-    config.epochs = 3
-    config.batch_size = 20
-    config.learning_rate = 0.01
-    config.gamma = 1e-2
-    config.policy_hidden = (64, 32, 16)
+    config.sgd.update(epochs=3, batch_size=20, learning_rate=0.01)
+    config.methods.flow.gamma = 1e-2
+    config.methods.flow.policy_hidden = (64, 32, 16)
     config.methods.knn_per.update(neighbours=10, lam=0.4)
-    config.methods.local.update(epochs=10, learning_rate=0.05)
+    config.methods.local.sgd.update(epochs=10, learning_rate=0.05)
     config.eval.every = 0  # once, after the last round
     config.eval.held_out = False  # every client's test split is the evaluation population
     config.log_every = 10

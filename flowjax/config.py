@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import jax
 import optax
 
-from flowjax.algorithms import build_algorithm
-from flowjax.algorithms.base import FederatedAlgorithm
+from flowjax.algorithms import make_algorithm
+from flowjax.algorithms.base import SGDConfig
+from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.core.mapping import ClientMapping, default_mapping
 from flowjax.core.server_opt import server_optimizer
 from flowjax.data import FederatedTask, load_task
 from flowjax.experiment import RunSettings, Simulation
-from flowjax.models import RoutableModel, get_model
-from flowjax.validation import (model_options, validate_cohort_size, validate_config,
-                                validate_task)
+from flowjax.models import RoutableModel
+from flowjax.validation import validate_cohort_size, validate_config, validate_task
 
 
 def _optional_int(value):
@@ -71,10 +72,12 @@ def build_server_optimizer(config) -> optax.GradientTransformation:
                             bias_correction=server.bias_correction)
 
 
-def build_settings(config) -> RunSettings:
+def build_settings(config, sgd: SGDConfig) -> RunSettings:
+    """The engine's settings; ``sgd`` is the method's resolved SGD (its batch size shapes
+    the cohorts)."""
     return RunSettings(
         seed=config.seed, num_rounds=config.num_rounds, clients_per_round=config.clients_per_round,
-        batch_size=config.batch_size,
+        batch_size=sgd.batch_size,
         max_examples_per_client=_optional_int(config.max_examples_per_client),
         max_eval_examples=_optional_int(config.eval.max_examples),
         eval_every=config.eval.every, eval_clients=_optional_int(config.eval.clients),
@@ -83,66 +86,116 @@ def build_settings(config) -> RunSettings:
         log_every=config.log_every)
 
 
-def fedavg_warm_start(config, task: FederatedTask, model: RoutableModel, example_x: jax.Array,
-                      rounds: int) -> Any:
-    """The server params after the first ``rounds`` rounds of FedAvg with this config
-    (same seed, client sampling, server optimizer and mapping); no evaluation."""
-    if rounds < 1:
-        raise ValueError(f"warm-start rounds must be >= 1, got {rounds}")
-    settings = dataclasses.replace(build_settings(config), num_rounds=rounds)
-    simulation = Simulation(build_algorithm("fedavg", model, config, example_x), task, settings,
-                            server_optimizer=build_server_optimizer(config),
-                            mapping=build_mapping(config))
+@dataclasses.dataclass(frozen=True)
+class ResolvedRun:
+    """A run config resolved once: everything the stages of a run share.
+
+    Attributes:
+      config: the run config as given.
+      method: the configured method's config dataclass (``config.methods.<algorithm>``
+        with its resolved ``sgd``), checked.
+      model: the configured model, built once.
+      task: the loaded data, checked against the model.
+      settings: the engine's settings.
+      example_x: one input batch (the first training client's), for shape-dependent
+        parts such as Flow's policy.
+    """
+
+    config: Any
+    method: Any
+    model: RoutableModel
+    task: FederatedTask
+    settings: RunSettings
+    example_x: jax.Array
+
+    @property
+    def algorithm(self) -> str:
+        return self.config.algorithm
+
+    @property
+    def sgd(self) -> SGDConfig:
+        return self.method.sgd
+
+
+def resolve(config, task: FederatedTask | None = None) -> ResolvedRun:
+    """Checks ``config`` and builds what every stage of the run shares, once: the method's
+    config (per-method SGD fields applied), the model and the data (``task`` if given).
+
+    Raises:
+      ValueError: one line naming the bad field or datum, before anything is compiled.
+    """
+    method, model = validate_config(config)
+    task = task or build_task(config)
+    validate_task(task, model)
+    validate_cohort_size(config, task)
+    example_x = jax.numpy.asarray(task.train.client(0, "train")["x"][: method.sgd.batch_size])
+    return ResolvedRun(config, method, model, task, build_settings(config, method.sgd),
+                       example_x)
+
+
+def warm_up(run: ResolvedRun) -> Any:
+    """HypCluster's warm-up stage: the server params after
+    ``methods.hypcluster.warmup_rounds`` rounds of FedAvg with this run's SGD, seed,
+    client sampling, server optimizer and mapping (no evaluation); these rounds come
+    before, and in addition to, ``num_rounds``. None for other methods or 0 rounds.
+    """
+    rounds = getattr(run.method, "warmup_rounds", 0) if run.algorithm == "hypcluster" else 0
+    if not rounds:
+        return None
+    settings = dataclasses.replace(run.settings, num_rounds=rounds)
+    simulation = Simulation(fedavg(run.model, FedAvgConfig(sgd=run.sgd)), run.task, settings,
+                            server_optimizer=build_server_optimizer(run.config),
+                            mapping=build_mapping(run.config))
     state = simulation.init_state()
     for round_index in range(rounds):
         state, _ = simulation.run_round(state, round_index)
     return state.params
 
 
-def build_algorithm_for(config, task: FederatedTask) -> FederatedAlgorithm:
-    """The configured algorithm. HypCluster with ``methods.hypcluster.warmup_rounds > 0``
-    first runs that many FedAvg rounds and warm-starts every cluster from the result
-    (these rounds come before, and in addition to, ``num_rounds``)."""
-    model = get_model(config.model, **model_options(config))
-    first = jax.numpy.asarray(task.train.client(0, "train")["x"][: config.batch_size])
-    options = {}
-    if config.algorithm == "hypcluster":
-        rounds = config.methods.hypcluster.warmup_rounds
-        if rounds < 0:
-            raise ValueError(f"methods.hypcluster.warmup_rounds must be >= 0, got {rounds}")
-        if rounds:
-            options["warm_start"] = fedavg_warm_start(config, task, model, first, rounds)
-    return build_algorithm(config.algorithm, model, config, first, **options)
-
-
-def effective_config(config):
-    """``config`` with ``per_method[config.algorithm]`` applied to its top-level fields.
-
-    The paper tunes some shared fields per method (Shakespeare: lr 0.11 for Flow, 0.1
-    for the baselines; CIFAR: PartialFed with 5 epochs at lr 0.11); ``per_method`` holds
-    those rows so one dataset config serves every method of a table.
-    """
-    overrides = config.get("per_method", {}).get(config.algorithm)
-    if not overrides:
-        return config
-    resolved = config.copy_and_resolve_references()
-    with resolved.unlocked():
-        for field, value in overrides.items():
-            if field not in resolved:
-                raise ValueError(f"config.per_method.{config.algorithm}.{field}: no such field "
-                                 f"at the config's top level")
-            resolved[field] = value
-    return resolved
+def simulation_for(run: ResolvedRun, warm_start: Any = None) -> Simulation:
+    """The run's simulation; ``warm_start``: HypCluster's warm-up params (``warm_up``)."""
+    options = {} if warm_start is None else {"warm_start": warm_start}
+    algorithm = make_algorithm(run.algorithm, run.model, run.method, run.example_x, **options)
+    return Simulation(algorithm, run.task, run.settings,
+                      server_optimizer=build_server_optimizer(run.config),
+                      mapping=build_mapping(run.config))
 
 
 def build_simulation(config, task: FederatedTask | None = None) -> Simulation:
-    """Everything a run needs, validated; raises ``ValueError`` with a one-line reason."""
-    config = effective_config(config)
-    validate_config(config)
-    task = task or build_task(config)
-    validate_task(task, get_model(config.model, **model_options(config)))
-    validate_cohort_size(config, task)
-    settings = build_settings(config)
-    return Simulation(build_algorithm_for(config, task), task, settings,
-                      server_optimizer=build_server_optimizer(config),
-                      mapping=build_mapping(config))
+    """Everything a run needs, validated; raises ``ValueError`` with a one-line reason.
+
+    The run's stages in order: ``resolve`` (checks; method, model and data built once),
+    ``warm_up`` (HypCluster's FedAvg rounds, if any), ``simulation_for``.
+    """
+    run = resolve(config, task)
+    return simulation_for(run, warm_up(run))
+
+
+def stored_config(config) -> dict[str, Any]:
+    """The run config as a run folder's ``config.json`` stores it: as given (what each
+    method trains with follows from it alone, ``method_config``), as plain JSON."""
+    return json.loads(config.to_json_best_effort())
+
+
+def set_fields(config, fields: dict[str, Any]) -> Any:
+    """Sets dotted-path fields (``{"methods.flow.gamma": 0.0}``) on ``config`` in place
+    and returns it; every path must name an existing field.
+
+    Raises:
+      ValueError: an unknown field, or a value of the wrong type (one line).
+    """
+    for path, value in fields.items():
+        *parents, leaf = path.split(".")
+        node = config
+        for depth, part in enumerate(parents + [leaf]):
+            if not hasattr(node, "keys") or part not in node:
+                where = "config" + "".join(f".{p}" for p in path.split(".")[:depth])
+                raise ValueError(f"config.{path}: unknown field; {where}'s fields: "
+                                 f"{sorted(node.keys()) if hasattr(node, 'keys') else 'none'}")
+            if depth < len(parents):
+                node = node[part]
+        try:
+            node[leaf] = value
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"config.{path}={value!r}: {' '.join(str(error).split())}") from None
+    return config

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
@@ -19,8 +18,8 @@ from flowjax.validation import bad_values
 
 
 def resolved_config(config) -> dict[str, Any]:
-    """The config as a run stores it in ``config.json`` (per-method rows applied)."""
-    return json.loads(run_config.effective_config(config).to_json_best_effort())
+    """The config as a run stores it in ``config.json`` (each method's SGD resolved)."""
+    return run_config.stored_config(config)
 
 
 def differing_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -45,7 +44,17 @@ def conflicting_fields(workdir: str, resolved: dict, remedy: str) -> list[str]:
     previous = run_folder.read_config(workdir, remedy)
     if previous is None or not run_folder.run_started(workdir):
         return []
+    if older_schema(previous):
+        raise ValueError(f"{workdir} holds a run written by an older flowjax config schema "
+                         f"(top-level learning_rate/gamma, no config.sgd), so it cannot be "
+                         f"resumed or compared; nothing was deleted; {remedy}")
     return differing_fields(previous, resolved)
+
+
+def older_schema(stored: dict) -> bool:
+    """Whether a ``config.json`` predates ``config.sgd`` / ``config.methods.flow`` (its
+    client SGD and Flow fields at the top level)."""
+    return "sgd" not in stored and ("learning_rate" in stored or "per_method" in stored)
 
 
 def check_workdir(workdir: str | None) -> None:
@@ -103,7 +112,8 @@ def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> 
     distributed.barrier("workdir prepared")
 
 
-def explain_divergence(simulation, config, error: DivergenceError) -> DivergenceError:
+def explain_divergence(simulation, run: run_config.ResolvedRun,
+                       error: DivergenceError) -> DivergenceError:
     """``error`` with what went non-finite first: the round's inputs, then its labels (as
     ``validate_task`` checks them), else the loss and parameters, so the optimization."""
     cohort = simulation.host_cohort(error.round_number - 1)
@@ -119,9 +129,11 @@ def explain_divergence(simulation, config, error: DivergenceError) -> Divergence
                 return error.explained(
                     f"client {names[int(client)]!r} of the round has {what} {bad}",
                     "The data is at fault, not the learning rate: fix it and rerun")
-    knobs = f"config.learning_rate (now {config.learning_rate:g})"
-    if config.algorithm == "flow" and config.get("gamma", 0):
-        knobs += f" or config.gamma (now {config.gamma:g})"
+    own = run.config.methods[run.algorithm].get("sgd", {}).get("learning_rate") is not None
+    where = f"methods.{run.algorithm}.sgd" if own else "sgd"
+    knobs = f"config.{where}.learning_rate (now {run.sgd.learning_rate:g})"
+    if run.algorithm == "flow" and run.method.gamma:
+        knobs += f" or config.methods.flow.gamma (now {run.method.gamma:g})"
     return error.explained(
         f"{error.cause}, while the round's inputs and labels are valid",
         f"Lower {knobs}, or set on_divergence='skip_clients' to drop such clients and go on")
@@ -141,14 +153,15 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
         the message names the round's bad inputs or labels first, if any.
     """
     check_workdir(workdir)
-    simulation = run_config.build_simulation(config)
+    run = run_config.resolve(config)
     resolved = resolved_config(config)
-    config = run_config.effective_config(config)
     # Created before the workdir is touched, so a missing tensorboardX fails first.
     primary = distributed.is_primary()
     tensorboard = (TensorBoardLog(workdir) if config.get("tensorboard", False) and primary
                    else None)
     prepare_workdir(workdir, resolved, overwrite)
+    # HypCluster's FedAvg warm-up is a stage of its own, before the method's first round.
+    simulation = run_config.simulation_for(run, run_config.warm_up(run))
     task = simulation.task
     print(f"{config.algorithm} on {task.name}: {len(task.train.client_ids)} training clients, "
           f"{len(task.held_out.client_ids) if task.held_out else 0} held-out clients, "
@@ -168,7 +181,7 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
     try:
         result = loop.run(simulation, callbacks)
     except DivergenceError as error:
-        raise explain_divergence(simulation, config, error) from None
+        raise explain_divergence(simulation, run, error) from None
     results = result.results_dict()
     results.update(algorithm=config.algorithm, dataset=task.name)
     if not primary:

@@ -9,19 +9,16 @@ Messages name the bad value and what is expected:
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 
-from flowjax.algorithms import ALGORITHMS
-from flowjax.algorithms.flow import GLOBAL_STEPS, LOCAL_ROUTES, ORDERS
+from flowjax.algorithms import METHODS, algorithm_names, method_config
 from flowjax.algorithms import flow_reference
-from flowjax.routing.policy import LAST_KINDS
-from flowjax.routing.routed import RECURRENCES
 from flowjax.algorithms.lg_fedavg import global_layer_names
+from flowjax.core.checks import (FieldError, Interval, integer, is_int, one_of, optional_cap, plain,
+                                 positive)
 from flowjax.core.mapping import STRATEGIES
 from flowjax.core.prng import SEED_LIMIT
 from flowjax.core.server_opt import SERVER_OPTIMIZERS
@@ -47,164 +44,67 @@ _BLOCK_ROWS = 1 << 16
 # ---------------------------------------------------------------- value checks
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
-            and math.isfinite(value))
-
-
-def _integer(minimum: int) -> Check:
-    return lambda v: None if _is_int(v) and v >= minimum else f"expected an integer >= {minimum}"
-
-
-def _optional_integer(minimum: int) -> Check:
-    """None (a default derived elsewhere) or an integer >= minimum."""
-    return lambda v: (None if v is None or (_is_int(v) and v >= minimum)
-                      else f"expected None or an integer >= {minimum}")
-
-
-def _optional_cap(value: Any) -> str | None:
-    if value is None or (_is_int(value) and value >= 1):
-        return None
-    return "expected None (no cap) or an integer >= 1"
-
-
-def _positive(value: Any) -> str | None:
-    return None if _is_number(value) and value > 0 else "expected a finite number > 0"
-
-
-def _non_negative(value: Any) -> str | None:
-    return None if _is_number(value) and value >= 0 else "expected a finite number >= 0"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Interval:
-    low: float
-    high: float
-    closed_low: bool = True
-    closed_high: bool = False
-    optional: bool = False
-
-    def __call__(self, value: Any) -> str | None:
-        if value is None and self.optional:
-            return None
-        if _is_number(value):
-            above = value >= self.low if self.closed_low else value > self.low
-            below = value <= self.high if self.closed_high else value < self.high
-            if above and below:
-                return None
-        text = (f"{'[' if self.closed_low else '('}{self.low:g}, {self.high:g}"
-                f"{']' if self.closed_high else ')'}")
-        return f"expected {'None or ' if self.optional else ''}a number in {text}"
-
-
-def _one_of(choices: Sequence[str]) -> Check:
-    return lambda v: None if v in choices else f"expected one of {list(choices)}"
-
-
 def _algorithm(value: Any) -> str | None:
-    if value in ALGORITHMS:
+    if value in METHODS:
         return None
     if value in ABLATIONS:  # a compare.py / reproduce.py variant, not an algorithm
         flags = " ".join(f"--config.{k}={v}" for k, v in variant_overrides(value).items())
         return (f"expected an algorithm; {value!r} is an ablation of flow: run it with "
                 f"launch/compare.py --methods={value}, or train.py with {flags}")
-    return f"expected one of {list(ALGORITHMS)}"
+    return f"expected one of {list(algorithm_names())}"
 
 
 def _seed(value: Any) -> str | None:
-    if not _is_int(value) or value < 0:
+    if not is_int(value) or value < 0:
         return "expected an integer >= 0"
     # flowjax.core.prng gives every seed below 2**64 its own key; none wraps around.
     return None if value < SEED_LIMIT else "expected an integer in [0, 2**64)"
 
 
 def _devices_visible(value: Any) -> str | None:
-    if value == 1 and _is_int(value):
+    if value == 1 and is_int(value):
         return None  # there is always one device; asking jax would start its backend
     count = jax.device_count()
-    if _is_int(value) and 1 <= value <= count:
+    if is_int(value) and 1 <= value <= count:
         return None
     return f"expected an integer in [1, {count}] (devices visible)"
 
 
-def _widths(value: Any) -> str | None:
-    if isinstance(value, (tuple, list)) and value and all(_is_int(w) and w >= 1 for w in value):
-        return None
-    return "expected a non-empty sequence of integer widths >= 1"
-
-
+# The run's own fields (engine, data, evaluation). A method's fields (config.methods.<name>)
+# and the clients' SGD (config.sgd) are checked by their dataclasses (``method_config``).
 # Names first: an unknown algorithm or model makes every other message moot.
 _RULES: tuple[tuple[str, Check], ...] = (
     ("algorithm", _algorithm),
-    ("model", _one_of(MODELS)),
-    ("dataset", _one_of(DATASETS)),
-    ("server.optimizer", _one_of(SERVER_OPTIMIZERS)),
-    ("mapping.strategy", _one_of(("auto",) + STRATEGIES)),
-    ("conv_impl", _one_of(CONV_IMPLS)),
-    ("compute_dtype", _one_of(tuple(COMPUTE_DTYPES))),
-    ("order", _one_of(ORDERS)),
-    ("global_step", _one_of(GLOBAL_STEPS)),
-    ("local_route", _one_of(LOCAL_ROUTES)),
-    ("flow_semantics", _one_of(flow_reference.SEMANTICS)),
-    ("flow_halves", _one_of((None,) + flow_reference.HALVES)),
-    ("flow_frozen_momentum", _one_of((None,) + flow_reference.FROZEN_MOMENTUM)),
-    ("flow_regularizer", _one_of((None,) + flow_reference.REGULARIZERS)),
-    ("flow_local_init", _one_of((None,) + flow_reference.LOCAL_INITS)),
-    ("flow_policy_eval_dropout", _one_of((None, True, False))),
-    ("flow_evaluation", _one_of((None,) + flow_reference.EVALUATIONS)),
-    ("flow_policy_last", _one_of((None,) + LAST_KINDS)),
-    ("flow_recurrence", _one_of((None,) + RECURRENCES)),
+    ("model", one_of(MODELS)),
+    ("dataset", one_of(DATASETS)),
+    ("server.optimizer", one_of(SERVER_OPTIMIZERS)),
+    ("mapping.strategy", one_of(("auto",) + STRATEGIES)),
+    ("conv_impl", one_of(CONV_IMPLS)),
+    ("compute_dtype", one_of(tuple(COMPUTE_DTYPES))),
     ("seed", _seed),
-    ("num_rounds", _integer(1)),
-    ("clients_per_round", _integer(1)),
-    ("epochs", _integer(1)),
-    ("batch_size", _integer(1)),
-    ("log_every", _integer(1)),
-    ("checkpoint_every", _integer(0)),
-    ("on_divergence", _one_of(ON_DIVERGENCE)),
-    ("eval.chunk", _integer(1)),
-    ("eval.every", _integer(0)),
-    ("mapping.chunk_size", _integer(1)),
+    ("num_rounds", integer(1)),
+    ("clients_per_round", integer(1)),
+    ("log_every", integer(1)),
+    ("checkpoint_every", integer(0)),
+    ("on_divergence", one_of(ON_DIVERGENCE)),
+    ("eval.chunk", integer(1)),
+    ("eval.every", integer(0)),
+    ("mapping.chunk_size", integer(1)),
     ("mapping.num_devices", _devices_visible),
-    ("learning_rate", _positive),
-    ("momentum", _Interval(0, 1)),
-    ("max_examples_per_client", _optional_cap),
-    ("eval.clients", _optional_cap),
-    ("eval.held_out_clients", _optional_cap),
-    ("eval.max_examples", _optional_cap),
-    ("data.train_fraction", _Interval(0, 1, closed_low=False)),
-    ("data.held_out_fraction", _Interval(0, 1)),
-    ("data.min_sequences", _integer(2)),
-    ("data.max_train_examples", _optional_cap),
-    ("data.max_test_examples", _optional_cap),
-    ("gamma", _non_negative),
-    ("split_ratio", _Interval(0, 1, closed_low=False)),
-    ("policy_hidden", _widths),
-    ("policy_dropout", _Interval(0, 1)),
-    ("fixed_q0", _Interval(0, 1, closed_high=True, optional=True)),
-    ("server.learning_rate", _positive),
-    ("server.momentum", _Interval(0, 1)),
-    ("server.b1", _Interval(0, 1)),
-    ("server.b2", _Interval(0, 1)),
-    ("server.eps", _positive),
-    ("methods.apfl.alpha", _Interval(0, 1, closed_high=True)),
-    ("methods.ditto.lam", _non_negative),
-    ("methods.fedrep.head_epochs", _optional_integer(0)),
-    ("methods.fedrep.body_epochs", _optional_integer(0)),
-    ("methods.hypcluster.clusters", _integer(1)),
-    ("methods.hypcluster.warmup_rounds", _integer(0)),
-    ("methods.hypcluster.perturbation", _non_negative),
-    ("methods.knn_per.neighbours", _integer(1)),
-    ("methods.knn_per.lam", _Interval(0, 1, closed_high=True)),
-    ("methods.knn_per.max_datastore", _integer(1)),
-    ("methods.local.epochs", _integer(1)),
-    ("methods.local.learning_rate", _positive),
-    ("methods.partialfed.temperature", _positive),
-    ("methods.partialfed.strategy_learning_rate", _positive),
+    ("max_examples_per_client", optional_cap),
+    ("eval.clients", optional_cap),
+    ("eval.held_out_clients", optional_cap),
+    ("eval.max_examples", optional_cap),
+    ("data.train_fraction", Interval(0, 1, closed_low=False)),
+    ("data.held_out_fraction", Interval(0, 1)),
+    ("data.min_sequences", integer(2)),
+    ("data.max_train_examples", optional_cap),
+    ("data.max_test_examples", optional_cap),
+    ("server.learning_rate", positive),
+    ("server.momentum", Interval(0, 1)),
+    ("server.b1", Interval(0, 1)),
+    ("server.b2", Interval(0, 1)),
+    ("server.eps", positive),
 )
 
 
@@ -221,12 +121,7 @@ def _field(config: Any, path: str) -> Any:
 
 
 def _fail(path: str, value: Any, expected: str) -> None:
-    raise ValueError(f"config.{path}={_plain(value)!r}: {expected}")
-
-
-def _plain(value: Any) -> Any:
-    """Sequences as tuples so messages read like the ``--config.x=(...)`` a user types."""
-    return tuple(value) if isinstance(value, list) else value
+    raise ValueError(f"config.{path}={plain(value)!r}: {expected}")
 
 
 # Top-level fields passed to the model factory when set off their defaults (only models
@@ -245,7 +140,9 @@ def model_options(config: Any) -> dict[str, Any]:
     return options
 
 
-def _build_model(config: Any) -> RoutableModel:
+def build_model(config: Any) -> RoutableModel:
+    """The configured model; a bad ``model_options`` (or a layer option the model does
+    not implement) fails with one line."""
     options = model_options(config)
     try:
         return get_model(config.model, **options)
@@ -257,73 +154,82 @@ def _build_model(config: Any) -> RoutableModel:
         _fail("model_options", options, f"expected keyword arguments of {config.model} ({error})")
 
 
-def _check_cross_fields(config: Any) -> None:
-    head = _field(config, "methods.fedrep.head_epochs")
-    body = _field(config, "methods.fedrep.body_epochs")
-    if _MISSING not in (head, body) and None not in (head, body) and head + body < 1:
-        _fail("methods.fedrep", (head, body), "expected head_epochs + body_epochs >= 1")
-    store = _field(config, "methods.knn_per.max_datastore")
-    neighbours = _field(config, "methods.knn_per.neighbours")
-    if _MISSING not in (store, neighbours) and store < neighbours:
-        _fail("methods.knn_per.max_datastore", store,
-              f"expected an integer >= neighbours ({neighbours})")
-
-
-def _check_flow_departures(config: Any, model: RoutableModel) -> None:
+def _check_flow_departures(flow: Any, model: RoutableModel) -> None:
     """Flow's reference options that exist only for some models, or only together."""
-    if config.get("flow_semantics", "paper") == "reference":
+    if flow.semantics == "reference":
         try:
             flow_reference.reference_options(model.name)
         except ValueError:
-            _fail("flow_semantics", "reference", "expected 'paper' for model "
-                  f"{model.name}: the reference mode covers {list(flow_reference.REFERENCE_MODELS)}")
-    options = flow_reference.resolve_options(model.name, config)
-    if (options.get("regularizer") == "reference"
+            _fail("methods.flow.semantics", "reference", "expected 'paper' for model "
+                  f"{model.name}: the reference mode covers "
+                  f"{list(flow_reference.REFERENCE_MODELS)}")
+    try:
+        resolved = flow_reference.resolve(flow, model.name)
+    except FieldError as error:  # a departure the reference mode sets clashes with a field
+        raise error.at("methods.flow.") from None
+    if (resolved.regularizer == "reference"
             and model.name not in flow_reference.REFERENCE_REGULARIZER_ENTRIES):
-        _fail("flow_regularizer", "reference", "expected 'paper' for model "
+        _fail("methods.flow.regularizer", "reference", "expected 'paper' for model "
               f"{model.name}: its reference indexing is defined for "
               f"{sorted(flow_reference.REFERENCE_REGULARIZER_ENTRIES)}")
-    if options.get("local_init") == "server" and config.get("local_route", "local") == "global":
-        _fail("flow_local_init", "server", "expected 'global' with local_route='global' (pi-Flow)")
 
 
-def _check_model_fields(config: Any, model: RoutableModel) -> None:
+def _check_model_fields(config: Any, method: Any, model: RoutableModel) -> None:
     """Fields whose valid values depend on the model; only the configured method's
-    fields, since other methods' defaults need not fit every model."""
+    (``method``, its config dataclass), since other methods' defaults need not fit every
+    model."""
     layers = list(model.layer_names)
-    if config.algorithm == "flow" and len(config.policy_hidden) != model.num_layers:
-        _fail("policy_hidden", config.policy_hidden,
-              f"expected {model.num_layers} widths, one per routed layer of {model.name} {layers}")
     if config.algorithm == "flow":
-        _check_flow_departures(config, model)
+        if len(method.policy_hidden) != model.num_layers:
+            _fail("methods.flow.policy_hidden", method.policy_hidden,
+                  f"expected {model.num_layers} widths, one per routed layer of {model.name} "
+                  f"{layers}")
+        _check_flow_departures(method, model)
     if config.algorithm == "lg_fedavg":
-        requested = config.methods.lg_fedavg.global_layers
+        requested = method.global_layers
         try:
-            global_layer_names(model, None if requested is None else tuple(requested))
+            global_layer_names(model, requested)
         except ValueError:
             _fail("methods.lg_fedavg.global_layers", requested,
                   f"expected None (the head) or distinct top layers of {model.name} {layers}, "
                   "leaving at least one layer local")
 
 
-def validate_config(config: Any) -> None:
-    """Checks every field of a run config before anything is loaded or compiled.
-
-    Args:
-      config: an ``ml_collections.ConfigDict`` like ``configs/shakespeare.py``'s; fields
-        it lacks are not checked.
-
-    Raises:
-      ValueError: ``config.<field>=<value!r>: <what is expected>`` for the first bad field.
-    """
+def _check_run_fields(config: Any) -> None:
+    """Checks the run's own fields (not a method's: ``method_config`` checks those)."""
     for path, check in _RULES:
         value = _field(config, path)
         if value is not _MISSING:
             expected = check(value)
             if expected is not None:
                 _fail(path, value, expected)
-    _check_cross_fields(config)
-    _check_model_fields(config, _build_model(config))
+
+
+def validate_config(config: Any) -> tuple[Any, RoutableModel]:
+    """Checks every field of a run config before anything is loaded or compiled.
+
+    Every method's config under ``config.methods`` is built (its dataclass checks its
+    values), so a typo in any of them fails now, not when a later run reaches it.
+
+    Args:
+      config: an ``ml_collections.ConfigDict`` like ``configs/shakespeare.py``'s; run fields
+        it lacks are not checked.
+
+    Returns:
+      The configured method's config dataclass and the model, built once for the checks
+      and reused by the run (``flowjax.config.resolve``).
+
+    Raises:
+      ValueError: ``config.<field>=<value!r>: <what is expected>`` for the first bad field.
+    """
+    _check_run_fields(config)
+    method = method_config(config)
+    for name in config.get("methods", {}):
+        if name in METHODS and name != config.algorithm:
+            method_config(config, name)
+    model = build_model(config)
+    _check_model_fields(config, method, model)
+    return method, model
 
 
 # ---------------------------------------------------------------- data

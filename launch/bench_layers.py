@@ -85,6 +85,7 @@ def compute_dtype_accuracy(rounds: int, conv_impl: str = "auto") -> dict[str, di
     """Test accuracy and loss of the global model after ``rounds`` FedAvg rounds (10 of
     50 synthetic clients per round, 3 epochs of batch 20, lr 0.01, the EMNIST settings),
     with float32 and with bf16 compute."""
+    from flowjax.algorithms.base import SGDConfig
     from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
     from flowjax.core.server_opt import server_optimizer
     from flowjax.data.synthetic import synthetic_images
@@ -97,7 +98,8 @@ def compute_dtype_accuracy(rounds: int, conv_impl: str = "auto") -> dict[str, di
     out = {}
     for dtype in ("float32", "bfloat16"):
         model = get_model("emnist_cnn", conv_impl=conv_impl, compute_dtype=dtype)
-        algorithm = fedavg(model, FedAvgConfig(learning_rate=0.01, epochs=3, batch_size=20))
+        algorithm = fedavg(model, FedAvgConfig(sgd=SGDConfig(learning_rate=0.01, epochs=3,
+                                                             batch_size=20)))
         settings = RunSettings(seed=0, num_rounds=rounds, clients_per_round=10,
                                batch_size=20, eval_held_out=False)
         simulation = Simulation(algorithm, task, settings, server_optimizer("sgd", 1.0))

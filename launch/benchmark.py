@@ -65,7 +65,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from flowjax.algorithms.base import client_optimizer, plain_loss_sums, sgd_step  # noqa: E402
+from flowjax.algorithms.base import (SGDConfig, client_optimizer, plain_loss_sums,  # noqa: E402
+                                     sgd_step)
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg  # noqa: E402
 from flowjax.algorithms.flow import FlowConfig, flow  # noqa: E402
 from flowjax.core.cohort import client_at  # noqa: E402
@@ -182,13 +183,12 @@ def model_options(model_name: str) -> dict:
 
 def algorithms(model_name: str, example_x):
     model = get_model(model_name, **model_options(model_name))
-    batch, lr, epochs = BATCH[model_name], LEARNING_RATE[model_name], _EPOCHS.value
+    sgd = SGDConfig(learning_rate=LEARNING_RATE[model_name], epochs=_EPOCHS.value,
+                    batch_size=BATCH[model_name])
     builders = {
-        "fedavg": lambda: fedavg(model, FedAvgConfig(learning_rate=lr, epochs=epochs,
-                                                     batch_size=batch)),
-        "flow": lambda: flow(model, FlowConfig(
-            learning_rate=lr, local_epochs=epochs, routing_epochs=epochs, batch_size=batch,
-            gamma=1e-3, policy_hidden=POLICY[model_name]), example_x),
+        "fedavg": lambda: fedavg(model, FedAvgConfig(sgd=sgd)),
+        "flow": lambda: flow(model, FlowConfig(sgd=sgd, gamma=1e-3,
+                                               policy_hidden=POLICY[model_name]), example_x),
     }
     unknown = set(_ALGORITHMS.value) - set(builders)
     if unknown or not _ALGORITHMS.value:

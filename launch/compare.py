@@ -59,9 +59,9 @@ def method_configs(base: Any, workdir: str, methods: list[str]) -> dict[str, Any
     configs = {}
     for name in names:
         config = base.copy_and_resolve_references()
-        config.update(variant_overrides(name))
         try:
-            validate_config(run_config.effective_config(config))
+            run_config.set_fields(config, variant_overrides(name))
+            validate_config(config)
         except ValueError as error:
             raise ValueError(f"{name}: {error}") from None
         run_dir = os.path.join(workdir, name)

@@ -79,6 +79,7 @@ def client_data(seed: int, train_examples: int, test_examples: int, num_classes:
 
 def _flowjax_algorithm(frozen_momentum: str, settings: dict):
     import jax.numpy as jnp
+    from flowjax.algorithms.base import SGDConfig
     from flowjax.algorithms.flow import FlowConfig, flow
     from flowjax.algorithms.flow_reference import reference_options
     from flowjax.models import get_model
@@ -88,9 +89,9 @@ def _flowjax_algorithm(frozen_momentum: str, settings: dict):
     glue = model.glue_apply
     model = dataclasses.replace(model, glue_apply=lambda j, h, train, key: glue(j, h, False, key))
     options = {**reference_options("emnist_cnn"), "frozen_momentum": frozen_momentum}
-    config = FlowConfig(learning_rate=settings["learning_rate"], local_epochs=settings["epochs"],
-                        routing_epochs=settings["epochs"], batch_size=settings["batch_size"],
-                        gamma=settings["gamma"], policy_dropout=0.0, **options)
+    sgd = SGDConfig(learning_rate=settings["learning_rate"], epochs=settings["epochs"],
+                    batch_size=settings["batch_size"], momentum=options.pop("momentum"))
+    config = FlowConfig(sgd=sgd, gamma=settings["gamma"], policy_dropout=0.0, **options)
     return flow(model, config, jnp.zeros((2, 28, 28), jnp.float32))
 
 

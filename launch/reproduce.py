@@ -188,7 +188,7 @@ def cell_config(cell: Cell, request: Request, load: ConfigLoader = load_dataset_
     for override in request.overrides:
         if override.dataset in (None, cell.dataset):
             apply_override(config, override)
-    config.update(variant_overrides(cell.variant))
+    run_config.set_fields(config, variant_overrides(cell.variant))
     config.seed = cell.seed
     return config
 
@@ -212,7 +212,7 @@ def check_cells(request: Request, load: ConfigLoader = load_dataset_config) -> d
         path = cell.path(request.workdir)
         try:
             config = cell_config(cell, request, load)
-            validate_config(run_config.effective_config(config))
+            validate_config(config)
         except ValueError as error:
             raise ValueError(f"{cell.dataset}/{cell.variant}/seed_{cell.seed}: {error}") from None
         differing = conflicting_fields(path, resolved_config(config),

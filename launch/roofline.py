@@ -36,6 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from flowjax.algorithms.base import SGDConfig
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg  # noqa: E402
 from flowjax.algorithms.flow import FlowConfig, flow  # noqa: E402
 from flowjax.core.cohort import ClientExamples  # noqa: E402
@@ -246,11 +247,10 @@ def model_report(name: str, conv_impl: str, xla: bool) -> dict:
     batch = BATCH[name]
     layers = model_formulas(model, batch, im2col=conv_impl == "im2col")
     example = jnp.zeros(example_input(model, batch).shape, example_input(model, batch).dtype)
-    methods = {"fedavg": fedavg(model, FedAvgConfig(learning_rate=0.1, epochs=1,
-                                                    batch_size=batch)),
-               "flow": flow(model, FlowConfig(learning_rate=0.1, local_epochs=1,
-                                              routing_epochs=1, batch_size=batch, gamma=1e-3,
-                                              policy_hidden=POLICY[name]), example)}
+    sgd = SGDConfig(learning_rate=0.1, epochs=1, batch_size=batch)
+    methods = {"fedavg": fedavg(model, FedAvgConfig(sgd=sgd)),
+               "flow": flow(model, FlowConfig(sgd=sgd, gamma=1e-3, policy_hidden=POLICY[name]),
+                            example)}
     flow_params = methods["flow"].init(jax.random.key(0))
     policy_params = sum(a.size for a in jax.tree.leaves(flow_params["policy"]))
     steps = step_totals(layers, policy_params, batch)
@@ -380,7 +380,8 @@ def hlo_inventory(conv_impl: str, clients: int = 100, batch: int = 20) -> dict[s
     HLO text."""
     import re
     model = get_model("emnist_cnn", conv_impl=conv_impl)
-    algorithm = fedavg(model, FedAvgConfig(learning_rate=0.1, epochs=1, batch_size=batch))
+    algorithm = fedavg(model, FedAvgConfig(sgd=SGDConfig(learning_rate=0.1, epochs=1,
+                                                         batch_size=batch)))
     x = jnp.zeros((clients, 2, batch, 28, 28))
     examples = ClientExamples(x=x, y=jnp.zeros((clients, 2, batch), jnp.int32),
                               mask=jnp.ones((clients, 2, batch), bool),

@@ -101,7 +101,7 @@ def base_config(overrides: Mapping[str, Any] = ()) -> Any:
     config.data.max_test_examples = 4
     config.num_rounds = 2
     config.clients_per_round = 3
-    config.policy_hidden = (8, 8, 8, 8)
+    config.methods.flow.policy_hidden = (8, 8, 8, 8)
     return apply_overrides(config, overrides)
 
 
@@ -174,33 +174,43 @@ def _config(field: str, value: Any, expected: str, **extra: Any) -> Case:
 CNN = {"model": "emnist_cnn"}
 
 CASES: tuple[Case, ...] = (
-    _config("learning_rate", -0.1, "config.learning_rate=-0.1: expected a finite number > 0"),
-    _config("learning_rate", 0.0, "config.learning_rate=0.0: expected a finite number > 0"),
-    _config("learning_rate", math.nan, "config.learning_rate=nan: expected a finite number > 0"),
+    _config("sgd.learning_rate", -0.1, "config.sgd.learning_rate=-0.1: expected a finite "
+            "number > 0"),
+    _config("sgd.learning_rate", 0.0, "config.sgd.learning_rate=0.0: expected a finite "
+            "number > 0"),
+    _config("sgd.learning_rate", math.nan, "config.sgd.learning_rate=nan: expected a finite "
+            "number > 0"),
+    _config("methods.flow.sgd.learning_rate", -1.0, "config.methods.flow.sgd.learning_rate="
+            "-1.0: expected a finite number > 0"),
     _config("server.learning_rate", 0.0,
             "config.server.learning_rate=0.0: expected a finite number > 0"),
     _config("server.eps", -1e-3, "config.server.eps=-0.001: expected a finite number > 0"),
     _config("num_rounds", 0, "config.num_rounds=0: expected an integer >= 1"),
     _config("clients_per_round", -1, "config.clients_per_round=-1: expected an integer >= 1"),
-    _config("epochs", 0, "config.epochs=0: expected an integer >= 1"),
-    _config("batch_size", 0, "config.batch_size=0: expected an integer >= 1"),
+    _config("sgd.epochs", 0, "config.sgd.epochs=0: expected an integer >= 1"),
+    _config("sgd.batch_size", 0, "config.sgd.batch_size=0: expected an integer >= 1"),
     _config("eval.chunk", 0, "config.eval.chunk=0: expected an integer >= 1"),
     _config("eval.every", -1, "config.eval.every=-1: expected an integer >= 0"),
     _config("log_every", 0, "config.log_every=0: expected an integer >= 1"),
     _config("checkpoint_every", -5, "config.checkpoint_every=-5: expected an integer >= 0"),
     _config("seed", -1, "config.seed=-1: expected an integer >= 0"),
     _config("mapping.chunk_size", 0, "config.mapping.chunk_size=0: expected an integer >= 1"),
-    _config("policy_hidden", (8, 0, 8, 8), "config.policy_hidden=(8, 0, 8, 8): expected a "
-            "non-empty sequence of integer widths >= 1"),
-    _config("policy_hidden", (8, 8), "config.policy_hidden=(8, 8): expected 4 widths, one per "
-            "routed layer of shakespeare_lstm ['embedding', 'lstm1', 'lstm2', 'dense']"),
-    _config("gamma", -1e-3, "config.gamma=-0.001: expected a finite number >= 0"),
-    _config("momentum", 1.0, "config.momentum=1.0: expected a number in [0, 1)"),
+    _config("methods.flow.policy_hidden", (8, 0, 8, 8), "config.methods.flow.policy_hidden="
+            "(8, 0, 8, 8): expected a non-empty sequence of integer widths >= 1"),
+    _config("methods.flow.policy_hidden", (8, 8), "config.methods.flow.policy_hidden=(8, 8): "
+            "expected 4 widths, one per routed layer of shakespeare_lstm ['embedding', "
+            "'lstm1', 'lstm2', 'dense']"),
+    _config("methods.flow.gamma", -1e-3, "config.methods.flow.gamma=-0.001: expected a finite "
+            "number >= 0"),
+    _config("sgd.momentum", 1.0, "config.sgd.momentum=1.0: expected a number in [0, 1)"),
     _config("server.momentum", -0.5, "config.server.momentum=-0.5: expected a number in [0, 1)"),
     _config("server.b2", 1.0, "config.server.b2=1.0: expected a number in [0, 1)"),
-    _config("split_ratio", 1.0, "config.split_ratio=1.0: expected a number in (0, 1)"),
-    _config("policy_dropout", 1.0, "config.policy_dropout=1.0: expected a number in [0, 1)"),
-    _config("fixed_q0", 1.5, "config.fixed_q0=1.5: expected None or a number in [0, 1]"),
+    _config("methods.flow.split_ratio", 1.0, "config.methods.flow.split_ratio=1.0: expected a "
+            "number in (0, 1)"),
+    _config("methods.flow.policy_dropout", 1.0, "config.methods.flow.policy_dropout=1.0: "
+            "expected a number in [0, 1)"),
+    _config("methods.flow.fixed_q0", 1.5, "config.methods.flow.fixed_q0=1.5: expected None or "
+            "a number in [0, 1]"),
     _config("algorithm", "flwo", "config.algorithm='flwo': expected one of ['apfl', "),
     _config("model", "resnet", "config.model='resnet': expected one of ['emnist_cnn', "
             "'mlp', 'resnet18_gn', 'shakespeare_lstm', 'stackoverflow_lstm']"),
@@ -215,12 +225,12 @@ CASES: tuple[Case, ...] = (
             "'im2col']"),
     _config("compute_dtype", "bfloat16", "config.compute_dtype='bfloat16': expected 'float32': "
             "shakespeare_lstm does not implement compute_dtype"),
-    _config("order", "random", "config.order='random': expected one of ['alternating', "
-            "'policy_first', 'global_first']"),
-    _config("global_step", "local_only", "config.global_step='local_only': expected one of "
-            "['routed', 'global_only']"),
-    _config("local_route", "both", "config.local_route='both': expected one of "
-            "['local', 'global']"),
+    _config("methods.flow.order", "random", "config.methods.flow.order='random': expected one "
+            "of ['alternating', 'policy_first', 'global_first']"),
+    _config("methods.flow.global_step", "local_only", "config.methods.flow.global_step="
+            "'local_only': expected one of ['routed', 'global_only']"),
+    _config("methods.flow.local_route", "both", "config.methods.flow.local_route='both': "
+            "expected one of ['local', 'global']"),
     _config("on_divergence", "ignore", "config.on_divergence='ignore': expected one of "
             "['stop', 'skip_clients']"),
     _config("data.train_fraction", 1.0, "config.data.train_fraction=1.0: expected a number "
@@ -249,12 +259,12 @@ CASES: tuple[Case, ...] = (
             "an integer >= 1"),
     _config("methods.hypcluster.warmup_rounds", -1, "config.methods.hypcluster.warmup_rounds=-1: "
             "expected an integer >= 0"),
-    _config("methods.fedrep.head_epochs", 0, "config.methods.fedrep=(0, 0): expected "
-            "head_epochs + body_epochs >= 1", **{"methods.fedrep.body_epochs": 0}),
-    _config("methods.local.epochs", 0, "config.methods.local.epochs=0: expected an "
+    _config("methods.fedrep.head_epochs", 0, "config.methods.fedrep.body_epochs=0: expected "
+            "head_epochs + body_epochs >= 1 (head_epochs=0)", **{"methods.fedrep.body_epochs": 0}),
+    _config("methods.local.sgd.epochs", 0, "config.methods.local.sgd.epochs=0: expected an "
             "integer >= 1"),
-    _config("methods.local.learning_rate", 0.0, "config.methods.local.learning_rate=0.0: "
-            "expected a finite number > 0"),
+    _config("methods.local.sgd.learning_rate", 0.0, "config.methods.local.sgd.learning_rate="
+            "0.0: expected a finite number > 0"),
     _config("methods.partialfed.temperature", 0.0, "config.methods.partialfed.temperature=0.0: "
             "expected a finite number > 0"),
     _config("methods.lg_fedavg.global_layers", ("conv9",),
@@ -320,11 +330,11 @@ COMMAND_CASES: tuple[CommandCase, ...] = (
     CommandCase("`--config=configs/missing.py`", ("launch/train.py", "--config=configs/missing.py"),
                 "error: config file 'configs/missing.py' (--config=configs/missing.py) not "
                 "found; expected a Python file defining get_config()"),
-    CommandCase("`--config.learning_rate=-0.1`", _TRAIN + ("--config.learning_rate=-0.1",),
-                "error: config.learning_rate=-0.1: expected a finite number > 0",
+    CommandCase("`--config.sgd.learning_rate=-0.1`", _TRAIN + ("--config.sgd.learning_rate=-0.1",),
+                "error: config.sgd.learning_rate=-0.1: expected a finite number > 0",
                 "command line (`launch/train.py` via `validate_config`)"),
-    CommandCase("`--config.learning_rate=abc`", _TRAIN + ("--config.learning_rate=abc",),
-                "error: flag --config.learning_rate=abc: could not convert string to float: "
+    CommandCase("`--config.sgd.learning_rate=abc`", _TRAIN + ("--config.sgd.learning_rate=abc",),
+                "error: flag --config.sgd.learning_rate=abc: could not convert string to float: "
                 "'abc'"),
     CommandCase("`reproduce.py --table=tabel2`", ("launch/reproduce.py", "--table=tabel2"),
                 "error: unknown --table='tabel2'; expected one of table2, table3, "
@@ -595,7 +605,7 @@ def run_convert(case: ConvertCase, folder: Any) -> subprocess.CompletedProcess:
 _TINY = ("--config.data.plays=('macbeth',)", "--config.num_rounds=2",
          "--config.clients_per_round=3", "--config.data.max_train_examples=4",
          "--config.data.max_test_examples=4", "--config.eval.clients=4",
-         "--config.eval.held_out=False", "--config.policy_hidden=(8,8,8,8)")
+         "--config.eval.held_out=False", "--config.methods.flow.policy_hidden=(8,8,8,8)")
 _TRAIN_WHERE = "command line (`launch/train.py`)"
 _COMPARE = ("launch/compare.py", "--config=configs/shakespeare.py:quick")
 _COMPARE_WHERE = "command line (`launch/compare.py`)"
@@ -608,10 +618,11 @@ def finished_method(method: str, results: bytes, **changed: Any) -> Callable[[st
     def setup(workdir: str) -> None:
         import json
 
+        from flowjax.config import set_fields
         from flowjax.paper.plan import variant_overrides
         from flowjax.runner import resolved_config
         config = shakespeare.get_config("quick")
-        config.update(variant_overrides(method))
+        set_fields(config, variant_overrides(method))
         apply_overrides(config, changed)
         os.makedirs(os.path.join(workdir, method))
         with open(os.path.join(workdir, method, "config.json"), "w") as handle:
@@ -621,11 +632,23 @@ def finished_method(method: str, results: bytes, **changed: Any) -> Callable[[st
     return setup
 
 
+def older_schema_run(workdir: str) -> None:
+    """A run folder as flowjax wrote it before ``config.sgd``: its config.json with the
+    client SGD and Flow fields at the top level, and one logged round."""
+    import json
+
+    with open(os.path.join(workdir, "config.json"), "w") as handle:
+        json.dump({"algorithm": "flow", "learning_rate": 1.0, "epochs": 1, "gamma": 0.001,
+                   "per_method": {}, "num_rounds": 100}, handle)
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as handle:
+        handle.write('{"round": 1, "kind": "train", "loss": 4.0}\n')
+
+
 CASES += (
     _config("algorithm", "flow_gamma_0", "config.algorithm='flow_gamma_0': expected an "
             "algorithm; 'flow_gamma_0' is an ablation of flow: run it with launch/compare.py "
             "--methods=flow_gamma_0, or train.py with --config.algorithm=flow "
-            "--config.gamma=0.0"),
+            "--config.methods.flow.gamma=0.0"),
     _config("seed", 2 ** 64, "config.seed=18446744073709551616: expected an integer in "
             "[0, 2**64)"),
     dataclasses.replace(
@@ -670,21 +693,29 @@ COMMAND_CASES += (
                 "is empty; expected method or ablation names, 'all' or 'ablations', e.g. "
                 "--methods=flow,fedavg", _COMPARE_WHERE),
     CommandCase("`compare.py` over a finished method of other flags (`num_rounds=3 "
-                "learning_rate=0.5`)", _COMPARE + ("--methods=flow",), "error: WORKDIR/flow "
-                "holds a run of another config (differs in: learning_rate, num_rounds); use "
+                "sgd.learning_rate=0.5`)", _COMPARE + ("--methods=flow",), "error: WORKDIR/flow "
+                "holds a run of another config (differs in: num_rounds, sgd.learning_rate); use "
                 "another --workdir, the flags of that run, or delete WORKDIR/flow to run flow "
                 "again", _COMPARE_WHERE,
-                setup=finished_method("flow", b"{}", num_rounds=3, learning_rate=0.5)),
+                setup=finished_method("flow", b"{}", **{"num_rounds": 3,
+                                                        "sgd.learning_rate": 0.5})),
+    CommandCase("`train.py` over a run folder written before `config.sgd` / "
+                "`config.methods.flow` (an older flowjax)", _TRAIN, "error: WORKDIR holds a run "
+                "written by an older flowjax config schema (top-level learning_rate/gamma, no "
+                "config.sgd), so it cannot be resumed or compared; nothing was deleted; use "
+                "--overwrite to replace the run or another --workdir", _TRAIN_WHERE,
+                setup=lambda workdir: older_schema_run(workdir)),
     CommandCase("`compare.py` over a truncated `results.json`", _COMPARE + ("--methods=flow",),
                 "error: WORKDIR/flow/results.json is not valid JSON (truncated?); delete "
                 "WORKDIR/flow to run flow again", _COMPARE_WHERE,
                 setup=finished_method("flow", b'{"acc_g": 0.5, "ac')),
-    CommandCase("`compare.py` with a method that diverges (`learning_rate=1e30`)", _COMPARE + (
-                "--methods=flow", *_TINY, "--config.learning_rate=1e30"), "error: flow: round ",
+    CommandCase("`compare.py` with a method that diverges (`sgd.learning_rate=1e30`)",
+                _COMPARE + ("--methods=flow", *_TINY, "--config.sgd.learning_rate=1e30"),
+                "error: flow: round ",
                 _COMPARE_WHERE, trains=True),
-    CommandCase("FedAvg at `--config.learning_rate=1e30` (losses grow by ~28 orders of "
+    CommandCase("FedAvg at `--config.sgd.learning_rate=1e30` (losses grow by ~28 orders of "
                 "magnitude and stay finite)",
-                _TRAIN + (*_TINY, "--config.algorithm=fedavg", "--config.learning_rate=1e30"),
+                _TRAIN + (*_TINY, "--config.algorithm=fedavg", "--config.sgd.learning_rate=1e30"),
                 "warning: round 2: training loss ", "run (`flowjax.experiment.loss_growth`)",
                 trains=True, exit_code=0),
 )
@@ -705,7 +736,7 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               "divergence names the client and its bad value first, e.g. `round 1: training "
               "diverged: client 'c1' of the round has inputs x=nan (1 bad value): expected "
               "finite values; ... The data is at fault, not the learning rate`; only valid "
-              "data gets 'Lower config.learning_rate (now ...)'",
+              "data gets 'Lower config.sgd.learning_rate (now ...)'",
               "tests/test_experiment.py::test_divergence_names_bad_data_before_the_learning_rate"),
     Behaviour("`compare.py` reusing a finished method whose `run.json` is gone", _COMPARE_WHERE,
               "exit 0 and the table (its numbers come from `results.json`); the header sums "

@@ -37,7 +37,7 @@ def small_config(**overrides):
     config.clients_per_round = 4
     config.eval.clients = 6
     config.eval.chunk = 4
-    config.policy_hidden = (16, 16, 16, 16)
+    config.methods.flow.policy_hidden = (16, 16, 16, 16)
     return apply_overrides(config, overrides)
 
 

@@ -5,13 +5,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flowjax.algorithms.base import SGDConfig
 from flowjax.algorithms.apfl import APFLConfig, apfl, mix_params
 from flowjax.algorithms.base import plain_loss_sums
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.core.losses import mean_from_sums
 from tests.helpers import assert_trees_equal, check_state_round_trip, one_client
 
-CONFIG = dict(learning_rate=0.05, epochs=2, batch_size=4)
+SGD = dict(learning_rate=0.05, epochs=2, batch_size=4)
+CONFIG = dict(sgd=SGDConfig(**SGD))
 
 
 def _visited(v):
@@ -42,7 +44,8 @@ def test_alpha_zero_makes_the_personal_model_the_local_global_model(cnn, images_
 
 def test_one_minibatch_is_the_simultaneous_update(mlp, images_small):
     alpha, lr = 0.3, 0.05
-    algorithm = apfl(mlp, APFLConfig(learning_rate=lr, epochs=1, batch_size=32, alpha=alpha))
+    algorithm = apfl(mlp, APFLConfig(sgd=SGDConfig(learning_rate=lr, epochs=1, batch_size=32),
+                                     alpha=alpha))
     w = mlp.init(jax.random.key(0))
     v = mlp.init(jax.random.key(1))
     client = one_client(images_small, 1, padded_examples=32, batch_size=32)  # one minibatch
@@ -113,10 +116,10 @@ def test_a_client_that_never_trained_starts_v_from_the_current_global_model(mlp,
 
 
 def test_bad_config_values_name_the_field():
-    with pytest.raises(ValueError, match="APFL alpha must be in \\[0, 1\\], got 1.5"):
+    with pytest.raises(ValueError, match=r"^alpha=1.5: expected a number in \[0, 1\]$"):
         APFLConfig(**CONFIG, alpha=1.5)
-    with pytest.raises(ValueError, match="epochs must be >= 1, got 0"):
-        APFLConfig(**{**CONFIG, "epochs": 0}, alpha=0.3)
+    with pytest.raises(ValueError, match=r"^epochs=0: expected an integer >= 1$"):
+        SGDConfig(**{**SGD, "epochs": 0})
 
 
 def test_run_trains_evaluates_and_returns_each_client_its_own_state():

@@ -81,12 +81,14 @@ def test_padding_counts_every_epoch():
 
 @pytest.fixture(scope="module")
 def skewed_fedavg():
+    from flowjax.algorithms.base import SGDConfig
     from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
     from flowjax.data.synthetic import stackoverflow_like_sizes, synthetic_images
     from tests.helpers import tiny_mlp
     sizes = np.maximum(stackoverflow_like_sizes(12, seed=3) // 8, 2)
     task = synthetic_images(num_clients=12, num_classes=10, sizes=sizes, seed=0)
-    return task, fedavg(tiny_mlp(), FedAvgConfig(learning_rate=0.05, epochs=2, batch_size=4))
+    return task, fedavg(tiny_mlp(), FedAvgConfig(sgd=SGDConfig(learning_rate=0.05, epochs=2,
+                                                               batch_size=4)))
 
 
 @pytest.mark.slow  # CI time; run with -m slow

@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+from flowjax.algorithms.base import SGDConfig
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.core.mapping import ClientMapping, executed_steps
 from flowjax.data.synthetic import stackoverflow_like_sizes, synthetic_images
@@ -22,8 +23,8 @@ def skewed_task():
 
 
 def simulation(task, mapping, rounds=20, epochs=3):
-    algorithm = fedavg(tiny_mlp(), FedAvgConfig(learning_rate=0.05, epochs=epochs,
-                                                batch_size=BATCH))
+    algorithm = fedavg(tiny_mlp(), FedAvgConfig(sgd=SGDConfig(learning_rate=0.05, epochs=epochs,
+                                                              batch_size=BATCH)))
     settings = RunSettings(seed=0, num_rounds=rounds, clients_per_round=10, batch_size=BATCH,
                            eval_held_out=False)
     return Simulation(algorithm, task, settings, optax.sgd(1.0), mapping)

@@ -5,13 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flowjax.algorithms.base import plain_loss_sums
+from flowjax.algorithms.base import SGDConfig, plain_loss_sums
 from flowjax.algorithms.ditto import DittoConfig, ditto, proximal_pull
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.core.losses import mean_from_sums
 from tests.helpers import assert_trees_equal, check_state_round_trip, one_client
 
-CONFIG = dict(learning_rate=0.05, epochs=2, batch_size=4)
+SGD = dict(learning_rate=0.05, epochs=2, batch_size=4)
+CONFIG = dict(sgd=SGDConfig(**SGD))
 
 
 
@@ -30,7 +31,8 @@ def test_proximal_pull_is_exact_at_both_ends():
 
 def test_one_minibatch_is_the_exact_proximal_step(mlp, images_small):
     lr, lam = 0.05, 0.1
-    algorithm = ditto(mlp, DittoConfig(learning_rate=lr, epochs=1, batch_size=32, lam=lam))
+    algorithm = ditto(mlp, DittoConfig(sgd=SGDConfig(learning_rate=lr, epochs=1, batch_size=32),
+                                       lam=lam))
     w_t = mlp.init(jax.random.key(0))
     v = mlp.init(jax.random.key(1))
     client = one_client(images_small, 1, padded_examples=32, batch_size=32)  # one minibatch
@@ -129,10 +131,10 @@ def test_a_client_without_examples_stays_unvisited(mlp, images_small):
 
 
 def test_bad_config_values_name_the_field():
-    with pytest.raises(ValueError, match="Ditto lam must be finite and >= 0, got -0.1"):
+    with pytest.raises(ValueError, match=r"^lam=-0.1: expected a finite number >= 0$"):
         DittoConfig(**CONFIG, lam=-0.1)
-    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
-        DittoConfig(**{**CONFIG, "batch_size": 0}, lam=0.1)
+    with pytest.raises(ValueError, match=r"^batch_size=0: expected an integer >= 1$"):
+        SGDConfig(**{**SGD, "batch_size": 0})
 
 
 def test_run_trains_evaluates_and_returns_each_client_its_own_state():

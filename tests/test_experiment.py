@@ -114,16 +114,28 @@ def test_bad_values_fail_with_one_line_errors():
         run_config.build_simulation(small_config(model="resnet"))
 
 
-def test_per_method_rows_apply_only_to_their_method():
+def test_a_methods_sgd_fields_apply_only_to_that_method():
     from configs import shakespeare
+    from flowjax.algorithms import method_config
+    from flowjax.algorithms.base import SGDConfig
     config = shakespeare.get_config("paper")
     config.algorithm = "ditto"
-    assert run_config.effective_config(config).learning_rate == 0.1  # paper: baselines
+    assert method_config(config).sgd.learning_rate == 0.1  # paper: baselines
     config.algorithm = "flow"
-    assert run_config.effective_config(config).learning_rate == 0.11  # paper: Flow
-    config.per_method = {"flow": {"no_such_field": 1}}
-    with pytest.raises(ValueError, match="config.per_method.flow.no_such_field: no such field"):
-        run_config.effective_config(config)
+    assert method_config(config).sgd.learning_rate == 0.11  # paper: Flow
+    assert method_config(config, "local").sgd == SGDConfig(0.05, 10, 4)  # its own rate, epochs
+    config.methods.flow.sgd.learning_rate = -1.0
+    with pytest.raises(ValueError, match=r"^config.methods.flow.sgd.learning_rate=-1.0: "
+                                         r"expected a finite number > 0$"):
+        method_config(config)
+    config.methods.flow.sgd.learning_rate = None
+    config.sgd.epochs = 0
+    with pytest.raises(ValueError, match=r"^config.sgd.epochs=0: expected an integer >= 1$"):
+        method_config(config)
+    config.sgd.epochs = 5
+    config.methods.flow.no_such_field = 1
+    with pytest.raises(ValueError, match=r"^config.methods.flow.no_such_field: not a field"):
+        method_config(config)
 
 
 def test_held_out_evaluation_can_be_capped(shared_run):
@@ -177,12 +189,13 @@ def test_divergence_names_bad_data_before_the_learning_rate():
 
     config = base_config({"model": "emnist_cnn", "algorithm": "fedavg"})
     task = images()
-    simulation = run_config.build_simulation(config, task)
+    run = run_config.resolve(config, task)
+    simulation = run_config.simulation_for(run)
     clean = experiment.DivergenceError(1, float("nan"), 3, None)
-    assert str(explain_divergence(simulation, config, clean)) == (
+    assert str(explain_divergence(simulation, run, clean)) == (
         "round 1: training diverged: the loss is nan and 3 client(s) returned non-finite "
         "parameters, while the round's inputs and labels are valid; stopping, no checkpoint "
-        "was written. Lower config.learning_rate (now 1), or set "
+        "was written. Lower config.sgd.learning_rate (now 1), or set "
         "on_divergence='skip_clients' to drop such clients and go on")
     # Data changed after validation (as a store edited by hand would be): NaN inputs and
     # out-of-range labels are named before the loss, and the run really diverges on them.
@@ -190,11 +203,11 @@ def test_divergence_names_bad_data_before_the_learning_rate():
     put("x", (5, 3, 3), np.nan)(task.train.splits["train"].features)
     with pytest.raises(experiment.DivergenceError) as raised:
         experiment.run(simulation)
-    assert str(explain_divergence(simulation, config, raised.value)).startswith(
+    assert str(explain_divergence(simulation, run, raised.value)).startswith(
         "round 1: training diverged: client 'c1' of the round has inputs x=nan (1 bad value): "
         "expected finite values; stopping, no checkpoint was written. The data is at fault")
     task.train.splits["train"].features["x"][5, 3, 3] = 0.0
-    assert str(explain_divergence(simulation, config, raised.value)).startswith(
+    assert str(explain_divergence(simulation, run, raised.value)).startswith(
         "round 1: training diverged: client 'c2' of the round has labels y=99 (1 bad value): "
         "expected labels in [0, 62) for emnist_cnn; stopping")
 

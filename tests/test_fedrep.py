@@ -11,6 +11,7 @@ import pytest
 from flowjax import config as run_config
 from flowjax import experiment
 from configs import cifar, emnist, shakespeare, stackoverflow
+from flowjax.algorithms.base import SGDConfig
 from flowjax.algorithms import build_algorithm
 from flowjax.algorithms.fedrep import FedRepConfig, epochs_for_budget, fedrep, split_layers
 from flowjax.core import prng
@@ -19,7 +20,7 @@ from flowjax.models.base import forward
 from tests.helpers import (assert_trees_equal, differs, params_before_and_after_adam_rounds,
                            small_config)
 
-CONFIG = dict(learning_rate=0.05, batch_size=4)
+CONFIG = dict(sgd=SGDConfig(learning_rate=0.05, epochs=1, batch_size=4))
 
 
 
@@ -182,7 +183,7 @@ def test_epochs_for_budget_is_e_minus_one_head_epochs_and_one_body_epoch():
     (shakespeare, "paper", 5), (shakespeare, "quick", 1)])
 def test_dataset_configs_leave_fedrep_epochs_to_the_budget(module, variant, epochs):
     config = module.get_config(variant)
-    assert config.epochs == epochs
+    assert config.sgd.epochs == epochs
     assert config.methods.fedrep.head_epochs is None
     assert config.methods.fedrep.body_epochs is None
 
@@ -191,7 +192,7 @@ def test_a_run_config_trains_e_minus_one_head_epochs_then_one_body_epoch(cnn, im
     # The EMNIST config (E = 3) through the run-config builder: 2 head epochs and 1 body
     # epoch, seen in the per-phase instance counts of one client's round.
     config = emnist.get_config("paper")
-    config.batch_size = 4
+    config.sgd.batch_size = 4
     client = _client(images_small, 1)
     algorithm = build_algorithm("fedrep", cnn, config, client.x[0])
     params = algorithm.init(jax.random.key(0))
@@ -203,10 +204,14 @@ def test_a_run_config_trains_e_minus_one_head_epochs_then_one_body_epoch(cnn, im
 
 
 def test_bad_config_values_name_the_field(cnn):
-    with pytest.raises(ValueError, match="FedRep head_epochs must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"^head_epochs=-1: expected None or an integer >= 0$"):
         FedRepConfig(**CONFIG, head_epochs=-1, body_epochs=1)
-    with pytest.raises(ValueError, match="head_epochs \\+ body_epochs >= 1, got 0 \\+ 0"):
+    with pytest.raises(ValueError, match=r"^body_epochs=0: expected head_epochs \+ "
+                       r"body_epochs >= 1 \(head_epochs=0\)$"):
         FedRepConfig(**CONFIG, head_epochs=0, body_epochs=0)
+    # Unset phases follow the budget E: (E - 1) head epochs and 1 body epoch.
+    derived = FedRepConfig(sgd=SGDConfig(learning_rate=0.05, epochs=3, batch_size=4))
+    assert (derived.head_epochs, derived.body_epochs) == (2, 1)
     headless = dataclasses.replace(cnn, head_layers=())
     with pytest.raises(ValueError, match="declares no head_layers"):
         fedrep(headless, FedRepConfig(**CONFIG, head_epochs=1, body_epochs=1))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from configs import emnist
+from flowjax.algorithms.base import SGDConfig
 from flowjax.algorithms import build_algorithm
 from flowjax.algorithms.base import plain_loss_sums
 from flowjax.algorithms.flow import FlowConfig, flow
@@ -18,13 +19,14 @@ from flowjax.evaluation.metrics import evaluate_client, summarize
 from flowjax.validation import validate_config
 from tests.helpers import assert_trees_equal, differs, one_client
 
-BASE = dict(learning_rate=0.05, local_epochs=1, routing_epochs=1, batch_size=4, gamma=0.01,
-            policy_hidden=(16, 16))
+SGD = dict(learning_rate=0.05, epochs=1, batch_size=4)
+BASE = dict(sgd=SGDConfig(**SGD), gamma=0.01, policy_hidden=(16, 16))
 
 
-def _flow(model, task, **overrides):
+def _flow(model, task, momentum=0.0, **overrides):
     x = jnp.asarray(task.train.client(0, "train")["x"][:4])
-    return flow(model, FlowConfig(**{**BASE, **overrides}), x)
+    sgd = SGDConfig(**SGD, momentum=momentum)
+    return flow(model, FlowConfig(**{**BASE, "sgd": sgd, **overrides}), x)
 
 
 def _client_of_size(task, n, padded=16):
@@ -94,7 +96,7 @@ def test_shard_halves_train_the_local_branch_on_exactly_the_even_batches(mlp, im
     client = _client_of_size(images_small, 10)  # batches [0-3] [4-7] [8-9]
     personal = jax.jit(algorithm.personalize)(params, client, jax.random.key(1))
     even = [range(0, 4), range(8, 10)]
-    expected = _sgd_by_hand(mlp, params["global"], client, even * 2, BASE["learning_rate"])
+    expected = _sgd_by_hand(mlp, params["global"], client, even * 2, SGD["learning_rate"])
     for a, b in zip(jax.tree.leaves(personal["local"]), jax.tree.leaves(expected)):
         np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
 
@@ -104,7 +106,7 @@ def test_global_only_step_equals_a_plain_model_step_on_the_odd_batch(mlp, images
     params = algorithm.init(jax.random.key(0))
     client = _client_of_size(images_small, 8)  # batches [0-3] [4-7]
     result = jax.jit(algorithm.client_update)(params, client, jax.random.key(1))
-    expected = _sgd_by_hand(mlp, params["global"], client, [range(4, 8)], BASE["learning_rate"])
+    expected = _sgd_by_hand(mlp, params["global"], client, [range(4, 8)], SGD["learning_rate"])
     for a, b in zip(jax.tree.leaves(result.params["global"]), jax.tree.leaves(expected)):
         np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
     assert float(result.weight) == 4.0  # |shard 1|, the authors' sample_count
@@ -246,7 +248,7 @@ def test_policy_eval_dropout_makes_routing_random_at_evaluation(cnn, images_smal
 
 def test_flow_semantics_reference_builds_the_authors_emnist_procedure(cnn):
     config = emnist.get_config()
-    config.flow_semantics = "reference"
+    config.methods.flow.semantics = "reference"
     x = jnp.zeros((2, 28, 28), jnp.float32)
     algorithm = build_algorithm("flow", cnn, config, x)
     params = jax.eval_shape(algorithm.init, jax.random.key(0))
@@ -258,23 +260,25 @@ def test_flow_semantics_reference_builds_the_authors_emnist_procedure(cnn):
 
 def test_each_departure_can_be_switched_on_alone_from_the_config(cnn):
     x = jnp.zeros((2, 28, 28), jnp.float32)
-    for field, value in (("flow_halves", "shard"), ("flow_frozen_momentum", "zero_grad"),
-                         ("flow_regularizer", "reference"), ("flow_local_init", "server"),
-                         ("flow_evaluation", "reference"), ("flow_policy_eval_dropout", True)):
+    for field, value in (("halves", "shard"), ("frozen_momentum", "zero_grad"),
+                         ("regularizer", "reference"), ("local_init", "server"),
+                         ("evaluation", "reference"), ("policy_eval_dropout", True)):
         config = emnist.get_config()
-        setattr(config, field, value)
+        config.methods.flow[field] = value
         build_algorithm("flow", cnn, config, x)
 
 
 def test_reference_semantics_is_refused_where_no_reference_exists():
     from configs import shakespeare
     config = shakespeare.get_config("quick")
-    config.flow_semantics = "reference"
-    with pytest.raises(ValueError, match="config.flow_semantics='reference'"):
+    config.methods.flow.semantics = "reference"
+    with pytest.raises(ValueError, match=r"^config.methods.flow.semantics='reference': expected "
+                       r"'paper' for model shakespeare_lstm"):
         validate_config(config)
     config = emnist.get_config()
-    config.flow_halves = "odd"
-    with pytest.raises(ValueError, match="config.flow_halves='odd'"):
+    config.methods.flow.halves = "odd"
+    with pytest.raises(ValueError, match=r"^config.methods.flow.halves='odd': expected one of "
+                       r"\[None, 'random', 'shard'"):
         validate_config(config)
 
 

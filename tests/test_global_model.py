@@ -9,6 +9,7 @@ import pytest
 
 from flowjax import config as run_config
 from flowjax import experiment
+from flowjax.algorithms.base import SGDConfig
 from flowjax.algorithms.fedrep import FedRepConfig, fedrep
 from flowjax.algorithms.lg_fedavg import LGFedAvgConfig, lg_fedavg
 from flowjax.core.cohort import assemble_cohort, client_at
@@ -19,14 +20,13 @@ from tests.helpers import assert_trees_equal, small_config
 # method -> (builder, server key of the shared part, server key of the reported mean,
 #            a valid personalized model from the server params, for predict)
 METHODS = {
-    "fedrep": (lambda model: fedrep(model, FedRepConfig(learning_rate=0.05, batch_size=4,
-                                                        head_epochs=1, body_epochs=1)),
+    "fedrep": (lambda model: fedrep(model, FedRepConfig(sgd=SGD, head_epochs=1, body_epochs=1)),
                "body", "mean_head", lambda params: params["initial_head"]),
-    "lg_fedavg": (lambda model: lg_fedavg(model, LGFedAvgConfig(learning_rate=0.05, epochs=1,
-                                                               batch_size=4)),
+    "lg_fedavg": (lambda model: lg_fedavg(model, LGFedAvgConfig(sgd=SGD)),
                   "global", "mean_local",
                   lambda params: {**params["initial_local"], **params["global"]}),
 }
+SGD = SGDConfig(learning_rate=0.05, epochs=1, batch_size=4)
 CLIENTS = [1, 4, 7]  # unequal sizes: a uniform mean would not pass
 
 

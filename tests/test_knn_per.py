@@ -8,6 +8,7 @@ import pytest
 
 from flowjax import config as run_config
 from flowjax import experiment
+from flowjax.algorithms.base import SGDConfig
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.algorithms.knn_per import (Datastore, KnnPerConfig, build_datastore,
                                         embed_and_logits, knn_log_probs, knn_per,
@@ -17,7 +18,8 @@ from flowjax.models import get_model
 from flowjax.models.base import forward
 from tests.helpers import small_config
 
-CONFIG = dict(learning_rate=0.05, epochs=1, batch_size=4)
+SGD = dict(learning_rate=0.05, epochs=1, batch_size=4)
+CONFIG = dict(sgd=SGDConfig(**SGD))
 
 
 
@@ -155,11 +157,12 @@ def test_client_without_train_data_falls_back_to_the_global_model(cnn, images_sm
 
 
 def test_bad_config_values_name_the_field():
-    with pytest.raises(ValueError, match="lam must be in \\[0, 1\\], got 1.5"):
+    with pytest.raises(ValueError, match=r"^lam=1.5: expected a number in \[0, 1\]$"):
         KnnPerConfig(**CONFIG, lam=1.5)
-    with pytest.raises(ValueError, match="neighbours must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"^neighbours=0: expected an integer >= 1$"):
         KnnPerConfig(**CONFIG, neighbours=0)
-    with pytest.raises(ValueError, match="max_datastore must be >= neighbours \\(3\\), got 2"):
+    with pytest.raises(ValueError,
+                       match=r"^max_datastore=2: expected an integer >= neighbours \(3\)$"):
         KnnPerConfig(**CONFIG, max_datastore=2)
 
 

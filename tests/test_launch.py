@@ -9,7 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config.data.plays=('macbeth',)", "--config.num_rounds=2", "--config.clients_per_round=3",
         "--config.data.max_train_examples=4", "--config.data.max_test_examples=4",
         "--config.eval.clients=4", "--config.eval.held_out=False",
-        "--config.policy_hidden=(8,8,8,8)"]
+        "--config.methods.flow.policy_hidden=(8,8,8,8)"]
 
 
 def launch(script, *args):

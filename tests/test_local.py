@@ -9,14 +9,14 @@ import pytest
 
 from flowjax import config as run_config
 from flowjax import experiment
-from flowjax.algorithms.base import client_optimizer, train_plain, valid_examples
+from flowjax.algorithms.base import SGDConfig, client_optimizer, train_plain, valid_examples
 from flowjax.algorithms.local import LocalConfig, local
 from flowjax.experiment import RunSettings, Simulation
-from flowjax.models import get_model
 from flowjax.models.base import forward
 from tests.helpers import one_client, small_config
 
-CONFIG = dict(learning_rate=0.05, epochs=2, batch_size=4)
+SGD = dict(learning_rate=0.05, epochs=2, batch_size=4)
+CONFIG = dict(sgd=SGDConfig(**SGD))
 
 
 
@@ -57,18 +57,17 @@ def test_personal_model_is_local_sgd_from_the_initial_params(cnn, images_small):
 
 
 def test_bad_config_values_name_the_field():
-    with pytest.raises(ValueError, match="epochs must be >= 1, got 0"):
-        LocalConfig(**{**CONFIG, "epochs": 0})
-    with pytest.raises(ValueError, match="client learning rate must be > 0, got 0.0"):
-        local(get_model("emnist_cnn", num_classes=10),
-              LocalConfig(**{**CONFIG, "learning_rate": 0.0}))
+    with pytest.raises(ValueError, match=r"^epochs=0: expected an integer >= 1$"):
+        LocalConfig(sgd=SGDConfig(**{**SGD, "epochs": 0}))
+    with pytest.raises(ValueError, match=r"^learning_rate=0.0: expected a finite number > 0$"):
+        LocalConfig(sgd=SGDConfig(**{**SGD, "learning_rate": 0.0}))
 
 
 def test_local_run_keeps_the_initial_model_and_personalizes():
     config = small_config(algorithm="local", num_rounds=2)
     config.model_options = ml_collections.ConfigDict({"hidden": 32})
-    config.methods.local.epochs = 3
-    config.methods.local.learning_rate = 1.0
+    config.methods.local.sgd.epochs = 3
+    config.methods.local.sgd.learning_rate = 1.0
     simulation = run_config.build_simulation(config)
     result = experiment.run(simulation)
     fresh = simulation.init_state().params  # the round-0 params, recomputed from the seed

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from flowjax.algorithms.base import SGDConfig
 from flowjax.algorithms.ditto import DittoConfig, ditto
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.memory_plan import compiled_peak_bytes, plan_chunk_size
@@ -13,7 +14,8 @@ SPEC = {"x": ((28, 28), np.float32), "y": ((), np.int32)}
 
 @pytest.fixture(scope="module")
 def algorithm():
-    return fedavg(tiny_mlp(), FedAvgConfig(learning_rate=0.1, epochs=1, batch_size=8))
+    return fedavg(tiny_mlp(), FedAvgConfig(sgd=SGDConfig(learning_rate=0.1, epochs=1,
+                                                         batch_size=8)))
 
 
 def test_planned_chunk_fits_and_one_more_does_not(algorithm):
@@ -41,7 +43,8 @@ def test_plan_grows_with_memory_and_shrinks_with_data(algorithm):
 
 
 def test_stateful_methods_plan_their_client_state():
-    method = ditto(tiny_mlp(), DittoConfig(learning_rate=0.1, epochs=1, batch_size=8, lam=0.1))
+    method = ditto(tiny_mlp(), DittoConfig(sgd=SGDConfig(learning_rate=0.1, epochs=1,
+                                                         batch_size=8), lam=0.1))
     plan = plan_chunk_size(method, SPEC, padded_examples=64, batch_size=8, device_bytes=2**26)
     assert plan.clients_per_chunk > 0
 

@@ -248,19 +248,18 @@ def test_fashion_mnist_config_without_files_exits_2_in_one_line(tmp_path):
 @pytest.mark.parametrize("variant", ["dirichlet_0.1", "dirichlet_0.6", "mini_0.1", "mini_0.6"])
 def test_fashion_mnist_configs_are_valid_for_every_method(variant):
     from configs import fashion_mnist
-    from flowjax import config as run_config
     from flowjax.paper.plan import MAIN
     from flowjax.validation import validate_config
 
     for method in MAIN:
         config = fashion_mnist.get_config(variant)
         config.algorithm = method
-        validate_config(run_config.effective_config(config))
+        validate_config(config)
     config = fashion_mnist.get_config(variant)
     assert config.data.alpha == float(variant.split("_")[1])
     # The paper's EMNIST settings (Appendix B), whatever the scale.
-    assert (config.epochs, config.batch_size, config.learning_rate, config.gamma,
-            config.clients_per_round) == (3, 20, 0.01, 1e-2, 10)
+    assert (config.sgd.epochs, config.sgd.batch_size, config.sgd.learning_rate,
+            config.methods.flow.gamma, config.clients_per_round) == (3, 20, 0.01, 1e-2, 10)
     with pytest.raises(ValueError, match="unknown fashion_mnist config variant 'mini'"):
         fashion_mnist.get_config("mini")
 

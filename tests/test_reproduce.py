@@ -286,9 +286,9 @@ def test_paper_figures_match_the_tex_source():
 def tiny_config(dataset: str, scale: str):
     """A seconds-long Shakespeare run standing in for every dataset's config."""
     del dataset, scale
-    return small_config(**{"num_rounds": 2, "clients_per_round": 2, "epochs": 1,
-                           "batch_size": 4, "checkpoint_every": 1, "eval.clients": 4,
-                           "eval.held_out": False, "policy_hidden": (8, 8, 8, 8),
+    return small_config(**{"num_rounds": 2, "clients_per_round": 2, "sgd.epochs": 1,
+                           "sgd.batch_size": 4, "checkpoint_every": 1, "eval.clients": 4,
+                           "eval.held_out": False, "methods.flow.policy_hidden": (8, 8, 8, 8),
                            "data.plays": ("macbeth",)})
 
 
@@ -379,13 +379,14 @@ def test_a_finished_cell_of_another_config_is_refused(tmp_path):
 def test_overrides_set_typed_fields_per_dataset():
     request = reproduce.build_request(
         "table2", "/tmp/unused", ["0"], ["shakespeare", "emnist"], "paper", ["flow"],
-        ["num_rounds=7", "emnist:data.store_dir=data/emnist", "shakespeare:gamma=0.5",
+        ["num_rounds=7", "emnist:data.store_dir=data/emnist", "shakespeare:methods.flow.gamma=0.5",
          "algorithm=fedavg"])
     shakespeare, emnist = request.cells
     config = reproduce.cell_config(shakespeare, request, tiny_config)
-    assert (config.num_rounds, config.gamma, config.algorithm) == (7, 0.5, "flow")
+    assert (config.num_rounds, config.methods.flow.gamma, config.algorithm) == (7, 0.5, "flow")
     config = reproduce.cell_config(emnist, request, reproduce.load_dataset_config)
-    assert (config.data.store_dir, config.num_rounds, config.gamma) == ("data/emnist", 7, 1e-2)
+    assert (config.data.store_dir, config.num_rounds,
+            config.methods.flow.gamma) == ("data/emnist", 7, 1e-2)
     for bad, message in (("num_roundz=1", "unknown config field 'num_roundz'"),
                          ("num_rounds=abc", "--override='num_rounds=abc'"),
                          ("eval.clients.x=1", "unknown config field 'eval.clients.x'")):

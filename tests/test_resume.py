@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["--config=configs/shakespeare.py:quick", "--config.data.plays=('macbeth',)",
        "--config.num_rounds=6", "--config.checkpoint_every=2", "--config.clients_per_round=3",
        "--config.data.max_train_examples=4", "--config.data.max_test_examples=4",
-       "--config.eval.clients=4", "--config.eval.every=3", "--config.policy_hidden=(8,8,8,8)"]
+       "--config.eval.clients=4", "--config.eval.every=3", "--config.methods.flow.policy_hidden=(8,8,8,8)"]
 
 
 COMPILE_CACHE = {}
@@ -106,24 +106,26 @@ def test_a_different_config_is_refused_without_touching_the_run(uninterrupted, t
     workdir = tmp_path / "copy"
     subprocess.run(["cp", "-r", str(uninterrupted), str(workdir)], check=True)
     before = {p: (workdir / p).read_bytes() for p in ("results.json", "config.json", "metrics.jsonl")}
-    refused = train(workdir, "--config.learning_rate=0.5")
+    # Another evaluation cadence: another config, and the same compiled programs.
+    refused = train(workdir, "--config.eval.every=2")
     assert refused.returncode == 2
-    assert "holds a run with a different config (differs in: learning_rate)" in refused.stderr
+    assert "holds a run with a different config (differs in: eval.every)" in refused.stderr
     assert "Traceback" not in refused.stderr
     assert {p: (workdir / p).read_bytes() for p in before} == before
-    replaced = train(workdir, "--config.learning_rate=0.5", "--overwrite")
+    replaced = train(workdir, "--config.eval.every=2", "--overwrite")
     assert replaced.returncode == 0, replaced.stderr[-3000:]
-    assert json.loads((workdir / "config.json").read_text())["learning_rate"] == 0.5
+    assert json.loads((workdir / "config.json").read_text())["eval"]["every"] == 2
 
 
 def test_divergence_stops_with_a_one_line_message_naming_the_round(tmp_path):
-    diverged = train(tmp_path, "--config.learning_rate=1e30")
+    diverged = train(tmp_path, "--config.sgd.learning_rate=1e30")
     assert diverged.returncode == 2
     message = diverged.stderr.strip().splitlines()[-1]
     assert message.startswith("error: round ") and "training diverged" in message, message
     # Valid data: the optimization is named, with the values to lower.
     assert ("while the round's inputs and labels are valid" in message
-            and "Lower config.learning_rate (now 1e+30) or config.gamma (now 0.001)" in message)
+            and "Lower config.sgd.learning_rate (now 1e+30) or config.methods.flow.gamma "
+                "(now 0.001)" in message)
     assert "Traceback" not in diverged.stderr
     assert not (tmp_path / "results.json").exists()
 
@@ -147,7 +149,8 @@ def test_corrupt_checkpoint_fails_in_one_line_and_is_left_in_place(tmp_path):
 
 
 def test_skip_clients_goes_on_and_reports_the_dropped_clients(tmp_path):
-    done = train(tmp_path, "--config.learning_rate=1e30", "--config.on_divergence=skip_clients")
+    done = train(tmp_path, "--config.sgd.learning_rate=1e30",
+                 "--config.on_divergence=skip_clients")
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     skipped = [r["clients_skipped"] for r in records if r["kind"] == "train"]

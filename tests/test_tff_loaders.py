@@ -315,8 +315,7 @@ def test_paper_configs_train_on_converted_files(converted, dataset):
     config.data.store_dir = str(converted[dataset])
     config.num_rounds = 1
     config.clients_per_round = 2
-    config.batch_size = 2
-    config.epochs = 1
+    config.sgd.update(batch_size=2, epochs=1)
     config.eval.clients = 2
     if dataset == "stackoverflow":  # a narrow LSTM keeps the compile short
         config.model_options.update(embed_dim=8, hidden=16, dense=8)

@@ -1,140 +1,149 @@
 """Federated methods, one file each, behind the protocol in ``base``.
 
-``build_algorithm`` turns a run config into an algorithm; adding a method means one new
-file and one entry in ``_BUILDERS``.
+A run config holds the clients' SGD in ``config.sgd`` and each method's own fields in
+``config.methods.<name>`` (with ``config.methods.<name>.sgd`` overriding single SGD fields
+for that method, None = as ``config.sgd``). ``method_config`` turns them into the method's
+dataclass, ``XConfig(**config.methods[name], sgd=SGDConfig(...))``, whose ``__post_init__``
+checks every value; ``build_algorithm`` hands that to the method's factory.
+
+Adding a method: its file (factory + config dataclass), one ``METHODS`` entry (or a
+``register`` call) and its defaults under ``config.methods`` in ``configs/base.py``.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping
 
 import jax
 
 from flowjax.algorithms.apfl import APFLConfig, apfl
-from flowjax.algorithms.base import FederatedAlgorithm
+from flowjax.algorithms.base import FederatedAlgorithm, SGDConfig
 from flowjax.algorithms.ditto import DittoConfig, ditto
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
-from flowjax.algorithms.fedrep import FedRepConfig, epochs_for_budget, fedrep
+from flowjax.algorithms.fedrep import FedRepConfig, fedrep
 from flowjax.algorithms.flow import FlowConfig, flow
-from flowjax.algorithms.flow_reference import resolve_options as flow_options
 from flowjax.algorithms.hypcluster import HypClusterConfig, hypcluster
 from flowjax.algorithms.knn_per import KnnPerConfig, knn_per
 from flowjax.algorithms.lg_fedavg import LGFedAvgConfig, lg_fedavg
 from flowjax.algorithms.local import LocalConfig, local
 from flowjax.algorithms.partialfed import PartialFedConfig, partialfed
+from flowjax.core.checks import FieldError
 from flowjax.models.base import RoutableModel
 
 
-def _fedavg(model, config, example_x, finetune=False):
-    del example_x
-    return fedavg(model, FedAvgConfig(learning_rate=config.learning_rate, epochs=config.epochs,
-                                      batch_size=config.batch_size, momentum=config.momentum,
-                                      finetune=finetune))
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """A registered method.
 
-
-def _flow(model, config, example_x):
-    fields = dict(
-        learning_rate=config.learning_rate, local_epochs=config.epochs,
-        routing_epochs=config.epochs, batch_size=config.batch_size, gamma=config.gamma,
-        policy_hidden=tuple(config.policy_hidden), split_ratio=config.split_ratio,
-        policy_dropout=config.policy_dropout, order=config.order,
-        global_step=config.global_step, momentum=config.momentum,
-        fixed_q0=config.get("fixed_q0"), local_route=config.get("local_route", "local"))
-    # flow_semantics / flow_* fields: the authors' departures (flow_reference).
-    fields.update(flow_options(model.name, config))
-    return flow(model, FlowConfig(**fields), example_x)
-
-
-def _apfl(model, config, example_x):
-    del example_x
-    return apfl(model, APFLConfig(learning_rate=config.learning_rate, epochs=config.epochs,
-                                  batch_size=config.batch_size, alpha=config.methods.apfl.alpha,
-                                  momentum=config.momentum))
-
-
-def _ditto(model, config, example_x):
-    del example_x
-    return ditto(model, DittoConfig(learning_rate=config.learning_rate, epochs=config.epochs,
-                                    batch_size=config.batch_size, lam=config.methods.ditto.lam,
-                                    momentum=config.momentum))
-
-
-def _fedrep(model, config, example_x):
-    del example_x
-    options = config.methods.fedrep
-    # Unset phases follow the shared budget E: (E - 1) head epochs + 1 body epoch.
-    head, body = epochs_for_budget(config.epochs)
-    head = head if options.get("head_epochs") is None else options.head_epochs
-    body = body if options.get("body_epochs") is None else options.body_epochs
-    return fedrep(model, FedRepConfig(learning_rate=config.learning_rate,
-                                      batch_size=config.batch_size, head_epochs=head,
-                                      body_epochs=body, momentum=config.momentum))
-
-
-def _lg_fedavg(model, config, example_x):
-    del example_x
-    layers = config.methods.lg_fedavg.global_layers
-    return lg_fedavg(model, LGFedAvgConfig(
-        learning_rate=config.learning_rate, epochs=config.epochs, batch_size=config.batch_size,
-        global_layers=None if layers is None else tuple(layers), momentum=config.momentum))
-
-
-def _hypcluster(model, config, example_x, warm_start=None):
-    del example_x
-    options = config.methods.hypcluster
-    return hypcluster(model, HypClusterConfig(
-        learning_rate=config.learning_rate, epochs=config.epochs, batch_size=config.batch_size,
-        clusters=options.clusters, perturbation=options.perturbation,
-        momentum=config.momentum), warm_start=warm_start)
-
-
-def _knn_per(model, config, example_x):
-    del example_x
-    options = config.methods.knn_per
-    return knn_per(model, KnnPerConfig(
-        learning_rate=config.learning_rate, epochs=config.epochs, batch_size=config.batch_size,
-        neighbours=options.neighbours, lam=options.lam, max_datastore=options.max_datastore,
-        momentum=config.momentum))
-
-
-def _local(model, config, example_x):
-    del example_x
-    options = config.methods.local
-    return local(model, LocalConfig(learning_rate=options.learning_rate, epochs=options.epochs,
-                                    batch_size=config.batch_size, momentum=config.momentum))
-
-
-def _partialfed(model, config, example_x):
-    del example_x
-    options = config.methods.partialfed
-    return partialfed(model, PartialFedConfig(
-        learning_rate=config.learning_rate, strategy_learning_rate=options.strategy_learning_rate,
-        temperature=options.temperature, epochs=config.epochs, batch_size=config.batch_size,
-        momentum=config.momentum))
-
-
-_BUILDERS: dict[str, Callable[..., FederatedAlgorithm]] = {
-    "fedavg": _fedavg,
-    "fedavg_ft": lambda model, config, x: _fedavg(model, config, x, finetune=True),
-    "flow": _flow,
-    "apfl": _apfl,
-    "ditto": _ditto,
-    "fedrep": _fedrep,
-    "lg_fedavg": _lg_fedavg,
-    "hypcluster": _hypcluster,
-    "knn_per": _knn_per,
-    "local": _local,
-    "partialfed": _partialfed,
-}
-ALGORITHMS = tuple(sorted(_BUILDERS))
-
-
-def build_algorithm(name: str, model: RoutableModel, config, example_x: jax.Array,
-                    **options) -> FederatedAlgorithm:
-    """The algorithm ``name`` for ``model`` with hyperparameters from ``config``.
-
-    ``options`` go to the method's builder (e.g. HypCluster's ``warm_start`` params).
+    Attributes:
+      factory: ``factory(model, config[, example_x], **options) -> FederatedAlgorithm``.
+      config_class: its config dataclass, called as ``config_class(**fields, sgd=sgd)``.
+      takes_example: the factory's third argument is one input batch (Flow's policy
+        shapes).
     """
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown algorithm {name!r}; expected one of {list(ALGORITHMS)}")
-    return _BUILDERS[name](model, config, example_x, **options)
+
+    factory: Callable[..., FederatedAlgorithm]
+    config_class: Callable[..., Any]
+    takes_example: bool = False
+
+
+METHODS: dict[str, Method] = {
+    "fedavg": Method(fedavg, FedAvgConfig),
+    "fedavg_ft": Method(fedavg, functools.partial(FedAvgConfig, finetune=True)),
+    "flow": Method(flow, FlowConfig, takes_example=True),
+    "apfl": Method(apfl, APFLConfig),
+    "ditto": Method(ditto, DittoConfig),
+    "fedrep": Method(fedrep, FedRepConfig),
+    "lg_fedavg": Method(lg_fedavg, LGFedAvgConfig),
+    "hypcluster": Method(hypcluster, HypClusterConfig),
+    "knn_per": Method(knn_per, KnnPerConfig),
+    "local": Method(local, LocalConfig),
+    "partialfed": Method(partialfed, PartialFedConfig),
+}
+ALGORITHMS = tuple(sorted(METHODS))  # the built-in methods
+
+
+def register(name: str, method: Method) -> None:
+    """Adds (or replaces) a method; a run config then needs ``config.methods.<name>``."""
+    METHODS[name] = method
+
+
+def algorithm_names() -> tuple[str, ...]:
+    """Every registered method, ``register``-ed ones included."""
+    return tuple(sorted(METHODS))
+
+
+def _method(name: str) -> Method:
+    if name not in METHODS:
+        raise ValueError(f"unknown algorithm {name!r}; expected one of {list(algorithm_names())}")
+    return METHODS[name]
+
+
+def _field_names(config_class: Callable[..., Any]) -> tuple[str, ...]:
+    target = getattr(config_class, "func", config_class)  # functools.partial
+    return tuple(field.name for field in dataclasses.fields(target))
+
+
+def _unknown_fields(fields: Mapping[str, Any], allowed: tuple[str, ...], path: str) -> None:
+    for key in fields:
+        if key not in allowed:
+            raise ValueError(f"config.{path}{key}: not a field of it; expected some of "
+                             f"{sorted(allowed)}")
+
+
+def resolve_sgd(config: Any, name: str) -> SGDConfig:
+    """``config.sgd`` with ``config.methods.<name>.sgd``'s set fields applied (the paper's
+    per-method rates), checked; a bad value's message names the field it came from."""
+    override = dict(config.methods[name].get("sgd", None) or {})
+    allowed = _field_names(SGDConfig)
+    _unknown_fields(config.sgd, allowed, "sgd.")
+    _unknown_fields(override, allowed, f"methods.{name}.sgd.")
+    values = dict(config.sgd)
+    values.update({key: value for key, value in override.items() if value is not None})
+    try:
+        return SGDConfig(**values)
+    except FieldError as error:
+        own = override.get(error.field) is not None
+        raise error.at(f"methods.{name}.sgd." if own else "sgd.") from None
+
+
+def method_config(config: Any, name: str | None = None) -> Any:
+    """The config dataclass of method ``name`` (default ``config.algorithm``) from a run
+    config: ``XConfig(**config.methods[name], sgd=resolve_sgd(config, name))``.
+
+    Raises:
+      ValueError: ``config.methods.<name>.<field>=<value!r>: <what is expected>`` (or
+        ``config.sgd.<field>...``) for the first bad value; an unknown name or field.
+    """
+    name = config.algorithm if name is None else name
+    method = _method(name)
+    path = f"methods.{name}."
+    if name not in config.get("methods", {}):
+        raise ValueError(f"config.methods.{name}: missing; expected the fields of "
+                         f"{getattr(method.config_class, 'func', method.config_class).__name__}")
+    fields = {key: value for key, value in dict(config.methods[name]).items() if key != "sgd"}
+    _unknown_fields(fields, _field_names(method.config_class), path)
+    sgd = resolve_sgd(config, name)
+    try:
+        return method.config_class(**fields, sgd=sgd)
+    except FieldError as error:
+        raise error.at(path) from None
+
+
+def make_algorithm(name: str, model: RoutableModel, config: Any, example_x: jax.Array,
+                   **options) -> FederatedAlgorithm:
+    """Method ``name``'s algorithm for ``model`` from its config dataclass ``config``.
+
+    ``options`` go to the method's factory (e.g. HypCluster's ``warm_start`` params).
+    """
+    method = _method(name)
+    args = (model, config, example_x) if method.takes_example else (model, config)
+    return method.factory(*args, **options)
+
+
+def build_algorithm(name: str, model: RoutableModel, config: Any, example_x: jax.Array,
+                    **options) -> FederatedAlgorithm:
+    """The algorithm ``name`` for ``model`` with hyperparameters from the run ``config``."""
+    return make_algorithm(name, model, method_config(config, name), example_x, **options)

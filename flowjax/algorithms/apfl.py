@@ -45,8 +45,9 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     client_optimizer, no_routing, plain_loss_sums,
-                                     require_positive_ints, sgd_step, train_plain, valid_examples)
+                                     SGDConfig, no_routing, plain_loss_sums, sgd_step,
+                                     train_plain, valid_examples)
+from flowjax.core.checks import Interval, check_fields
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
 from flowjax.core.tree import select_tree
@@ -58,23 +59,16 @@ class APFLConfig:
     """APFL's client-side hyperparameters.
 
     Attributes:
-      learning_rate: client SGD learning rate for ``w`` and ``v``.
-      epochs: local epochs E per round (and of the evaluation's local training of ``w``).
-      batch_size: client batch size.
+      sgd: the clients' SGD for ``w`` and ``v`` (its epochs per round are also those of
+        the evaluation's local training of ``w``).
       alpha: mixing weight of the personal model in ``vbar``, in [0, 1].
-      momentum: client SGD momentum (0 = plain SGD, the paper's).
     """
 
-    learning_rate: float
-    epochs: int
-    batch_size: int
+    sgd: SGDConfig
     alpha: float
-    momentum: float = 0.0
 
     def __post_init__(self):
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"APFL alpha must be in [0, 1], got {self.alpha}")
-        require_positive_ints(self, ("epochs", "batch_size"))
+        check_fields(self, {"alpha": Interval(0, 1, closed_high=True)})
 
 
 def mix_params(alpha: float, personal: Params, global_params: Params) -> Params:
@@ -88,7 +82,7 @@ def mix_params(alpha: float, personal: Params, global_params: Params) -> Params:
 
 def apfl(model: RoutableModel, config: APFLConfig) -> FederatedAlgorithm:
     """APFL with a fixed ``config.alpha`` for ``model``."""
-    optimizer = client_optimizer(config.learning_rate, config.momentum)
+    optimizer = config.sgd.optimizer()
     alpha = config.alpha
 
     def plain_sums(params, batch, key):
@@ -113,8 +107,8 @@ def apfl(model: RoutableModel, config: APFLConfig) -> FederatedAlgorithm:
         carry = ((params, optimizer.init(params)), (personal, optimizer.init(personal)),
                  jnp.zeros((2,), jnp.float32))
         ((w, _), (v, _), personal_sums), sums = run_epochs(
-            apfl_step, carry, x, y, valid, num_epochs=config.epochs,
-            batch_size=config.batch_size, key=key)
+            apfl_step, carry, x, y, valid, num_epochs=config.sgd.epochs,
+            batch_size=config.sgd.batch_size, key=key)
         return w, v, sums, personal_sums
 
     def starting_point(params, client_state):
@@ -137,8 +131,8 @@ def apfl(model: RoutableModel, config: APFLConfig) -> FederatedAlgorithm:
     def personalize(params, examples: ClientExamples, key, client_state):
         def stored():
             local_w, _ = train_plain(model, params, optimizer, examples,
-                                     valid_examples(examples), epochs=config.epochs,
-                                     batch_size=config.batch_size, key=key)
+                                     valid_examples(examples), epochs=config.sgd.epochs,
+                                     batch_size=config.sgd.batch_size, key=key)
             return mix_params(alpha, client_state["v"], local_w)
 
         def first_participation():

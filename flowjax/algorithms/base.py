@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from flowjax.core.checks import Interval, check_fields, integer, positive
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
 from flowjax.core.losses import mean_from_sums, weighted_cross_entropy
@@ -102,19 +103,37 @@ class FederatedAlgorithm:
         return self.init_client_state is not None
 
 
-def require_positive_ints(config: Any, names: tuple[str, ...]) -> None:
-    """Raises a one-line ``ValueError`` for the first field of ``names`` below 1."""
-    for name in names:
-        if getattr(config, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
+@dataclasses.dataclass(frozen=True)
+class SGDConfig:
+    """The clients' SGD, one subtree for every method: ``config.sgd``, where a method's
+    ``config.methods.<name>.sgd`` may override single fields (the paper's per-method rates).
+
+    Attributes:
+      learning_rate: client SGD learning rate.
+      epochs: local epochs E per round.
+      batch_size: client batch size.
+      momentum: client SGD momentum (0 = plain SGD; 0.9 is the authors' code).
+    """
+
+    learning_rate: float
+    epochs: int
+    batch_size: int
+    momentum: float = 0.0
+
+    def __post_init__(self):
+        check_fields(self, {"learning_rate": positive, "epochs": integer(1),
+                            "batch_size": integer(1), "momentum": Interval(0, 1)})
+
+    def optimizer(self) -> optax.GradientTransformation:
+        return client_optimizer(self.learning_rate, self.momentum)
 
 
 def client_optimizer(learning_rate: float, momentum: float = 0.0) -> optax.GradientTransformation:
-    """The clients' SGD (the paper's; momentum 0.9 is the authors' code, an option)."""
-    if learning_rate <= 0:
-        raise ValueError(f"client learning rate must be > 0, got {learning_rate}")
-    if not 0 <= momentum < 1:
-        raise ValueError(f"client momentum must be in [0, 1), got {momentum}")
+    """The clients' SGD (the paper's; momentum 0.9 is the authors' code, an option).
+
+    Its values come checked from the config dataclasses (``SGDConfig``, PartialFed's
+    strategy rate), the one place they are checked.
+    """
     return optax.sgd(learning_rate, momentum=momentum or None)
 
 

@@ -43,14 +43,14 @@ Choices where the paper is silent:
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     client_optimizer, no_routing, plain_loss_sums,
-                                     require_positive_ints, sgd_step, train_plain, valid_examples)
+                                     SGDConfig, no_routing, plain_loss_sums, sgd_step,
+                                     train_plain, valid_examples)
+from flowjax.core.checks import check_fields, non_negative
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
 from flowjax.core.tree import select_tree
@@ -62,23 +62,15 @@ class DittoConfig:
     """Ditto's client-side hyperparameters.
 
     Attributes:
-      learning_rate: client SGD learning rate for ``w`` and ``v``.
-      epochs: local epochs E of each of the two updates per round.
-      batch_size: client batch size.
+      sgd: the clients' SGD for ``w`` and ``v`` (epochs E of each of the two updates).
       lam: weight ``lam`` of the penalty ``lam / 2 * ||v - w_t||^2`` (>= 0).
-      momentum: client SGD momentum (0 = plain SGD, the paper's).
     """
 
-    learning_rate: float
-    epochs: int
-    batch_size: int
+    sgd: SGDConfig
     lam: float
-    momentum: float = 0.0
 
     def __post_init__(self):
-        if not (math.isfinite(self.lam) and self.lam >= 0):
-            raise ValueError(f"Ditto lam must be finite and >= 0, got {self.lam}")
-        require_positive_ints(self, ("epochs", "batch_size"))
+        check_fields(self, {"lam": non_negative})
 
 
 def proximal_pull(z: Params, anchor: Params, step_times_lam: float) -> Params:
@@ -94,13 +86,13 @@ def proximal_pull(z: Params, anchor: Params, step_times_lam: float) -> Params:
 
 def ditto(model: RoutableModel, config: DittoConfig) -> FederatedAlgorithm:
     """Ditto with FedAvg as the global solver for ``model``."""
-    optimizer = client_optimizer(config.learning_rate, config.momentum)
+    optimizer = config.sgd.optimizer()
     loss_step = sgd_step(lambda p, b, k: plain_loss_sums(model, p, b, k), optimizer)
-    step_times_lam = config.learning_rate * config.lam
+    step_times_lam = config.sgd.learning_rate * config.lam
 
     def train_global(params, examples: ClientExamples, key):
         return train_plain(model, params, optimizer, examples, valid_examples(examples),
-                           epochs=config.epochs, batch_size=config.batch_size, key=key)
+                           epochs=config.sgd.epochs, batch_size=config.sgd.batch_size, key=key)
 
     def train_personal(personal, anchor, examples: ClientExamples, key):
         """E epochs of proximal SGD on ``v`` towards the fixed ``anchor = w_t``."""
@@ -111,8 +103,8 @@ def ditto(model: RoutableModel, config: DittoConfig) -> FederatedAlgorithm:
 
         x, y, valid = examples.flat()
         (personal, _), sums = run_epochs(step, (personal, optimizer.init(personal)), x, y, valid,
-                                         num_epochs=config.epochs,
-                                         batch_size=config.batch_size, key=key)
+                                         num_epochs=config.sgd.epochs,
+                                         batch_size=config.sgd.batch_size, key=key)
         return personal, sums
 
     def starting_point(params, client_state):

@@ -10,8 +10,9 @@ import dataclasses
 
 import jax
 
-from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     client_optimizer, no_routing, train_plain, valid_examples)
+from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions, SGDConfig,
+                                     no_routing, train_plain, valid_examples)
+from flowjax.core.checks import check_fields, one_of
 from flowjax.core.cohort import ClientExamples
 from flowjax.models.base import RoutableModel, forward
 
@@ -21,27 +22,24 @@ class FedAvgConfig:
     """Client-side hyperparameters.
 
     Attributes:
-      learning_rate: client SGD learning rate.
-      epochs: local epochs E per round (and fine-tuning epochs for FedAvgFT).
-      batch_size: client batch size.
-      momentum: client SGD momentum (0 = plain SGD).
+      sgd: the clients' SGD (its epochs are also FedAvgFT's fine-tuning epochs).
       finetune: evaluate a fine-tuned copy per client (FedAvgFT).
     """
 
-    learning_rate: float
-    epochs: int
-    batch_size: int
-    momentum: float = 0.0
+    sgd: SGDConfig
     finetune: bool = False
+
+    def __post_init__(self):
+        check_fields(self, {"finetune": one_of((False, True))})
 
 
 def fedavg(model: RoutableModel, config: FedAvgConfig) -> FederatedAlgorithm:
     """FedAvg (``config.finetune=False``) or FedAvgFT (``True``) for ``model``."""
-    optimizer = client_optimizer(config.learning_rate, config.momentum)
+    optimizer = config.sgd.optimizer()
 
     def local_train(params, examples: ClientExamples, key):
         return train_plain(model, params, optimizer, examples, valid_examples(examples),
-                           epochs=config.epochs, batch_size=config.batch_size, key=key)
+                           epochs=config.sgd.epochs, batch_size=config.sgd.batch_size, key=key)
 
     def client_update(params, examples: ClientExamples, key, client_state=None) -> ClientResult:
         del client_state  # stateless

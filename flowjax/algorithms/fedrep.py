@@ -65,8 +65,9 @@ import jax.numpy as jnp
 import optax
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     client_optimizer, no_routing, plain_loss_sums, sgd_step,
+                                     SGDConfig, no_routing, plain_loss_sums, sgd_step,
                                      valid_examples)
+from flowjax.core.checks import FieldError, check_fields, optional_integer
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
 from flowjax.core.server_opt import ClientMean
@@ -78,29 +79,27 @@ class FedRepConfig:
     """FedRep's client-side hyperparameters.
 
     Attributes:
-      learning_rate: client SGD learning rate of both phases.
-      batch_size: client batch size.
+      sgd: the clients' SGD of both phases; its epochs E set the phases left None.
       head_epochs: epochs of head-only training per round (and at evaluation);
-        ``epochs_for_budget(E)`` gives the paper's ``E - 1``.
-      body_epochs: epochs of body-only training per round (the paper's 1).
-      momentum: client SGD momentum (0 = plain SGD, the paper's).
+        None: ``epochs_for_budget(E)``'s ``E - 1``.
+      body_epochs: epochs of body-only training per round (None: the paper's 1).
     """
 
-    learning_rate: float
-    batch_size: int
-    head_epochs: int
-    body_epochs: int
-    momentum: float = 0.0
+    sgd: SGDConfig
+    head_epochs: int | None = None
+    body_epochs: int | None = None
 
     def __post_init__(self):
-        for name in ("head_epochs", "body_epochs"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"FedRep {name} must be >= 0, got {getattr(self, name)}")
+        check_fields(self, {"head_epochs": optional_integer(0),
+                            "body_epochs": optional_integer(0)})
+        head, body = epochs_for_budget(self.sgd.epochs)
+        for name, derived in (("head_epochs", head), ("body_epochs", body)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, derived)
         if self.head_epochs + self.body_epochs < 1:
-            raise ValueError(f"FedRep needs head_epochs + body_epochs >= 1, got "
-                             f"{self.head_epochs} + {self.body_epochs}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+            raise FieldError("body_epochs", self.body_epochs,
+                             f"expected head_epochs + body_epochs >= 1 (head_epochs="
+                             f"{self.head_epochs})")
 
 
 def epochs_for_budget(epochs: int) -> tuple[int, int]:
@@ -154,8 +153,8 @@ def head_layer_names(model: RoutableModel) -> tuple[str, ...]:
 def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
     """FedRep for ``model`` with its ``head_layers`` as the personal head."""
     head_names = head_layer_names(model)
-    optimizer = client_optimizer(config.learning_rate, config.momentum)
-    train = dict(batch_size=config.batch_size)
+    optimizer = config.sgd.optimizer()
+    train = dict(batch_size=config.sgd.batch_size)
 
     def init(key) -> Params:
         head, body = split_layers(model.init(key), head_names)

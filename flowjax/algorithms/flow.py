@@ -47,19 +47,19 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     client_optimizer, instance_weights, plain_loss_sums,
-                                     require_positive_ints, valid_examples)
-from flowjax.algorithms.flow_reference import (EVALUATIONS, FROZEN_MOMENTUM, HALVES,
-                                               LOCAL_INITS, REGULARIZERS, group_sgd_step,
-                                               reference_regularizer_mean, shard_batches_fn,
-                                               shard_member)
+from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions, SGDConfig,
+                                     instance_weights, plain_loss_sums, valid_examples)
+from flowjax.algorithms.flow_reference import (DEPARTURES, SEMANTICS, group_sgd_step,
+                                               reference_regularizer_mean, resolve,
+                                               shard_batches_fn, shard_member)
+from flowjax.core.checks import (FieldError, Interval, check_fields, integer, non_negative,
+                                 one_of, widths)
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
 from flowjax.core.losses import weighted_cross_entropy
 from flowjax.models.base import RoutableModel, forward
-from flowjax.routing.policy import LAST_KINDS, build_policy
-from flowjax.routing.routed import RECURRENCES, routed_forward
+from flowjax.routing.policy import build_policy
+from flowjax.routing.routed import routed_forward
 
 ORDERS = ("alternating", "policy_first", "global_first")
 GLOBAL_STEPS = ("routed", "global_only")
@@ -71,21 +71,23 @@ class FlowConfig:
     """Flow's client-side hyperparameters (paper Appendix B gives per-dataset values).
 
     Attributes:
-      learning_rate: client SGD learning rate for all three parameter groups.
-      local_epochs: K1, epochs of local fine-tuning on ``zeta_l``.
-      routing_epochs: K2, epochs of policy/global training on ``zeta_g``.
-      batch_size: client batch size.
+      sgd: the clients' SGD for all three parameter groups (momentum: one state per
+        group); its epochs are K1 and K2 unless ``local_epochs`` / ``routing_epochs`` say.
       gamma: weight of the regularizer ``-gamma/L sum_j log q0_j`` (0 disables it).
       split_ratio: share of the client's examples in ``zeta_l``.
       policy_hidden: width of each policy base layer, one per routed layer.
       policy_dropout: dropout of the policy's exit heads during training.
       order: ``alternating`` (default), ``policy_first`` or ``global_first``.
       global_step: ``routed`` (paper Eq. 4) or ``global_only`` (authors' code).
-      momentum: client SGD momentum, one optimizer state per parameter group.
       fixed_q0: if set, every instance and layer uses this ``q0`` and the policy is
         never trained (fixed-policy ablation).
       local_route: ``local`` (Flow) or ``global`` (pi-Flow: the second route is the
         received global model, no local fine-tuning).
+      local_epochs: K1, epochs of local fine-tuning on ``zeta_l`` (None: ``sgd.epochs``).
+      routing_epochs: K2, epochs of policy/global training on ``zeta_g`` (None:
+        ``sgd.epochs``).
+      semantics: ``paper`` or ``reference`` (the authors' code for the model:
+        ``flow_reference.reference_options``); the fields below left None follow it.
       halves: ``random`` (paper) or the authors' ``shard`` / ``shard_reshuffled`` /
         ``none`` (``flow_reference``).
       frozen_momentum: ``set_to_none`` (frozen groups keep still) or ``zero_grad``
@@ -100,54 +102,45 @@ class FlowConfig:
         step; ``flowjax.routing.routed``).
     """
 
-    learning_rate: float
-    local_epochs: int
-    routing_epochs: int
-    batch_size: int
+    sgd: SGDConfig
     gamma: float
     policy_hidden: Sequence[int]
     split_ratio: float = 0.5
     policy_dropout: float = 0.3
     order: str = "alternating"
     global_step: str = "routed"
-    momentum: float = 0.0
     fixed_q0: float | None = None
     local_route: str = "local"
-    halves: str = "random"
-    frozen_momentum: str = "set_to_none"
-    regularizer: str = "paper"
-    local_init: str = "global"
-    policy_eval_dropout: bool = False
-    evaluation: str = "paper"
-    policy_last: str = "exit"
-    recurrence: str = "separate"
+    local_epochs: int | None = None
+    routing_epochs: int | None = None
+    semantics: str = "paper"
+    halves: str | None = None
+    frozen_momentum: str | None = None
+    regularizer: str | None = None
+    local_init: str | None = None
+    policy_eval_dropout: bool | None = None
+    evaluation: str | None = None
+    policy_last: str | None = None
+    recurrence: str | None = None
 
     def __post_init__(self):
-        for name, allowed in (("halves", HALVES), ("frozen_momentum", FROZEN_MOMENTUM),
-                              ("regularizer", REGULARIZERS), ("local_init", LOCAL_INITS),
-                              ("evaluation", EVALUATIONS), ("policy_last", LAST_KINDS),
-                              ("recurrence", RECURRENCES)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"unknown Flow {name} {getattr(self, name)!r}; "
-                                 f"expected one of {allowed}")
-        if self.local_route == "global" and self.local_init != "global":
-            raise ValueError("local_route='global' (pi-Flow) needs local_init='global', got "
-                             f"local_init={self.local_init!r}")
-        if self.fixed_q0 is not None and not 0.0 <= self.fixed_q0 <= 1.0:
-            raise ValueError(f"fixed_q0 must be in [0, 1] or None, got {self.fixed_q0}")
-        if self.local_route not in LOCAL_ROUTES:
-            raise ValueError(f"unknown Flow local_route {self.local_route!r}; "
-                             f"expected one of {LOCAL_ROUTES}")
-        if not 0.0 < self.split_ratio < 1.0:
-            raise ValueError(f"split_ratio must be in (0, 1), got {self.split_ratio}")
-        if self.order not in ORDERS:
-            raise ValueError(f"unknown Flow order {self.order!r}; expected one of {ORDERS}")
-        if self.global_step not in GLOBAL_STEPS:
-            raise ValueError(f"unknown Flow global_step {self.global_step!r}; "
-                             f"expected one of {GLOBAL_STEPS}")
-        if self.gamma < 0:
-            raise ValueError(f"gamma must be >= 0, got {self.gamma}")
-        require_positive_ints(self, ("local_epochs", "routing_epochs", "batch_size"))
+        if isinstance(self.policy_hidden, list):  # a config file's list reads as a tuple
+            object.__setattr__(self, "policy_hidden", tuple(self.policy_hidden))
+        for name in ("local_epochs", "routing_epochs"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.sgd.epochs)
+        check_fields(self, {
+            "gamma": non_negative, "split_ratio": Interval(0, 1, closed_low=False),
+            "policy_hidden": widths, "policy_dropout": Interval(0, 1),
+            "order": one_of(ORDERS), "global_step": one_of(GLOBAL_STEPS),
+            "fixed_q0": Interval(0, 1, closed_high=True, optional=True),
+            "local_route": one_of(LOCAL_ROUTES),
+            "local_epochs": integer(1), "routing_epochs": integer(1),
+            "semantics": one_of(SEMANTICS),
+            **{name: one_of((None,) + choices) for name, choices in DEPARTURES.items()}})
+        if self.local_route == "global" and self.local_init not in (None, "global"):
+            raise FieldError("local_init", self.local_init,
+                             "expected 'global' with local_route='global' (pi-Flow)")
 
 
 def split_halves(key: jax.Array, valid: jax.Array, split_ratio: float) -> tuple[jax.Array, jax.Array]:
@@ -182,10 +175,14 @@ def half_capacity(num_slots: int, split_ratio: float) -> tuple[int, int]:
 
 
 def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> FederatedAlgorithm:
-    """Flow for ``model``. ``example_x`` is one input batch (for the policy's shapes)."""
+    """Flow for ``model``. ``example_x`` is one input batch (for the policy's shapes).
+
+    ``config``'s departures left None follow ``config.semantics`` for this model
+    (``flow_reference.resolve``).
+    """
+    config = resolve(config, model.name)
     policy = build_policy(model, example_x, config.policy_hidden,
                           dropout_rate=config.policy_dropout, last=config.policy_last)
-    client_optimizer(config.learning_rate, config.momentum)  # validates both
     num_layers = model.num_layers
     server_local = config.local_init == "server"
     if config.regularizer == "reference" and config.gamma > 0:
@@ -239,7 +236,7 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
         return routed_sums(params, batch, key, regularize=False)
 
     def step_for(loss_sums, *groups):
-        return group_sgd_step(loss_sums, groups, config.learning_rate, config.momentum,
+        return group_sgd_step(loss_sums, groups, config.sgd.learning_rate, config.sgd.momentum,
                               config.frozen_momentum)
 
     policy_step = step_for(policy_sums, "policy")
@@ -260,10 +257,10 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
         reshuffle = config.halves == "shard_reshuffled"
         local_run, global_run = (
             dict(member=valid, max_members=n,
-                 batches_fn=shard_batches_fn(valid, config.batch_size, index, reshuffle, n))
+                 batches_fn=shard_batches_fn(valid, config.sgd.batch_size, index, reshuffle, n))
             for index in (0, 1))
         # |shard 1| depends only on the client's size, not on the order of the examples.
-        return local_run, global_run, jnp.sum(shard_member(valid, config.batch_size, 1))
+        return local_run, global_run, jnp.sum(shard_member(valid, config.sgd.batch_size, 1))
 
     def train_client(params, examples: ClientExamples, key, *, evaluating: bool = False):
         """Steps 1-4 of Algorithm 1: ``(params, snapshot, |zeta_g|, metrics)``.
@@ -284,10 +281,10 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
         start_local = params["local"] if server_local else params["global"]
         state = ({"global": params["global"], "local": start_local, "policy": params["policy"]},
                  None)
-        trace = jax.tree.map(jnp.zeros_like, state[0]) if config.momentum else \
+        trace = jax.tree.map(jnp.zeros_like, state[0]) if config.sgd.momentum else \
             {group: None for group in state[0]}
         state = (state[0], trace)
-        common = dict(batch_size=config.batch_size)
+        common = dict(batch_size=config.sgd.batch_size)
 
         local_stats = jnp.zeros((2,), jnp.float32)
         if config.local_route != "global":  # pi-Flow: the second route is the global model

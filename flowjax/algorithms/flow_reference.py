@@ -31,19 +31,23 @@ Each piece is one ``FlowConfig`` field, so each departure can be switched on alo
   of the global branch taken after the first of those epochs gives
   ``acc_g_client_snapshot``, reported beside the server model's Acc_g).
 
-``flow_semantics="reference"`` sets all of them to the values of the authors' code for the
-model (``reference_options``). Where their code crashes (a client with one batch has an
-empty half) the tiny-client rule of ``flow.py`` applies: both phases use all examples.
+``semantics="reference"`` (``config.methods.flow.semantics``) sets all of them to the
+values of the authors' code for the model (``reference_options``). Where their code
+crashes (a client with one batch has an empty half) the tiny-client rule of ``flow.py``
+applies: both phases use all examples.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from flowjax.core.losses import mean_from_sums
+from flowjax.routing.policy import LAST_KINDS
+from flowjax.routing.routed import RECURRENCES
 
 HALVES = ("random", "shard", "shard_reshuffled", "none")
 FROZEN_MOMENTUM = ("set_to_none", "zero_grad")
@@ -62,7 +66,7 @@ REFERENCE_REGULARIZER_ENTRIES: dict[str, tuple[tuple[int, ...] | None, tuple[int
     "resnet18_gn": (None, (1,)),
 }
 
-# flow_semantics="reference": the authors' choices per model (see the module docstring).
+# semantics="reference": the authors' choices per model (see the module docstring).
 _REFERENCE = {
     "emnist_cnn": dict(halves="shard", policy_eval_dropout=False, policy_last="dense",
                        policy_hidden=(350, 150, 50, 2)),
@@ -80,7 +84,7 @@ _COMMON_REFERENCE = dict(frozen_momentum="zero_grad", regularizer="reference",
 def reference_options(model_name: str) -> dict[str, Any]:
     """The ``FlowConfig`` fields that reproduce the authors' code for ``model_name``."""
     if model_name not in _REFERENCE:
-        raise ValueError(f"flow_semantics='reference' is not available for model "
+        raise ValueError(f"semantics='reference' is not available for model "
                          f"{model_name!r}; expected one of {sorted(_REFERENCE)}")
     return {**_COMMON_REFERENCE, **_REFERENCE[model_name]}
 
@@ -202,34 +206,33 @@ def reference_regularizer_mean(model_name: str, q: jax.Array, weights: jax.Array
 
 # ----------------------------------------------------------------------------- config
 
-# Run-config field -> FlowConfig field of each departure; a config value None follows
-# ``flow_semantics``.
-CONFIG_FIELDS = {
-    "flow_halves": "halves",
-    "flow_frozen_momentum": "frozen_momentum",
-    "flow_regularizer": "regularizer",
-    "flow_local_init": "local_init",
-    "flow_policy_eval_dropout": "policy_eval_dropout",
-    "flow_evaluation": "evaluation",
-    "flow_policy_last": "policy_last",
-    "flow_recurrence": "recurrence",
+# Each departure field of ``FlowConfig``: its choices, and the paper's value (what a field
+# left None takes under ``semantics="paper"``).
+DEPARTURES: dict[str, tuple[Any, ...]] = {
+    "halves": HALVES, "frozen_momentum": FROZEN_MOMENTUM, "regularizer": REGULARIZERS,
+    "local_init": LOCAL_INITS, "policy_eval_dropout": (False, True),
+    "evaluation": EVALUATIONS, "policy_last": LAST_KINDS, "recurrence": RECURRENCES,
 }
+PAPER = dict(halves="random", frozen_momentum="set_to_none", regularizer="paper",
+             local_init="global", policy_eval_dropout=False, evaluation="paper",
+             policy_last="exit", recurrence="separate")
 
 
-def resolve_options(model_name: str, config: Any) -> dict[str, Any]:
-    """The departure fields of ``FlowConfig`` from a run config.
+def resolve(config: Any, model_name: str) -> Any:
+    """A ``FlowConfig`` with its departures set for ``model_name``.
 
-    ``flow_semantics="paper"``: each ``flow_*`` field set on the command line switches its
-    departure on alone; ``"reference"``: every departure takes the authors' value for the
-    model (``reference_options``, which also sets ``global_step="global_only"``, momentum
-    0.9 and the authors' policy widths), and an explicit ``flow_*`` field still wins.
+    ``semantics="paper"``: each departure field left None takes the paper's value, and one
+    that is set switches its departure on alone; ``"reference"``: every departure takes the
+    authors' value for the model (``reference_options``, which also sets
+    ``global_step="global_only"``, SGD momentum 0.9 and the authors' policy widths), and a
+    departure field that is set still wins.
     """
-    semantics = config.get("flow_semantics", "paper")
-    if semantics not in SEMANTICS:
-        raise ValueError(f"unknown flow_semantics {semantics!r}; expected one of {SEMANTICS}")
-    options = reference_options(model_name) if semantics == "reference" else {}
-    for field, name in CONFIG_FIELDS.items():
-        value = config.get(field, None)
-        if value is not None:
-            options[name] = value
-    return options
+    chosen = reference_options(model_name) if config.semantics == "reference" else {}
+    fields = {**PAPER, **{name: value for name, value in chosen.items() if name in DEPARTURES}}
+    fields.update({name: getattr(config, name) for name in DEPARTURES
+                   if getattr(config, name) is not None})
+    others = {name: value for name, value in chosen.items() if name not in DEPARTURES}
+    sgd = config.sgd
+    if "momentum" in others:
+        sgd = dataclasses.replace(sgd, momentum=others.pop("momentum"))
+    return dataclasses.replace(config, sgd=sgd, **others, **fields)

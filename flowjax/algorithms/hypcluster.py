@@ -48,8 +48,9 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     client_optimizer, no_routing, plain_loss_sums,
-                                     require_positive_ints, train_plain, valid_examples)
+                                     SGDConfig, no_routing, plain_loss_sums, train_plain,
+                                     valid_examples)
+from flowjax.core.checks import check_fields, integer, non_negative
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.losses import mean_from_sums
 from flowjax.core.tree import select_tree
@@ -61,25 +62,22 @@ class HypClusterConfig:
     """HypCluster's client-side hyperparameters.
 
     Attributes:
-      learning_rate: client SGD learning rate.
-      epochs: local epochs E of the chosen cluster per round.
-      batch_size: client batch size.
+      sgd: the clients' SGD (epochs E of the chosen cluster per round).
       clusters: k, the number of cluster models (the paper's experiments use 2).
       perturbation: std of the Gaussian noise added to the warm start per cluster.
-      momentum: client SGD momentum (0 = plain SGD).
+      warmup_rounds: FedAvg rounds run before HypCluster's own to warm-start every
+        cluster (0: random init); a stage of the run (``flowjax.config.warm_up``), in
+        addition to ``num_rounds``.
     """
 
-    learning_rate: float
-    epochs: int
-    batch_size: int
+    sgd: SGDConfig
     clusters: int = 2
     perturbation: float = 0.01
-    momentum: float = 0.0
+    warmup_rounds: int = 0
 
     def __post_init__(self):
-        require_positive_ints(self, ("epochs", "batch_size", "clusters"))
-        if self.perturbation < 0:
-            raise ValueError(f"perturbation must be >= 0, got {self.perturbation}")
+        check_fields(self, {"clusters": integer(1), "warmup_rounds": integer(0),
+                            "perturbation": non_negative})
 
 
 def cluster_names(clusters: int) -> tuple[str, ...]:
@@ -143,7 +141,7 @@ def hypcluster(model: RoutableModel, config: HypClusterConfig,
     """
     if warm_start is not None:
         _check_warm_start(model, warm_start)
-    optimizer = client_optimizer(config.learning_rate, config.momentum)
+    optimizer = config.sgd.optimizer()
     names = cluster_names(config.clusters)
 
     def init(key):
@@ -164,7 +162,8 @@ def hypcluster(model: RoutableModel, config: HypClusterConfig,
         del client_state  # stateless
         chosen, start = choose(params, examples)
         trained, sums = train_plain(model, start, optimizer, examples, valid_examples(examples),
-                                    epochs=config.epochs, batch_size=config.batch_size, key=key)
+                                    epochs=config.sgd.epochs, batch_size=config.sgd.batch_size,
+                                    key=key)
         n = examples.num_examples.astype(jnp.float32)
         real = (n > 0).astype(jnp.float32)
         metrics = {"loss_sum": sums[0], "loss_count": sums[1]}

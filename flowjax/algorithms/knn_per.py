@@ -41,8 +41,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from flowjax.algorithms.base import (FederatedAlgorithm, Predictions, instance_weights, no_routing,
-                                     require_positive_ints)
+from flowjax.algorithms.base import (FederatedAlgorithm, Predictions, SGDConfig,
+                                     instance_weights, no_routing)
+from flowjax.core.checks import FieldError, Interval, check_fields, integer
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.core.cohort import ClientExamples
 from flowjax.models.base import Params, RoutableModel, layer_key
@@ -53,30 +54,23 @@ class KnnPerConfig:
     """kNN-Per's hyperparameters.
 
     Attributes:
-      learning_rate: client SGD learning rate (FedAvg training).
-      epochs: local epochs E per round.
-      batch_size: client batch size.
+      sgd: the clients' SGD (FedAvg training).
       neighbours: k, the neighbours of a test instance.
       lam: weight of ``p_kNN`` in the mixture, in [0, 1].
-      max_datastore: static datastore capacity per client (instances).
-      momentum: client SGD momentum (0 = plain SGD).
+      max_datastore: static datastore capacity per client (instances), >= neighbours.
     """
 
-    learning_rate: float
-    epochs: int
-    batch_size: int
+    sgd: SGDConfig
     neighbours: int = 3
     lam: float = 0.45
     max_datastore: int = 4096
-    momentum: float = 0.0
 
     def __post_init__(self):
-        require_positive_ints(self, ("epochs", "batch_size", "neighbours"))
-        if not 0.0 <= self.lam <= 1.0:
-            raise ValueError(f"lam must be in [0, 1], got {self.lam}")
+        check_fields(self, {"neighbours": integer(1), "lam": Interval(0, 1, closed_high=True),
+                            "max_datastore": integer(1)})
         if self.max_datastore < self.neighbours:
-            raise ValueError(f"max_datastore must be >= neighbours ({self.neighbours}), "
-                             f"got {self.max_datastore}")
+            raise FieldError("max_datastore", self.max_datastore,
+                             f"expected an integer >= neighbours ({self.neighbours})")
 
 
 @flax.struct.dataclass
@@ -185,8 +179,7 @@ def mix_log_probs(log_knn: jax.Array, logits: jax.Array, lam: float) -> jax.Arra
 
 def knn_per(model: RoutableModel, config: KnnPerConfig) -> FederatedAlgorithm:
     """kNN-Per for ``model``: FedAvg training, kNN-mixture personalization."""
-    base = fedavg(model, FedAvgConfig(learning_rate=config.learning_rate, epochs=config.epochs,
-                                      batch_size=config.batch_size, momentum=config.momentum))
+    base = fedavg(model, FedAvgConfig(sgd=config.sgd))
 
     def personalize(params, examples: ClientExamples, key, client_state=None) -> Datastore:
         del client_state  # stateless

@@ -51,8 +51,8 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     client_optimizer, no_routing, require_positive_ints,
-                                     train_plain, valid_examples)
+                                     SGDConfig, no_routing, train_plain, valid_examples)
+from flowjax.core.checks import check_fields
 from flowjax.algorithms.fedrep import split_layers
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.server_opt import ClientMean
@@ -64,25 +64,24 @@ class LGFedAvgConfig:
     """LG-FedAvg's client-side hyperparameters.
 
     Attributes:
-      learning_rate: client SGD learning rate.
-      epochs: local epochs E per round (and of the evaluation's local training).
-      batch_size: client batch size.
+      sgd: the clients' SGD (its epochs are also those of the evaluation's local training).
       global_layers: names of the top layers the server averages (None = the model's
-        ``head_layers``).
-      momentum: client SGD momentum (0 = plain SGD).
+        ``head_layers``); which names fit is the model's business (``global_layer_names``).
     """
 
-    learning_rate: float
-    epochs: int
-    batch_size: int
+    sgd: SGDConfig
     global_layers: tuple[str, ...] | None = None
-    momentum: float = 0.0
 
     def __post_init__(self):
-        require_positive_ints(self, ("epochs", "batch_size"))
-        if self.global_layers is not None and not self.global_layers:
-            raise ValueError("LG-FedAvg global_layers must name at least one layer or be None "
-                             "(the model's head), got ()")
+        if self.global_layers is not None:  # a config file's list reads as a tuple
+            object.__setattr__(self, "global_layers", tuple(self.global_layers))
+        check_fields(self, {"global_layers": _layer_names})
+
+
+def _layer_names(value) -> str | None:
+    if value is None or (value and all(isinstance(name, str) for name in value)):
+        return None
+    return "expected None (the model's head) or a non-empty sequence of layer names"
 
 
 def global_layer_names(model: RoutableModel, requested: Sequence[str] | None) -> tuple[str, ...]:
@@ -105,7 +104,7 @@ def global_layer_names(model: RoutableModel, requested: Sequence[str] | None) ->
 def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorithm:
     """LG-FedAvg for ``model`` with ``config.global_layers`` averaged by the server."""
     global_names = global_layer_names(model, config.global_layers)
-    optimizer = client_optimizer(config.learning_rate, config.momentum)
+    optimizer = config.sgd.optimizer()
 
     def init(key) -> Params:
         global_part, local_part = split_layers(model.init(key), global_names)
@@ -115,8 +114,8 @@ def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorith
 
     def local_train(global_part, local_part, examples: ClientExamples, key):
         trained, sums = train_plain(model, {**local_part, **global_part}, optimizer, examples,
-                                    valid_examples(examples), epochs=config.epochs,
-                                    batch_size=config.batch_size, key=key)
+                                    valid_examples(examples), epochs=config.sgd.epochs,
+                                    batch_size=config.sgd.batch_size, key=key)
         global_part, local_part = split_layers(trained, global_names)
         return global_part, local_part, sums
 

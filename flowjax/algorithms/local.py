@@ -25,8 +25,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     client_optimizer, no_routing, require_positive_ints,
-                                     train_plain, valid_examples)
+                                     SGDConfig, no_routing, train_plain, valid_examples)
 from flowjax.core.cohort import ClientExamples
 from flowjax.models.base import Params, RoutableModel, forward
 
@@ -36,24 +35,16 @@ class LocalConfig:
     """Local training's hyperparameters.
 
     Attributes:
-      learning_rate: local SGD learning rate.
-      epochs: local epochs E.
-      batch_size: client batch size.
-      momentum: SGD momentum (0 = plain SGD).
+      sgd: the local SGD (the paper gives Local its own epochs and rate:
+        ``config.methods.local.sgd``).
     """
 
-    learning_rate: float
-    epochs: int
-    batch_size: int
-    momentum: float = 0.0
-
-    def __post_init__(self):
-        require_positive_ints(self, ("epochs", "batch_size"))
+    sgd: SGDConfig
 
 
 def local(model: RoutableModel, config: LocalConfig) -> FederatedAlgorithm:
     """Local training of ``model`` on each client alone."""
-    optimizer = client_optimizer(config.learning_rate, config.momentum)
+    optimizer = config.sgd.optimizer()
 
     def client_update(params, examples: ClientExamples, key, client_state=None) -> ClientResult:
         del examples, key, client_state  # no communication: nothing reaches the server
@@ -62,7 +53,7 @@ def local(model: RoutableModel, config: LocalConfig) -> FederatedAlgorithm:
     def personalize(params, examples: ClientExamples, key, client_state=None) -> Params:
         del client_state  # stateless
         return train_plain(model, params, optimizer, examples, valid_examples(examples),
-                           epochs=config.epochs, batch_size=config.batch_size, key=key)[0]
+                           epochs=config.sgd.epochs, batch_size=config.sgd.batch_size, key=key)[0]
 
     def predict(params, personal, x) -> Predictions:
         global_logits = forward(model, params, x)

@@ -52,8 +52,9 @@ import jax.numpy as jnp
 import optax
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     client_optimizer, instance_weights, plain_loss_sums,
-                                     require_positive_ints, valid_examples)
+                                     SGDConfig, client_optimizer, instance_weights,
+                                     plain_loss_sums, valid_examples)
+from flowjax.core.checks import check_fields, positive
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
 from flowjax.core.losses import mean_from_sums, weighted_cross_entropy
@@ -73,28 +74,18 @@ class PartialFedConfig:
     """Client-side hyperparameters.
 
     Attributes:
-      learning_rate: SGD learning rate of the model weights.
+      sgd: the SGD of the model weights (epochs E per round and at personalization;
+        its momentum also drives the strategy's SGD).
       strategy_learning_rate: SGD learning rate of the strategy logits.
       temperature: Gumbel-softmax temperature of the strategy's soft gradient.
-      epochs: local epochs E per round (and at personalization).
-      batch_size: client batch size.
-      momentum: SGD momentum of both weights and strategy (0 = plain SGD).
     """
 
-    learning_rate: float
+    sgd: SGDConfig
     strategy_learning_rate: float
     temperature: float
-    epochs: int
-    batch_size: int
-    momentum: float = 0.0
 
     def __post_init__(self):
-        for name in ("learning_rate", "strategy_learning_rate", "temperature"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        require_positive_ints(self, ("epochs", "batch_size"))
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        check_fields(self, {"strategy_learning_rate": positive, "temperature": positive})
 
 
 def gumbel_noisy(logits: jax.Array, key: jax.Array) -> jax.Array:
@@ -147,8 +138,8 @@ def per_instance(model: RoutableModel, per_layer: jax.Array, x: jax.Array) -> ja
 
 def partialfed(model: RoutableModel, config: PartialFedConfig) -> FederatedAlgorithm:
     """PartialFed-Adaptive for ``model`` (see the module docstring)."""
-    weight_optimizer = client_optimizer(config.learning_rate, config.momentum)
-    strategy_optimizer = client_optimizer(config.strategy_learning_rate, config.momentum)
+    weight_optimizer = config.sgd.optimizer()
+    strategy_optimizer = client_optimizer(config.strategy_learning_rate, config.sgd.momentum)
     num_layers = model.num_layers
 
     def init_client_state(params):
@@ -203,7 +194,8 @@ def partialfed(model: RoutableModel, config: PartialFedConfig) -> FederatedAlgor
         x, y, _ = examples.flat()
         # The shuffles use the client key itself, as FedAvg's local training does.
         carry, sums = run_epochs(alternating_step, carry, x, y, valid_examples(examples),
-                                 num_epochs=config.epochs, batch_size=config.batch_size, key=key)
+                                 num_epochs=config.sgd.epochs, batch_size=config.sgd.batch_size,
+                                 key=key)
         (copies, _), (logits, _) = carry
         use_global = final_use_global(logits)
         trained = load_layers(model, copies["global"], copies["previous"], use_global)

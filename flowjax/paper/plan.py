@@ -21,33 +21,35 @@ MAIN = ("local", "fedavg", "fedavg_ft", "apfl", "ditto", "fedrep", "lg_fedavg", 
 # Flow ablations (Section 5.2, Appendix E) as overrides of the base config.
 ABLATIONS = {
     "flow": {},
-    "pi_flow": {"local_route": "global"},
+    "pi_flow": {"methods.flow.local_route": "global"},
     "pc_flow": {"algorithm": "fedavg_ft"},
-    "flow_gamma_0": {"gamma": 0.0},
-    **{f"flow_fixed_q0_{q}": {"fixed_q0": q} for q in (0.25, 0.5, 0.75, 1.0)},
-    "flow_policy_first": {"order": "policy_first"},
-    "flow_global_first": {"order": "global_first"},
-    **{f"flow_split_{r}": {"split_ratio": r} for r in (0.25, 0.75)},
+    "flow_gamma_0": {"methods.flow.gamma": 0.0},
+    **{f"flow_fixed_q0_{q}": {"methods.flow.fixed_q0": q} for q in (0.25, 0.5, 0.75, 1.0)},
+    "flow_policy_first": {"methods.flow.order": "policy_first"},
+    "flow_global_first": {"methods.flow.order": "global_first"},
+    **{f"flow_split_{r}": {"methods.flow.split_ratio": r} for r in (0.25, 0.75)},
 }
 # The authors' code (flowjax.algorithms.flow_reference): all its departures, each alone on
 # top of the paper's Flow, and the baselines with the client optimizer their code gives
 # every method (SGD momentum 0.9), so no row has an advantage the others lack. Not part of
 # --methods=ablations; the `gain_source` table runs them.
 REFERENCE_VARIANTS = {
-    "flow_reference": {"flow_semantics": "reference"},
-    "flow_ref_halves": {"flow_halves": "shard"},
-    "flow_ref_optimizer": {"momentum": 0.9, "flow_frozen_momentum": "zero_grad"},
-    "flow_ref_regularizer": {"flow_regularizer": "reference"},
-    "flow_ref_global_only": {"global_step": "global_only"},
-    "flow_ref_local_init": {"flow_local_init": "server"},
-    "flow_ref_evaluation": {"flow_evaluation": "reference"},
-    **{f"{method}_momentum": {"algorithm": method, "momentum": 0.9}
+    "flow_reference": {"methods.flow.semantics": "reference"},
+    "flow_ref_halves": {"methods.flow.halves": "shard"},
+    "flow_ref_optimizer": {"methods.flow.sgd.momentum": 0.9,
+                           "methods.flow.frozen_momentum": "zero_grad"},
+    "flow_ref_regularizer": {"methods.flow.regularizer": "reference"},
+    "flow_ref_global_only": {"methods.flow.global_step": "global_only"},
+    "flow_ref_local_init": {"methods.flow.local_init": "server"},
+    "flow_ref_evaluation": {"methods.flow.evaluation": "reference"},
+    **{f"{method}_momentum": {"algorithm": method, f"methods.{method}.sgd.momentum": 0.9}
        for method in ("fedavg", "fedavg_ft", "apfl", "ditto", "knn_per")},
 }
 
 
 def variant_overrides(name: str) -> dict[str, Any]:
-    """Top-level config fields that turn a dataset config into method or ablation ``name``.
+    """Config fields (dotted paths, ``flowjax.config.set_fields``) that turn a dataset
+    config into method or ablation ``name``.
 
     Raises:
       ValueError: ``name`` is neither an algorithm nor an ablation (one line).

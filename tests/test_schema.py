@@ -1,0 +1,153 @@
+"""The run config's schema: one subtree per method, the clients' SGD in ``config.sgd``,
+a method added by its file plus one registry line, and a run resolved once."""
+
+import dataclasses
+import json
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from configs.base import sgd_override
+from flowjax import algorithms
+from flowjax import config as run_config
+from flowjax import validation
+from flowjax.algorithms.base import FederatedAlgorithm, SGDConfig
+from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
+from flowjax.core.checks import check_fields, one_of
+from tests.helpers import assert_trees_equal, small_config
+
+
+# ---------------------------------------------------------------- a toy method, in this file
+
+
+@dataclasses.dataclass(frozen=True)
+class UniformConfig:
+    """FedAvg whose clients all weigh the same (``uniform``) instead of by examples."""
+
+    sgd: SGDConfig
+    uniform: bool = True
+
+    def __post_init__(self):
+        check_fields(self, {"uniform": one_of((False, True))})
+
+
+def uniform_fedavg(model, config: UniformConfig) -> FederatedAlgorithm:
+    base = fedavg(model, FedAvgConfig(sgd=config.sgd))
+    if not config.uniform:
+        return base
+
+    def client_update(params, examples, key, client_state=None):
+        result = base.client_update(params, examples, key, client_state)
+        one = (examples.num_examples > 0).astype("float32")
+        return dataclasses.replace(result, weight=one)
+
+    return dataclasses.replace(base, name="uniform_fedavg", client_update=client_update)
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    """The toy method's one registry line (undone after the test)."""
+    monkeypatch.setitem(algorithms.METHODS, "uniform_fedavg",
+                        algorithms.Method(uniform_fedavg, UniformConfig))
+
+
+def _tiny(**overrides):
+    """A few-second Shakespeare config with a narrow LSTM."""
+    return small_config(model_options=ml_collections.ConfigDict({"hidden": 16}), **overrides)
+
+
+def _toy_config(**fields):
+    config = _tiny(algorithm="uniform_fedavg", num_rounds=1, clients_per_round=3)
+    config.methods.uniform_fedavg = ml_collections.ConfigDict(
+        {"uniform": True, "sgd": sgd_override(), **fields})
+    return config
+
+
+def test_a_registered_toy_method_runs_a_round_through_build_simulation(registered):
+    simulation = run_config.build_simulation(_toy_config())
+    assert simulation.algorithm.name == "uniform_fedavg"
+    state = simulation.init_state()
+    trained, _ = simulation.run_round(state, 0)
+    assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(trained.params))
+    assert any(not np.array_equal(a, b) for a, b in
+               zip(jax.tree.leaves(trained.params), jax.tree.leaves(state.params)))
+    # uniform=False is FedAvg itself: the same round, bit for bit.
+    plain = run_config.build_simulation(_toy_config(uniform=False))
+    config = _toy_config()
+    config.algorithm = "fedavg"
+    reference = run_config.build_simulation(config)
+    assert_trees_equal(plain.run_round(plain.init_state(), 0)[0].params,
+                       reference.run_round(reference.init_state(), 0)[0].params)
+
+
+def test_a_toy_methods_values_are_checked_by_its_dataclass_with_the_config_path(registered):
+    with pytest.raises(ValueError, match=r"^config.methods.uniform_fedavg.uniform='yes': "
+                                         r"expected one of \[False, True\]$"):
+        run_config.build_simulation(_toy_config(uniform="yes"))
+    config = _toy_config()
+    config.methods.uniform_fedavg.sgd.epochs = 0
+    with pytest.raises(ValueError, match=r"^config.methods.uniform_fedavg.sgd.epochs=0: "
+                                         r"expected an integer >= 1$"):
+        run_config.build_simulation(config)
+
+
+def test_an_algorithm_without_a_registry_entry_or_a_subtree_is_named():
+    with pytest.raises(ValueError, match=r"^config.algorithm='uniform_fedavg': expected one of"):
+        run_config.build_simulation(_toy_config())
+
+
+# ---------------------------------------------------------------- resolved once
+
+
+def test_a_run_builds_its_model_and_resolves_its_method_once(monkeypatch):
+    builds, resolved = [], []
+    get_model = validation.get_model
+    monkeypatch.setattr(validation, "get_model",
+                        lambda *a, **k: builds.append(a) or get_model(*a, **k))
+    resolve_sgd = algorithms.resolve_sgd
+    monkeypatch.setattr(algorithms, "resolve_sgd",
+                        lambda config, name: resolved.append(name) or resolve_sgd(config, name))
+    config = _tiny(num_rounds=1)
+    run_config.build_simulation(config)
+    assert len(builds) == 1
+    assert resolved.count("flow") == 1  # every other method's config is checked once too
+    assert sorted(resolved) == sorted(config.methods.keys())
+
+
+def test_hypcluster_warm_up_is_a_stage_equal_to_fedavg_rounds():
+    config = _tiny(algorithm="hypcluster", num_rounds=1,
+                   **{"methods.hypcluster.warmup_rounds": 2})
+    warm = run_config.warm_up(run_config.resolve(config))
+    simulation = run_config.build_simulation(_tiny(algorithm="fedavg", num_rounds=2))
+    state = simulation.init_state()
+    for round_index in range(2):
+        state, _ = simulation.run_round(state, round_index)
+    assert_trees_equal(warm, state.params)
+    # No stage for other methods, or with 0 rounds.
+    config.methods.hypcluster.warmup_rounds = 0
+    assert run_config.warm_up(run_config.resolve(config)) is None
+    assert run_config.warm_up(run_config.resolve(_tiny())) is None
+
+
+# ---------------------------------------------------------------- run folders
+
+
+def test_a_run_folder_of_the_older_schema_is_named_as_such_and_kept(tmp_path):
+    from flowjax.runner import conflicting_fields
+    old = {"algorithm": "flow", "learning_rate": 1.0, "gamma": 0.001, "per_method": {}}
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    (tmp_path / "metrics.jsonl").write_text('{"round": 1, "kind": "train"}\n')
+    with pytest.raises(ValueError, match=r"holds a run written by an older flowjax config "
+                                         r"schema .*nothing was deleted; REMEDY$"):
+        conflicting_fields(str(tmp_path), run_config.stored_config(small_config()), "REMEDY")
+    assert json.loads((tmp_path / "config.json").read_text()) == old
+
+
+def test_dotted_overrides_set_existing_fields_only():
+    config = small_config()
+    run_config.set_fields(config, {"methods.flow.gamma": 0.0, "sgd.momentum": 0.9})
+    assert (config.methods.flow.gamma, config.sgd.momentum) == (0.0, 0.9)
+    with pytest.raises(ValueError, match=r"^config.methods.flow.gama: unknown field"):
+        run_config.set_fields(config, {"methods.flow.gama": 0.0})
