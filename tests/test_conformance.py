@@ -64,22 +64,16 @@ def make_config(case: str):
     """The one place that knows the run config's layout: tiny settings for ``case``."""
     config = base_config("conformance")
     config.algorithm = VARIANTS.get(case, case)
-    config.learning_rate = 0.05
-    config.epochs = 2
-    config.batch_size = BATCH
-    config.policy_hidden = (8, 8)  # Flow's policy: one width per routed layer
-    config.methods.local.epochs = 2
-    config.methods.local.learning_rate = 0.05
+    config.sgd.update(learning_rate=0.05, epochs=2, batch_size=BATCH)
+    config.methods.flow.policy_hidden = (8, 8)  # one width per routed layer of the MLP
+    config.methods.local.sgd.update(epochs=2, learning_rate=0.05)
     config.methods.knn_per.max_datastore = 64
     config.methods.lg_fedavg.global_layers = ("fc2",)
     if case == "flow-reference":
-        config.momentum = 0.9
-        config.global_step = "global_only"
-        config.flow_halves = "shard_reshuffled"
-        config.flow_frozen_momentum = "zero_grad"
-        config.flow_local_init = "server"
-        config.flow_evaluation = "reference"
-        config.flow_policy_eval_dropout = True
+        config.sgd.momentum = 0.9
+        config.methods.flow.update(
+            global_step="global_only", halves="shard_reshuffled", frozen_momentum="zero_grad",
+            local_init="server", evaluation="reference", policy_eval_dropout=True)
     return config
 
 
