@@ -1,13 +1,30 @@
 """Shared fixtures: small models and tasks that keep the suite fast on 2 CPU cores."""
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+# One XLA compilation cache for this test session (set before JAX is imported, and
+# inherited by the launchers the tests start as subprocesses): compiling dominates the
+# suite's time on CPU, and many tests and subprocesses compile the very same programs
+# (the launcher tests' Flow runs, the planner's probe chunks, model initializers). A hit
+# loads the executable XLA compiled for the identical program, so no result changes; the
+# engine's own compilation count (trace_counts) is unaffected. A fresh directory per
+# session: nothing carries over between runs or from an older checkout.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _CACHE = tempfile.mkdtemp(prefix="flowjax-test-xla-cache-")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 @pytest.fixture(scope="session")
