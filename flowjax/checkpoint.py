@@ -89,11 +89,20 @@ class Checkpointer:
                 f"({type(error).__name__}: {first_line[:200]}); it is corrupt or from a "
                 f"different model/config: use another --workdir or --overwrite") from None
         rows = _rows_from_tree(restored["clients"]) if stateful else None
-        return restored["state"], rows, dict(restored["meta"])
+        return _placed_like(restored["state"], target_state), rows, dict(restored["meta"])
 
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _placed_like(restored: PyTree, target: PyTree) -> PyTree:
+    """``restored`` placed as ``target`` is: orbax commits every array to its device, and
+    jit lowers a committed argument to another program than an uncommitted one, so a
+    leaf the fresh state left uncommitted (one device, JAX's default) comes back
+    uncommitted too, and a resumed run compiles the program the uninterrupted one did."""
+    return jax.tree.map(lambda r, t: r if getattr(t, "committed", True)
+                        else jax.device_put(np.asarray(r)), restored, target)
 
 
 def _rows_tree(rows: dict[str, Any]) -> dict[str, np.ndarray]:

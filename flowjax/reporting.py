@@ -1,4 +1,4 @@
-"""Result files and tables in the paper's layout."""
+"""Result tables in the paper's layout (the run folder's files: ``flowjax.run_folder``)."""
 
 from __future__ import annotations
 
