@@ -1,14 +1,12 @@
 """Whole runs through the public entry points: reproducibility, compilation, learning.
 
-The tests that only read a run share one (``shared_run``), and the module's runs share
-JAX's persistent compilation cache: a run of a config compiled before loads its
+The tests that only read a run share one (``shared_run``); with the session's
+compilation cache (``tests/conftest.py``) a run of a config compiled before loads its
 executables instead of compiling them again (its trace count still counts the trace).
 """
 
-import jax
 import numpy as np
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 
 from flowjax import config as run_config
 from flowjax import experiment
@@ -23,20 +21,6 @@ SHARED = {"num_rounds": 12, "clients_per_round": 5, "sgd.learning_rate": 0.5,
 def run(config):
     simulation = run_config.build_simulation(config)
     return simulation, experiment.run(simulation)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-    """The persistent compilation cache in a fresh folder for this module's runs."""
-    options = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    before = {name: getattr(jax.config, name) for name in options}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    compilation_cache.reset_cache()
-    yield
-    for name, value in before.items():
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="module")

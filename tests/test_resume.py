@@ -1,9 +1,9 @@
 """Crash safety: SIGKILL mid-round and mid-checkpoint, resume, identical results.
 
 Every run is a ``launch/train.py`` process (crashes through ``tests/crashing_train.py``).
-They share JAX's persistent compilation cache: the first run compiles, the others load
-the same executables, which changes no number (the runs compare byte for byte) and
-takes most of the time out of the later runs.
+They share the session's compilation cache (``tests/conftest.py``): the first run
+compiles, the others, resumed ones included, load the same executables, which changes no
+number (the runs compare byte for byte) and takes most of the time out of the later runs.
 """
 
 import json
@@ -21,24 +21,12 @@ RUN = ["--config=configs/shakespeare.py:quick", "--config.data.plays=('macbeth',
        "--config.eval.clients=4", "--config.eval.every=3", "--config.methods.flow.policy_hidden=(8,8,8,8)"]
 
 
-COMPILE_CACHE = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-    COMPILE_CACHE["dir"] = str(tmp_path_factory.mktemp("jax_cache"))
-    yield
-    COMPILE_CACHE.clear()
-
-
 def train(workdir, *extra, fault=None):
     """``launch/train.py`` with ``RUN`` and ``extra``; with ``fault`` (``round:3``,
     ``checkpoint:4``, ``checkpoint:6:SIGINT``) the run crashes there."""
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=COMPILE_CACHE["dir"],
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     script = (["tests/crashing_train.py", fault] if fault else ["launch/train.py"])
     return subprocess.run([sys.executable, *script, *RUN, f"--workdir={workdir}", *extra],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
 
 
 @pytest.fixture(scope="module")
