@@ -129,3 +129,23 @@ def test_run_trains_evaluates_and_returns_each_client_its_own_state():
     summary = result.summaries["train_clients"]
     assert 0 < summary.acc_g < 1 and 0 < summary.acc_p < 1
     assert set(result.summaries) == {"train_clients", "held_out_clients"}
+
+
+def test_personalize_costs_one_apfl_update_even_under_vmap(mlp, images_small):
+    # The evaluation vmaps personalize on accelerators, where a lax.cond on "visited"
+    # runs both branches: a FedAvgFT pass of w for visited clients and the APFL update
+    # for the others trained w twice. One pass of the w steps serves both cases, so the
+    # vmapped personalization has exactly the matmuls of one vmapped client update.
+    algorithm = apfl(mlp, APFLConfig(**CONFIG, alpha=0.3))
+    params = algorithm.init(jax.random.key(0))
+    clients = [one_client(images_small, i, padded_examples=32) for i in (1, 2)]
+    cohort = jax.tree.map(lambda *a: jnp.stack(a), *clients)
+    keys = jax.random.split(jax.random.key(1), 2)
+    states = jax.tree.map(lambda *a: jnp.stack(a), _visited(mlp.init(jax.random.key(3))),
+                          algorithm.init_client_state(params))
+
+    def matmuls(fn):
+        vmapped = jax.jit(jax.vmap(lambda *a: fn(params, *a)))
+        return vmapped.lower(cohort, keys, states).as_text().count("dot_general")
+
+    assert matmuls(algorithm.personalize) == matmuls(algorithm.client_update)

@@ -40,13 +40,13 @@ Choices where the paper is silent or offers options:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     SGDConfig, no_routing, plain_loss_sums, sgd_step,
-                                     train_plain, valid_examples)
+                                     SGDConfig, no_routing, plain_loss_sums, sgd_step)
 from flowjax.core.checks import Interval, check_fields
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
@@ -90,24 +90,33 @@ def apfl(model: RoutableModel, config: APFLConfig) -> FederatedAlgorithm:
 
     global_step = sgd_step(plain_sums, optimizer)
 
-    def apfl_step(carry, batch, key):
-        """One minibatch: the ``w`` and ``v`` steps, both from the pre-step values."""
-        w_carry, (v, v_opt), personal_total = carry
+    def apfl_step(carry, batch, key, personal_trains=None):
+        """One minibatch: the ``w`` and ``v`` steps, both from the pre-step values; with
+        ``personal_trains`` False the ``v`` step is skipped (``v`` and its sums stay)."""
+        w_carry, v_carry, personal_total = carry
         w_before = w_carry[0]
         personal_step = sgd_step(
             lambda p, b, k: plain_sums(mix_params(alpha, p, w_before), b, k), optimizer)
         w_carry, sums = global_step(w_carry, batch, key)
-        (v, v_opt), personal_sums = personal_step((v, v_opt), batch, jax.random.fold_in(key, 1))
+        v_key = jax.random.fold_in(key, 1)
+        if personal_trains is None:
+            v_carry, personal_sums = personal_step(v_carry, batch, v_key)
+        else:
+            v_carry, personal_sums = jax.lax.cond(
+                personal_trains, lambda c: personal_step(c, batch, v_key),
+                lambda c: (c, jnp.zeros((2,), jnp.float32)), v_carry)
         # run_epochs sums one [loss, count] per step: the mixed model's ride in the carry.
-        return (w_carry, (v, v_opt), personal_total + personal_sums), sums
+        return (w_carry, v_carry, personal_total + personal_sums), sums
 
-    def train_both(params, personal, examples: ClientExamples, key):
-        """E epochs of the APFL update from ``(w, v) = (params, personal)``."""
+    def train_both(params, personal, examples: ClientExamples, key, personal_trains=None):
+        """E epochs of the APFL update from ``(w, v) = (params, personal)``; ``v`` only
+        trains where ``personal_trains`` (a traced bool; None = always)."""
         x, y, valid = examples.flat()
         carry = ((params, optimizer.init(params)), (personal, optimizer.init(personal)),
                  jnp.zeros((2,), jnp.float32))
+        step = functools.partial(apfl_step, personal_trains=personal_trains)
         ((w, _), (v, _), personal_sums), sums = run_epochs(
-            apfl_step, carry, x, y, valid, num_epochs=config.sgd.epochs,
+            step, carry, x, y, valid, num_epochs=config.sgd.epochs,
             batch_size=config.sgd.batch_size, key=key)
         return w, v, sums, personal_sums
 
@@ -129,18 +138,14 @@ def apfl(model: RoutableModel, config: APFLConfig) -> FederatedAlgorithm:
             client_state=state)
 
     def personalize(params, examples: ClientExamples, key, client_state):
-        def stored():
-            local_w, _ = train_plain(model, params, optimizer, examples,
-                                     valid_examples(examples), epochs=config.sgd.epochs,
-                                     batch_size=config.sgd.batch_size, key=key)
-            return mix_params(alpha, client_state["v"], local_w)
-
-        def first_participation():
-            # The w steps are FedAvg's on the same keys, so w is stored()'s local_w.
-            local_w, v, _, _ = train_both(params, params, examples, key)
-            return mix_params(alpha, v, local_w)
-
-        return jax.lax.cond(client_state["visited"], stored, first_participation)
+        # One pass of the w steps serves both cases (they are FedAvgFT's on the same keys):
+        # a visited client mixes its stored v in; a client that never trained gets its
+        # first participation's v, trained alongside. The per-step cond skips the v steps
+        # of a visited client, and under vmap (a select) w is still trained only once.
+        visited = client_state["visited"]
+        local_w, v, _, _ = train_both(params, starting_point(params, client_state), examples,
+                                      key, personal_trains=jnp.logical_not(visited))
+        return mix_params(alpha, v, local_w)
 
     def predict(params, personal, x) -> Predictions:
         global_logits = forward(model, params, x)
