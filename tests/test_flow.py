@@ -65,19 +65,6 @@ def test_one_example_client_trains_without_error(mlp, images_small):
     assert any(jax.tree.leaves(changed))
 
 
-def test_padding_examples_and_steps_leaves_the_update_bit_identical(cnn, images_small):
-    algorithm = _algorithm(cnn, images_small)
-    params = algorithm.init(jax.random.key(0))
-    update = jax.jit(algorithm.client_update)
-    n = int(images_small.train.num_examples("train")[2])
-    tight = _client(images_small, 2, padded_examples=-(-n // 4) * 4)
-    padded = _client(images_small, 2, padded_examples=-(-n // 4) * 4 + 16)
-    a = update(params, tight, jax.random.key(5))
-    b = update(params, padded, jax.random.key(5))
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(x, y)
-
-
 def _mean_q0(algorithm, params, client):
     personal = algorithm.personalize(params, client, jax.random.key(2))
     return float(jnp.mean(algorithm.predict(params, personal, client.x[0]).q0))

@@ -10,10 +10,10 @@ import pytest
 from configs import emnist
 from flowjax.algorithms.base import SGDConfig
 from flowjax.algorithms import build_algorithm
-from flowjax.algorithms.base import plain_loss_sums
+from flowjax.algorithms.base import client_optimizer, plain_loss_sums, sgd_step
 from flowjax.algorithms.flow import FlowConfig, flow
-from flowjax.algorithms.flow_reference import (reference_regularizer_mean, shard_batches_fn,
-                                               shard_member)
+from flowjax.algorithms.flow_reference import (group_sgd_step, reference_regularizer_mean,
+                                               shard_batches_fn, shard_member)
 from flowjax.core.losses import mean_from_sums
 from flowjax.evaluation.metrics import evaluate_client, summarize
 from flowjax.validation import validate_config
@@ -67,6 +67,17 @@ def test_shard_batches_reproduce_the_batched_dataset_shards():
         jax.random.key(0), 0)
     batches = [list(np.asarray(i)[np.asarray(m)]) for i, m in zip(indices, mask) if m.any()]
     assert batches == [[0, 1, 2, 3], [8, 9, 10, 11], [16, 17, 18]]
+
+
+def test_unshuffled_shard_batches_are_built_once_not_per_epoch():
+    # run_epochs calls batches_fn inside its epoch loop; the unshuffled halves are the same
+    # every epoch, so calling it must trace no work at all (the batches are a constant).
+    valid = jnp.arange(24) < 19
+    batches_fn = shard_batches_fn(valid, 4, 1, reshuffle=False, max_members=24)
+    per_epoch = jax.make_jaxpr(lambda key, epoch: batches_fn(key, epoch))(jax.random.key(0), 3)
+    assert per_epoch.jaxpr.eqns == []
+    reshuffled = shard_batches_fn(valid, 4, 1, reshuffle=True, max_members=24)
+    assert jax.make_jaxpr(lambda key, epoch: reshuffled(key, epoch))(jax.random.key(0), 3).eqns
 
 
 def test_reshuffled_shards_are_complementary_per_epoch_and_change_between_epochs():
@@ -333,20 +344,31 @@ def test_gain_source_grid_reuses_the_mini_reproduction_cells_and_every_row_valid
         validate_config(config)
 
 
-def test_reference_client_update_vmaps_over_clients(mlp, images_small):
-    """All departures on at once stay one pure function the engine can vmap."""
-    algorithm = _flow(mlp, images_small, halves="shard_reshuffled", momentum=0.9,
-                      frozen_momentum="zero_grad", global_step="global_only",
-                      local_init="server", evaluation="reference")
-    params = algorithm.init(jax.random.key(0))
-    clients = [_client_of_size(images_small, n) for n in (9, 14)]
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *clients)
-    keys = jax.random.split(jax.random.key(1), 2)
-    batched = jax.jit(jax.vmap(algorithm.client_update, in_axes=(None, 0, 0)))(
-        params, stacked, keys)
-    for i, client in enumerate(clients):
-        alone = jax.jit(algorithm.client_update)(params, client, keys[i])
-        for a, b in zip(jax.tree.leaves(alone.params),
-                        jax.tree.leaves(jax.tree.map(lambda x: x[i], batched.params))):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-        assert float(batched.weight[i]) == float(alone.weight)
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_group_step_is_the_clients_sgd_step_on_the_active_groups(mlp, images_small, momentum):
+    # Flow's group step uses the shared client optimizer (optax.sgd): on its active group
+    # it is bit for bit base.sgd_step with the other groups held fixed.
+    optimizer = client_optimizer(0.05, momentum)
+    groups = {"global": mlp.init(jax.random.key(0)), "local": mlp.init(jax.random.key(1))}
+    states = {g: optimizer.init(p) for g, p in groups.items()}
+    if momentum:  # a nonzero buffer, as after some steps
+        states = {g: jax.tree.map(lambda a: a + 0.01, s) for g, s in states.items()}
+    batch = one_client(images_small, 1, padded_examples=8).flat()
+    key = jax.random.key(2)
+
+    def routed_like(params, b, k):  # both groups enter the loss
+        mixed = jax.tree.map(lambda a, c: 0.5 * (a + c), params["global"], params["local"])
+        return plain_loss_sums(mlp, mixed, b, k)
+
+    step = jax.jit(group_sgd_step(routed_like, ("global",), optimizer, "set_to_none"))
+    (params, new_states), sums = step((groups, states), batch, key)
+    shared = jax.jit(sgd_step(lambda p, b, k: routed_like({**groups, "global": p}, b, k),
+                              optimizer))
+    (expected, expected_state), expected_sums = shared((groups["global"], states["global"]),
+                                                       batch, key)
+    assert_trees_equal(params["global"], expected)
+    assert_trees_equal(new_states["global"], expected_state)
+    assert_trees_equal(sums, expected_sums)
+    assert_trees_equal(params["local"], groups["local"])  # frozen: no step, state kept
+    assert_trees_equal(new_states["local"], states["local"])
+

@@ -235,9 +235,10 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
             return plain_loss_sums(model, params["global"], batch, key)
         return routed_sums(params, batch, key, regularize=False)
 
+    optimizer = config.sgd.optimizer()  # one state per parameter group (group_sgd_step)
+
     def step_for(loss_sums, *groups):
-        return group_sgd_step(loss_sums, groups, config.sgd.learning_rate, config.sgd.momentum,
-                              config.frozen_momentum)
+        return group_sgd_step(loss_sums, groups, optimizer, config.frozen_momentum)
 
     policy_step = step_for(policy_sums, "policy")
     global_step = step_for(global_sums, "global")
@@ -279,11 +280,8 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
         local_run, global_run, weight = runs
         x, y, _ = examples.flat()
         start_local = params["local"] if server_local else params["global"]
-        state = ({"global": params["global"], "local": start_local, "policy": params["policy"]},
-                 None)
-        trace = jax.tree.map(jnp.zeros_like, state[0]) if config.sgd.momentum else \
-            {group: None for group in state[0]}
-        state = (state[0], trace)
+        groups = {"global": params["global"], "local": start_local, "policy": params["policy"]}
+        state = (groups, {group: optimizer.init(p) for group, p in groups.items()})
         common = dict(batch_size=config.sgd.batch_size)
 
         local_stats = jnp.zeros((2,), jnp.float32)

@@ -44,7 +44,9 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import optax
 
+from flowjax.core.local_training import packed_batches
 from flowjax.core.losses import mean_from_sums
 from flowjax.routing.policy import LAST_KINDS
 from flowjax.routing.routed import RECURRENCES
@@ -119,24 +121,21 @@ def shard_batches_fn(valid: jax.Array, batch_size: int, index: int, reshuffle: b
     """A ``run_epochs`` ``batches_fn`` giving half ``index`` of ``shard(2, index)``, batch
     for batch as the authors' loop sees it (members packed in order: every batch but the
     dataset's last is full, so packing the even or odd batches reproduces them exactly)."""
-    num_steps = max(1, -(-max_members // batch_size))
     n = valid.shape[0]
+
+    def half(sort_key: jax.Array | None):
+        member = shard_member(valid, batch_size, index, sort_key)
+        order = jnp.arange(n, dtype=jnp.float32) if sort_key is None else sort_key
+        return packed_batches(order, member, batch_size, max_members)
+
+    if not reshuffle:  # the same batches every epoch: built once, outside the epoch loop
+        fixed = half(None)
+        return lambda epoch_key, epoch_index: fixed
 
     def batches(epoch_key, epoch_index):
         del epoch_index
-        sort_key = None
-        if reshuffle:
-            sort_key = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(epoch_key, i)))(
-                jnp.arange(n))
-        member = shard_member(valid, batch_size, index, sort_key)
-        keys = jnp.arange(n, dtype=jnp.float32) if sort_key is None else sort_key
-        order = jnp.argsort(jnp.where(member, keys, jnp.inf), stable=True)
-        slots = num_steps * batch_size
-        if slots > n:
-            order = jnp.pad(order, (0, slots - n))
-        indices = order[:slots].reshape(num_steps, batch_size)
-        mask = (jnp.arange(slots) < jnp.sum(member)).reshape(num_steps, batch_size)
-        return indices, mask
+        return half(jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(epoch_key, i)))(
+            jnp.arange(n)))
 
     return batches
 
@@ -145,17 +144,18 @@ def shard_batches_fn(valid: jax.Array, batch_size: int, index: int, reshuffle: b
 
 
 def group_sgd_step(loss_sums: Callable[[dict, Any, jax.Array], jax.Array],
-                   active: tuple[str, ...], learning_rate: float, momentum: float,
+                   active: tuple[str, ...], optimizer: optax.GradientTransformation,
                    frozen_momentum: str):
-    """A ``run_epochs`` step of PyTorch's ``SGD(momentum)`` over a dict of parameter groups,
-    training the ``active`` groups on ``loss_sums(params, batch, key)``'s batch mean.
+    """A ``run_epochs`` step of the clients' SGD (``base.client_optimizer``) over a dict of
+    parameter groups, training the ``active`` groups on ``loss_sums(params, batch, key)``'s
+    batch mean: PyTorch's one ``SGD(momentum)`` over parameter groups.
 
-    Carry: ``(params, trace)`` with one momentum buffer per group (zeros = no buffer yet:
-    a zero buffer with a zero gradient moves nothing, as PyTorch's missing buffer).
+    Carry: ``(params, {group: optimizer.init(params[group])})``, one state per group (a
+    zero momentum buffer with a zero gradient moves nothing, as PyTorch's missing buffer).
     ``frozen_momentum="zero_grad"``: frozen groups step with a zero gradient (momentum
-    carries them on); ``"set_to_none"``: frozen groups and their buffers stay as they are.
-    Update: ``buf <- momentum * buf + g``, ``p <- p - lr * buf`` (``torch.optim.SGD``,
-    dampening 0, no Nesterov); with momentum 0 exactly ``p - lr * g``.
+    carries them on); ``"set_to_none"``: frozen groups and their states stay as they are.
+    ``optax.sgd``'s trace is ``torch.optim.SGD``'s buffer (dampening 0, no Nesterov):
+    ``buf <- momentum * buf + g``, ``p <- p - lr * buf``; with momentum 0, ``p - lr * g``.
     """
 
     def mean_loss(trained, params, batch, key):
@@ -163,25 +163,20 @@ def group_sgd_step(loss_sums: Callable[[dict, Any, jax.Array], jax.Array],
         return mean_from_sums(sums[0], sums[1]), sums
 
     def step(carry, batch, key):
-        params, trace = carry
+        params, states = carry
         grads, sums = jax.grad(mean_loss, has_aux=True)(
             {g: params[g] for g in active}, params, batch, key)
-        new_params, new_trace = dict(params), dict(trace)
+        new_params, new_states = dict(params), dict(states)
         for group in params:
             if group in active:
                 grad = grads[group]
-            elif frozen_momentum == "zero_grad" and momentum:
-                grad = jax.tree.map(jnp.zeros_like, params[group])
-            else:
+            elif frozen_momentum == "zero_grad" and jax.tree.leaves(states[group]):
+                grad = jax.tree.map(jnp.zeros_like, params[group])  # momentum only
+            else:  # a stateless SGD moves nothing on a zero gradient
                 continue
-            if momentum:
-                buf = jax.tree.map(lambda t, g: momentum * t + g, trace[group], grad)
-                new_trace[group] = buf
-            else:
-                buf = grad
-            new_params[group] = jax.tree.map(lambda p, b: p - learning_rate * b,
-                                             params[group], buf)
-        return (new_params, new_trace), sums
+            updates, new_states[group] = optimizer.update(grad, states[group], params[group])
+            new_params[group] = optax.apply_updates(params[group], updates)
+        return (new_params, new_states), sums
 
     return step
 

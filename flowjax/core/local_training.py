@@ -24,25 +24,33 @@ Batch = tuple[jax.Array, jax.Array, jax.Array]  # x [B, ...], y [B, ...], weight
 StepFn = Callable[[Carry, Batch, jax.Array], tuple[Carry, jax.Array]]
 
 
-def epoch_batches(key: jax.Array, member: jax.Array, batch_size: int,
-                  max_members: int) -> tuple[jax.Array, jax.Array]:
-    """A shuffled epoch of the members of ``member`` as ``(indices [S, B], mask [S, B])``.
+def packed_batches(sort_key: jax.Array, member: jax.Array, batch_size: int,
+                   max_members: int) -> tuple[jax.Array, jax.Array]:
+    """The members of ``member`` in increasing ``sort_key`` order (ties: index order),
+    packed into batches: ``(indices [S, B], mask [S, B])``, non-empty batches first.
 
     ``S = ceil(max_members / B)`` where ``max_members`` (static) bounds ``member.sum()``.
     """
     num_steps = max(1, math.ceil(max_members / batch_size))
     slots = num_steps * batch_size
-    # One draw per example index (not one draw of shape [N]) so the order of the real
-    # examples does not depend on how much padding follows them.
-    draws = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(key, i)))(
-        jnp.arange(member.shape[0]))
-    order = jnp.argsort(jnp.where(member, draws, 2.0), stable=True)
+    order = jnp.argsort(jnp.where(member, sort_key, jnp.inf), stable=True)
     count = jnp.sum(member)
     if slots > order.shape[0]:
         order = jnp.pad(order, (0, slots - order.shape[0]))
     indices = order[:slots].reshape(num_steps, batch_size)
     mask = (jnp.arange(slots) < count).reshape(num_steps, batch_size)
     return indices, mask
+
+
+def epoch_batches(key: jax.Array, member: jax.Array, batch_size: int,
+                  max_members: int) -> tuple[jax.Array, jax.Array]:
+    """A shuffled epoch of the members of ``member`` as ``(indices [S, B], mask [S, B])``
+    (``packed_batches`` in the order of one uniform draw per example)."""
+    # One draw per example index (not one draw of shape [N]) so the order of the real
+    # examples does not depend on how much padding follows them.
+    draws = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(key, i)))(
+        jnp.arange(member.shape[0]))
+    return packed_batches(draws, member, batch_size, max_members)
 
 
 def run_epochs(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array, member: jax.Array, *,
