@@ -37,7 +37,7 @@ from flowjax.algorithms.base import FederatedAlgorithm
 from flowjax.checkpoint import Checkpointer
 from flowjax.core import prng
 from flowjax.core.client_state import ClientStateStore
-from flowjax.core.cohort import ClientExamples, assemble_cohort, client_at, examples_per_client
+from flowjax.core.cohort import ClientExamples, assemble_cohort, examples_per_client
 from flowjax.core.mapping import ClientMapping, map_clients
 from tests.helpers import assert_trees_equal, differs, tiny_mlp
 
