@@ -190,8 +190,9 @@ def set_fields(config, fields: dict[str, Any]) -> Any:
         for depth, part in enumerate(parents + [leaf]):
             if not hasattr(node, "keys") or part not in node:
                 where = "config" + "".join(f".{p}" for p in path.split(".")[:depth])
-                raise ValueError(f"config.{path}: unknown field; {where}'s fields: "
-                                 f"{sorted(node.keys()) if hasattr(node, 'keys') else 'none'}")
+                fields = sorted(node.keys()) if hasattr(node, "keys") else "none (it is a value)"
+                raise ValueError(f"unknown config field {path!r}; expected one of {where}'s "
+                                 f"fields {fields}")
             if depth < len(parents):
                 node = node[part]
         try:

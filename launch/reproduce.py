@@ -134,21 +134,10 @@ def parse_override(text: str) -> Override:
 
 def apply_override(config: Any, override: Override) -> None:
     """Sets an existing field; an unknown field or a value of the wrong type is an error."""
-    parts = override.path.split(".")
-    node = config
-    for depth, part in enumerate(parts):
-        if not hasattr(node, "keys") or part not in node:
-            where = "config" + "".join(f".{p}" for p in parts[:depth])
-            fields = sorted(node.keys()) if hasattr(node, "keys") else "none (it is a value)"
-            raise ValueError(f"--override={override.text!r}: unknown config field "
-                             f"{override.path!r}; {where}'s fields: {fields}")
-        if depth < len(parts) - 1:
-            node = node[part]
     try:
-        node[parts[-1]] = override.value
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"--override={override.text!r}: {' '.join(str(error).split())}"
-                         ) from None
+        run_config.set_fields(config, {override.path: override.value})
+    except ValueError as error:
+        raise ValueError(f"--override={override.text!r}: {error}") from None
 
 
 def build_request(table: str, workdir: str | None, seeds: Sequence[str],

@@ -149,5 +149,6 @@ def test_dotted_overrides_set_existing_fields_only():
     config = small_config()
     run_config.set_fields(config, {"methods.flow.gamma": 0.0, "sgd.momentum": 0.9})
     assert (config.methods.flow.gamma, config.sgd.momentum) == (0.0, 0.9)
-    with pytest.raises(ValueError, match=r"^config.methods.flow.gama: unknown field"):
+    with pytest.raises(ValueError, match=r"^unknown config field 'methods.flow.gama'; "
+                       r"expected one of config.methods.flow's fields \['evaluation'"):
         run_config.set_fields(config, {"methods.flow.gama": 0.0})
