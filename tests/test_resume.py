@@ -39,7 +39,9 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.parametrize("fault", [
     pytest.param("round:3", marks=pytest.mark.slow),  # the stateful test below kills mid-round
-    "checkpoint:4",
+    # SIGKILL while orbax writes: in CI the Ctrl-C test interrupts a checkpoint write and
+    # the stateful test SIGKILLs a round, each resumed to the same bytes.
+    pytest.param("checkpoint:4", marks=pytest.mark.slow),
     pytest.param("round:6", marks=pytest.mark.slow),  # killed after the last round
 ])
 def test_killed_and_resumed_run_is_bit_identical(uninterrupted, tmp_path, fault):
