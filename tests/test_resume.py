@@ -15,10 +15,13 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUN = ["--config=configs/shakespeare.py:quick", "--config.data.plays=('macbeth',)",
+# The synthetic MLP task: what is checked here (kill, resume, refuse, one-line errors) is
+# the launcher's and the checkpoint's, not the dataset's, and its train.py run costs about
+# 5 CPU-s with a warm compilation cache where the Shakespeare LSTM's cost 41 (2 cores).
+# test_multihost keeps a Shakespeare run through train.py in CI.
+RUN = ["--config=configs/synthetic.py:quick", "--config.data.num_clients=12",
        "--config.num_rounds=6", "--config.checkpoint_every=2", "--config.clients_per_round=3",
-       "--config.data.max_train_examples=4", "--config.data.max_test_examples=4",
-       "--config.eval.clients=4", "--config.eval.every=3", "--config.methods.flow.policy_hidden=(8,8,8,8)"]
+       "--config.eval.clients=4", "--config.eval.every=3"]
 
 
 def train(workdir, *extra, fault=None):
@@ -115,7 +118,7 @@ def test_divergence_stops_with_a_one_line_message_naming_the_round(tmp_path):
     # Valid data: the optimization is named, with the values to lower.
     assert ("while the round's inputs and labels are valid" in message
             and "Lower config.sgd.learning_rate (now 1e+30) or config.methods.flow.gamma "
-                "(now 0.001)" in message)
+                "(now 0.01)" in message)
     assert "Traceback" not in diverged.stderr
     assert not (tmp_path / "results.json").exists()
 
