@@ -160,7 +160,8 @@ def table_markdown(spec: TableSpec, entries: Mapping[str, list[list[Entry]]],
     lines = [header, "", f"# {spec.title}", "",
              f"Reproduces the paper's {', '.join(spec.tex_labels)}. Each entry: ours, the "
              f"mean ± sample standard deviation (ddof=1) over seeds {seed_text}, in percent; "
-             "`[n=k of N]` marks seeds whose run has not finished (left out, not imputed); "
+             "`[n=k of N]`: only k seeds have a finished run (the others are not finished "
+             "or were not run, as in rows run on fewer seeds; left out, not imputed); "
              "then the paper's figure ± its spread across its 3 seeds. `—`: no number; "
              "`not run`: a cell the paper did not run either. Accuracies average each "
              "client's accuracy over clients (the paper's Acc_g, Acc_p); `% Acc_p > Acc_g` "
