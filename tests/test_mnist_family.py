@@ -14,7 +14,7 @@ import tensorflow_datasets as tfds
 from flowjax.data import load_task
 from flowjax.data.idx import parse_idx, read_idx
 from flowjax.data.partition import (LabelPartition, dirichlet_partition, label_skew,
-                                    partition_indices, shard_partition)
+                                    majority_baselines, partition_indices, shard_partition)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -279,3 +279,35 @@ def test_fashion_mnist_mini_config_trains_on_generated_files(tmp_path):
         config.eval.every = 0
         result = experiment.run(run_config.build_simulation(config))
         assert result.summaries["train_clients"].num_clients == 4
+
+
+def test_majority_baselines_score_the_pooled_and_each_clients_most_common_train_label():
+    train = [np.array([1, 1, 2]), np.array([2, 2, 2, 0]), np.array([1])]  # pooled majority: 2
+    test = [np.array([1, 2, 2, 0]), np.array([2, 0]), np.array([0, 1, 1])]
+    floors = majority_baselines(train, test)
+    assert floors["global_majority"] == np.mean([2 / 4, 1 / 2, 0 / 3])
+    assert floors["client_majority"] == np.mean([1 / 4, 1 / 2, 2 / 3])
+    with pytest.raises(ValueError, match=r"labels of shape \(2, 3\) .* one integer class"):
+        majority_baselines([np.zeros((2, 3), np.int32)], [np.zeros((2, 3), np.int32)])
+
+
+def test_label_baselines_launcher_prints_the_floors_of_a_configs_clients(tmp_path):
+    write_files(tmp_path, pool(10, 20), pool(10, 10, offset=1))
+    config = ["--config=configs/fashion_mnist.py:mini_0.1", f"--config.data.data_dir={tmp_path}",
+              "--config.data.num_clients=4", "--config.data.train_per_client=20",
+              "--config.data.test_per_client=5"]
+    done = subprocess.run([sys.executable, "launch/label_baselines.py", *config], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    data = load_task("mnist_family_idx", dict(data_dir=str(tmp_path), alpha=0.1, num_clients=4,
+                                              train_per_client=20, test_per_client=5)).train
+    floors = majority_baselines(*([data.client(i, split)["y"] for i in range(4)]
+                                  for split in ("train", "test")))
+    assert (f"global majority label (floor for Acc_g): {100 * floors['global_majority']:.2f}%"
+            in done.stdout)
+    assert (f"each client's majority train label (floor for Acc_p): "
+            f"{100 * floors['client_majority']:.2f}%" in done.stdout)
+    bad = subprocess.run([sys.executable, "launch/label_baselines.py", *config, "--label=z"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "error: --label='z': not a feature of mnist_family_idx; expected one of ['x', 'y']")

@@ -172,6 +172,34 @@ def label_skew(labels_per_client: Sequence[np.ndarray]) -> float:
     return float(np.mean(shares))
 
 
+def majority_baselines(train_labels: Sequence[np.ndarray],
+                       test_labels: Sequence[np.ndarray]) -> dict[str, float]:
+    """What two label-only predictors score, as client means of test accuracy (Acc_g, Acc_p).
+
+    ``global_majority``: every client predicts the most common label of all clients' train
+    data (the best constant a global model can learn without looking at inputs).
+    ``client_majority``: each client predicts its own most common train label (a
+    personalized model that ignores inputs). Learning shows as accuracy above these. One
+    label per example (classification); a client without train labels predicts the pooled
+    majority, and one without test labels is left out of the means.
+
+    Raises:
+      ValueError: labels that are not one integer per example (one line).
+    """
+    train = [np.asarray(y) for y in train_labels]
+    test = [np.asarray(y) for y in test_labels]
+    for y in train + test:
+        if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+            raise ValueError(f"labels of shape {y.shape} and dtype {y.dtype}: expected one "
+                             "integer class per example (sequence tasks have no such floor)")
+    pooled = np.bincount(np.concatenate(train)).argmax()
+    scored = [(tr, te) for tr, te in zip(train, test) if len(te)]
+    return {"global_majority": float(np.mean([np.mean(te == pooled) for _, te in scored])),
+            "client_majority": float(np.mean([
+                np.mean(te == (np.bincount(tr).argmax() if len(tr) else pooled))
+                for tr, te in scored]))}
+
+
 __all__: Sequence[str] = ("LabelPartition", "SCHEMES", "client_class_probs",
                           "dirichlet_partition", "fixed_size_split", "label_skew",
-                          "partition_indices", "shard_partition")
+                          "majority_baselines", "partition_indices", "shard_partition")
