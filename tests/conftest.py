@@ -27,6 +27,47 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
+# CPU seconds of each test file's CI tests (``-m "not slow"``), summed per test by a pytest
+# plugin reading getrusage of the process and its children (serial run of 9ee1477 on the
+# 2-core machine, nice 19; test_resume and test_sharding remeasured after c7df900/55e13b9). CI runs two xdist workers with ``--dist loadfile``: each takes one file
+# at a time, and the heaviest files started last would leave one worker running alone at
+# the end. Remeasure a file when its tests change much; a file not listed runs last.
+FILE_CPU_SECONDS = {
+    "tests/test_experiment.py": 164, "tests/test_conformance.py": 139,
+    "tests/test_multihost.py": 90,  # not measured alone: its Flow case (now slow) took 135
+    "tests/test_tff_loaders.py": 78, "tests/test_flow_reference.py": 76,
+    "tests/test_apfl.py": 73, "tests/test_resume.py": 73, "tests/test_fedrep.py": 68,
+    "tests/test_sharding.py": 63, "tests/test_validation.py": 63,
+    "tests/test_hypcluster.py": 61, "tests/test_models_large.py": 59,
+    "tests/test_layers.py": 59, "tests/test_routing.py": 51, "tests/test_conv_impl.py": 47,
+    "tests/test_partialfed.py": 46, "tests/test_lg_fedavg.py": 46, "tests/test_flow.py": 41,
+    "tests/test_launch.py": 38, "tests/test_knn_per.py": 37, "tests/test_global_model.py": 37,
+    "tests/test_ditto.py": 37, "tests/test_parity.py": 35, "tests/test_memory_plan.py": 35,
+    "tests/test_models.py": 32, "tests/test_schema.py": 21, "tests/test_leaf_synthetic.py": 21,
+    "tests/test_local.py": 19, "tests/test_bucketing.py": 17, "tests/test_reproduce.py": 10,
+    "tests/test_plot.py": 8, "tests/test_core.py": 7, "tests/test_convert_safety.py": 6,
+    "tests/test_benchmark.py": 5, "tests/test_roofline.py": 4, "tests/test_install.py": 4,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Orders the test files heaviest first (``FILE_CPU_SECONDS``), each file's tests kept
+    in their order, so that CI's two workers finish close together.
+
+    xdist hands out files in the order of this list only with ``--no-loadscope-reorder``
+    (setup.cfg): a worker reports ``session.items`` as collected (xdist 3.8, remote.py
+    ``pytest_collection_finish``), and ``LoadScopeScheduling.schedule`` (scheduler/
+    loadscope.py, which ``LoadFileScheduling`` inherits) queues the files in that order,
+    or, by default, re-sorts them by their number of tests. A worker takes the next file
+    when its current one has at most 2 tests left (``_reschedule``).
+    """
+    def heaviest_first(item):
+        path = os.path.relpath(str(item.path), ROOT).replace(os.sep, "/")
+        return -FILE_CPU_SECONDS.get(path, 0)
+
+    items.sort(key=heaviest_first)  # stable: a file's tests stay together and in order
+
+
 @pytest.fixture(scope="session")
 def shakespeare_small():
     """The embedded Shakespeare data restricted to two plays, capped per client."""
