@@ -108,7 +108,7 @@ _ALGORITHMS = flags.DEFINE_list(
     "Methods to time (fedavg, flow); not --methods, which compare.py and reproduce.py define "
     "in the same flag registry when tests import the launchers together.")
 _EPOCHS = flags.DEFINE_integer("epochs", 1, "Epochs per round (each of Flow's two phases).")
-_CONV_IMPL = flags.DEFINE_enum("conv_impl", "auto", ["auto", "xla", "im2col"],
+_CONV_IMPL = flags.DEFINE_enum("conv_impl", "auto", ["auto", "xla", "im2col", "im2col_slices"],
                                "EMNIST CNN convolution formulation (config.conv_impl).")
 _COMPUTE_DTYPE = flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"],
                                    "EMNIST CNN matmul dtype (config.compute_dtype).")

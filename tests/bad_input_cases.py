@@ -222,7 +222,7 @@ CASES: tuple[Case, ...] = (
     _config("mapping.strategy", "pmap", "config.mapping.strategy='pmap': expected one of "
             "['auto', 'loop', 'vmap', 'chunked']"),
     _config("conv_impl", "fft", "config.conv_impl='fft': expected one of ['auto', 'xla', "
-            "'im2col']"),
+            "'im2col', 'im2col_slices']"),
     _config("compute_dtype", "bfloat16", "config.compute_dtype='bfloat16': expected 'float32': "
             "shakespeare_lstm does not implement compute_dtype"),
     _config("methods.flow.order", "random", "config.methods.flow.order='random': expected one "

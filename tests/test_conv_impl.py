@@ -41,24 +41,29 @@ def loss_of(conv, padding, stride=1):
     return lambda x, w: jnp.sum(jnp.sin(conv(x, w, padding, stride)))
 
 
+IM2COLS = {"im2col": layers.conv2d_im2col, "im2col_slices": layers.conv2d_im2col_slices}
+
+
+@pytest.mark.parametrize("impl", sorted(IM2COLS))
 @pytest.mark.parametrize("padding", ["VALID", "SAME"])
 @pytest.mark.parametrize("kernel,stride", [((3, 3), 1), ((2, 3), 1), ((3, 3), 2)])
-def test_im2col_matches_lax_conv_vmapped_over_clients(padding, kernel, stride):
+def test_im2col_matches_lax_conv_vmapped_over_clients(padding, kernel, stride, impl):
     clients = 3
     x = normal(0, (clients, 4, 9, 8, 5))  # per-client batches
     w = normal(1, (clients, *kernel, 5, 6))  # per-client kernels
-    im2col = lambda a, b, p, s: layers.conv2d_im2col(a, b, p, s)  # noqa: E731
+    im2col = lambda a, b, p, s: IM2COLS[impl](a, b, p, s)  # noqa: E731
     assert_close(jax.jit(jax.vmap(lambda a, b: im2col(a, b, padding, stride)))(x, w),
                  jax.vmap(lambda a, b: lax_conv(a, b, padding, stride))(x, w))
     grads = lambda conv: jax.vmap(jax.grad(loss_of(conv, padding, stride), argnums=(0, 1)))
     assert_close(jax.jit(grads(im2col))(x, w), grads(lax_conv)(x, w))
 
 
-def test_im2col_shared_kernel_and_shared_data():
+@pytest.mark.parametrize("impl", sorted(IM2COLS))
+def test_im2col_shared_kernel_and_shared_data(impl):
     x, w = normal(0, (3, 2, 7, 7, 2)), normal(1, (3, 3, 3, 2, 4))
     for in_axes, xs, ws in (((None, 0), x[0], w), ((0, None), x, w[0])):
         grads = lambda conv: jax.vmap(jax.grad(loss_of(conv, "SAME"), argnums=(0, 1)), in_axes)
-        assert_close(jax.jit(grads(lambda a, b, p, s: layers.conv2d_im2col(a, b, p, s)))(xs, ws),
+        assert_close(jax.jit(grads(lambda a, b, p, s: IM2COLS[impl](a, b, p, s)))(xs, ws),
                      grads(lax_conv)(xs, ws))
 
 
@@ -94,9 +99,10 @@ def emnist_batches(clients=2, steps=3, batch=4):
     return x, y
 
 
-def test_emnist_cnn_im2col_trains_like_xla():
+@pytest.mark.parametrize("impl", sorted(IM2COLS))
+def test_emnist_cnn_im2col_trains_like_xla(impl):
     """The whole model's client updates, vmapped over clients, agree to 1e-5."""
-    xla, im2col = (get_model("emnist_cnn", conv_impl=i) for i in ("xla", "im2col"))
+    xla, im2col = (get_model("emnist_cnn", conv_impl=i) for i in ("xla", impl))
     params = xla.init(jax.random.key(0))
     assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, im2col.init(
         jax.random.key(0)))
@@ -121,7 +127,7 @@ def test_emnist_cnn_default_is_the_float32_xla_model_bit_for_bit():
     assert type(layers.dense(8, jnp.bfloat16)) is layers.MixedDense
 
 
-@pytest.mark.parametrize("impl", ["xla", "im2col"])
+@pytest.mark.parametrize("impl", ["xla", "im2col", "im2col_slices"])
 def test_bf16_compute_keeps_float32_params_and_stays_close(impl):
     f32 = get_model("emnist_cnn", conv_impl=impl)
     bf16 = get_model("emnist_cnn", conv_impl=impl, compute_dtype="bfloat16")

@@ -39,7 +39,8 @@ def emnist_cnn(num_classes: int = 62, custom_grad: bool | None = None, conv_impl
         15-20x slower without it), autodiff elsewhere (on GPU the custom VJP's one-conv-
         per-client vmap rule measured no faster than a loop; cuDNN handles the grouped
         convolutions autodiff's vmap produces).
-      conv_impl: ``"xla"``, ``"im2col"`` or ``"auto"`` (``layers.resolve_conv_impl``:
+      conv_impl: ``"xla"``, ``"im2col"``, ``"im2col_slices"`` or ``"auto"``
+        (``layers.resolve_conv_impl``:
         xla, measured fastest on CPU and on an H100).
       compute_dtype: ``"float32"`` (the default; exactly the float32 model) or
         ``"bfloat16"``: convolutions and dense layers multiply in bf16 with float32

@@ -137,7 +137,7 @@ def _conv2d_bwd(padding: str, residuals: tuple[jax.Array, jax.Array], g: jax.Arr
 conv2d.defvjp(_conv2d_fwd, _conv2d_bwd)
 
 
-CONV_IMPLS = ("auto", "xla", "im2col")
+CONV_IMPLS = ("auto", "xla", "im2col", "im2col_slices")
 
 
 def resolve_conv_impl(impl: str, backend: str | None = None) -> str:
@@ -177,6 +177,30 @@ def conv2d_im2col(x: jax.Array, w: jax.Array, padding: str = "VALID", stride: in
                       preferred_element_type=preferred_element_type)
 
 
+def conv2d_im2col_slices(x: jax.Array, w: jax.Array, padding: str = "VALID", stride: int = 1,
+                         preferred_element_type: Any = None) -> jax.Array:
+    """``conv2d_im2col`` with the patches cut by strided slices instead of a convolution.
+
+    The ``kh * kw`` shifted views of ``x`` are concatenated on the channel axis, in the
+    kernel's own (kh, kw, c) order, so the kernel reshapes to the GEMM's matrix without a
+    transpose. Building the patches is a copy, and its transpose in the backward pass a
+    padded sum: no convolution is left for the library to run grouped under ``vmap``.
+    """
+    kh, kw, c, o = w.shape
+    (lo_h, hi_h), (lo_w, hi_w) = lax.padtype_to_pads(x.shape[1:3], (kh, kw), (stride, stride),
+                                                     padding)
+    x = jnp.pad(x, ((0, 0), (lo_h, hi_h), (lo_w, hi_w), (0, 0)))
+    out_h = (x.shape[1] - kh) // stride + 1
+    out_w = (x.shape[2] - kw) // stride + 1
+    views = [lax.slice(x, (0, i, j, 0),
+                       (x.shape[0], i + stride * (out_h - 1) + 1, j + stride * (out_w - 1) + 1,
+                        c), (1, stride, stride, 1))
+             for i in range(kh) for j in range(kw)]
+    patches = jnp.concatenate(views, axis=-1)
+    return jnp.einsum("nhwk,ko->nhwo", patches, w.reshape(kh * kw * c, o),
+                      preferred_element_type=preferred_element_type)
+
+
 COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 
 
@@ -209,7 +233,8 @@ class Conv2D(nn.Module):
         stride-1 only, so ``stride > 1`` needs ``custom_grad=False``.
       use_bias: add a ``bias``; ``False`` where a normalization follows and adds its own.
       impl: ``"xla"`` (``lax.conv_general_dilated``, or ``conv2d`` with ``custom_grad``),
-        ``"im2col"`` (``conv2d_im2col``, autodiff; ``custom_grad`` is ignored) or
+        ``"im2col"`` (``conv2d_im2col``, autodiff; ``custom_grad`` is ignored),
+        ``"im2col_slices"`` (``conv2d_im2col_slices``, likewise) or
         ``"auto"`` (``resolve_conv_impl``).
       compute_dtype: ``None`` (compute in the params' float32) or e.g. ``jnp.bfloat16``:
         input and kernel are cast to it for the product, which accumulates and returns
@@ -238,8 +263,9 @@ class Conv2D(nn.Module):
         # float32 accumulation and output whenever the product runs in another dtype.
         accumulate = None if self.compute_dtype is None else jnp.float32
         x_c, kernel_c = _compute_cast(self.compute_dtype, x, kernel)
-        if impl == "im2col":
-            y = conv2d_im2col(x_c, kernel_c, self.padding, self.stride, accumulate)
+        if impl in ("im2col", "im2col_slices"):
+            im2col = conv2d_im2col if impl == "im2col" else conv2d_im2col_slices
+            y = im2col(x_c, kernel_c, self.padding, self.stride, accumulate)
         elif self.custom_grad and self.compute_dtype is None:
             y = conv2d(x, kernel, self.padding)
         else:
