@@ -28,16 +28,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 
 # CPU seconds of each test file's CI tests (``-m "not slow"``), summed per test by a pytest
-# plugin reading getrusage of the process and its children (serial run of 9ee1477 on the
-# 2-core machine, nice 19; test_resume and test_sharding remeasured after c7df900/55e13b9). CI runs two xdist workers with ``--dist loadfile``: each takes one file
-# at a time, and the heaviest files started last would leave one worker running alone at
-# the end. Remeasure a file when its tests change much; a file not listed runs last.
+# plugin reading getrusage of the process and its children: the last full serial run before
+# 623bf2a on the 2-core machine (nice 19); test_resume and test_sharding remeasured after
+# c7df900 and 55e13b9, test_multihost (its FedAvg case) at 55e13b9. CI runs two xdist
+# workers with ``--dist loadfile``: each takes one file at a time, and the heaviest files
+# started last would leave one worker running alone at the end. Remeasure a file when its
+# tests change much; a file not listed runs last.
 FILE_CPU_SECONDS = {
     "tests/test_experiment.py": 164, "tests/test_conformance.py": 139,
-    "tests/test_multihost.py": 90,  # not measured alone: its Flow case (now slow) took 135
     "tests/test_tff_loaders.py": 78, "tests/test_flow_reference.py": 76,
     "tests/test_apfl.py": 73, "tests/test_resume.py": 73, "tests/test_fedrep.py": 68,
-    "tests/test_sharding.py": 63, "tests/test_validation.py": 63,
+    "tests/test_multihost.py": 65, "tests/test_sharding.py": 63, "tests/test_validation.py": 63,
     "tests/test_hypcluster.py": 61, "tests/test_models_large.py": 59,
     "tests/test_layers.py": 59, "tests/test_routing.py": 51, "tests/test_conv_impl.py": 47,
     "tests/test_partialfed.py": 46, "tests/test_lg_fedavg.py": 46, "tests/test_flow.py": 41,
