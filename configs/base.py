@@ -70,8 +70,9 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
         max_examples=config_dict.placeholder(int)))
     config.mapping = ml_collections.ConfigDict(dict(strategy="auto", chunk_size=1, num_devices=1))
     # Per-client layer formulation and precision (models that implement them: emnist_cnn).
-    # conv_impl "auto" = "xla" (measured fastest on CPU and on an H100; "im2col": batched
-    # GEMMs, docs/benchmarks/roofline.md); compute_dtype "bfloat16" multiplies in bf16 with
+    # conv_impl "auto" = "xla" on CPU, "im2col_slices" (batched GEMMs on patches cut by
+    # slices) on GPU, each measured fastest there (docs/benchmarks/roofline.md);
+    # compute_dtype "bfloat16" multiplies in bf16 with
     # float32 params, gradients and optimizer state.
     config.conv_impl = "auto"
     config.compute_dtype = "float32"

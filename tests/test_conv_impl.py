@@ -69,7 +69,9 @@ def test_im2col_shared_kernel_and_shared_data(impl):
 
 def test_conv_impl_resolution():
     assert layers.resolve_conv_impl("auto", "cpu") == "xla"
-    assert layers.resolve_conv_impl("auto", "gpu") == "xla"  # measured on an H100
+    assert layers.resolve_conv_impl("auto", "gpu") == "im2col_slices"  # measured on an H100
+    assert layers.resolve_conv_impl("auto", "tpu") == "xla"  # not measured: the default
+    assert layers.resolve_conv_impl("auto") == "xla"  # this CPU
     assert layers.resolve_conv_impl("im2col", "cpu") == "im2col"
     with pytest.raises(ValueError, match="conv_impl 'fft'"):
         layers.resolve_conv_impl("fft")

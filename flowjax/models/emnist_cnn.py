@@ -40,8 +40,8 @@ def emnist_cnn(num_classes: int = 62, custom_grad: bool | None = None, conv_impl
         per-client vmap rule measured no faster than a loop; cuDNN handles the grouped
         convolutions autodiff's vmap produces).
       conv_impl: ``"xla"``, ``"im2col"``, ``"im2col_slices"`` or ``"auto"``
-        (``layers.resolve_conv_impl``:
-        xla, measured fastest on CPU and on an H100).
+        (``layers.resolve_conv_impl``: xla on CPU, im2col_slices on GPU, each measured
+        fastest there).
       compute_dtype: ``"float32"`` (the default; exactly the float32 model) or
         ``"bfloat16"``: convolutions and dense layers multiply in bf16 with float32
         accumulation; params, gradients and optimizer state stay float32.

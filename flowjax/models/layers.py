@@ -141,22 +141,22 @@ CONV_IMPLS = ("auto", "xla", "im2col", "im2col_slices")
 
 
 def resolve_conv_impl(impl: str, backend: str | None = None) -> str:
-    """``"auto"`` -> the formulation measured fastest on ``backend``: ``"xla"`` everywhere.
+    """``"auto"`` -> the formulation measured fastest on ``backend`` (default: JAX's).
 
-    CPU: the hand-written VJP's convolutions (im2col's patch building is memory-bound there;
-    ``docs/benchmarks/roofline.md`` counts the patches' bytes). GPU (one H100, EMNIST CNN,
-    100 clients vmapped, ``docs/benchmarks/gpu-h100-2026-11-26.md``): cuDNN's grouped
-    convolutions ran the FedAvg round in 0.154 s and Flow's in 0.190 s, im2col's batched
-    GEMMs in 0.207 s and 0.433 s (its patches, 9x conv2's input, cost more memory traffic
-    than the grouped convolution loses). ``backend`` is accepted so the choice can differ
-    per backend.
+    CPU (and any backend not measured): ``"xla"``, the hand-written VJP's convolutions
+    (im2col's patch building is memory-bound there; ``docs/benchmarks/roofline.md`` counts
+    the patches' bytes). GPU: ``"im2col_slices"``. On one H100 (EMNIST CNN, 100 clients x 10
+    steps vmapped, ``docs/benchmarks/gpu-h100-2026-11-26.md``, call 4) its batched GEMMs ran
+    the FedAvg round in 0.059 s and Flow's in 0.114 s against 0.119 s and 0.177 s for
+    cuDNN's grouped convolutions (``"xla"``) in the same call; ``"im2col"``, whose patches
+    are built by convolutions, had lost to ``"xla"`` (0.207 and 0.433 s vs 0.154 and 0.190).
     """
     if impl not in CONV_IMPLS:
         raise ValueError(f"unknown conv_impl {impl!r}; expected one of {CONV_IMPLS}")
     if impl != "auto":
         return impl
-    del backend  # measured: xla on CPU and on GPU
-    return "xla"
+    backend = jax.default_backend() if backend is None else backend
+    return "im2col_slices" if backend == "gpu" else "xla"
 
 
 def conv2d_im2col(x: jax.Array, w: jax.Array, padding: str = "VALID", stride: int = 1,
