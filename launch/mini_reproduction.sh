@@ -24,8 +24,11 @@ python launch/reproduce.py --table=table2 "${grid[@]}" --methods="$methods"
 python launch/reproduce.py --table=table3 "${grid[@]}" --aggregate_only \
     --methods="${methods#local,fedavg,}"
 python launch/reproduce.py --table=soft_hard "${grid[@]}" --aggregate_only
-python launch/plot.py --workdir="$workdir"
+# Only this grid's methods: launch/gain_source.sh's runs share the workdir. A fresh folder,
+# so no PNG of an earlier plot is copied.
+rm -rf "$workdir/plots_mini"
+python launch/plot.py --workdir="$workdir" --plot_methods="$methods" --out_dir="$workdir/plots_mini"
 mkdir -p "$docs"
 cp "$workdir"/table2.{md,csv} "$workdir"/table3.{md,csv} "$workdir"/soft_hard.{md,csv} "$docs"/
-cp "$workdir"/plots/*.png "$docs"/
+cp "$workdir"/plots_mini/*.png "$docs"/
 echo "wrote $docs"

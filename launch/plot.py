@@ -3,6 +3,7 @@ r"""Draw the learning curves, instance breakdown and routing figures of runs as 
   python launch/plot.py --workdir=runs/cmp        # a launch/compare.py folder
   python launch/plot.py --workdir=/tmp/run        # one launch/train.py run
   python launch/plot.py --workdir=runs/reproduce  # a launch/reproduce.py grid
+  python launch/plot.py --workdir=runs/mini --plot_methods=fedavg,flow --out_dir=/tmp/p
 
 Every folder under ``--workdir`` holding ``results.json`` or ``metrics.jsonl`` is a run;
 runs are grouped by dataset, by method (the folder holding the run, or the algorithm of a
@@ -29,6 +30,10 @@ from flowjax.paper import plot_data  # noqa: E402
 _WORKDIR = flags.DEFINE_string("workdir", None,
                                 "Folder of runs to plot; the PNGs go to <workdir>/plots.")
 _DPI = flags.DEFINE_integer("dpi", 120, "Resolution of the PNGs.")
+_PLOT_METHODS = flags.DEFINE_list("plot_methods", [], "Only these methods' runs (the folder "
+                                  "names); default: every run under --workdir.")
+_OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the PNGs (default: "
+                               "<workdir>/plots).")
 
 
 def main(argv):
@@ -44,8 +49,8 @@ def main(argv):
               file=sys.stderr)
         return 2
     try:
-        runs = plot_data.load_runs(workdir)
-    except plot_data.RunFileError as error:
+        runs = plot_data.select_methods(plot_data.load_runs(workdir), _PLOT_METHODS.value)
+    except (plot_data.RunFileError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if not runs:
@@ -59,7 +64,7 @@ def main(argv):
         print(f"error: nothing to plot under --workdir={workdir}: no run has an evaluation "
               f"yet", file=sys.stderr)
         return 2
-    out = os.path.join(workdir, "plots")
+    out = _OUT_DIR.value or os.path.join(workdir, "plots")
     os.makedirs(out, exist_ok=True)
     for name, figure in figures.items():
         path = os.path.join(out, name)

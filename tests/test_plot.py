@@ -305,3 +305,25 @@ def test_a_broken_results_file_is_named(tmp_path):
     (tmp_path / "results.json").write_text("{not json")
     with pytest.raises(plot_data.RunFileError, match="results.json"):
         plot_data.load_runs(str(tmp_path))
+
+
+def test_plot_methods_and_out_dir_select_the_runs_and_the_folder(tmp_path):
+    # A reproduce grid whose workdir another table's runs share (launch/mini_reproduction.sh).
+    for method, algorithm in (("flow", "flow"), ("fedavg", "fedavg"), ("flow_ref_halves", "flow")):
+        write_run(tmp_path / "toy" / method / "seed_0", dataset="toy", algorithm=algorithm,
+                  seed=0, evals={1: (0.1, 0.2)}, breakdown=BREAKDOWN_A,
+                  q0=Q0 if algorithm == "flow" else None)
+    out = tmp_path / "only"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "plot.py"),
+                           f"--workdir={tmp_path}", "--plot_methods=fedavg,flow",
+                           f"--out_dir={out}"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(os.listdir(out)) == ["breakdown_toy.png", "learning_curves_toy.png",
+                                       "routing_q0_toy_flow.png"]
+    assert not (tmp_path / "plots").exists()
+    runs = plot_data.select_methods(plot_data.load_runs(str(tmp_path)), ["fedavg", "flow"])
+    assert sorted(r.method for r in runs) == ["fedavg", "flow"]
+    with pytest.raises(ValueError, match=r"^no run of method ditto; the runs' methods are "
+                                         r"fedavg, flow, flow_ref_halves$"):
+        plot_data.select_methods(runs + plot_data.load_runs(str(tmp_path)), ["ditto"])

@@ -173,6 +173,23 @@ def load_runs(workdir: str) -> list[Run]:
     return [Run(**{k: v for k, v in run.items() if k in fields}) for run in loaded]
 
 
+def select_methods(runs: Sequence[Run], methods: Sequence[str]) -> list[Run]:
+    """The runs of ``methods`` (all runs when empty), e.g. one table's rows of a workdir
+    that other tables' runs share.
+
+    Raises:
+      ValueError: a name that no run has (one line, with the names that exist).
+    """
+    if not methods:
+        return list(runs)
+    present = sorted({run.method for run in runs})
+    unknown = [m for m in methods if m not in present]
+    if unknown:
+        raise ValueError(f"no run of method {', '.join(unknown)}; the runs' methods are "
+                         f"{', '.join(present)}")
+    return [run for run in runs if run.method in methods]
+
+
 def by_dataset(runs: Iterable[Run]) -> dict[str, list[Run]]:
     """Runs grouped by dataset, datasets sorted."""
     grouped: dict[str, list[Run]] = {}
