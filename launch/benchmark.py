@@ -252,14 +252,15 @@ def time_compiled_round(simulation, state, cohort, repeats: int) -> dict:
     """Compiles the round ahead of time, then times ``repeats`` executions with no warm-up
     run (the engine's own jitted round function, lowered for these exact arguments)."""
     start = time.perf_counter()
-    compiled = simulation._round_fn.lower(state, cohort, np.int32(0), None).compile()
+    compiled = simulation._round_fn.lower(state, cohort, np.int32(0), None,
+                                          simulation.seed_words).compile()
     compile_s = time.perf_counter() - start
     times = []
     for _ in range(repeats):
         fresh = jax.tree.map(jnp.copy, state)  # donated by the round
         jax.block_until_ready(fresh)
         start = time.perf_counter()
-        jax.block_until_ready(compiled(fresh, cohort, np.int32(0), None))
+        jax.block_until_ready(compiled(fresh, cohort, np.int32(0), None, simulation.seed_words))
         times.append(time.perf_counter() - start)
     return {"round_s": statistics.median(times), "compile_s": compile_s}
 

@@ -39,8 +39,15 @@ def test_same_seed_same_results_and_one_compilation_per_kind(shared_run):
     # 12 rounds and 3 evaluations, each compiled exactly once.
     assert [h["round"] for h in first.history if h["kind"] == "eval"] == [4, 4, 8, 8, 12, 12]
     assert simulation.trace_counts == {"round": 1, "eval": 1}
-    _, other_seed = run(small_config(**SHARED, seed=1))
+    other_simulation, other_seed = run(small_config(**SHARED, seed=1))
     assert other_seed.results_dict() != first.results_dict()
+    # The seed is an argument of the compiled programs, not a constant in them: both
+    # seeds' rounds are one program (one compilation-cache entry).
+    state = simulation.init_state()
+    cohort = simulation.cohort(0)
+    def round_program(sim):
+        return sim._round_fn.lower(state, cohort, np.int32(0), None, sim.seed_words).as_text()
+    assert round_program(other_simulation) == round_program(simulation)
 
 
 def test_results_have_the_paper_fields(shared_run):
@@ -149,6 +156,13 @@ def test_seeds_are_64_bit_and_never_wrap():
     for seed in (-1, 2 ** 64):
         with pytest.raises(ValueError, match=r"expected an integer in \[0, 2\*\*64\)"):
             prng.seed_key(seed)
+    # The words the compiled programs take rebuild every stream's key, traced or not.
+    rebuilt = jax.jit(prng.stream_key, static_argnums=1)
+    for seed in (0, 5, 2 ** 32 + 5, 2 ** 64 - 1):
+        for purpose in prng.Purpose:
+            expected = jax.random.key_data(prng.base_key(seed, purpose)).tolist()
+            assert jax.random.key_data(rebuilt(prng.seed_words(seed), purpose)).tolist() == expected
+            assert jax.random.key_data(prng.stream_key(prng.seed_words(seed), purpose)).tolist() == expected
 
 
 def test_loss_growth_warns_past_1000_times_the_first_loss():

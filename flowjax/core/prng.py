@@ -50,6 +50,21 @@ def base_key(seed: int, purpose: Purpose) -> jax.Array:
     return jax.random.fold_in(seed_key(seed), int(purpose))
 
 
+def seed_words(seed: int) -> np.ndarray:
+    """The root key's data (``uint32[2]`` for threefry) as a host array.
+
+    Compiled programs take these words as an argument instead of closing over the seed:
+    then one executable serves every seed (the compilation cache's key is the program),
+    and ``stream_key(seed_words(s), p)`` is the same key as ``base_key(s, p)``.
+    """
+    return np.asarray(jax.random.key_data(seed_key(seed)))
+
+
+def stream_key(words: jax.Array, purpose: Purpose) -> jax.Array:
+    """``base_key`` from ``seed_words``; ``words`` may be traced."""
+    return jax.random.fold_in(jax.random.wrap_key_data(words), int(purpose))
+
+
 def round_key(stream: jax.Array, round_index: jax.Array | int) -> jax.Array:
     """The key of one round of a stream; ``round_index`` may be traced."""
     return jax.random.fold_in(stream, round_index)

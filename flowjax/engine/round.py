@@ -6,8 +6,9 @@ server optimizer to the mean. Nothing here touches the host: sampling, padding,
 placement and the per-client state store are ``flowjax.engine.simulation``'s.
 
 Example:
-  >>> round_fn = jax.jit(make_round(algorithm, optax.sgd(1.0), ClientMapping(), seed=0))
-  >>> state, metrics, client_states = round_fn(state, cohort, np.int32(0), None)
+  >>> round_fn = jax.jit(make_round(algorithm, optax.sgd(1.0), ClientMapping()))
+  >>> state, metrics, client_states = round_fn(state, cohort, np.int32(0), None,
+  ...                                          prng.seed_words(0))
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ class ServerState:
     opt_state: PyTree
 
 
-RoundFn = Callable[[ServerState, ClientExamples, jax.Array, PyTree],
+RoundFn = Callable[[ServerState, ClientExamples, jax.Array, PyTree, jax.Array],
                    tuple[ServerState, dict[str, jax.Array], PyTree]]
-EvalChunkFn = Callable[[PyTree, ClientExamples, ClientExamples, jax.Array, jax.Array, PyTree],
-                       ClientCounts]
+EvalChunkFn = Callable[[PyTree, ClientExamples, ClientExamples, jax.Array, jax.Array, PyTree,
+                        jax.Array], ClientCounts]
 
 
 def _sum_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -49,9 +50,12 @@ def _sum_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 def make_round(algorithm: FederatedAlgorithm, server_optimizer: optax.GradientTransformation,
-               mapping: ClientMapping, seed: int) -> RoundFn:
-    """The pure round ``(state, cohort, round_index, client_states) -> (state, metrics,
-    client_states)``.
+               mapping: ClientMapping) -> RoundFn:
+    """The pure round ``(state, cohort, round_index, client_states, seed_words) -> (state,
+    metrics, client_states)``.
+
+    The seed comes in as ``prng.seed_words(seed)``, an argument rather than a constant, so
+    runs that differ only in their seed share one compiled program.
 
     ``metrics`` holds the clients' summed metrics, ``weight`` (total example weight) and
     ``clients_skipped`` (clients whose update went non-finite: they are dropped from the
@@ -60,8 +64,10 @@ def make_round(algorithm: FederatedAlgorithm, server_optimizer: optax.GradientTr
     """
 
     def round_fn(state: ServerState, cohort: ClientExamples, round_index: jax.Array,
-                 client_states: PyTree) -> tuple[ServerState, dict[str, jax.Array], PyTree]:
-        key_of_round = prng.round_key(prng.base_key(seed, prng.Purpose.TRAIN), round_index)
+                 client_states: PyTree,
+                 seed_words: jax.Array) -> tuple[ServerState, dict[str, jax.Array], PyTree]:
+        key_of_round = prng.round_key(prng.stream_key(seed_words, prng.Purpose.TRAIN),
+                                      round_index)
 
         def one_client(examples: ClientExamples, client_state):
             key = prng.client_key(key_of_round, examples.client_id)
@@ -108,17 +114,16 @@ def make_round(algorithm: FederatedAlgorithm, server_optimizer: optax.GradientTr
     return round_fn
 
 
-def make_eval_chunk(algorithm: FederatedAlgorithm, mapping: ClientMapping,
-                    seed: int) -> EvalChunkFn:
+def make_eval_chunk(algorithm: FederatedAlgorithm, mapping: ClientMapping) -> EvalChunkFn:
     """The pure evaluation of a chunk of clients ``(params, train, test, round_index,
-    population, client_states) -> ClientCounts``: each client is personalized on its
-    train split and evaluated on its test split, with keys from (seed, population, round,
-    client)."""
+    population, client_states, seed_words) -> ClientCounts``: each client is personalized
+    on its train split and evaluated on its test split, with keys from (seed, population,
+    round, client)."""
 
     def eval_chunk(params: PyTree, train: ClientExamples, test: ClientExamples,
                    round_index: jax.Array, population: jax.Array,
-                   client_states: PyTree) -> ClientCounts:
-        stream = jax.random.fold_in(prng.base_key(seed, prng.Purpose.EVAL), population)
+                   client_states: PyTree, seed_words: jax.Array) -> ClientCounts:
+        stream = jax.random.fold_in(prng.stream_key(seed_words, prng.Purpose.EVAL), population)
         key_of_round = prng.round_key(stream, round_index)
 
         def one_client(train_examples, test_examples, client_state):

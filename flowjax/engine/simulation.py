@@ -106,9 +106,10 @@ class Simulation:
         self.trace_counts = {"round": 0, "eval": 0}
         self.client_states: ClientStateStore | None = None
         self._round_fn = jax.jit(self._counted("round", make_round(
-            algorithm, server_optimizer, self.mapping, settings.seed)), donate_argnums=(0,))
-        self._eval_fn = jax.jit(self._counted("eval", make_eval_chunk(
-            algorithm, self.mapping, settings.seed)))
+            algorithm, server_optimizer, self.mapping)), donate_argnums=(0,))
+        self._eval_fn = jax.jit(self._counted("eval", make_eval_chunk(algorithm, self.mapping)))
+        # Host words, like round_index: every host passes the same value.
+        self.seed_words = prng.seed_words(settings.seed)
 
     def _counted(self, kind: str, fn):
         def traced(*args):
@@ -156,7 +157,8 @@ class Simulation:
             client_ids = distributed.fetch(cohort.client_id)
         states = self._client_states_for(client_ids)
         # A numpy scalar, not a device array: every host passes the same host value.
-        state, metrics, new_states = self._round_fn(state, cohort, np.int32(round_index), states)
+        state, metrics, new_states = self._round_fn(state, cohort, np.int32(round_index), states,
+                                                   self.seed_words)
         if self.client_states is not None:
             self.client_states.scatter(client_ids, distributed.fetch(new_states))
         return state, metrics
@@ -211,7 +213,7 @@ class Simulation:
                 states = self._client_states_for(np.asarray(train.client_id), name)
                 chunks.append(self._eval_fn(params, self._place(train), self._place(test),
                                             np.int32(round_index), np.int32(population_index),
-                                            states))
+                                            states, self.seed_words))
             chunks = distributed.fetch(chunks)
             counts = jax.tree.map(lambda *a: np.concatenate(a), *chunks)
             summaries[name] = summarize(counts)
