@@ -185,6 +185,11 @@ def _check_model_fields(config: Any, method: Any, model: RoutableModel) -> None:
                   f"expected {model.num_layers} widths, one per routed layer of {model.name} "
                   f"{layers}")
         _check_flow_departures(method, model)
+        dtype = config.get("compute_dtype", "float32")
+        if (dtype != "float32"
+                and flow_reference.resolve(method, model.name).recurrence == "mixed_state"):
+            _fail("compute_dtype", dtype, "expected 'float32' with methods.flow.recurrence="
+                  "'mixed_state': its routed recurrence (layers.routed_lstm) computes in float32")
     if config.algorithm == "lg_fedavg":
         requested = method.global_layers
         try:

@@ -31,8 +31,9 @@ Options:
     the largest chunk that fits the device (``plan_chunk_size``; on CPU give
     ``--plan_memory_gb``) caps ``chunk_for_sizes``'s padding-vs-fill choice.
   --epochs=3: epochs per round (FedAvg; each of Flow's two phases).
-  --conv_impl=im2col, --compute_dtype=bfloat16: the EMNIST CNN's conv formulation and
-    matmul precision (``config.conv_impl``, ``config.compute_dtype``).
+  --conv_impl=im2col, --compute_dtype=bfloat16: the EMNIST CNN's conv formulation, and
+    the matmul precision of the CNN and the LSTMs (``config.conv_impl``,
+    ``config.compute_dtype``).
   --nopython_loop, --nocentralized: skip the sequential baseline / the centralized step
     (for cohorts where they take too long or, centralized, too much memory).
   --nowarmup: compile each round ahead of time (reported as ``compile s``) and time the
@@ -111,7 +112,7 @@ _EPOCHS = flags.DEFINE_integer("epochs", 1, "Epochs per round (each of Flow's tw
 _CONV_IMPL = flags.DEFINE_enum("conv_impl", "auto", ["auto", "xla", "im2col", "im2col_slices"],
                                "EMNIST CNN convolution formulation (config.conv_impl).")
 _COMPUTE_DTYPE = flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"],
-                                   "EMNIST CNN matmul dtype (config.compute_dtype).")
+                                   "Matmul dtype of the EMNIST CNN and the LSTMs (config.compute_dtype).")
 _PYTHON_LOOP = flags.DEFINE_bool("python_loop", True, "Time the sequential Python loop.")
 _CENTRALIZED = flags.DEFINE_bool("centralized", True, "Time the centralized-equivalent step.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "A warm-up round before the timed ones; without "
@@ -163,6 +164,11 @@ def first_batch(task: FederatedTask, batch: int) -> jax.Array:
     return jnp.asarray(task.train.client(0, "train")["x"][:batch])
 
 
+# The model options these flags set, and the models whose factories take them.
+_MODEL_FLAGS = {"conv_impl": ("emnist_cnn",),
+                "compute_dtype": ("emnist_cnn", "shakespeare_lstm", "stackoverflow_lstm")}
+
+
 class BadFlags(ValueError):
     """A flag combination the benchmark cannot run: one line, exit status 2."""
 
@@ -175,9 +181,10 @@ def model_options(model_name: str) -> dict:
         options["conv_impl"] = _CONV_IMPL.value
     if _COMPUTE_DTYPE.value != "float32":
         options["compute_dtype"] = _COMPUTE_DTYPE.value
-    if model_name != "emnist_cnn" and {"conv_impl", "compute_dtype"} & set(options):
-        raise BadFlags(f"--conv_impl/--compute_dtype: only emnist_cnn implements them, "
-                             f"not {model_name}")
+    for name, models in _MODEL_FLAGS.items():
+        if name in options and model_name not in models:
+            raise BadFlags(f"--{name}: {model_name} does not implement it "
+                           f"(only {', '.join(models)})")
     return options
 
 

@@ -224,7 +224,10 @@ CASES: tuple[Case, ...] = (
     _config("conv_impl", "fft", "config.conv_impl='fft': expected one of ['auto', 'xla', "
             "'im2col', 'im2col_slices']"),
     _config("compute_dtype", "bfloat16", "config.compute_dtype='bfloat16': expected 'float32': "
-            "shakespeare_lstm does not implement compute_dtype"),
+            "resnet18_gn does not implement compute_dtype", model="resnet18_gn"),
+    _config("compute_dtype", "bfloat16", "config.compute_dtype='bfloat16': expected 'float32' "
+            "with methods.flow.recurrence='mixed_state': its routed recurrence "
+            "(layers.routed_lstm) computes in float32", **{"methods.flow.recurrence": "mixed_state"}),
     _config("methods.flow.order", "random", "config.methods.flow.order='random': expected one "
             "of ['alternating', 'policy_first', 'global_first']"),
     _config("methods.flow.global_step", "local_only", "config.methods.flow.global_step="

@@ -138,11 +138,11 @@ def test_flags_for_another_model_fail_in_one_line():
     import subprocess
     import sys
     done = subprocess.run([sys.executable, "launch/benchmark.py", "--models=shakespeare_lstm",
-                           "--compute_dtype=bfloat16"], capture_output=True, text=True,
+                           "--conv_impl=im2col"], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 2
-    assert done.stderr.strip() == ("error: --conv_impl/--compute_dtype: only emnist_cnn "
-                                   "implements them, not shakespeare_lstm")
+    assert done.stderr.strip() == ("error: --conv_impl: shakespeare_lstm does not implement "
+                                   "it (only emnist_cnn)")
 
 
 @pytest.mark.slow

@@ -178,6 +178,35 @@ def test_config_fields_reach_the_model_and_bad_values_fail_in_one_line():
         validate_config(config)
     config = stackoverflow.get_config("paper")
     config.compute_dtype = "bfloat16"
+    assert validate_config(config)[1].name == "stackoverflow_lstm"
+    config = emnist.get_config("paper")
+    config.model, config.compute_dtype = "resnet18_gn", "bfloat16"
     with pytest.raises(ValueError, match="config.compute_dtype='bfloat16': expected 'float32': "
-                                         "stackoverflow_lstm does not implement compute_dtype"):
+                                         "resnet18_gn does not implement compute_dtype"):
         validate_config(config)
+
+
+@pytest.mark.parametrize("name, options, length", [
+    ("stackoverflow_lstm", dict(vocab_size=60, embed_dim=8, hidden=16, dense=8), 20),
+    ("shakespeare_lstm", dict(hidden=16), 80)])
+def test_lstm_models_in_bf16_keep_float32_params_and_stay_close(name, options, length):
+    f32 = get_model(name, **options)
+    bf16 = get_model(name, compute_dtype="bfloat16", **options)
+    params = f32.init(jax.random.key(0))
+    assert jax.tree.map(jnp.shape, bf16.init(jax.random.key(0))) == jax.tree.map(
+        jnp.shape, params)
+    x = jax.random.randint(jax.random.key(1), (3, length), 1, f32.num_classes)
+
+    def loss(model):
+        return lambda p: jnp.mean(jax.nn.log_softmax(forward(model, p, x))[..., 1])
+
+    def relative(a, b):
+        return max(float(jnp.linalg.norm(u - v) / jnp.linalg.norm(v))
+                   for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+    logits = jax.jit(lambda p: forward(bf16, p, x))(params)
+    assert logits.dtype == jnp.float32
+    assert 0 < relative(logits, jax.jit(lambda p: forward(f32, p, x))(params)) < 2e-2
+    grads = jax.jit(jax.grad(loss(bf16)))(params)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+    assert 0 < relative(grads, jax.jit(jax.grad(loss(f32)))(params)) < 5e-2

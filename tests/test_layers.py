@@ -175,3 +175,67 @@ def test_lstm_module():
     assert fast.apply(params, x).shape == (2, 5, 4)
     loss = lambda module: lambda p: jnp.sum(jnp.sin(module.apply(p, x)))
     assert_close(jax.grad(loss(fast))(params), jax.grad(loss(plain))(params))
+
+
+def relative_error(actual, expected) -> float:
+    """The largest ``|a - e| / |e|`` (Frobenius norms) over the leaves."""
+    return max(float(jnp.linalg.norm(a - e) / jnp.linalg.norm(e))
+               for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True))
+
+
+def test_lstm_bf16_compute_stays_close_to_float32_and_keeps_float32_gradients():
+    args = lstm_args(batch=(4,), time=8, features=6, hidden=16)
+    bf16 = lambda *a: layers.lstm(*a, jnp.bfloat16)  # noqa: E731
+    autodiff = lambda *a: layers._lstm_forward(*a, jnp.bfloat16, cast_once=False)[0]  # noqa: E731
+    out = jax.jit(bf16)(*args)
+    reference = jax.jit(reference_lstm)(*args)
+    assert out.dtype == jnp.float32
+    # bf16 operands (8-bit mantissa), float32 accumulation and cell: about 1e-2 relative.
+    assert 0 < relative_error(out, reference) < 2e-2
+    grad = lambda fn: jax.jit(jax.grad(lstm_loss(fn), argnums=(0, 1, 2, 3)))  # noqa: E731
+    expected = grad(reference_lstm)(*args)
+    for fn in (bf16, autodiff):  # the hand-written VJP and autodiff of the same forward
+        grads = grad(fn)(*args)
+        assert {g.dtype for g in grads} == {jnp.dtype(jnp.float32)}
+        assert 0 < relative_error(grads, expected) < 3e-2
+    assert relative_error(grad(bf16)(*args), grad(autodiff)(*args)) < 3e-2
+
+
+def equations(jaxpr, in_loop: bool = False):
+    """``(equation, inside a scan/while body)`` for every equation, nested ones included."""
+    for eqn in jaxpr.eqns:
+        yield eqn, in_loop
+        loop = in_loop or eqn.primitive.name in ("scan", "while")
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from equations(inner, loop)
+
+
+@pytest.mark.parametrize("float32_products", [True, False])
+def test_lstm_bf16_casts_the_recurrent_weight_once_per_sequence_not_per_step(
+        float32_products, monkeypatch):
+    """The recurrence reads ``w_h`` at every step, forward and backward: the hand-written
+    VJP's loops multiply a copy made before the loop, not a float32 weight converted per
+    step. Traced for CPU's form (bf16-rounded float32 operands) and, without compiling,
+    for the accelerators' (bf16 operands)."""
+    monkeypatch.setattr(layers, "_rounds_in_float32", lambda: float32_products)
+    x, w_x, w_h, b = lstm_args(hidden=16)
+    loss = lambda *a: jnp.sum(jnp.sin(layers.lstm(*a, jnp.bfloat16)))  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w_x, w_h, b).jaxpr
+    weight_shapes = (w_h.shape, w_h.T.shape)
+    in_loop = [eqn for eqn, loop in equations(jaxpr) if loop]
+    assert not [e for e in in_loop if e.primitive.name == "convert_element_type"
+                and e.invars[0].aval.shape in weight_shapes]
+    before_loop = [e for e, loop in equations(jaxpr) if not loop
+                   and e.primitive.name == "convert_element_type"
+                   and e.outvars[0].aval.dtype == jnp.bfloat16
+                   and e.outvars[0].aval.shape in weight_shapes]
+    assert {e.outvars[0].aval.shape for e in before_loop} == set(weight_shapes)
+    # The forward's h @ w_h and the backward's dz @ w_h^T, on operands of the form chosen.
+    products = [e for e in in_loop if e.primitive.name == "dot_general"]
+    assert len(products) == 2
+    operand = jnp.float32 if float32_products else jnp.bfloat16
+    assert {v.aval.dtype for e in products for v in e.invars} == {jnp.dtype(operand)}
+    assert {v.aval.dtype for e in products for v in e.outvars} == {jnp.dtype(jnp.float32)}

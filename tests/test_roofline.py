@@ -76,3 +76,18 @@ def test_achieved_fraction_is_the_rate_over_the_methods_bound(emnist, tmp_path, 
         assert row["bound"] == pytest.approx(limit)
         assert row["fraction"] == pytest.approx(rate / limit)
     assert "| run.json | emnist_cnn | fedavg | vmap | 6,850 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("compute_dtype, reread_bytes", [("float32", 4e8), ("bfloat16", 2e8)])
+def test_the_recurrent_weights_re_reads_are_bf16_sized_under_bf16_compute(
+        compute_dtype, reread_bytes, tmp_path):
+    import json
+    result = {"compute_dtype": compute_dtype, "models": {"stackoverflow_lstm": {
+        "rows": [{"method": "fedavg", "mapping": "vmap", "client_steps_per_s": 1000.0}]}}}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(result))
+    step = {"flops": 1e9, "bytes": 1e8, "bytes_rereads": 4e8}  # memory-bound on an H100
+    reports = {("stackoverflow_lstm", "xla"): {"steps": {"fedavg": step}}}
+    (row,) = roofline.achieved(reports, [str(path)], "h100")
+    assert row["bound"] == pytest.approx(3.35e12 / 1e8)
+    assert row["bound_rereads"] == pytest.approx(3.35e12 / (1e8 + reread_bytes))

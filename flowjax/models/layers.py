@@ -311,49 +311,96 @@ def _lstm_cell(z: jax.Array, c: jax.Array) -> tuple[jax.Array, jax.Array, jax.Ar
     return o * jnp.tanh(c), c, jnp.concatenate([i, f, g, o], axis=-1)
 
 
-def _lstm_scan(zx: jax.Array, w_h: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _rounds_in_float32() -> bool:
+    """Whether products in a compute dtype multiply its values in float32 (CPU) instead
+    of running in that dtype: XLA CPU's dot thunk lacks bf16 x bf16 -> f32 for some
+    layouts (the LSTM's time-major input projection fails at run time), and on CPU a
+    bf16 product gains nothing. The arithmetic is the same: a product of two bf16 values
+    is exact in float32, and both forms accumulate in float32."""
+    return jax.default_backend() == "cpu"
+
+
+def _operand(dtype: Any, a: jax.Array) -> jax.Array:
+    """``a`` as an operand of a product in ``dtype``: cast to it, or on CPU rounded to it
+    and kept float32 (``_rounds_in_float32``); unchanged when ``dtype`` is None."""
+    if dtype is None:
+        return a
+    a = a.astype(dtype)
+    return a.astype(jnp.float32) if _rounds_in_float32() else a
+
+
+def _product(spec: str, a: jax.Array, b: jax.Array, dtype: Any) -> jax.Array:
+    """``einsum(spec, a, b)``; with a compute ``dtype``, on operands in it (``_operand``)
+    with float32 accumulation and output. ``dtype`` None is the plain einsum, unchanged."""
+    if dtype is None:
+        return jnp.einsum(spec, a, b)
+    return jnp.einsum(spec, _operand(dtype, a), _operand(dtype, b),
+                      preferred_element_type=jnp.float32)
+
+
+def _matmul(a: jax.Array, b: jax.Array, dtype: Any) -> jax.Array:
+    """``a @ b`` where ``b`` is already an operand (``_operand``): only ``a`` is cast."""
+    if dtype is None:
+        return a @ b
+    return jnp.matmul(_operand(dtype, a), b, preferred_element_type=jnp.float32)
+
+
+def _lstm_scan(zx: jax.Array, w_h: jax.Array, compute_dtype: Any = None,
+               cast_once: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Runs the recurrence on time-major input projections ``zx`` ``[T, B, 4H]``.
 
     Returns hidden states and cell states ``[T, B, H]`` and activated gates ``[T, B, 4H]``.
+    With a ``compute_dtype`` and ``cast_once``, ``w_h`` is cast once before the loop, so
+    every time step reads the narrow copy (the recurrence is bound by those reads). Under
+    autodiff (``cast_once=False``) it is cast in the loop instead: the transposed loop
+    then sums ``w_h``'s gradient in float32, not in the copy's bf16. The cell stays float32.
     """
     hidden = w_h.shape[0]
     zeros = jnp.zeros(zx.shape[1:-1] + (hidden,), zx.dtype)
+    w_h_once = _operand(compute_dtype, w_h) if cast_once else w_h
 
     def step(carry, zx_t):
         h, c = carry
-        h, c, gates = _lstm_cell(zx_t + h @ w_h, c)
+        w_h_c = w_h_once if cast_once else _operand(compute_dtype, w_h)
+        h, c, gates = _lstm_cell(zx_t + _matmul(h, w_h_c, compute_dtype), c)
         return (h, c), (h, c, gates)
 
     _, (hs, cs, gates) = lax.scan(step, (zeros, zeros), zx)
     return hs, cs, gates
 
 
-def _lstm_forward(x: jax.Array, w_x: jax.Array, w_h: jax.Array, b: jax.Array):
-    zx = jnp.einsum("btf,fg->tbg", x, w_x) + b
-    hs, cs, gates = _lstm_scan(zx, w_h)
+def _lstm_forward(x: jax.Array, w_x: jax.Array, w_h: jax.Array, b: jax.Array,
+                  compute_dtype: Any = None, cast_once: bool = True):
+    zx = _product("btf,fg->tbg", x, w_x, compute_dtype) + b
+    hs, cs, gates = _lstm_scan(zx, w_h, compute_dtype, cast_once)
     return jnp.swapaxes(hs, 0, 1), (hs, cs, gates)
 
 
-@jax.custom_vjp
-def lstm(x: jax.Array, w_x: jax.Array, w_h: jax.Array, b: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def lstm(x: jax.Array, w_x: jax.Array, w_h: jax.Array, b: jax.Array,
+         compute_dtype: Any = None) -> jax.Array:
     """LSTM over a whole sequence from a zero state: ``[B, T, F] -> [B, T, H]``.
 
     Gates are ordered ``i, f, g, o`` along the ``4H`` axis of ``w_x [F, 4H]``,
-    ``w_h [H, 4H]`` and ``b [4H]``.
+    ``w_h [H, 4H]`` and ``b [4H]``. ``compute_dtype`` (e.g. ``jnp.bfloat16``) runs every
+    product, forward and backward, on operands cast to it with float32 accumulation; the
+    cell's elementwise math, the saved states and the gradients stay float32.
     """
-    return _lstm_forward(x, w_x, w_h, b)[0]
+    return _lstm_forward(x, w_x, w_h, b, compute_dtype)[0]
 
 
-def _lstm_fwd(x: jax.Array, w_x: jax.Array, w_h: jax.Array, b: jax.Array):
-    out, (hs, cs, gates) = _lstm_forward(x, w_x, w_h, b)
+def _lstm_fwd(x: jax.Array, w_x: jax.Array, w_h: jax.Array, b: jax.Array,
+              compute_dtype: Any = None):
+    out, (hs, cs, gates) = _lstm_forward(x, w_x, w_h, b, compute_dtype)
     return out, (x, w_x, w_h, hs, cs, gates)
 
 
-def _lstm_bwd(residuals, d_out: jax.Array):
+def _lstm_bwd(compute_dtype: Any, residuals, d_out: jax.Array):
     x, w_x, w_h, hs, cs, gates = residuals
     c_prev = jnp.concatenate([jnp.zeros_like(cs[:1]), cs[:-1]])
     h_prev = jnp.concatenate([jnp.zeros_like(hs[:1]), hs[:-1]])
-    w_h_t = w_h.T  # once, so the loop body multiplies by a canonical-layout matrix
+    # Once, so the loop body multiplies by a canonical-layout matrix (in the compute dtype).
+    w_h_t = _operand(compute_dtype, w_h.T)
 
     def step(carry, inputs):
         dh_next, dc_next = carry
@@ -364,14 +411,14 @@ def _lstm_bwd(residuals, d_out: jax.Array):
         dc = dc_next + dh * o * (1.0 - tanh_c ** 2)
         dz = jnp.concatenate([dc * g * i * (1.0 - i), dc * c_prev_t * f * (1.0 - f),
                               dc * i * (1.0 - g ** 2), dh * tanh_c * o * (1.0 - o)], axis=-1)
-        return (dz @ w_h_t, dc * f), dz
+        return (_matmul(dz, w_h_t, compute_dtype), dc * f), dz
 
     zeros = jnp.zeros_like(hs[0])
     _, dz = lax.scan(step, (zeros, zeros), (jnp.swapaxes(d_out, 0, 1), gates, cs, c_prev),
                      reverse=True)
-    dx = jnp.einsum("tbg,fg->btf", dz, w_x)
-    dw_x = jnp.einsum("btf,tbg->fg", x, dz)
-    dw_h = jnp.einsum("tbh,tbg->hg", h_prev, dz)
+    dx = _product("tbg,fg->btf", dz, w_x, compute_dtype)
+    dw_x = _product("btf,tbg->fg", x, dz, compute_dtype)
+    dw_h = _product("tbh,tbg->hg", h_prev, dz, compute_dtype)
     return dx, dw_x, dw_h, dz.sum(axis=(0, 1))
 
 
@@ -395,10 +442,14 @@ class LSTM(nn.Module):
       features: hidden size ``H``.
       custom_grad: use ``lstm``'s hand-written VJP; ``False`` differentiates the same
         forward scan with autodiff.
+      compute_dtype: ``None`` (float32) or e.g. ``jnp.bfloat16``: the input projection
+        and the recurrent product (and their backward products) run on operands cast to
+        it with float32 accumulation; params and the cell state stay float32.
     """
 
     features: int
     custom_grad: bool = True
+    compute_dtype: Any = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -408,8 +459,8 @@ class LSTM(nn.Module):
                          (self.features, gates))
         b = self.param("bias", _lstm_bias_init, (gates,))
         if self.custom_grad:
-            return lstm(x, w_x, w_h, b)
-        return _lstm_forward(x, w_x, w_h, b)[0]
+            return lstm(x, w_x, w_h, b, self.compute_dtype)
+        return _lstm_forward(x, w_x, w_h, b, self.compute_dtype, cast_once=False)[0]
 
 
 def lstm_weights(layer_params: PyTree) -> tuple[jax.Array, jax.Array, jax.Array] | None:

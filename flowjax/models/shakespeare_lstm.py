@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.models.base import RoutableModel
-from flowjax.models.layers import LSTM, Dense, Embed, chain_model
+from flowjax.models.layers import LSTM, Embed, chain_model, compute_dtype_of
+from flowjax.models.layers import dense as dense_layer
 
 SEQUENCE_LENGTH = 80
 PAD_ID = 0
@@ -26,7 +27,7 @@ def _label_weights(y: jax.Array) -> jax.Array:
 
 
 def shakespeare_lstm(vocab_size: int = 90, embed_dim: int = 8, hidden: int = 256,
-                     custom_grad: bool = True) -> RoutableModel:
+                     custom_grad: bool = True, compute_dtype: str = "float32") -> RoutableModel:
     """embedding(vocab_size, embed_dim), LSTM(hidden), LSTM(hidden), dense vocab_size.
 
     Args:
@@ -34,14 +35,19 @@ def shakespeare_lstm(vocab_size: int = 90, embed_dim: int = 8, hidden: int = 256
       embed_dim: embedding width.
       hidden: LSTM width.
       custom_grad: LSTMs with the hand-written VJP (fast on CPU) or plain autodiff.
+      compute_dtype: ``"float32"`` (the default; exactly the float32 model) or
+        ``"bfloat16"``: the LSTM's products (its recurrent weight cast once per sequence)
+        and the dense layers multiply in bf16 with float32 accumulation; params,
+        gradients, optimizer state and the LSTM cell stay float32.
 
     Returns:
       A model taking int32 tokens ``[B, T]`` (``T = 80`` in the dataset) to logits
       ``[B, T, vocab_size]``; each token position is an instance, so routing is per time
       step and causal. Padding labels get weight 0.
     """
-    modules = (Embed(vocab_size, embed_dim), LSTM(hidden, custom_grad=custom_grad),
-               LSTM(hidden, custom_grad=custom_grad), Dense(vocab_size))
+    dtype = compute_dtype_of(compute_dtype)
+    lstm = lambda: LSTM(hidden, custom_grad=custom_grad, compute_dtype=dtype)  # noqa: E731
+    modules = (Embed(vocab_size, embed_dim), lstm(), lstm(), dense_layer(vocab_size, dtype))
     return chain_model(
         name="shakespeare_lstm", layer_names=("embedding", "lstm1", "lstm2", "dense"),
         modules=modules, embed_input=_embed_input, glue_apply=_glue_apply,

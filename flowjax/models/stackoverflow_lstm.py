@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.models.base import RoutableModel
-from flowjax.models.layers import LSTM, Dense, Embed, chain_model
+from flowjax.models.layers import LSTM, Embed, chain_model, compute_dtype_of
+from flowjax.models.layers import dense as dense_layer
 
 SEQUENCE_LENGTH = 20
 PAD_ID = 0
@@ -50,7 +51,7 @@ def _label_weights_fn(vocab_size: int, exclude_special: bool) -> Callable[[jax.A
 
 def stackoverflow_lstm(vocab_size: int = 10004, embed_dim: int = 96, hidden: int = 670,
                        dense: int = 96, exclude_special: bool = False,
-                       custom_grad: bool = True) -> RoutableModel:
+                       custom_grad: bool = True, compute_dtype: str = "float32") -> RoutableModel:
     """embedding(vocab_size, embed_dim), LSTM(hidden), dense ``dense``, dense vocab_size
     (4,050,748 params with the defaults).
 
@@ -63,6 +64,10 @@ def stackoverflow_lstm(vocab_size: int = 10004, embed_dim: int = 96, hidden: int
         in Reddi et al.'s Keras model).
       exclude_special: label weights 0 on oov/bos/eos as well as on padding.
       custom_grad: the LSTM with the hand-written VJP (fast on CPU) or plain autodiff.
+      compute_dtype: ``"float32"`` (the default; exactly the float32 model) or
+        ``"bfloat16"``: the LSTM's products (its recurrent weight cast once per sequence)
+        and the dense layers multiply in bf16 with float32 accumulation; params,
+        gradients, optimizer state and the LSTM cell stay float32.
 
     Returns:
       A model taking int32 tokens ``[B, T]`` (``T = 20`` in the dataset) to logits
@@ -71,8 +76,10 @@ def stackoverflow_lstm(vocab_size: int = 10004, embed_dim: int = 96, hidden: int
     """
     if vocab_size <= NUM_SPECIAL_AFTER_WORDS + 1:
         raise ValueError(f"vocab_size={vocab_size} leaves no room for words")
-    modules = (Embed(vocab_size, embed_dim), LSTM(hidden, custom_grad=custom_grad),
-               Dense(dense), Dense(vocab_size))
+    dtype = compute_dtype_of(compute_dtype)
+    modules = (Embed(vocab_size, embed_dim),
+               LSTM(hidden, custom_grad=custom_grad, compute_dtype=dtype),
+               dense_layer(dense, dtype), dense_layer(vocab_size, dtype))
     return chain_model(
         name="stackoverflow_lstm", layer_names=("embedding", "lstm", "dense1", "dense2"),
         modules=modules, embed_input=_embed_input, glue_apply=_glue_apply,
