@@ -69,11 +69,12 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
         held_out_clients=config_dict.placeholder(int), chunk=16,
         max_examples=config_dict.placeholder(int)))
     config.mapping = ml_collections.ConfigDict(dict(strategy="auto", chunk_size=1, num_devices=1))
-    # Per-client layer formulation and precision (models that implement them: emnist_cnn).
+    # Per-client layer formulation (emnist_cnn) and precision (emnist_cnn and the LSTMs).
     # conv_impl "auto" = "xla" on CPU, "im2col_slices" (batched GEMMs on patches cut by
     # slices) on GPU, each measured fastest there (docs/benchmarks/roofline.md);
-    # compute_dtype "bfloat16" multiplies in bf16 with
-    # float32 params, gradients and optimizer state.
+    # compute_dtype "bfloat16" multiplies in bf16 (the LSTMs' recurrent weight as a bf16
+    # copy made once per sequence) with float32 accumulation, params, gradients and
+    # optimizer state.
     config.conv_impl = "auto"
     config.compute_dtype = "float32"
     config.log_every = 10
