@@ -213,10 +213,31 @@ def compute_dtype_of(name: str) -> Any:
 
 
 def _compute_cast(dtype: Any, *arrays: jax.Array) -> tuple[jax.Array, ...]:
-    """``arrays`` in the compute dtype; unchanged (no op at all) when ``dtype`` is None."""
+    """``arrays`` as operands of products in the compute dtype (``_operand``); unchanged
+    (no op at all) when ``dtype`` is None."""
     if dtype is None:
         return arrays
-    return tuple(a.astype(dtype) for a in arrays)
+    return tuple(_operand(dtype, a) for a in arrays)
+
+
+def _rounds_in_float32() -> bool:
+    """Whether products in a compute dtype multiply its values in float32 (CPU) instead
+    of running in that dtype. The arithmetic is the same: a product of two bf16 values is
+    exact in float32, and both forms accumulate in float32. On CPU a bf16 product gains
+    nothing and XLA runs it slowly or not at all: with bf16 convolutions a Fashion-MNIST
+    mini FedAvg round took over 45 s against about 3 s in float32, and its dot thunk lacks
+    bf16 x bf16 -> f32 in the LSTM's time-major input projection (it fails at run time).
+    On CPU the float32 products of a bf16-rounded conv also take ``conv2d``'s fast VJP."""
+    return jax.default_backend() == "cpu"
+
+
+def _operand(dtype: Any, a: jax.Array) -> jax.Array:
+    """``a`` as an operand of a product in ``dtype``: cast to it, or on CPU rounded to it
+    and kept float32 (``_rounds_in_float32``); unchanged when ``dtype`` is None."""
+    if dtype is None:
+        return a
+    a = a.astype(dtype)
+    return a.astype(jnp.float32) if _rounds_in_float32() else a
 
 
 class Conv2D(nn.Module):
@@ -266,8 +287,8 @@ class Conv2D(nn.Module):
         if impl in ("im2col", "im2col_slices"):
             im2col = conv2d_im2col if impl == "im2col" else conv2d_im2col_slices
             y = im2col(x_c, kernel_c, self.padding, self.stride, accumulate)
-        elif self.custom_grad and self.compute_dtype is None:
-            y = conv2d(x, kernel, self.padding)
+        elif self.custom_grad and x_c.dtype == jnp.float32:  # float32, or bf16 on CPU
+            y = conv2d(x_c, kernel_c, self.padding)
         else:
             y = lax.conv_general_dilated(x_c, kernel_c, (self.stride, self.stride),
                                          self.padding, dimension_numbers=_NHWC,
@@ -309,24 +330,6 @@ def _lstm_cell(z: jax.Array, c: jax.Array) -> tuple[jax.Array, jax.Array, jax.Ar
     i, f, g, o = jax.nn.sigmoid(i), jax.nn.sigmoid(f), jnp.tanh(g), jax.nn.sigmoid(o)
     c = f * c + i * g
     return o * jnp.tanh(c), c, jnp.concatenate([i, f, g, o], axis=-1)
-
-
-def _rounds_in_float32() -> bool:
-    """Whether products in a compute dtype multiply its values in float32 (CPU) instead
-    of running in that dtype: XLA CPU's dot thunk lacks bf16 x bf16 -> f32 for some
-    layouts (the LSTM's time-major input projection fails at run time), and on CPU a
-    bf16 product gains nothing. The arithmetic is the same: a product of two bf16 values
-    is exact in float32, and both forms accumulate in float32."""
-    return jax.default_backend() == "cpu"
-
-
-def _operand(dtype: Any, a: jax.Array) -> jax.Array:
-    """``a`` as an operand of a product in ``dtype``: cast to it, or on CPU rounded to it
-    and kept float32 (``_rounds_in_float32``); unchanged when ``dtype`` is None."""
-    if dtype is None:
-        return a
-    a = a.astype(dtype)
-    return a.astype(jnp.float32) if _rounds_in_float32() else a
 
 
 def _product(spec: str, a: jax.Array, b: jax.Array, dtype: Any) -> jax.Array:
