@@ -432,3 +432,45 @@ def test_bad_table_exits_2_with_one_line(tmp_path):
         "error: unknown --table='tabel2'; expected one of table2, table3, regularization, "
         "pi_pc_flow, fixed_policy, soft_hard, order, split_ratio, gain_source"]
     assert os.listdir(tmp_path) == []
+
+
+def test_precision_effect_pairs_bf16_and_float32_cells_by_seed(tmp_path):
+    """launch/precision_effect.py: both grids' means and bf16 - float32 per seed."""
+    def grid(name, acc_p):
+        root = tmp_path / name
+        for seed, (g, p) in acc_p.items():
+            for method in ("fedavg", "flow"):
+                values = {"acc_g": g, "acc_p": p if method == "flow" else g, "acc_p_soft": p,
+                          "clients_benefiting": 0.5, "clients_tied": 0.0, "clients_hurt": 0.5,
+                          "num_clients": 4, "breakdown": {}}
+                write_cell(str(root), "fashion_mnist_0.1", method, seed,
+                           {"train_clients": values})
+        return root
+
+    f32 = grid("f32", {0: (0.50, 0.80), 44: (0.60, 0.90)})
+    bf16 = grid("bf16", {0: (0.52, 0.79), 44: (0.59, 0.90)})
+    out = tmp_path / "docs" / "table"
+    script = os.path.join(ROOT, "launch", "precision_effect.py")
+    args = [sys.executable, script, "--dataset=fashion_mnist_0.1", "--methods=fedavg,flow",
+            "--seeds=0,44,56", f"--out={out}"]
+    done = subprocess.run([*args, f"--float32_workdir={f32}", f"--bfloat16_workdir={bf16}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = (out.parent / "table.csv").read_text().splitlines()
+    assert rows[0] == ("method,metric,float32_mean_pct,bfloat16_mean_pct,difference_mean_pct,"
+                       "seeds,differences_pct")
+    # FedAvg reports Acc_g only; seed 56 finished in neither grid.
+    assert rows[1:] == [
+        "fedavg,acc_g,55.0000,55.5000,0.5000,0 44,2.0000 -1.0000",
+        "flow,acc_g,55.0000,55.5000,0.5000,0 44,2.0000 -1.0000",
+        "flow,acc_p,85.0000,84.5000,-0.5000,0 44,-1.0000 0.0000",
+        "flow,acc_p_soft,85.0000,84.5000,-0.5000,0 44,-1.0000 0.0000"]
+    table = (out.parent / "table.md").read_text()
+    assert ("| flow | acc_p | 85.0 ± 7.1 [n=2 of 3] | 84.5 ± 7.8 [n=2 of 3] | -0.5 | "
+            "0: -1.0, 44: +0.0 |") in table
+    missing = subprocess.run([*args, f"--float32_workdir={tmp_path / 'nope'}",
+                              f"--bfloat16_workdir={bf16}"], capture_output=True, text=True,
+                             timeout=120)
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == (f"error: --float32_workdir='{tmp_path / 'nope'}': "
+                                      "expected a launch/reproduce.py workdir")
