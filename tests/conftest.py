@@ -28,26 +28,27 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 
 # CPU seconds of each test file's CI tests (``-m "not slow"``), summed per test by a pytest
-# plugin reading getrusage of the process and its children: the last full serial run before
-# 623bf2a on the 2-core machine (nice 19); test_resume and test_sharding remeasured after
-# c7df900 and 55e13b9, test_multihost (its FedAvg case) at 55e13b9. CI runs two xdist
+# plugin reading getrusage of the process and its children: a fresh-clone ``.ci/run`` at
+# cf43072 on the 2-core machine (two workers; files under 4 CPU-s left out). CI runs two xdist
 # workers with ``--dist loadfile``: each takes one file at a time, and the heaviest files
 # started last would leave one worker running alone at the end. Remeasure a file when its
 # tests change much; a file not listed runs last.
 FILE_CPU_SECONDS = {
-    "tests/test_experiment.py": 164, "tests/test_conformance.py": 139,
-    "tests/test_tff_loaders.py": 78, "tests/test_flow_reference.py": 76,
-    "tests/test_apfl.py": 73, "tests/test_resume.py": 73, "tests/test_fedrep.py": 68,
-    "tests/test_multihost.py": 65, "tests/test_sharding.py": 63, "tests/test_validation.py": 63,
-    "tests/test_hypcluster.py": 61, "tests/test_models_large.py": 59,
-    "tests/test_layers.py": 59, "tests/test_routing.py": 51, "tests/test_conv_impl.py": 47,
-    "tests/test_partialfed.py": 46, "tests/test_lg_fedavg.py": 46, "tests/test_flow.py": 41,
-    "tests/test_launch.py": 38, "tests/test_knn_per.py": 37, "tests/test_global_model.py": 37,
-    "tests/test_ditto.py": 37, "tests/test_parity.py": 35, "tests/test_memory_plan.py": 35,
-    "tests/test_models.py": 32, "tests/test_schema.py": 21, "tests/test_leaf_synthetic.py": 21,
-    "tests/test_local.py": 19, "tests/test_bucketing.py": 17, "tests/test_reproduce.py": 10,
-    "tests/test_plot.py": 8, "tests/test_core.py": 7, "tests/test_convert_safety.py": 6,
-    "tests/test_benchmark.py": 5, "tests/test_roofline.py": 4, "tests/test_install.py": 4,
+    "tests/test_conformance.py": 164, "tests/test_experiment.py": 99,
+    "tests/test_resume.py": 98, "tests/test_flow_reference.py": 94,
+    "tests/test_fedrep.py": 85, "tests/test_tff_loaders.py": 81,
+    "tests/test_conv_impl.py": 75, "tests/test_sharding.py": 74, "tests/test_layers.py": 66,
+    "tests/test_apfl.py": 65, "tests/test_validation.py": 58,
+    "tests/test_hypcluster.py": 52, "tests/test_multihost.py": 48,
+    "tests/test_models_large.py": 47, "tests/test_flow.py": 42,
+    "tests/test_lg_fedavg.py": 42, "tests/test_partialfed.py": 38,
+    "tests/test_parity.py": 37, "tests/test_routing.py": 36,
+    "tests/test_global_model.py": 36, "tests/test_ditto.py": 31,
+    "tests/test_memory_plan.py": 29, "tests/test_knn_per.py": 28,
+    "tests/test_models.py": 23, "tests/test_launch.py": 19, "tests/test_schema.py": 18,
+    "tests/test_bucketing.py": 16, "tests/test_leaf_synthetic.py": 16,
+    "tests/test_local.py": 15, "tests/test_reproduce.py": 10, "tests/test_plot.py": 10,
+    "tests/test_core.py": 7, "tests/test_benchmark.py": 6, "tests/test_mnist_family.py": 5,
 }
 
 
