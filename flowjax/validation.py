@@ -25,7 +25,7 @@ from flowjax.core.server_opt import SERVER_OPTIMIZERS
 from flowjax.data import DATASETS
 from flowjax.data.federated import FederatedTask
 from flowjax.paper.plan import ABLATIONS, variant_overrides
-from flowjax.models import MODELS, get_model
+from flowjax.models import MODELS, get_model, model_takes
 from flowjax.models.base import RoutableModel
 from flowjax.models.layers import COMPUTE_DTYPES, CONV_IMPLS
 from flowjax.models.emnist_cnn import IMAGE_SHAPE
@@ -144,13 +144,13 @@ def build_model(config: Any) -> RoutableModel:
     """The configured model; a bad ``model_options`` (or a layer option the model does
     not implement) fails with one line."""
     options = model_options(config)
+    for name, default in _MODEL_FIELDS.items():
+        if name in options and not model_takes(config.model, name):
+            _fail(name, options[name], f"expected {default!r}: {config.model} does not "
+                  f"implement {name}")
     try:
         return get_model(config.model, **options)
     except TypeError as error:
-        for name, default in _MODEL_FIELDS.items():
-            if name in options and f"'{name}'" in str(error):
-                _fail(name, options[name], f"expected {default!r}: {config.model} does not "
-                      f"implement {name}")
         _fail("model_options", options, f"expected keyword arguments of {config.model} ({error})")
 
 

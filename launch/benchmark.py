@@ -78,7 +78,7 @@ from flowjax.data.federated import ArrayFederatedData, FederatedTask, RaggedSpli
 from flowjax.data.synthetic import stackoverflow_like_sizes  # noqa: E402
 from flowjax.memory_plan import chunk_for_sizes, plan_chunk_size  # noqa: E402
 from flowjax.experiment import RunSettings, Simulation  # noqa: E402
-from flowjax.models import get_model  # noqa: E402
+from flowjax.models import MODELS, get_model, model_takes  # noqa: E402
 
 _MODELS = flags.DEFINE_list("models", ["emnist_cnn", "shakespeare_lstm"], "Models to time.")
 _STRATEGIES = flags.DEFINE_list("strategies", ["loop", "chunked", "vmap"], "Client mappings: "
@@ -164,11 +164,6 @@ def first_batch(task: FederatedTask, batch: int) -> jax.Array:
     return jnp.asarray(task.train.client(0, "train")["x"][:batch])
 
 
-# The model options these flags set, and the models whose factories take them.
-_MODEL_FLAGS = {"conv_impl": ("emnist_cnn",),
-                "compute_dtype": ("emnist_cnn", "shakespeare_lstm", "stackoverflow_lstm")}
-
-
 class BadFlags(ValueError):
     """A flag combination the benchmark cannot run: one line, exit status 2."""
 
@@ -181,10 +176,11 @@ def model_options(model_name: str) -> dict:
         options["conv_impl"] = _CONV_IMPL.value
     if _COMPUTE_DTYPE.value != "float32":
         options["compute_dtype"] = _COMPUTE_DTYPE.value
-    for name, models in _MODEL_FLAGS.items():
-        if name in options and model_name not in models:
+    for name in ("conv_impl", "compute_dtype"):
+        if name in options and not model_takes(model_name, name):
+            takers = [m for m in MODELS if model_takes(m, name)]
             raise BadFlags(f"--{name}: {model_name} does not implement it "
-                           f"(only {', '.join(models)})")
+                           f"(only {', '.join(takers)})")
     return options
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 from flowjax.models.base import RoutableModel
@@ -21,6 +22,13 @@ _MODELS: dict[str, Callable[..., RoutableModel]] = {
 MODELS = tuple(sorted(_MODELS))
 
 
+def model_takes(name: str, option: str) -> bool:
+    """Whether the registered model ``name``'s factory has the keyword ``option``."""
+    if name not in _MODELS:
+        raise ValueError(f"unknown model {name!r}; expected one of {sorted(_MODELS)}")
+    return option in inspect.signature(_MODELS[name]).parameters
+
+
 def get_model(name: str, **kwargs: Any) -> RoutableModel:
     """Builds the registered model ``name`` with its factory's keyword arguments."""
     if name not in _MODELS:
@@ -28,5 +36,5 @@ def get_model(name: str, **kwargs: Any) -> RoutableModel:
     return _MODELS[name](**kwargs)
 
 
-__all__ = ["MODELS", "RoutableModel", "get_model", "emnist_cnn", "mlp", "resnet18_gn",
+__all__ = ["MODELS", "RoutableModel", "get_model", "model_takes", "emnist_cnn", "mlp", "resnet18_gn",
            "shakespeare_lstm", "stackoverflow_lstm"]
