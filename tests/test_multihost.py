@@ -26,7 +26,8 @@ def free_port() -> int:
 
 def train(workdir, *args, devices_per_process: int = 1):
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+               + f" --xla_force_host_platform_device_count={devices_per_process}")
     return subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "train.py"), *FLAGS,
                              f"--workdir={workdir}", *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -39,7 +39,8 @@ print("sharded == single device")
 
 
 def test_two_emulated_devices_match_one_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+               + " --xla_force_host_platform_device_count=2",
                PYTHONPATH=ROOT)
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=600)
