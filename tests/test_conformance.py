@@ -53,11 +53,6 @@ CASES = ALGORITHMS + tuple(VARIANTS)
 # one batched dot whose float summation order may differ from the per-client dot's, so a
 # trained parameter may move by a few ulps per step; everything else is bit-identical.
 VMAP_RTOL, VMAP_ATOL = 1e-5, 1e-6
-# A known departure from the padding rule (strict xfail: fixing it makes the test fail
-# until the mark goes): kNN-Per's datastore holds min(max_datastore, padded examples)
-# entries, so its query-to-datastore distance matmul has a padding-dependent shape and
-# XLA may sum a distance in another order; measured up to 4.8e-7 on these logits.
-KNN_PADDING = "kNN-Per's datastore size, and so its distance matmul's shape, follows padding"
 
 
 def make_config(case: str):
@@ -197,9 +192,7 @@ def test_padded_examples_and_steps_change_no_update(case):
     assert_trees_equal(case.loop(case.padded, _keys(0), case.template), tight)
 
 
-def test_padded_examples_and_steps_change_no_prediction(case, request):
-    if case.name == "knn_per":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=KNN_PADDING))
+def test_padded_examples_and_steps_change_no_prediction(case):
     evaluated = case.evaluate(case.cohort, _keys(0), case.template, case.test_x)
     assert_trees_equal(case.evaluate(case.padded, _keys(0), case.template, case.test_x),
                        evaluated)

@@ -58,9 +58,15 @@ def test_datastore_holds_embeddings_and_true_labels_of_the_valid_examples(cnn, i
     params = cnn.init(jax.random.key(0))
     client = _client(images_small.train, 2, padded_examples=40)
     n = int(client.num_examples)
-    store = build_datastore(cnn, params, client, jax.random.key(0), max_size=4096)
-    assert store.keys.shape[0] == 40  # capacity shrinks to the client's padded size
+    store = build_datastore(cnn, params, client, jax.random.key(0), max_size=64)
     assert int(store.valid.sum()) == n
+    # The capacity is max_size whatever the client's padding, and more padding changes
+    # nothing in the store (the distance matmul's shape never follows padding).
+    more_padding = _client(images_small.train, 2, padded_examples=56)
+    again = build_datastore(cnn, params, more_padding, jax.random.key(0), max_size=64)
+    assert store.keys.shape[0] == again.keys.shape[0] == 64
+    for a, b in zip(jax.tree.leaves(store), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(a, b)
     x, y, _ = client.flat()
     phi, _ = embed_and_logits(cnn, params, x)
     np.testing.assert_allclose(store.keys[:n], phi[:n], rtol=1e-5, atol=1e-6)

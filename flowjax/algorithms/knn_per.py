@@ -26,7 +26,10 @@ Choices where the paper is silent:
 * Datastore size: at most ``max_datastore`` entries (static). A client with more valid
   train instances keeps a uniformly random subset of ``max_datastore`` of them, drawn
   from the personalize key (one uniform priority per instance, the highest kept); a
-  client with fewer keeps all of them.
+  client with fewer keeps all of them. The store always has ``max_datastore`` slots,
+  whatever the padded size of the client's split: a padding-dependent size would change
+  the shape of the distance matmul, and XLA may then sum a distance in another order
+  (measured: 4.8e-7 on the logits), so padding would change results.
 * A client with an empty datastore (no train instances), or with fewer than ``k``
   entries, uses the neighbours it has; with none at all it falls back to the global
   model's probabilities.
@@ -109,7 +112,7 @@ def _kept_instances(priority: jax.Array, capacity: int) -> jax.Array:
     Invalid instances have priority -1 and valid ones a uniform draw in [0, 1).
     """
     valid = priority >= 0
-    if capacity >= priority.shape[0]:
+    if capacity >= priority.shape[0]:  # static: every valid instance fits
         return valid
     _, top = jax.lax.top_k(priority, capacity)
     return jnp.zeros(priority.shape, bool).at[top].set(True) & valid
@@ -126,7 +129,7 @@ def build_datastore(model: RoutableModel, params: Params, examples: ClientExampl
     weights = jax.vmap(lambda y, m: instance_weights(model, y, m.astype(jnp.float32)))(
         examples.y, examples.mask)
     per_step = math.prod(weights.shape[1:])
-    capacity = min(max_size, steps * per_step)
+    capacity = max_size  # never the padded instance count (module docstring)
     # One draw per (step, slot) so padding steps appended later leave the draws unchanged.
     draws = jax.vmap(lambda s: jax.random.uniform(jax.random.fold_in(key, s), (per_step,)))(
         jnp.arange(steps))
