@@ -22,18 +22,20 @@ _MODELS: dict[str, Callable[..., RoutableModel]] = {
 MODELS = tuple(sorted(_MODELS))
 
 
-def model_takes(name: str, option: str) -> bool:
-    """Whether the registered model ``name``'s factory has the keyword ``option``."""
+def _factory(name: str) -> Callable[..., RoutableModel]:
     if name not in _MODELS:
         raise ValueError(f"unknown model {name!r}; expected one of {sorted(_MODELS)}")
-    return option in inspect.signature(_MODELS[name]).parameters
+    return _MODELS[name]
+
+
+def model_takes(name: str, option: str) -> bool:
+    """Whether the registered model ``name``'s factory has the keyword ``option``."""
+    return option in inspect.signature(_factory(name)).parameters
 
 
 def get_model(name: str, **kwargs: Any) -> RoutableModel:
     """Builds the registered model ``name`` with its factory's keyword arguments."""
-    if name not in _MODELS:
-        raise ValueError(f"unknown model {name!r}; expected one of {sorted(_MODELS)}")
-    return _MODELS[name](**kwargs)
+    return _factory(name)(**kwargs)
 
 
 __all__ = ["MODELS", "RoutableModel", "get_model", "model_takes", "emnist_cnn", "mlp", "resnet18_gn",
