@@ -558,6 +558,8 @@ def scaling(model_name: str, steps: int, max_clients: int, repeats: int) -> dict
 
 
 def main(argv):
+    # ``compile s`` must time XLA compiling, not a load from the launchers' cache.
+    jax.config.update("jax_enable_compilation_cache", False)
     try:
         run(argv)
     except BadFlags as error:

@@ -18,14 +18,24 @@ SMALL = ["--config=configs/synthetic.py:quick", "--config.data.num_clients=12",
          "--config.log_every=1"]
 
 
-def launch(script, *args):
+def launch(script, *args, env=None):
     return subprocess.run([sys.executable, os.path.join(ROOT, "launch", script), *args],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+                          capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
+
+
+def own_compilation_cache(folder):
+    """The environment of a launcher left to pick its own compilation cache (the test
+    session's is dropped) in ``folder``, logging JAX's cache hits and misses."""
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")}
+    return dict(env, FLOWJAX_COMPILATION_CACHE=str(folder),
+                JAX_DEBUG_LOG_MODULES="jax._src.compiler")
 
 
 def test_train_writes_results_and_prints_the_table(tmp_path):
     workdir = tmp_path / "run"
-    done = launch("train.py", f"--workdir={workdir}", *SMALL)
+    env = own_compilation_cache(tmp_path / "cache")
+    done = launch("train.py", f"--workdir={workdir}", *SMALL, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((workdir / "results.json").read_text())
     for field in ("acc_g", "acc_p", "acc_p_soft", "clients_benefiting", "breakdown", "num_eval_clients"):
@@ -36,6 +46,28 @@ def test_train_writes_results_and_prints_the_table(tmp_path):
     assert [json.loads(line)["kind"] for line in lines] == ["train", "train", "eval"]
     assert json.loads((workdir / "config.json").read_text())["num_rounds"] == 2
     assert "| flow | train_clients | 4 |" in done.stdout
+    # The launcher kept every program it compiled; the same run again loads them all and
+    # gives the same bytes.
+    assert any(name.endswith("-cache") for name in os.listdir(tmp_path / "cache"))
+    again = launch("train.py", f"--workdir={tmp_path / 'again'}", *SMALL, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Persistent compilation cache hit" in again.stderr
+    assert "PERSISTENT COMPILATION CACHE MISS" not in again.stderr
+    assert ((tmp_path / "again" / "results.json").read_bytes()
+            == (workdir / "results.json").read_bytes())
+    assert json.loads((tmp_path / "again" / "run.json").read_text())["compilations"] == {
+        "round": 1, "eval": 1}
+
+
+def test_compilation_cache_folder_follows_the_environment():
+    from launch.xla_env import compilation_cache_dir
+    assert compilation_cache_dir({}) == os.path.join(
+        os.path.expanduser("~"), ".cache", "flowjax", "xla")
+    assert compilation_cache_dir({"XDG_CACHE_HOME": "/c"}) == "/c/flowjax/xla"
+    assert compilation_cache_dir({"FLOWJAX_COMPILATION_CACHE": "/d", "XDG_CACHE_HOME": "/c"}) == "/d"
+    assert compilation_cache_dir({"FLOWJAX_COMPILATION_CACHE": "0"}) is None
+    assert compilation_cache_dir({"JAX_COMPILATION_CACHE_DIR": "/j",
+                                  "FLOWJAX_COMPILATION_CACHE": "0"}) == "/j"
 
 
 def test_train_rejects_a_bad_value_in_one_line(tmp_path):
