@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     SGDConfig, no_routing, plain_loss_sums, sgd_step)
+                                     SGDConfig, unrouted_predictions, plain_loss_sums, sgd_step)
 from flowjax.core.checks import Interval, check_fields
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
@@ -150,8 +150,7 @@ def apfl(model: RoutableModel, config: APFLConfig) -> FederatedAlgorithm:
     def predict(params, personal, x) -> Predictions:
         global_logits = forward(model, params, x)
         personal_logits = forward(model, personal, x)
-        return Predictions(global_logits, personal_logits, personal_logits,
-                           no_routing(global_logits))
+        return unrouted_predictions(global_logits, personal_logits)
 
     def init_client_state(params):
         # ``v`` is only a shape template until the first participation sets it to w_t.

@@ -191,3 +191,9 @@ def valid_examples(examples: ClientExamples) -> jax.Array:
 def no_routing(logits: jax.Array) -> jax.Array:
     """The ``q0`` of a method without routing: shape ``[*instance, 0]``."""
     return jnp.zeros(logits.shape[:-1] + (0,), jnp.float32)
+
+
+def unrouted_predictions(global_logits: jax.Array, personal_logits: jax.Array) -> Predictions:
+    """``Predictions`` of a method without routing: its personalized model's logits are
+    both the hard- and the soft-routed ones."""
+    return Predictions(global_logits, personal_logits, personal_logits, no_routing(global_logits))

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     SGDConfig, no_routing, plain_loss_sums, sgd_step,
+                                     SGDConfig, unrouted_predictions, plain_loss_sums, sgd_step,
                                      train_plain, valid_examples)
 from flowjax.core.checks import check_fields, non_negative
 from flowjax.core.cohort import ClientExamples
@@ -130,8 +130,7 @@ def ditto(model: RoutableModel, config: DittoConfig) -> FederatedAlgorithm:
     def predict(params, personal, x) -> Predictions:
         global_logits = forward(model, params, x)
         personal_logits = forward(model, personal, x)
-        return Predictions(global_logits, personal_logits, personal_logits,
-                           no_routing(global_logits))
+        return unrouted_predictions(global_logits, personal_logits)
 
     def init_client_state(params):
         # ``v`` is only a shape template until the first participation sets it to w_t.

@@ -11,7 +11,7 @@ import dataclasses
 import jax
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions, SGDConfig,
-                                     no_routing, train_plain, valid_examples)
+                                     unrouted_predictions, train_plain, valid_examples)
 from flowjax.core.checks import check_fields, one_of
 from flowjax.core.cohort import ClientExamples
 from flowjax.models.base import RoutableModel, forward
@@ -56,8 +56,7 @@ def fedavg(model: RoutableModel, config: FedAvgConfig) -> FederatedAlgorithm:
     def predict(params, personal, x) -> Predictions:
         global_logits = forward(model, params, x)
         personal_logits = forward(model, personal, x) if config.finetune else global_logits
-        return Predictions(global_logits, personal_logits, personal_logits,
-                           no_routing(global_logits))
+        return unrouted_predictions(global_logits, personal_logits)
 
     return FederatedAlgorithm(name="fedavg_ft" if config.finetune else "fedavg", model=model,
                               init=model.init, client_update=client_update,

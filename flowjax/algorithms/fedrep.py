@@ -65,7 +65,7 @@ import jax.numpy as jnp
 import optax
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     SGDConfig, no_routing, plain_loss_sums, sgd_step,
+                                     SGDConfig, unrouted_predictions, plain_loss_sums, sgd_step,
                                      valid_examples)
 from flowjax.core.checks import FieldError, check_fields, optional_integer
 from flowjax.core.cohort import ClientExamples
@@ -188,8 +188,7 @@ def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
     def predict(params, personal, x) -> Predictions:
         global_logits = forward(model, {**params["body"], **params["mean_head"].value}, x)
         personal_logits = forward(model, {**params["body"], **personal}, x)
-        return Predictions(global_logits, personal_logits, personal_logits,
-                           no_routing(global_logits))
+        return unrouted_predictions(global_logits, personal_logits)
 
     def init_client_state(params) -> Params:
         return params["initial_head"]

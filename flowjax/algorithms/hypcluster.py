@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     SGDConfig, no_routing, plain_loss_sums, train_plain,
+                                     SGDConfig, unrouted_predictions, plain_loss_sums, train_plain,
                                      valid_examples)
 from flowjax.core.checks import check_fields, integer, non_negative
 from flowjax.core.cohort import ClientExamples
@@ -190,8 +190,7 @@ def hypcluster(model: RoutableModel, config: HypClusterConfig,
     def predict(params, personal, x) -> Predictions:
         global_logits = ensemble_logits(params, x)
         personal_logits = forward(model, personal, x)
-        return Predictions(global_logits, personal_logits, personal_logits,
-                           no_routing(global_logits))
+        return unrouted_predictions(global_logits, personal_logits)
 
     return FederatedAlgorithm(name="hypcluster", model=model, init=init,
                               client_update=client_update, personalize=personalize,

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (FederatedAlgorithm, Predictions, SGDConfig,
-                                     instance_weights, no_routing)
+                                     instance_weights, unrouted_predictions)
 from flowjax.core.checks import FieldError, Interval, check_fields, integer
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.core.cohort import ClientExamples
@@ -198,7 +198,7 @@ def knn_per(model: RoutableModel, config: KnnPerConfig) -> FederatedAlgorithm:
                           mix_log_probs(log_knn, flat_logits, config.lam),
                           jax.nn.log_softmax(flat_logits, axis=-1))
         personal = mixed.reshape(logits.shape)
-        return Predictions(logits, personal, personal, no_routing(logits))
+        return unrouted_predictions(logits, personal)
 
     return FederatedAlgorithm(name="knn_per", model=model, init=base.init,
                               client_update=base.client_update, personalize=personalize,

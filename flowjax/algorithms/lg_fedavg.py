@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     SGDConfig, no_routing, train_plain, valid_examples)
+                                     SGDConfig, unrouted_predictions, train_plain, valid_examples)
 from flowjax.core.checks import check_fields
 from flowjax.algorithms.fedrep import split_layers
 from flowjax.core.cohort import ClientExamples
@@ -138,8 +138,7 @@ def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorith
     def predict(params, personal, x) -> Predictions:
         global_logits = forward(model, {**params["mean_local"].value, **params["global"]}, x)
         personal_logits = forward(model, personal, x)
-        return Predictions(global_logits, personal_logits, personal_logits,
-                           no_routing(global_logits))
+        return unrouted_predictions(global_logits, personal_logits)
 
     def init_client_state(params) -> Params:
         return params["initial_local"]

@@ -25,7 +25,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     SGDConfig, no_routing, train_plain, valid_examples)
+                                     SGDConfig, unrouted_predictions, train_plain, valid_examples)
 from flowjax.core.cohort import ClientExamples
 from flowjax.models.base import Params, RoutableModel, forward
 
@@ -58,8 +58,7 @@ def local(model: RoutableModel, config: LocalConfig) -> FederatedAlgorithm:
     def predict(params, personal, x) -> Predictions:
         global_logits = forward(model, params, x)
         personal_logits = forward(model, personal, x)
-        return Predictions(global_logits, personal_logits, personal_logits,
-                           no_routing(global_logits))
+        return unrouted_predictions(global_logits, personal_logits)
 
     return FederatedAlgorithm(name="local", model=model, init=model.init,
                               client_update=client_update, personalize=personalize,
