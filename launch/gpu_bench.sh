@@ -11,8 +11,8 @@
 #   BUDGET_S  seconds for all runs together (default 450); a run gets at most what is left
 #   PY        the Python with jax[cuda] (default: python3, the device image's)
 # The EMNIST runs come first (their targets are ratios within one run), then Stack Overflow
-# at 64 skewed clients (baseline, float32, bf16), then a bf16 1,000-client Flow round and
-# the roofline.
+# at 64 skewed clients (baseline, float32, bf16, command buffers over loops), then a bf16
+# 1,000-client Flow round and the roofline.
 set -u
 OUT=${OUT:-/tmp/gpu_bench_out}
 NEW=$(cd "${NEW:-.}" && pwd)
@@ -80,6 +80,11 @@ fi
 # and 64 were slower).
 step so64 100 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --repeats=2 --json_out="$RAW/so64.json"
 step so64_bf16 100 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --nocentralized --repeats=2 --compute_dtype=bfloat16 --json_out="$RAW/so64_bf16.json"
+# The fixed cost of a chunk-step (docs/benchmarks/roofline.md, launch/chunk_costs.py: ~1 ms
+# FedAvg, ~2.4 ms Flow) bounds any mapping at 1.83x / 1.89x over chunks of 4; XLA's command
+# buffers (CUDA graphs) extended to loops target that launch overhead. Chunks of 4 and 19,
+# so the fit can be redone from this call's rows.
+XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" step so64_cmdbuf 110 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:4,chunked:19 --nopython_loop --nocentralized --repeats=2 --json_out="$RAW/so64_cmdbuf.json"
 
 SO1000=(launch/benchmark.py --models=stackoverflow_lstm --skewed --clients=1000 --epochs=3 --strategies=planned --nopython_loop --nocentralized --nowarmup --repeats=1 --project_rounds=2000)
 step so1000_flow_bf16 170 "$NEW" "${SO1000[@]}" --algorithms=flow --compute_dtype=bfloat16 --json_out="$RAW/so1000_flow_bf16.json"

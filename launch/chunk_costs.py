@@ -1,0 +1,173 @@
+r"""What any client mapping could gain on skewed client sizes, from measured round times.
+
+  python launch/chunk_costs.py --round_clients=64 --batch_size=16 \
+      --timings=4:0.591,19:0.451,32:0.604,64:0.963
+
+``--timings`` are ``chunk size:round seconds`` of ``launch/benchmark.py --skewed
+--strategies=chunked:N,...`` rows (same clients, sizes and method). A vmapped chunk of k
+clients runs as long as its longest client, so a round of sorted chunks costs
+
+    seconds = fixed x chunk-steps + per_slot x client-step slots
+
+(``memory_plan.chunk_cost``: chunk-steps, the sum over chunks of their longest client's
+steps; slots, the sum of chunk size x those steps). The two costs are fitted to the rows
+by least squares, and the fit then bounds every mapping of these clients on this device:
+
+* padding-free floor: no mapping runs fewer chunk-steps than the longest client's steps
+  (they are sequential) or fewer slots than the useful client-steps, so no round is
+  shorter than ``fixed x longest + per_slot x useful``, even one that refills a finished
+  client's slot with the next client;
+* the best partition of the sorted clients into consecutive chunks of any sizes, and the
+  best single chunk size (what ``memory_plan.chunk_for_sizes`` picks with this fit).
+
+Client sizes are the benchmark's: ``flowjax.data.synthetic.stackoverflow_like_sizes``
+with ``--sizes_seed`` (the benchmark's is 0), ``ceil(size / batch)`` steps per epoch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from absl import flags
+import numpy as np
+
+from flowjax.data.synthetic import stackoverflow_like_sizes
+from flowjax.memory_plan import chunk_cost
+from launch import cli
+
+_CLIENTS = flags.DEFINE_integer("round_clients", 64,
+                                "Clients in the round (the benchmark's --clients).")
+_BATCH = flags.DEFINE_integer("batch_size", 16, "Batch size (Stack Overflow: 16).")
+_EPOCHS = flags.DEFINE_integer("num_epochs", 1, "Epochs per round (the benchmark's --epochs).")
+_SEED = flags.DEFINE_integer("sizes_seed", 0, "Seed of the client sizes (the benchmark's: 0).")
+_TIMINGS = flags.DEFINE_list("timings", [], "chunk:seconds of each measured row, e.g. "
+                             "4:0.591,19:0.451 (at least two chunk sizes).")
+_BASELINE = flags.DEFINE_integer("baseline_chunk", 0, "Chunk size of the row the speed-ups are "
+                                 "relative to (default: the smallest measured).")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """Seconds per chunk-step (``fixed``) and per client-step slot (``per_slot``)."""
+
+    fixed: float
+    per_slot: float
+
+    def seconds(self, chunk_steps: float, slots: float) -> float:
+        return self.fixed * chunk_steps + self.per_slot * slots
+
+
+def chunk_counts(steps: np.ndarray, chunk: int) -> tuple[int, int]:
+    """``(chunk-steps, client-step slots)`` of sorted chunks of ``chunk`` clients."""
+    slots = chunk_cost(steps, chunk, overhead_clients=0.0)
+    return int(round(chunk_cost(steps, chunk, overhead_clients=1.0) - slots)), int(slots)
+
+
+def fit_step_costs(steps: np.ndarray, timings: dict[int, float]) -> StepCosts:
+    """Least-squares ``StepCosts`` of rounds of sorted chunks timed at ``timings``."""
+    design = np.array([chunk_counts(steps, chunk) for chunk in timings], np.float64)
+    (fixed, per_slot), *_ = np.linalg.lstsq(design, np.array(list(timings.values())), rcond=None)
+    return StepCosts(float(fixed), float(per_slot))
+
+
+def padding_free_floor(steps: np.ndarray, costs: StepCosts) -> float:
+    """The shortest round any mapping could run under ``costs`` (see the module doc)."""
+    return costs.seconds(int(np.max(steps)), int(np.sum(steps)))
+
+
+def best_partition(steps: np.ndarray, costs: StepCosts) -> tuple[float, list[int]]:
+    """The cheapest split of the clients, sorted longest first, into consecutive chunks of
+    any sizes: ``(seconds, chunk sizes in order)``."""
+    ordered = np.sort(np.asarray(steps))[::-1]
+    n = len(ordered)
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    start_of = np.zeros(n + 1, np.int64)
+    for end in range(1, n + 1):
+        starts = np.arange(end)
+        # A chunk [start, end) lasts as long as its first (longest) client.
+        totals = best[:end] + ordered[starts] * (costs.fixed + costs.per_slot * (end - starts))
+        start_of[end] = int(np.argmin(totals))
+        best[end] = totals[start_of[end]]
+    sizes, end = [], n
+    while end:
+        sizes.append(end - int(start_of[end]))
+        end = int(start_of[end])
+    return float(best[n]), sizes[::-1]
+
+
+def parse_timings(values: list[str]) -> dict[int, float]:
+    timings = {}
+    for value in values:
+        chunk, sep, seconds = value.partition(":")
+        try:
+            timings[int(chunk)] = float(seconds)
+            valid = sep == ":" and int(chunk) >= 1 and float(seconds) > 0
+        except ValueError:
+            valid = False
+        if not valid:
+            raise ValueError(f"--timings: {value!r}; expected chunk:seconds with chunk >= 1 "
+                             "and seconds > 0, e.g. 19:0.451")
+    if len(timings) < 2:
+        raise ValueError(f"--timings: {','.join(values) or 'none'}; expected rows of at least "
+                         "two chunk sizes (two costs are fitted)")
+    return timings
+
+
+def report(steps: np.ndarray, timings: dict[int, float], baseline: int) -> str:
+    """The fit, its error per row, and the bounds, as text."""
+    costs = fit_step_costs(steps, timings)
+    useful = int(np.sum(steps))
+    base_s = timings[baseline]
+    lines = [f"{len(steps)} clients, {useful} useful client-steps, longest client "
+             f"{int(np.max(steps))} steps",
+             f"fit: round s = {costs.fixed * 1e3:.3f} ms x chunk-steps + "
+             f"{costs.per_slot * 1e3:.4f} ms x client-step slots (fixed = "
+             f"{costs.fixed / costs.per_slot:.2f} client slots)",
+             "| chunk | chunk-steps | slots | measured s | fitted s | fitted / measured |",
+             "|---|---|---|---|---|---|"]
+    for chunk, seconds in timings.items():
+        chunk_steps, slots = chunk_counts(steps, chunk)
+        fitted = costs.seconds(chunk_steps, slots)
+        lines.append(f"| {chunk} | {chunk_steps} | {slots} | {seconds:.3f} | {fitted:.3f} | "
+                     f"{fitted / seconds:.3f} |")
+    uniform = {k: costs.seconds(*chunk_counts(steps, k)) for k in range(1, len(steps) + 1)}
+    best_k = min(uniform, key=lambda k: (uniform[k], k))
+    partition_s, sizes = best_partition(steps, costs)
+    floor = padding_free_floor(steps, costs)
+    for name, seconds in ((f"best single chunk size ({best_k})", uniform[best_k]),
+                          (f"best consecutive chunks of any sizes ({','.join(map(str, sizes))})",
+                           partition_s),
+                          ("padding-free floor (any mapping)", floor)):
+        lines.append(f"{name}: {seconds:.3f} s, {useful / seconds:.0f} useful client-steps/s, "
+                     f"{base_s / seconds:.2f}x the measured chunks of {baseline}")
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    try:
+        timings = parse_timings(_TIMINGS.value)
+        for name, flag in (("round_clients", _CLIENTS), ("batch_size", _BATCH),
+                           ("num_epochs", _EPOCHS)):
+            if flag.value < 1:
+                raise ValueError(f"--{name}={flag.value}; expected >= 1")
+        baseline = _BASELINE.value or min(timings)
+        if baseline not in timings:
+            raise ValueError(f"--baseline_chunk={baseline}; expected one of the measured chunk "
+                             f"sizes {sorted(timings)}")
+        if max(timings) > _CLIENTS.value:
+            raise ValueError(f"--timings: chunk {max(timings)} exceeds "
+                             f"--round_clients={_CLIENTS.value}")
+    except ValueError as error:
+        return cli.fail(error)
+    # Each epoch is its own loop of the same steps, so a round's counts scale by epochs.
+    sizes = stackoverflow_like_sizes(_CLIENTS.value, _SEED.value)
+    steps = -(-sizes // _BATCH.value) * _EPOCHS.value
+    print(report(steps, timings, baseline))
+    return 0
+
+
+if __name__ == "__main__":
+    cli.define_debug_flag()
+    cli.run(main)

@@ -1,0 +1,73 @@
+"""launch/chunk_costs.py: the fit of a round's two step costs and the bounds it gives."""
+
+import itertools
+
+import numpy as np
+import pytest
+from absl import flags
+
+from launch import chunk_costs
+from launch.chunk_costs import (StepCosts, best_partition, chunk_counts, fit_step_costs,
+                                padding_free_floor)
+
+STEPS = np.array([9, 1, 4, 4, 2, 7, 1])
+
+
+def test_counts_follow_sorted_chunks():
+    # Sorted: 9 7 4 4 2 1 1; chunks of 3: (9 7 4) (4 2 1) (1).
+    assert chunk_counts(STEPS, 3) == (9 + 4 + 1, 9 * 3 + 4 * 3 + 1 * 1)
+    assert chunk_counts(STEPS, 1) == (int(STEPS.sum()), int(STEPS.sum()))
+    assert chunk_counts(STEPS, 7) == (9, 63)
+
+
+def test_fit_recovers_the_costs_that_made_the_timings():
+    truth = StepCosts(fixed=1e-3, per_slot=2.5e-4)
+    timings = {k: truth.seconds(*chunk_counts(STEPS, k)) for k in (1, 2, 3, 7)}
+    fitted = fit_step_costs(STEPS, timings)
+    np.testing.assert_allclose([fitted.fixed, fitted.per_slot], [1e-3, 2.5e-4], rtol=1e-9)
+
+
+def brute_force_partition(steps, costs):
+    ordered = np.sort(steps)[::-1]
+    best = np.inf
+    for cuts in itertools.product([False, True], repeat=len(ordered) - 1):
+        bounds = [0] + [i + 1 for i, cut in enumerate(cuts) if cut] + [len(ordered)]
+        best = min(best, sum(costs.seconds(ordered[a], ordered[a] * (b - a))
+                             for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+@pytest.mark.parametrize("fixed", [0.0, 0.5, 3.0, 50.0])
+def test_best_partition_is_the_cheapest_split_and_above_the_floor(fixed):
+    costs = StepCosts(fixed=fixed, per_slot=1.0)
+    seconds, sizes = best_partition(STEPS, costs)
+    assert seconds == pytest.approx(brute_force_partition(STEPS, costs), rel=1e-12)
+    assert sum(sizes) == len(STEPS)
+    floor = padding_free_floor(STEPS, costs)
+    assert floor == fixed * 9 + STEPS.sum()
+    assert floor <= seconds <= min(costs.seconds(*chunk_counts(STEPS, k)) for k in range(1, 8))
+
+
+def test_equal_sizes_reach_the_floor_in_one_chunk():
+    steps = np.full(6, 5)
+    costs = StepCosts(fixed=2.0, per_slot=1.0)
+    assert best_partition(steps, costs) == (padding_free_floor(steps, costs), [6])
+
+
+def test_launcher_prints_the_fit_and_refuses_bad_timings(capsys):
+    argv = ["chunk_costs.py", "--round_clients=16", "--batch_size=16",
+            "--timings=2:0.30,8:0.20,16:0.25", "--baseline_chunk=2"]
+    flags.FLAGS(argv)
+    try:
+        assert chunk_costs.main(argv) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("16 clients, ")
+        assert "| 8 |" in out and "padding-free floor (any mapping)" in out
+        assert "x the measured chunks of 2" in out
+        flags.FLAGS(["chunk_costs.py", "--timings=2:0.3,8:fast"])
+        assert chunk_costs.main([]) == 2
+        assert capsys.readouterr().err.strip() == (
+            "error: --timings: '8:fast'; expected chunk:seconds with chunk >= 1 and "
+            "seconds > 0, e.g. 19:0.451")
+    finally:
+        flags.FLAGS.unparse_flags()
