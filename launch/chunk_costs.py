@@ -4,7 +4,13 @@ r"""What any client mapping could gain on skewed client sizes, from measured rou
       --timings=4:0.591,19:0.451,32:0.604,64:0.963
 
 ``--timings`` are ``chunk size:round seconds`` of ``launch/benchmark.py --skewed
---strategies=chunked:N,...`` rows (same clients, sizes and method). A vmapped chunk of k
+--strategies=chunked:N,...`` rows (same clients, sizes and method); or ``--results``
+reads them from the benchmark's ``--json_out`` files (the ``chunked`` rows of
+``--algorithm``; clients and epochs from the files), checking each row's executed
+client-step slots against the sizes recomputed here.
+
+  python launch/chunk_costs.py --results=so64.json,so64_cmdbuf.json --algorithm=flow
+ A vmapped chunk of k
 clients runs as long as its longest client, so a round of sorted chunks costs
 
     seconds = fixed x chunk-steps + per_slot x client-step slots
@@ -27,6 +33,7 @@ with ``--sizes_seed`` (the benchmark's is 0), ``ceil(size / batch)`` steps per e
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from absl import flags
 import numpy as np
@@ -42,6 +49,9 @@ _EPOCHS = flags.DEFINE_integer("num_epochs", 1, "Epochs per round (the benchmark
 _SEED = flags.DEFINE_integer("sizes_seed", 0, "Seed of the client sizes (the benchmark's: 0).")
 _TIMINGS = flags.DEFINE_list("timings", [], "chunk:seconds of each measured row, e.g. "
                              "4:0.591,19:0.451 (at least two chunk sizes).")
+_RESULTS = flags.DEFINE_list("results", [], "launch/benchmark.py --skewed --json_out files to "
+                             "read the timings from, instead of --timings.")
+_ALGORITHM = flags.DEFINE_string("algorithm", "fedavg", "Whose rows --results reads.")
 _BASELINE = flags.DEFINE_integer("baseline_chunk", 0, "Chunk size of the row the speed-ups are "
                                  "relative to (default: the smallest measured).")
 
@@ -114,6 +124,47 @@ def parse_timings(values: list[str]) -> dict[int, float]:
     return timings
 
 
+def timings_from_results(paths: list[str], algorithm: str
+                         ) -> tuple[dict[int, tuple[float, int]], int, int]:
+    """``({chunk: (round seconds, executed slots)}, clients, epochs)`` of the ``chunked``
+    rows of ``algorithm`` in benchmark JSON files of one skewed round."""
+    rows, shape = {}, None
+    for path in paths:
+        try:
+            with open(path) as file:
+                report = json.load(file)
+            skewed, models = report.get("skewed"), report["models"]
+            here = (int(report["clients"]), int(report.get("epochs", 1)))
+        except (OSError, ValueError, KeyError, AttributeError) as error:
+            raise ValueError(f"--results: {path}: {error}; expected a launch/benchmark.py "
+                             "--json_out file") from None
+        if not skewed:
+            raise ValueError(f"--results: {path} is not a --skewed benchmark run")
+        if len(models) != 1:
+            raise ValueError(f"--results: {path} times {sorted(models)}; expected one model")
+        if shape is not None and here != shape:
+            raise ValueError(f"--results: {path} has (clients, epochs) {here}, the files "
+                             f"before it {shape}; expected the same round")
+        shape = here
+        for row in next(iter(models.values()))["rows"]:
+            kind, _, size = row["mapping"].partition(" ")
+            if row["method"] == algorithm and kind == "chunked":
+                rows[int(size)] = (float(row["round_s"]), int(row["executed_steps"]))
+    if shape is None:
+        raise ValueError("--results: no files")
+    return rows, shape[0], shape[1]
+
+
+def check_slots(steps: np.ndarray, executed: dict[int, int]) -> None:
+    """Each measured row executed the slots these sizes give (same clients, same sizes)."""
+    for chunk, slots in executed.items():
+        expected = chunk_counts(steps, chunk)[1]
+        if slots != expected:
+            raise ValueError(f"chunks of {chunk} executed {slots} client-step slots in the "
+                             f"benchmark, {expected} with these sizes; expected the "
+                             "benchmark's --batch_size and --sizes_seed")
+
+
 def report(steps: np.ndarray, timings: dict[int, float], baseline: int) -> str:
     """The fit, its error per row, and the bounds, as text."""
     costs = fit_step_costs(steps, timings)
@@ -144,27 +195,45 @@ def report(steps: np.ndarray, timings: dict[int, float], baseline: int) -> str:
     return "\n".join(lines)
 
 
+def report_for_flags() -> str:
+    """The report the flags ask for.
+
+    Raises:
+      ValueError: a bad flag or results file (one line).
+    """
+    clients, epochs, executed = _CLIENTS.value, _EPOCHS.value, {}
+    if _RESULTS.value:
+        rows, clients, epochs = timings_from_results(_RESULTS.value, _ALGORITHM.value)
+        timings = {chunk: seconds for chunk, (seconds, _) in rows.items()}
+        executed = {chunk: slots for chunk, (_, slots) in rows.items()}
+        if len(timings) < 2:
+            raise ValueError(f"--results: {_ALGORITHM.value} has chunked rows of "
+                             f"{sorted(timings) or 'no'} chunk sizes; expected at least two")
+    else:
+        timings = parse_timings(_TIMINGS.value)
+    for name, value in (("round_clients", clients), ("batch_size", _BATCH.value),
+                        ("num_epochs", epochs)):
+        if value < 1:
+            raise ValueError(f"--{name}={value}; expected >= 1")
+    baseline = _BASELINE.value or min(timings)
+    if baseline not in timings:
+        raise ValueError(f"--baseline_chunk={baseline}; expected one of the measured chunk "
+                         f"sizes {sorted(timings)}")
+    if max(timings) > clients:
+        raise ValueError(f"--timings: chunk {max(timings)} exceeds --round_clients={clients}")
+    # Each epoch is its own loop of the same steps: a round's counts scale by epochs.
+    steps = -(-stackoverflow_like_sizes(clients, _SEED.value) // _BATCH.value) * epochs
+    check_slots(steps, executed)
+    return report(steps, timings, baseline)
+
+
 def main(argv):
     del argv
     try:
-        timings = parse_timings(_TIMINGS.value)
-        for name, flag in (("round_clients", _CLIENTS), ("batch_size", _BATCH),
-                           ("num_epochs", _EPOCHS)):
-            if flag.value < 1:
-                raise ValueError(f"--{name}={flag.value}; expected >= 1")
-        baseline = _BASELINE.value or min(timings)
-        if baseline not in timings:
-            raise ValueError(f"--baseline_chunk={baseline}; expected one of the measured chunk "
-                             f"sizes {sorted(timings)}")
-        if max(timings) > _CLIENTS.value:
-            raise ValueError(f"--timings: chunk {max(timings)} exceeds "
-                             f"--round_clients={_CLIENTS.value}")
+        text = report_for_flags()
     except ValueError as error:
         return cli.fail(error)
-    # Each epoch is its own loop of the same steps, so a round's counts scale by epochs.
-    sizes = stackoverflow_like_sizes(_CLIENTS.value, _SEED.value)
-    steps = -(-sizes // _BATCH.value) * _EPOCHS.value
-    print(report(steps, timings, baseline))
+    print(text)
     return 0
 
 

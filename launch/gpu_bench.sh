@@ -83,7 +83,8 @@ step so64_bf16 100 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:
 # The fixed cost of a chunk-step (docs/benchmarks/roofline.md, launch/chunk_costs.py: ~1 ms
 # FedAvg, ~2.4 ms Flow) bounds any mapping at 1.83x / 1.89x over chunks of 4; XLA's command
 # buffers (CUDA graphs) extended to loops target that launch overhead. Chunks of 4 and 19,
-# so the fit can be redone from this call's rows.
+# so the fit can be redone from this call's rows (on the host, after the call):
+#   python launch/chunk_costs.py --results=so64_cmdbuf.json --algorithm=flow
 XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" step so64_cmdbuf 110 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:4,chunked:19 --nopython_loop --nocentralized --repeats=2 --json_out="$RAW/so64_cmdbuf.json"
 
 SO1000=(launch/benchmark.py --models=stackoverflow_lstm --skewed --clients=1000 --epochs=3 --strategies=planned --nopython_loop --nocentralized --nowarmup --repeats=1 --project_rounds=2000)

@@ -1,6 +1,7 @@
 """launch/chunk_costs.py: the fit of a round's two step costs and the bounds it gives."""
 
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -69,5 +70,44 @@ def test_launcher_prints_the_fit_and_refuses_bad_timings(capsys):
         assert capsys.readouterr().err.strip() == (
             "error: --timings: '8:fast'; expected chunk:seconds with chunk >= 1 and "
             "seconds > 0, e.g. 19:0.451")
+    finally:
+        flags.FLAGS.unparse_flags()
+
+
+# A real benchmark output (H100, issue 16's call 1): 64 skewed Stack Overflow-like clients,
+# batch 16, one epoch, chunks of 4.
+H100_SO64 = "docs/benchmarks/gpu-h100-2026-11-26/so64_baseline.json"
+
+
+def test_results_rows_match_the_sizes_recomputed_here():
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), H100_SO64)
+    rows, clients, epochs = chunk_costs.timings_from_results([path], "flow")
+    assert (clients, epochs) == (64, 1)
+    assert rows == {4: (pytest.approx(1.402920556), 1256)}
+    steps = -(-chunk_costs.stackoverflow_like_sizes(64, 0) // 16)
+    chunk_costs.check_slots(steps, {4: 1256})  # the benchmark's own sizes, recomputed
+    with pytest.raises(ValueError, match="executed 1256 client-step slots in the benchmark, "
+                                         "1008 with these sizes"):
+        chunk_costs.check_slots(-(-chunk_costs.stackoverflow_like_sizes(64, 0) // 20), {4: 1256})
+
+
+def test_results_from_files_fit_like_the_same_timings(tmp_path):
+    def round_file(name, chunks):
+        steps = -(-chunk_costs.stackoverflow_like_sizes(64, 0) // 16)
+        rows = [{"method": "fedavg", "mapping": f"chunked {k}", "round_s": 0.1 * k + 0.5,
+                 "executed_steps": chunk_counts(steps, k)[1]} for k in chunks]
+        rows.append({"method": "fedavg", "mapping": "vmap", "round_s": 9.0, "executed_steps": 1})
+        path = tmp_path / name
+        path.write_text(json.dumps({"clients": 64, "epochs": 1, "skewed": True,
+                                    "models": {"stackoverflow_lstm": {"rows": rows}}}))
+        return str(path)
+
+    files = [round_file("a.json", [4]), round_file("b.json", [19, 32])]
+    flags.FLAGS(["chunk_costs.py", f"--results={','.join(files)}"])
+    try:
+        from_files = chunk_costs.report_for_flags()
+        flags.FLAGS(["chunk_costs.py", "--timings=4:0.9,19:2.4,32:3.7"])
+        assert from_files == chunk_costs.report_for_flags()
     finally:
         flags.FLAGS.unparse_flags()
