@@ -26,8 +26,8 @@ def launch(script, *args, env=None):
 def own_compilation_cache(folder):
     """The environment of a launcher left to pick its own compilation cache (the test
     session's is dropped) in ``folder``, logging JAX's cache hits and misses."""
-    env = {name: value for name, value in os.environ.items()
-           if name not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")}
+    session = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
+    env = {name: value for name, value in os.environ.items() if name not in session}
     return dict(env, FLOWJAX_COMPILATION_CACHE=str(folder),
                 JAX_DEBUG_LOG_MODULES="jax._src.compiler")
 
@@ -64,7 +64,8 @@ def test_compilation_cache_folder_follows_the_environment():
     assert compilation_cache_dir({}) == os.path.join(
         os.path.expanduser("~"), ".cache", "flowjax", "xla")
     assert compilation_cache_dir({"XDG_CACHE_HOME": "/c"}) == "/c/flowjax/xla"
-    assert compilation_cache_dir({"FLOWJAX_COMPILATION_CACHE": "/d", "XDG_CACHE_HOME": "/c"}) == "/d"
+    assert compilation_cache_dir({"FLOWJAX_COMPILATION_CACHE": "/d",
+                                  "XDG_CACHE_HOME": "/c"}) == "/d"
     assert compilation_cache_dir({"FLOWJAX_COMPILATION_CACHE": "0"}) is None
     assert compilation_cache_dir({"JAX_COMPILATION_CACHE_DIR": "/j",
                                   "FLOWJAX_COMPILATION_CACHE": "0"}) == "/j"
