@@ -146,6 +146,10 @@ def plan_chunk_size(algorithm: FederatedAlgorithm, example_spec: Mapping[str, tu
 # rows of docs/benchmarks/gpu-h200.md (chunks of 8: 1,412 step slots in 0.508 s, 176
 # chunk-steps; full vmap of 64: 4,032 slots in 0.759 s, 63 chunk-steps): a fixed
 # 1.6 ms per chunk-step and 0.16 ms per client-step slot, a ratio of about 10.
+# ``launch/chunk_costs.py`` fits the same two costs to any benchmark's chunk rows: the H100
+# rows of docs/benchmarks/gpu-h100-2026-11-26.md give a ratio of 4.4 (FedAvg) and 4.8
+# (Flow), which would pick chunks of 11 instead of 19 there for a modeled gain under 5%,
+# within the spread between device calls; the constant stays until a device call times both.
 OVERHEAD_CLIENTS = 10.0
 
 
