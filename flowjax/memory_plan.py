@@ -153,15 +153,26 @@ def plan_chunk_size(algorithm: FederatedAlgorithm, example_spec: Mapping[str, tu
 OVERHEAD_CLIENTS = 10.0
 
 
-def chunk_cost(steps: np.ndarray, chunk: int, overhead_clients: float = OVERHEAD_CLIENTS) -> float:
-    """Modeled time (in client-step units) of clients with ``steps`` local steps each,
+def chunk_step_counts(steps: np.ndarray, chunk: int) -> tuple[int, int]:
+    """``(chunk-steps, client-step slots)`` of clients with ``steps`` local steps each,
     sorted longest first and run ``chunk`` at a time (the last chunk holds the rest): each
-    chunk runs as long as its longest client, each of its steps costs ``overhead + size``.
+    chunk runs as long as its longest client, for ``size`` slots per step.
+
+    Example:
+      >>> chunk_step_counts(np.array([1, 9, 4]), 2)  # chunks (9, 4) and (1)
+      (10, 19)
     """
     ordered = np.sort(np.asarray(steps))[::-1]
     starts = np.arange(0, len(ordered), chunk)
     sizes = np.minimum(chunk, len(ordered) - starts)
-    return float(np.sum(ordered[starts] * (overhead_clients + sizes)))
+    return int(np.sum(ordered[starts])), int(np.sum(ordered[starts] * sizes))
+
+
+def chunk_cost(steps: np.ndarray, chunk: int, overhead_clients: float = OVERHEAD_CLIENTS) -> float:
+    """Modeled time (in client-step units) of ``chunk_step_counts``: each chunk-step costs
+    ``overhead_clients`` slots beyond its own."""
+    chunk_steps, slots = chunk_step_counts(steps, chunk)
+    return float(overhead_clients * chunk_steps + slots)
 
 
 def chunk_for_sizes(steps: np.ndarray, max_chunk: int,

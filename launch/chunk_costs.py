@@ -15,7 +15,7 @@ clients runs as long as its longest client, so a round of sorted chunks costs
 
     seconds = fixed x chunk-steps + per_slot x client-step slots
 
-(``memory_plan.chunk_cost``: chunk-steps, the sum over chunks of their longest client's
+(``memory_plan.chunk_step_counts``: chunk-steps, the sum over chunks of their longest client's
 steps; slots, the sum of chunk size x those steps). The two costs are fitted to the rows
 by least squares, and the fit then bounds every mapping of these clients on this device:
 
@@ -39,7 +39,7 @@ from absl import flags
 import numpy as np
 
 from flowjax.data.synthetic import stackoverflow_like_sizes
-from flowjax.memory_plan import chunk_cost
+from flowjax.memory_plan import chunk_step_counts as chunk_counts
 from launch import cli
 
 _CLIENTS = flags.DEFINE_integer("round_clients", 64,
@@ -65,12 +65,6 @@ class StepCosts:
 
     def seconds(self, chunk_steps: float, slots: float) -> float:
         return self.fixed * chunk_steps + self.per_slot * slots
-
-
-def chunk_counts(steps: np.ndarray, chunk: int) -> tuple[int, int]:
-    """``(chunk-steps, client-step slots)`` of sorted chunks of ``chunk`` clients."""
-    slots = chunk_cost(steps, chunk, overhead_clients=0.0)
-    return int(round(chunk_cost(steps, chunk, overhead_clients=1.0) - slots)), int(slots)
 
 
 def fit_step_costs(steps: np.ndarray, timings: dict[int, float]) -> StepCosts:
