@@ -23,6 +23,7 @@ import numpy as np
 
 from flowjax.algorithms.base import FederatedAlgorithm
 from flowjax.core.cohort import ClientExamples
+from flowjax.core.mapping import chunk_step_counts
 
 # The fitted points: small enough to compile quickly, large enough that XLA's per-client
 # buffers dominate its constant ones.
@@ -151,21 +152,6 @@ def plan_chunk_size(algorithm: FederatedAlgorithm, example_spec: Mapping[str, tu
 # (Flow), which would pick chunks of 11 instead of 19 there for a modeled gain under 5%,
 # within the spread between device calls; the constant stays until a device call times both.
 OVERHEAD_CLIENTS = 10.0
-
-
-def chunk_step_counts(steps: np.ndarray, chunk: int) -> tuple[int, int]:
-    """``(chunk-steps, client-step slots)`` of clients with ``steps`` local steps each,
-    sorted longest first and run ``chunk`` at a time (the last chunk holds the rest): each
-    chunk runs as long as its longest client, for ``size`` slots per step.
-
-    Example:
-      >>> chunk_step_counts(np.array([1, 9, 4]), 2)  # chunks (9, 4) and (1)
-      (10, 19)
-    """
-    ordered = np.sort(np.asarray(steps))[::-1]
-    starts = np.arange(0, len(ordered), chunk)
-    sizes = np.minimum(chunk, len(ordered) - starts)
-    return int(np.sum(ordered[starts])), int(np.sum(ordered[starts] * sizes))
 
 
 def chunk_cost(steps: np.ndarray, chunk: int, overhead_clients: float = OVERHEAD_CLIENTS) -> float:

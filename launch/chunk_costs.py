@@ -15,8 +15,8 @@ clients runs as long as its longest client, so a round of sorted chunks costs
 
     seconds = fixed x chunk-steps + per_slot x client-step slots
 
-(``memory_plan.chunk_step_counts``: chunk-steps, the sum over chunks of their longest client's
-steps; slots, the sum of chunk size x those steps). The two costs are fitted to the rows
+(``core.mapping.chunk_step_counts``: chunk-steps, the sum over chunks of their longest
+client's steps; slots, the sum of chunk size x those steps). The two costs are fitted to the rows
 by least squares, and the fit then bounds every mapping of these clients on this device:
 
 * padding-free floor: no mapping runs fewer chunk-steps than the longest client's steps
@@ -39,7 +39,7 @@ from absl import flags
 import numpy as np
 
 from flowjax.data.synthetic import stackoverflow_like_sizes
-from flowjax.memory_plan import chunk_step_counts as chunk_counts
+from flowjax.core.mapping import chunk_step_counts as chunk_counts
 from launch import cli
 
 _CLIENTS = flags.DEFINE_integer("round_clients", 64,

@@ -126,13 +126,26 @@ def executed_steps(steps: np.ndarray, mapping: ClientMapping) -> int:
       >>> executed_steps(np.array([8, 1, 1, 8]), ClientMapping("chunked", chunk_size=2))
       18
     """
-    steps = np.asarray(steps)
     total = 0
-    for shard in np.split(steps, mapping.num_devices):
+    for shard in np.split(np.asarray(steps), mapping.num_devices):
         if mapping.strategy == "loop":
             total += int(np.sum(shard))
             continue
         size = len(shard) if mapping.strategy == "vmap" else mapping.chunk_size
-        ordered = np.sort(shard)[::-1]
-        total += sum(len(ordered[i:i + size]) * int(ordered[i]) for i in range(0, len(ordered), size))
+        total += chunk_step_counts(shard, size)[1]
     return total
+
+
+def chunk_step_counts(steps: np.ndarray, chunk: int) -> tuple[int, int]:
+    """``(chunk-steps, client-step slots)`` of clients with ``steps`` local steps each,
+    sorted longest first and run ``chunk`` at a time (the last chunk holds the rest): each
+    chunk runs as long as its longest client, for ``size`` slots per step.
+
+    Example:
+      >>> chunk_step_counts(np.array([1, 9, 4]), 2)  # chunks (9, 4) and (1)
+      (10, 19)
+    """
+    ordered = np.sort(np.asarray(steps))[::-1]
+    starts = np.arange(0, len(ordered), chunk)
+    sizes = np.minimum(chunk, len(ordered) - starts)
+    return int(np.sum(ordered[starts])), int(np.sum(ordered[starts] * sizes))
