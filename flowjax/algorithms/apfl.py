@@ -45,13 +45,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     SGDConfig, unrouted_predictions, plain_loss_sums, sgd_step)
+from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, SGDConfig,
+                                     plain_loss_sums, separate_models_predict, sgd_step)
 from flowjax.core.checks import Interval, check_fields
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
 from flowjax.core.tree import select_tree
-from flowjax.models.base import Params, RoutableModel, forward
+from flowjax.models.base import Params, RoutableModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,16 +147,12 @@ def apfl(model: RoutableModel, config: APFLConfig) -> FederatedAlgorithm:
                                       key, personal_trains=jnp.logical_not(visited))
         return mix_params(alpha, v, local_w)
 
-    def predict(params, personal, x) -> Predictions:
-        global_logits = forward(model, params, x)
-        personal_logits = forward(model, personal, x)
-        return unrouted_predictions(global_logits, personal_logits)
-
     def init_client_state(params):
         # ``v`` is only a shape template until the first participation sets it to w_t.
         return {"v": jax.tree.map(jnp.zeros_like, params), "visited": jnp.asarray(False)}
 
     return FederatedAlgorithm(name="apfl", model=model, init=model.init,
                               client_update=client_update, personalize=personalize,
-                              predict=predict, init_client_state=init_client_state)
+                              predict=separate_models_predict(model),
+                              init_client_state=init_client_state)
 

@@ -197,3 +197,14 @@ def unrouted_predictions(global_logits: jax.Array, personal_logits: jax.Array) -
     """``Predictions`` of a method without routing: its personalized model's logits are
     both the hard- and the soft-routed ones."""
     return Predictions(global_logits, personal_logits, personal_logits, no_routing(global_logits))
+
+
+def separate_models_predict(model: RoutableModel) -> Callable[[Params, Params, jax.Array],
+                                                              Predictions]:
+    """``predict`` of a method whose personalized model is a whole second set of ``model``'s
+    params: the server's params give the global logits, the client's the personal ones."""
+
+    def predict(params: Params, personal: Params, x: jax.Array) -> Predictions:
+        return unrouted_predictions(forward(model, params, x), forward(model, personal, x))
+
+    return predict

@@ -47,14 +47,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     SGDConfig, unrouted_predictions, plain_loss_sums, sgd_step,
+from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, SGDConfig,
+                                     plain_loss_sums, separate_models_predict, sgd_step,
                                      train_plain, valid_examples)
 from flowjax.core.checks import check_fields, non_negative
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
 from flowjax.core.tree import select_tree
-from flowjax.models.base import Params, RoutableModel, forward
+from flowjax.models.base import Params, RoutableModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,15 +127,11 @@ def ditto(model: RoutableModel, config: DittoConfig) -> FederatedAlgorithm:
                             lambda: client_state["v"],
                             lambda: train_personal(params, params, examples, key)[0])
 
-    def predict(params, personal, x) -> Predictions:
-        global_logits = forward(model, params, x)
-        personal_logits = forward(model, personal, x)
-        return unrouted_predictions(global_logits, personal_logits)
-
     def init_client_state(params):
         # ``v`` is only a shape template until the first participation sets it to w_t.
         return {"v": jax.tree.map(jnp.zeros_like, params), "visited": jnp.asarray(False)}
 
     return FederatedAlgorithm(name="ditto", model=model, init=model.init,
                               client_update=client_update, personalize=personalize,
-                              predict=predict, init_client_state=init_client_state)
+                              predict=separate_models_predict(model),
+                              init_client_state=init_client_state)

@@ -24,10 +24,10 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     SGDConfig, unrouted_predictions, train_plain, valid_examples)
+from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, SGDConfig,
+                                     separate_models_predict, train_plain, valid_examples)
 from flowjax.core.cohort import ClientExamples
-from flowjax.models.base import Params, RoutableModel, forward
+from flowjax.models.base import Params, RoutableModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +55,6 @@ def local(model: RoutableModel, config: LocalConfig) -> FederatedAlgorithm:
         return train_plain(model, params, optimizer, examples, valid_examples(examples),
                            epochs=config.sgd.epochs, batch_size=config.sgd.batch_size, key=key)[0]
 
-    def predict(params, personal, x) -> Predictions:
-        global_logits = forward(model, params, x)
-        personal_logits = forward(model, personal, x)
-        return unrouted_predictions(global_logits, personal_logits)
-
     return FederatedAlgorithm(name="local", model=model, init=model.init,
                               client_update=client_update, personalize=personalize,
-                              predict=predict)
+                              predict=separate_models_predict(model))
