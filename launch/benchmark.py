@@ -119,6 +119,7 @@ _WARMUP = flags.DEFINE_bool("warmup", True, "A warm-up round before the timed on
                             "it the round is compiled ahead of time and run --repeats times.")
 _PROJECT = flags.DEFINE_integer("project_rounds", 0, "Print clients/s and the time of this "
                                 "many rounds (0: no projection).")
+cli.define_debug_flag()
 
 BATCH = {"emnist_cnn": 20, "shakespeare_lstm": 4, "stackoverflow_lstm": 16}
 POLICY = {"emnist_cnn": (350, 150, 50, 50), "shakespeare_lstm": (64, 64, 32, 16),
@@ -569,6 +570,10 @@ def main(argv):
 
 def run(argv):
     del argv
+    unknown = [name for name in _MODELS.value if name not in BATCH]
+    if unknown or not _MODELS.value:
+        raise BadFlags(f"--models={','.join(_MODELS.value)}: {', '.join(unknown) or 'none given'}"
+                       f" is not benchmarked; expected some of {', '.join(BATCH)}")
     clients, steps, repeats = _CLIENTS.value, _STEPS.value, _REPEATS.value
     report = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
               "jax": jax.__version__, "clients": clients, "steps": steps,

@@ -54,6 +54,7 @@ _RESULTS = flags.DEFINE_list("results", [], "launch/benchmark.py --skewed --json
 _ALGORITHM = flags.DEFINE_string("algorithm", "fedavg", "Whose rows --results reads.")
 _BASELINE = flags.DEFINE_integer("baseline_chunk", 0, "Chunk size of the row the speed-ups are "
                                  "relative to (default: the smallest measured).")
+cli.define_debug_flag()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,5 +233,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.define_debug_flag()
     cli.run(main)

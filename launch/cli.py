@@ -130,8 +130,12 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def define_debug_flag() -> None:
-    """Defines the launcher's ``--debug`` flag, read by ``debug`` (not by the launcher)."""
-    flags.DEFINE_bool("debug", False, "Show full tracebacks on errors.")
+    """Defines the launcher's ``--debug`` flag, read by ``debug`` (not by the launcher).
+
+    Once per process: tests import several launchers, and absl refuses a second
+    definition of a flag name."""
+    if "debug" not in flags.FLAGS:
+        flags.DEFINE_bool("debug", False, "Show full tracebacks on errors.")
 
 
 def debug() -> bool:

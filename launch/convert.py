@@ -28,6 +28,8 @@ from typing import Any
 
 from absl import app, flags
 
+from launch import cli
+
 from flowjax.data import fedjax_sqlite, tff_h5, tff_sqlite
 
 # In the order --format=auto prefers them when several are complete.
@@ -47,6 +49,7 @@ _VOCAB_SIZE = flags.DEFINE_integer("vocab_size", tff_h5.VOCAB_SIZE,
                                    "Stack Overflow: vocabulary words.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False,
                                "Replace an existing --out written by this tool.")
+cli.define_debug_flag()
 
 
 def expected_files(dataset: str, fmt: str, only_digits: bool = False) -> list[tuple[str, ...]]:
@@ -154,6 +157,8 @@ def main(argv: list[str]) -> None:
         print(found, flush=True)
         out = convert(_DATASET.value, source, _OUT.value, fmt, **options)
     except (ValueError, OSError) as error:
+        if cli.debug():
+            raise
         _fail(str(error).splitlines()[0] if str(error) else type(error).__name__)
     print(f"wrote {out} in {time.perf_counter() - start:.1f}s; load it with "
           f"load_task('{_DATASET.value}_tff', {{'store_dir': '{out}'}})")

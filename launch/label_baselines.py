@@ -19,6 +19,7 @@ from flowjax.data.partition import majority_baselines  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Run config file, e.g. configs/fashion_mnist.py:mini_0.1.", lock_config=True)
 _LABEL = flags.DEFINE_string("label", "y", "The label feature of the dataset's examples.")
+cli.define_debug_flag()
 
 
 def main(argv):

@@ -34,6 +34,7 @@ _PLOT_METHODS = flags.DEFINE_list("plot_methods", [], "Only these methods' runs 
                                   "names); default: every run under --workdir.")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the PNGs (default: "
                                "<workdir>/plots).")
+cli.define_debug_flag()
 
 
 def main(argv):
@@ -45,14 +46,15 @@ def main(argv):
     try:
         from flowjax.paper import plot_draw  # matplotlib is an optional extra
     except ImportError as error:
+        if cli.debug():
+            raise
         print(f"error: launch/plot.py needs matplotlib ({error}); pip install -e '.[plot]'",
               file=sys.stderr)
         return 2
     try:
         runs = plot_data.select_methods(plot_data.load_runs(workdir), _PLOT_METHODS.value)
     except (plot_data.RunFileError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return cli.fail(error)
     if not runs:
         print(f"error: no runs under --workdir={workdir} (no folder holds results.json or "
               f"metrics.jsonl)", file=sys.stderr)

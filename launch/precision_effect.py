@@ -35,6 +35,7 @@ _DATASET = flags.DEFINE_string("dataset", "fashion_mnist_0.1", "The grids' datas
 _METHODS = flags.DEFINE_list("methods", ["fedavg", "fedavg_ft", "flow"], "Methods (cells).")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "44", "56"], "Seeds.")
 _OUT = flags.DEFINE_string("out", None, "Output path without extension (.md and .csv).")
+cli.define_debug_flag()
 
 
 def precision_rows(float32: dict, bfloat16: dict, dataset: str, methods: Sequence[str],

@@ -100,3 +100,39 @@ def test_compare_writes_one_table_and_resumes(tmp_path):
     rerun = (tmp_path / "comparison.md").read_text()
     assert "summed run time of 1 of the 2 methods (the others lack run.json)" in rerun
     assert [line for line in rerun.splitlines() if line.startswith("| ")] == table_rows
+
+
+def test_every_launcher_shows_the_traceback_of_a_bad_input_under_debug(tmp_path):
+    """``--debug`` (README, "Bad inputs") on each launcher that reads user input: the bad
+    input that ends in one ``error:`` line, exit status 2, shows its traceback instead."""
+    corrupt_run = tmp_path / "plots" / "run"
+    corrupt_run.mkdir(parents=True)
+    (corrupt_run / "results.json").write_text("{")
+    missing = str(tmp_path / "missing")
+    bad_inputs = {
+        "train.py": ["--config=configs/synthetic.py:quick", "--config.algorithm=flwo",
+                     f"--workdir={tmp_path / 'train'}"],
+        "compare.py": ["--config=configs/synthetic.py:quick", "--methods=flwo",
+                       f"--workdir={tmp_path / 'compare'}"],
+        "reproduce.py": ["--table=table9", f"--workdir={tmp_path / 'reproduce'}"],
+        "chunk_costs.py": ["--timings=4:0.5"],
+        "convert.py": ["--dataset=emnist", f"--source={missing}", f"--out={tmp_path / 'out'}"],
+        "plot.py": [f"--workdir={tmp_path / 'plots'}"],
+        "label_baselines.py": ["--config=configs/synthetic.py:quick", "--label=nosuch"],
+        "precision_effect.py": [f"--float32_workdir={missing}", f"--bfloat16_workdir={missing}",
+                                f"--out={tmp_path / 'table'}"],
+        "benchmark.py": ["--models=mlp"],
+    }
+    # All at once: each is an interpreter start and a check of flags or files.
+    running = {(script, debug): subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "launch", script), *args, *debug],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        for script, args in bad_inputs.items() for debug in ((), ("--debug",))}
+    for (script, debug), process in running.items():
+        _, stderr = process.communicate(timeout=600)
+        if debug:
+            assert process.returncode != 0 and "Traceback" in stderr, (script, stderr)
+        else:
+            assert process.returncode == 2, (script, process.returncode, stderr)
+            assert stderr.strip().splitlines()[-1].startswith("error: "), (script, stderr)
+            assert "Traceback" not in stderr, (script, stderr)
