@@ -10,6 +10,9 @@ r"""Run one paper table's dataset x method x seed grid; write it beside the pape
   python launch/reproduce.py --table=table2 --workdir=runs/paper --dry_run   # the plan
   python launch/reproduce.py --table=table2 --workdir=runs/paper --aggregate_only
 
+A cell's config includes the ``--override`` flags it ran with: another table reuses it only
+when given the same flags.
+
 Tables: table2 (Acc_g, Acc_p), table3 (% clients with Acc_p > Acc_g, ties separate), and
 the ablations regularization, pi_pc_flow, fixed_policy, soft_hard, order, split_ratio,
 and gain_source (the authors' code, each of its departures alone, on Fashion-MNIST)
@@ -22,8 +25,9 @@ evaluated population, each method's mean ± sample std over the seeds with the p
 figure beside it (``flowjax/paper/aggregate.py``, ``flowjax/paper/tables.py``).
 
 ``--scale=paper`` runs each dataset's paper config (``configs/<dataset>.py:paper``;
-CIFAR: ``configs/cifar.py:cifar10_0.1`` etc.), ``--scale=mini`` Shakespeare's CPU-sized
-``configs/shakespeare.py:mini``. ``--override=[dataset:]field=value`` sets a config field
+CIFAR: ``configs/cifar.py:cifar10_0.1`` etc.), ``--scale=mini`` the CPU-sized configs of the
+datasets that have one (``configs/shakespeare.py:mini``, ``configs/fashion_mnist.py:mini_0.1``
+and ``mini_0.6``). ``--override=[dataset:]field=value`` sets a config field
 (dotted path; value as a Python literal, else a string) for every cell, or for one
 dataset's cells; the cell's method, ablation and seed are applied after it.
 """
@@ -66,7 +70,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Root of the cells and the table
 _SEEDS = flags.DEFINE_list("seeds", ["0", "44", "56"], "Seeds (the paper's: 0, 44, 56).")
 _DATASETS = flags.DEFINE_list("datasets", [], "Datasets (default: the table's paper datasets "
                               f"that define --scale); of {', '.join(DATASETS)}.")
-_SCALE = flags.DEFINE_string("scale", "paper", "paper, or mini (Shakespeare only).")
+_SCALE = flags.DEFINE_string("scale", "paper", "paper, or mini (the CPU-sized grids of "
+                             "shakespeare and fashion_mnist_0.1 / 0.6).")
 _METHODS = flags.DEFINE_list("methods", [], "The table's rows to run (default: all).")
 _OVERRIDE = flags.DEFINE_multi_string("override", [], "[dataset:]field=value, repeatable.")
 _AGGREGATE_ONLY = flags.DEFINE_bool("aggregate_only", False,
