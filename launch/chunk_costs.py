@@ -24,7 +24,10 @@ by least squares, and the fit then bounds every mapping of these clients on this
   shorter than ``fixed x longest + per_slot x useful``, even one that refills a finished
   client's slot with the next client;
 * the best partition of the sorted clients into consecutive chunks of any sizes, and the
-  best single chunk size (what ``memory_plan.chunk_for_sizes`` picks with this fit).
+  best single chunk size (what ``memory_plan.chunk_for_sizes`` picks with this fit);
+* what a ``--target_speedup`` over the baseline row needs, with the best single chunk
+  size: the per-slot cost at the fitted fixed cost, and the fixed cost at the fitted
+  per-slot cost (which step costs an optimization has to reach, before it is measured).
 
 Client sizes are the benchmark's: ``flowjax.data.synthetic.stackoverflow_like_sizes``
 with ``--sizes_seed`` (the benchmark's is 0), ``ceil(size / batch)`` steps per epoch.
@@ -54,6 +57,8 @@ _RESULTS = flags.DEFINE_list("results", [], "launch/benchmark.py --skewed --json
 _ALGORITHM = flags.DEFINE_string("algorithm", "fedavg", "Whose rows --results reads.")
 _BASELINE = flags.DEFINE_integer("baseline_chunk", 0, "Chunk size of the row the speed-ups are "
                                  "relative to (default: the smallest measured).")
+_TARGET = flags.DEFINE_float("target_speedup", 2.0, "Speed-up over the baseline row whose "
+                              "required step costs are reported (issue 16's: 2).")
 cli.define_debug_flag()
 
 
@@ -99,6 +104,18 @@ def best_partition(steps: np.ndarray, costs: StepCosts) -> tuple[float, list[int
         sizes.append(end - int(start_of[end]))
         end = int(start_of[end])
     return float(best[n]), sizes[::-1]
+
+
+def required_costs(steps: np.ndarray, costs: StepCosts, seconds: float
+                   ) -> tuple[float | None, float | None]:
+    """The largest ``per_slot`` (at ``costs.fixed``) and the largest ``fixed`` (at
+    ``costs.per_slot``) with which some single chunk size runs a round in ``seconds``;
+    None where no value does (the other cost alone already takes longer)."""
+    counts = np.array([chunk_counts(steps, k) for k in range(1, len(steps) + 1)], np.float64)
+    chunk_steps, slots = counts[:, 0], counts[:, 1]
+    per_slot = float(np.max((seconds - costs.fixed * chunk_steps) / slots))
+    fixed = float(np.max((seconds - costs.per_slot * slots) / chunk_steps))
+    return (per_slot if per_slot > 0 else None), (fixed if fixed > 0 else None)
 
 
 def parse_timings(values: list[str]) -> dict[int, float]:
@@ -160,7 +177,8 @@ def check_slots(steps: np.ndarray, executed: dict[int, int]) -> None:
                              "benchmark's --batch_size and --sizes_seed")
 
 
-def report(steps: np.ndarray, timings: dict[int, float], baseline: int) -> str:
+def report(steps: np.ndarray, timings: dict[int, float], baseline: int,
+           target_speedup: float = 2.0) -> str:
     """The fit, its error per row, and the bounds, as text."""
     costs = fit_step_costs(steps, timings)
     useful = int(np.sum(steps))
@@ -187,6 +205,16 @@ def report(steps: np.ndarray, timings: dict[int, float], baseline: int) -> str:
                           ("padding-free floor (any mapping)", floor)):
         lines.append(f"{name}: {seconds:.3f} s, {useful / seconds:.0f} useful client-steps/s, "
                      f"{base_s / seconds:.2f}x the measured chunks of {baseline}")
+    per_slot, fixed = required_costs(steps, costs, base_s / target_speedup)
+    lines.append(
+        f"{target_speedup:g}x the measured chunks of {baseline} ({base_s / target_speedup:.3f} s, "
+        "best single chunk size) needs: per_slot <= "
+        + ("(none: the fixed cost alone is longer)" if per_slot is None
+           else f"{per_slot * 1e3:.4f} ms ({per_slot / costs.per_slot:.2f}x the fit)")
+        + " at the fitted fixed cost, or fixed <= "
+        + ("(none: the per-slot cost alone is longer)" if fixed is None
+           else f"{fixed * 1e3:.3f} ms ({fixed / costs.fixed:.2f}x the fit)")
+        + " at the fitted per-slot cost")
     return "\n".join(lines)
 
 
@@ -219,7 +247,9 @@ def report_for_flags() -> str:
     # Each epoch is its own loop of the same steps: a round's counts scale by epochs.
     steps = -(-stackoverflow_like_sizes(clients, _SEED.value) // _BATCH.value) * epochs
     check_slots(steps, executed)
-    return report(steps, timings, baseline)
+    if _TARGET.value <= 0:
+        raise ValueError(f"--target_speedup={_TARGET.value}; expected > 0")
+    return report(steps, timings, baseline, _TARGET.value)
 
 
 def main(argv):

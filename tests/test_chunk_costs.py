@@ -9,7 +9,7 @@ from absl import flags
 
 from launch import chunk_costs
 from launch.chunk_costs import (StepCosts, best_partition, chunk_counts, fit_step_costs,
-                                padding_free_floor)
+                                padding_free_floor, required_costs)
 
 STEPS = np.array([9, 1, 4, 4, 2, 7, 1])
 
@@ -55,6 +55,24 @@ def test_equal_sizes_reach_the_floor_in_one_chunk():
     assert best_partition(steps, costs) == (padding_free_floor(steps, costs), [6])
 
 
+def best_uniform(steps, costs):
+    return min(costs.seconds(*chunk_counts(steps, k)) for k in range(1, len(steps) + 1))
+
+
+def test_required_costs_reach_the_target_exactly_and_none_when_the_other_cost_is_too_long():
+    costs = StepCosts(fixed=1e-3, per_slot=2.5e-4)
+    target = best_uniform(STEPS, costs) / 2
+    per_slot, fixed = required_costs(STEPS, costs, target)
+    # At the required cost the best single chunk size takes exactly the target time.
+    assert best_uniform(STEPS, StepCosts(costs.fixed, per_slot)) == pytest.approx(target, rel=1e-12)
+    assert best_uniform(STEPS, StepCosts(fixed, costs.per_slot)) == pytest.approx(target, rel=1e-12)
+    assert per_slot < costs.per_slot and fixed < costs.fixed
+    # Below the fixed cost of the longest client's steps alone, no per-slot cost is enough.
+    short = costs.fixed * STEPS.max() * 0.99
+    assert required_costs(STEPS, costs, short)[0] is None
+    assert required_costs(STEPS, costs, costs.per_slot * STEPS.sum() * 0.99)[1] is None
+
+
 def test_launcher_prints_the_fit_and_refuses_bad_timings(capsys):
     argv = ["chunk_costs.py", "--round_clients=16", "--batch_size=16",
             "--timings=2:0.30,8:0.20,16:0.25", "--baseline_chunk=2"]
@@ -65,6 +83,11 @@ def test_launcher_prints_the_fit_and_refuses_bad_timings(capsys):
         assert out.startswith("16 clients, ")
         assert "| 8 |" in out and "padding-free floor (any mapping)" in out
         assert "x the measured chunks of 2" in out
+        assert "2x the measured chunks of 2 (0.150 s, best single chunk size) needs: " in out
+        flags.FLAGS(["chunk_costs.py", "--timings=2:0.3,8:0.2", "--target_speedup=0"])
+        assert chunk_costs.main([]) == 2
+        assert capsys.readouterr().err.strip() == "error: --target_speedup=0.0; expected > 0"
+        flags.FLAGS.unparse_flags()
         flags.FLAGS(["chunk_costs.py", "--timings=2:0.3,8:fast"])
         assert chunk_costs.main([]) == 2
         assert capsys.readouterr().err.strip() == (
