@@ -178,7 +178,7 @@ def check_slots(steps: np.ndarray, executed: dict[int, int]) -> None:
 
 
 def report(steps: np.ndarray, timings: dict[int, float], baseline: int,
-           target_speedup: float = 2.0) -> str:
+           target_speedup: float) -> str:
     """The fit, its error per row, and the bounds, as text."""
     costs = fit_step_costs(steps, timings)
     useful = int(np.sum(steps))
@@ -234,6 +234,8 @@ def report_for_flags() -> str:
                              f"{sorted(timings) or 'no'} chunk sizes; expected at least two")
     else:
         timings = parse_timings(_TIMINGS.value)
+    if _TARGET.value <= 0:
+        raise ValueError(f"--target_speedup={_TARGET.value}; expected > 0")
     for name, value in (("round_clients", clients), ("batch_size", _BATCH.value),
                         ("num_epochs", epochs)):
         if value < 1:
@@ -247,8 +249,6 @@ def report_for_flags() -> str:
     # Each epoch is its own loop of the same steps: a round's counts scale by epochs.
     steps = -(-stackoverflow_like_sizes(clients, _SEED.value) // _BATCH.value) * epochs
     check_slots(steps, executed)
-    if _TARGET.value <= 0:
-        raise ValueError(f"--target_speedup={_TARGET.value}; expected > 0")
     return report(steps, timings, baseline, _TARGET.value)
 
 
