@@ -3,12 +3,15 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+from flowjax.algorithms.apfl import APFLConfig, apfl
 from flowjax.algorithms.base import SGDConfig, plain_loss_sums
 from flowjax.algorithms.ditto import DittoConfig, ditto, proximal_pull
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.core.losses import mean_from_sums
+from flowjax.experiment import RunSettings, Simulation
 from tests.helpers import assert_trees_equal, check_state_round_trip, one_client
 
 SGD = dict(learning_rate=0.05, epochs=2, batch_size=4)
@@ -144,3 +147,27 @@ def test_run_trains_evaluates_and_returns_each_client_its_own_state():
     summary = result.summaries["train_clients"]
     assert 0 < summary.acc_g < 1 and 0 < summary.acc_p < 1
     assert set(result.summaries) == {"train_clients", "held_out_clients"}
+
+
+@pytest.mark.parametrize("method", ["ditto", "apfl"])
+def test_a_personal_model_that_diverges_is_skipped_and_keeps_its_state(method, mlp,
+                                                                      images_small):
+    """v lives only in the client state: a v that goes non-finite while w stays finite
+    drops the client from the round like a diverged w (counted in ``clients_skipped``),
+    and its stored state stays what it came with."""
+    algorithm = (ditto(mlp, DittoConfig(**CONFIG, lam=0.1)) if method == "ditto"
+                 else apfl(mlp, APFLConfig(**CONFIG, alpha=0.3)))
+    settings = RunSettings(seed=0, num_rounds=1, clients_per_round=3, batch_size=4)
+    simulation = Simulation(algorithm, images_small, settings, server_optimizer=optax.sgd(1.0))
+    state = simulation.init_state()
+    victim = np.asarray(simulation.sampler.sample(0)[:1])
+    # Finite, but a personal step from it overflows float32.
+    planted = {"v": jax.tree.map(lambda p: np.full((1,) + p.shape, 1e30, np.float32),
+                                 state.params),
+               "visited": np.array([True])}
+    simulation.client_states.scatter(victim, planted)
+    state, metrics = simulation.run_round(state, 0)
+    assert float(metrics["clients_skipped"]) == 1.0
+    assert all(np.isfinite(float(value)) for value in metrics.values())
+    assert_trees_equal(simulation.client_states.gather(victim), planted)
+    assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(state.params))

@@ -1,5 +1,7 @@
 """LG-FedAvg's joint local update, its global-only mean, its personalized model and state."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,3 +145,22 @@ def test_run_trains_evaluates_and_returns_each_client_its_own_local_layers():
     summary = result.summaries["train_clients"]
     assert 0 < summary.acc_p < 1 and summary.acc_p_soft == summary.acc_p
     assert set(result.summaries) == {"train_clients", "held_out_clients"}
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedrep", "lg_fedavg"])
+def test_the_rounds_weight_counts_each_example_once(method, mlp, images_small):
+    """FedRep and LG-FedAvg send a client's n to two parameter groups; the round's
+    ``weight`` metric is still the cohort's number of examples."""
+    from flowjax.algorithms.fedrep import FedRepConfig, fedrep
+
+    model = dataclasses.replace(mlp, head_layers=("fc2",))
+    sgd = SGDConfig(learning_rate=0.05, epochs=1, batch_size=4)
+    algorithm = {"fedavg": lambda: fedavg(model, FedAvgConfig(sgd=sgd)),
+                 "fedrep": lambda: fedrep(model, FedRepConfig(sgd=sgd)),
+                 "lg_fedavg": lambda: lg_fedavg(model, LGFedAvgConfig(sgd=sgd))}[method]()
+    settings = experiment.RunSettings(seed=0, num_rounds=1, clients_per_round=3, batch_size=4)
+    simulation = experiment.Simulation(algorithm, images_small, settings,
+                                       server_optimizer=optax.sgd(1.0))
+    examples = int(np.sum(simulation.host_cohort(0).num_examples))
+    _, metrics = simulation.run_round(simulation.init_state(), 0)
+    assert float(metrics["weight"]) == examples

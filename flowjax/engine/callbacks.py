@@ -190,7 +190,8 @@ class DivergenceError(RuntimeError):
     Attributes:
       round_number: the round (1-based) whose training went non-finite.
       loss: its training loss over the clients that stayed finite (None: none did).
-      clients_skipped: clients of the round that returned non-finite parameters.
+      clients_skipped: clients of the round that returned non-finite parameters (their
+        update, or their new client state such as APFL's and Ditto's personal model).
       last_good: the round of the newest checkpoint, None if none was written.
       cause: what went non-finite first; remedy: what to do about it. The engine sees
         only the loss and the parameters; ``flowjax.runner`` names a data fault instead

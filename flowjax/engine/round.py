@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import flax.struct
@@ -57,8 +58,9 @@ def make_round(algorithm: FederatedAlgorithm, server_optimizer: optax.GradientTr
     The seed comes in as ``prng.seed_words(seed)``, an argument rather than a constant, so
     runs that differ only in their seed share one compiled program.
 
-    ``metrics`` holds the clients' summed metrics, ``weight`` (total example weight) and
-    ``clients_skipped`` (clients whose update went non-finite: they are dropped from the
+    ``metrics`` holds the clients' summed metrics, ``weight`` (total example weight, a
+    client's counted once however many parameter groups it trains) and ``clients_skipped``
+    (clients whose params or new client state went non-finite: they are dropped from the
     mean and keep the state they came with; the run loop decides to stop or go on).
     ``client_states`` is None for a stateless algorithm.
     """
@@ -76,8 +78,11 @@ def make_round(algorithm: FederatedAlgorithm, server_optimizer: optax.GradientTr
         by_size = lambda examples, _: examples.num_examples  # noqa: E731
         results = map_clients(one_client, mapping, cost=by_size)(cohort, client_states)
         # A client whose update went non-finite is dropped from the mean (its params are
-        # zeroed, since 0 * nan is nan) and counted.
+        # zeroed, since 0 * nan is nan) and counted. Its new state counts too: APFL's and
+        # Ditto's personal v lives only there and can diverge while w stays finite.
         finite = jax.vmap(tree_all_finite)(results.params)
+        if client_states is not None:
+            finite = finite & jax.vmap(tree_all_finite)(results.client_state)
         results = results.replace(
             params=jax.tree.map(lambda p: jnp.where(
                 finite.reshape((-1,) + (1,) * (p.ndim - 1)), p, jnp.zeros_like(p)), results.params),
@@ -86,7 +91,9 @@ def make_round(algorithm: FederatedAlgorithm, server_optimizer: optax.GradientTr
         if isinstance(results.weight, dict):
             # One weighted mean per parameter group (e.g. per cluster); a group nobody
             # trained keeps its params (zero pseudo-gradient).
-            total_weight = sum(jnp.sum(w) for w in results.weight.values())
+            # A client counts its examples once, whatever number of groups it sends them
+            # to (FedRep and LG-FedAvg send n to two groups).
+            total_weight = jnp.sum(functools.reduce(jnp.maximum, results.weight.values()))
             client_mean = {
                 group: select_tree(jnp.sum(results.weight[group]) > 0,
                                    weighted_mean(results.params[group], results.weight[group]),
