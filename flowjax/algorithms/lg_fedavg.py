@@ -32,9 +32,12 @@ Choices where the paper is silent or differs:
 * Every part starts from the model's initialization (no FedAvg pre-training; a warm
   start, as the reference code offers, is the launcher's business).
 * One optimizer state covers both parts, as in the paper's joint local update.
-* Personalized model at evaluation: the client's stored local layers with the current
-  global layers, both trained for E epochs on the client's train split (the same update
-  as a round). Evaluation never writes the state back.
+* Personalized model at evaluation: the client's local layers with the current global
+  layers, frozen (the method's "client body + global head"), the local layers first
+  trained for E epochs on the client's train split under that head, from the client's
+  stored ones (``l_0`` for a client that never trained). The authors' LG-FedAvg
+  evaluation likewise trains every layer but the classifier (``requires_grad = False`` on
+  ``linear``) before testing. Evaluation never writes the state back.
 * Global model (``Acc_g``): LG-FedAvg trains no global local layers, and ``l_0`` with
   ``g`` is near chance. The global logits are those of ``l_bar`` with ``g``, where
   ``l_bar`` is the example-weighted mean of the local layers the clients of the latest
@@ -53,7 +56,7 @@ import jax.numpy as jnp
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
                                      SGDConfig, unrouted_predictions, train_plain, valid_examples)
 from flowjax.core.checks import check_fields
-from flowjax.algorithms.fedrep import split_layers
+from flowjax.algorithms.fedrep import split_layers, train_part
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.server_opt import ClientMean
 from flowjax.models.base import Params, RoutableModel, forward
@@ -132,8 +135,10 @@ def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorith
             client_state=local_part)
 
     def personalize(params, examples: ClientExamples, key, client_state) -> Params:
-        global_part, local_part, _ = local_train(params["global"], client_state, examples, key)
-        return {**local_part, **global_part}
+        local_part, _ = train_part(model, client_state, params["global"], optimizer, examples,
+                                   valid_examples(examples), epochs=config.sgd.epochs,
+                                   batch_size=config.sgd.batch_size, key=key)
+        return {**local_part, **params["global"]}
 
     def predict(params, personal, x) -> Predictions:
         global_logits = forward(model, {**params["mean_local"].value, **params["global"]}, x)
