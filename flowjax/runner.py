@@ -37,13 +37,17 @@ def differing_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
 def conflicting_fields(workdir: str, resolved: dict, remedy: str) -> list[str]:
     """Dotted fields in which the started run in ``workdir`` differs from ``resolved``.
 
-    Empty when ``workdir`` holds no ``config.json`` or nothing was started (a config.json
-    alone loses nothing when replaced). Raises ValueError (ending in ``remedy``) when the
-    stored config is not JSON.
+    Empty when nothing was started in ``workdir`` (a config.json alone loses nothing when
+    replaced). Raises ValueError (ending in ``remedy``) when the stored config is not JSON,
+    or a started run has no ``config.json`` (nothing tells what made it).
     """
     previous = run_folder.read_config(workdir, remedy)
-    if previous is None or not run_folder.run_started(workdir):
+    if not run_folder.run_started(workdir):
         return []
+    if previous is None:
+        raise ValueError(f"{workdir} holds a run (results, metrics or checkpoints) but no "
+                         f"config.json, so what made it is unknown; nothing was deleted; "
+                         f"{remedy}")
     if older_schema(previous):
         raise ValueError(f"{workdir} holds a run written by an older flowjax config schema "
                          f"(top-level learning_rate/gamma, no config.sgd), so it cannot be "
@@ -81,15 +85,18 @@ def check_workdir(workdir: str | None) -> None:
                          "directory you can write")
 
 
-def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> None:
+def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> bool:
     """Refuses a workdir that holds a run of another config, unless ``overwrite``.
 
     With ``overwrite`` the previous run's files and checkpoints are removed; otherwise a
-    workdir with the same config is resumed (or left as it is when finished).
+    workdir with the same config is resumed, or left as it is when finished.
+
+    Returns:
+      Whether ``workdir`` already holds this config's finished run (nothing was written).
 
     Raises:
-      ValueError: a started run of another config, or the filesystem refused a write
-        (one line).
+      ValueError: a started run of another config or of an unknown one (no
+        ``config.json``), or the filesystem refused a write (one line).
     """
     if not overwrite:
         differing = conflicting_fields(
@@ -98,9 +105,11 @@ def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> 
             raise ValueError(f"--workdir={workdir} holds a run with a different config "
                              f"(differs in: {', '.join(differing[:6])}); use --overwrite to "
                              f"replace it or another --workdir")
+        if run_folder.finished(workdir):
+            return True
     if not distributed.is_primary():  # the other hosts of a multi-host run write nothing
         distributed.barrier("workdir prepared")
-        return
+        return False
     try:
         if overwrite:
             run_folder.remove_run(workdir)
@@ -110,6 +119,7 @@ def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> 
         raise ValueError(f"--workdir={workdir}: cannot write it ({error.strerror or error}); "
                          "expected a directory you can write") from None
     distributed.barrier("workdir prepared")
+    return False
 
 
 def explain_divergence(simulation, run: run_config.ResolvedRun,
@@ -144,7 +154,9 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
     """Trains and evaluates ``config``; writes ``config.json``, ``metrics.jsonl``,
     ``results.json`` (deterministic: same seed, same bytes) and ``run.json`` (wall time,
     compilations) into ``workdir``, resuming from its newest checkpoint if any; with
-    ``config.tensorboard`` also TensorBoard event files in ``workdir/tensorboard/``.
+    ``config.tensorboard`` also TensorBoard event files in ``workdir/tensorboard/``. A
+    ``workdir`` that holds this config's finished run is left as it is and its stored
+    results are returned (``overwrite`` runs it again).
 
     Raises:
       ValueError: a bad config value or an incompatible workdir (one-line message),
@@ -159,7 +171,12 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
     primary = distributed.is_primary()
     tensorboard = (TensorBoardLog(workdir) if config.get("tensorboard", False) and primary
                    else None)
-    prepare_workdir(workdir, resolved, overwrite)
+    if prepare_workdir(workdir, resolved, overwrite):
+        # Running it again would replace metrics.jsonl from round 0 (without checkpoints
+        # the run starts over), so a finished run is reported, not retrained.
+        print(f"{workdir}: finished earlier with this config; reusing its results.json "
+              f"(--overwrite runs it again)", flush=True)
+        return run_folder.read_results(workdir, "use --overwrite to run it again")
     # HypCluster's FedAvg warm-up is a stage of its own, before the method's first round.
     simulation = run_config.simulation_for(run, run_config.warm_up(run))
     task = simulation.task

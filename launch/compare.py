@@ -66,9 +66,6 @@ def method_configs(base: Any, workdir: str, methods: list[str]) -> dict[str, Any
             raise ValueError(f"{name}: {error}") from None
         run_dir = os.path.join(workdir, name)
         remedy = f"delete {run_dir} to run {name} again"
-        if not run_folder.has_config(run_dir) and run_folder.finished(run_dir):
-            raise ValueError(f"{run_dir} has results.json but no config.json, so what made it "
-                             f"is unknown; {remedy}")
         differing = conflicting_fields(run_dir, resolved_config(config), remedy)
         if differing:
             raise ValueError(f"{run_dir} holds a run of another config (differs in: "

@@ -232,3 +232,30 @@ def test_a_config_json_alone_does_not_block_the_corrected_rerun(tmp_path):
                                          r"seed\); use --overwrite"):
         prepare_workdir(str(tmp_path), {"seed": 1, "num_rounds": 2}, overwrite=False)
     assert json.loads((tmp_path / "config.json").read_text()) == {"seed": 0, "num_rounds": 2}
+
+
+def test_a_finished_run_is_reused_not_retrained_and_an_unknown_one_is_refused(tmp_path):
+    """Rerunning a finished run's command returns its stored results and writes nothing
+    (retraining would replace metrics.jsonl from round 0); a started run without a
+    config.json is refused, whatever the config, and left as it is."""
+    import json
+
+    from flowjax.runner import resolved_config, run_config_to_workdir
+
+    config = small_config()
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    files = {"config.json": json.dumps(resolved_config(config)),
+             "metrics.jsonl": '{"round": 1, "kind": "train", "loss": 4.0}\n',
+             "results.json": json.dumps({"acc_g": 0.25})}
+    for name, text in files.items():
+        (workdir / name).write_text(text)
+    assert run_config_to_workdir(config, str(workdir), progress=False) == {"acc_g": 0.25}
+    assert {p.name: p.read_text() for p in workdir.iterdir()} == files
+
+    (workdir / "config.json").unlink()
+    del files["config.json"]
+    with pytest.raises(ValueError, match=r"holds a run \(results, metrics or checkpoints\) "
+                                         r"but no config.json, so what made it is unknown"):
+        run_config_to_workdir(config, str(workdir), progress=False)
+    assert {p.name: p.read_text() for p in workdir.iterdir()} == files
