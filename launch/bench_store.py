@@ -14,17 +14,21 @@ import time
 from typing import Iterator
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from flowjax.core.cohort import assemble_cohort, examples_per_client
-from flowjax.data.client_store import ClientRecord, ClientStore, write_store
+from flowjax.data.client_store import ClientRecord, ClientStore, StoreError, read_meta, write_store
+from launch import cli
 
 _NUM_CLIENTS = flags.DEFINE_integer("num_clients", 342_477, "Clients in the store.")
-_DIR = flags.DEFINE_string("dir", "/tmp/flowjax_bench_store", "Store directory (replaced).")
+_DIR = flags.DEFINE_string("dir", "/tmp/flowjax_bench_store",
+                           "Store directory: new, or a store this benchmark wrote (replaced).")
 _COHORT = flags.DEFINE_integer("cohort", 10, "Clients sampled into the cohort.")
 _KEEP = flags.DEFINE_bool("keep", False, "Keep the store on disk afterwards.")
 
 SEQ, VOCAB, MEDIAN, SIGMA, CAP = 20, 10_004, 120, 1.0, 1_000
+SOURCE = {"dataset": "synthetic_stackoverflow"}
+cli.define_debug_flag()
 
 
 def _peak_rss_mib() -> float:
@@ -45,13 +49,39 @@ def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
 
 
-def main(argv: list[str]) -> None:
+def check_replaceable(path: str) -> None:
+    """Refuses a ``--dir`` that exists and is not a store this benchmark wrote: the
+    benchmark replaces the store and deletes it afterwards.
+
+    Raises:
+      ValueError: ``path`` is a file, or a non-empty folder that is not such a store.
+    """
+    if not os.path.exists(path) or (os.path.isdir(path) and not os.listdir(path)):
+        return
+    try:
+        ours = os.path.isdir(path) and read_meta(path).get("source") == SOURCE
+    except StoreError:
+        ours = False
+    if not ours:
+        raise ValueError(f"--dir={path} exists and is not a store bench_store.py wrote; "
+                         "expected a new or empty directory (the benchmark replaces and "
+                         "deletes it), nothing was touched")
+
+
+def main(argv: list[str]) -> int:
     del argv
     path = _DIR.value
+    try:
+        if _NUM_CLIENTS.value < 1 or not 1 <= _COHORT.value <= _NUM_CLIENTS.value:
+            raise ValueError(f"--num_clients={_NUM_CLIENTS.value} --cohort={_COHORT.value}: "
+                             "expected 1 <= cohort <= num_clients")
+        check_replaceable(path)
+    except ValueError as error:
+        return cli.fail(error)
     spec = {"x": ((SEQ,), np.int32), "y": ((SEQ,), np.int32)}
     start = time.perf_counter()
     write_store(path, synthetic_clients(_NUM_CLIENTS.value), spec, overwrite=True,
-                source={"dataset": "synthetic_stackoverflow"})
+                source=SOURCE)
     build_s, build_rss = time.perf_counter() - start, _peak_rss_mib()
 
     start = time.perf_counter()
@@ -76,7 +106,8 @@ def main(argv: list[str]) -> None:
     print(f"peak RSS: {_peak_rss_mib():.0f} MiB")
     if not _KEEP.value:
         shutil.rmtree(path)
+    return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -109,6 +109,9 @@ def test_every_launcher_shows_the_traceback_of_a_bad_input_under_debug(tmp_path)
     corrupt_run.mkdir(parents=True)
     (corrupt_run / "results.json").write_text("{")
     missing = str(tmp_path / "missing")
+    not_a_store = tmp_path / "store"  # the benchmark would replace and delete its --dir
+    not_a_store.mkdir()
+    (not_a_store / "keep.txt").write_text("mine")
     bad_inputs = {
         "train.py": ["--config=configs/synthetic.py:quick", "--config.algorithm=flwo",
                      f"--workdir={tmp_path / 'train'}"],
@@ -122,6 +125,7 @@ def test_every_launcher_shows_the_traceback_of_a_bad_input_under_debug(tmp_path)
         "precision_effect.py": [f"--float32_workdir={missing}", f"--bfloat16_workdir={missing}",
                                 f"--out={tmp_path / 'table'}"],
         "benchmark.py": ["--models=mlp"],
+        "bench_store.py": ["--num_clients=3", f"--dir={not_a_store}"],
     }
     # All at once: each is an interpreter start and a check of flags or files.
     running = {(script, debug): subprocess.Popen(
@@ -136,3 +140,4 @@ def test_every_launcher_shows_the_traceback_of_a_bad_input_under_debug(tmp_path)
             assert process.returncode == 2, (script, process.returncode, stderr)
             assert stderr.strip().splitlines()[-1].startswith("error: "), (script, stderr)
             assert "Traceback" not in stderr, (script, stderr)
+    assert [p.name for p in not_a_store.iterdir()] == ["keep.txt"]
