@@ -12,8 +12,9 @@ from flowjax.algorithms.base import SGDConfig
 from flowjax.algorithms import build_algorithm
 from flowjax.algorithms.base import client_optimizer, plain_loss_sums, sgd_step
 from flowjax.algorithms.flow import FlowConfig, flow
-from flowjax.algorithms.flow_reference import (group_sgd_step, reference_regularizer_mean,
-                                               shard_batches_fn, shard_member)
+from flowjax.algorithms.flow_reference import (group_sgd_step, reference_options,
+                                               reference_regularizer_mean, shard_batches_fn,
+                                               shard_member)
 from flowjax.core.losses import mean_from_sums
 from flowjax.evaluation.metrics import evaluate_client, summarize
 from flowjax.validation import validate_config
@@ -226,6 +227,26 @@ def test_reference_evaluation_snapshots_the_global_branch_after_the_first_epoch(
     np.testing.assert_array_equal(predictions.global_logits,
                                   jax.jit(one.predict)(params, after_one, client.flat()[0][:4])
                                   .global_logits)  # Acc_g stays the server model's
+
+
+@pytest.mark.parametrize("momentum, frozen_momentum", [(0.0, "set_to_none"), (0.9, "zero_grad")])
+def test_cifar_reference_evaluation_trains_the_policy_alone(mlp, images_small, momentum,
+                                                            frozen_momentum):
+    """Their CIFAR *_generalized_test freezes every local and global parameter in the
+    routed phase: the global branch (and its snapshot) stays the server's, bit for bit,
+    also when momentum moves the local branch on (it has a buffer from the local phase)."""
+    client = _client_of_size(images_small, 12)
+    algorithm = _flow(mlp, images_small, momentum=momentum, halves="none",
+                      evaluation="reference_policy", frozen_momentum=frozen_momentum,
+                      routing_epochs=2)
+    params = algorithm.init(jax.random.key(0))
+    personal = jax.jit(algorithm.personalize)(params, client, jax.random.key(1))
+    assert_trees_equal(personal["global"], params["global"])
+    assert_trees_equal(personal["snapshot"], params["global"])
+    assert differs(personal["policy"], params["policy"])
+    # The CIFAR model's reference options select it.
+    assert reference_options("resnet18_gn")["evaluation"] == "reference_policy"
+    assert reference_options("emnist_cnn")["evaluation"] == "reference"
 
 
 def test_snapshot_accuracy_is_reported_beside_acc_g(mlp, images_small):

@@ -96,7 +96,8 @@ class FlowConfig:
       local_init: ``global`` (paper) or ``server`` (separate random init of the local
         branch, averaged by the server with global and policy).
       policy_eval_dropout: keep the policy's dropout on when routing at evaluation.
-      evaluation: ``paper`` or ``reference`` (the authors' ``*_generalized_test``).
+      evaluation: ``paper``, or the authors' ``*_generalized_test``: ``reference`` (their
+        EMNIST code) or ``reference_policy`` (their CIFAR code).
       policy_last: ``exit`` or ``dense`` (the authors' EMNIST/CIFAR policy head).
       recurrence: LSTM layers' routing, ``separate`` or ``mixed_state`` (Eq. 3 per time
         step; ``flowjax.routing.routed``).
@@ -291,10 +292,13 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
                                             **common, **local_run)
         run = dict(x=x, y=y, **common, **global_run)
         snapshot = None
-        if evaluating and config.evaluation == "reference":
-            # *_generalized_test: policy and global branch in one step on the routed loss
-            # plus regularizer; Acc_g's model is the global branch after the first epoch.
-            groups = ("global",) if config.fixed_q0 is not None else ("global", "policy")
+        if evaluating and config.evaluation in ("reference", "reference_policy"):
+            # *_generalized_test: one step on the routed loss plus regularizer trains the
+            # policy with the global branch (EMNIST) or alone (CIFAR); Acc_g's model is
+            # the global branch after the first epoch.
+            groups = ("global", "policy") if config.evaluation == "reference" else ("policy",)
+            if config.fixed_q0 is not None:  # nothing to learn in the policy
+                groups = tuple(group for group in groups if group != "policy")
             joint = step_for(policy_sums, *groups)
             state, routed = run_epochs(joint, state, num_epochs=1,
                                        key=jax.random.fold_in(routing_key, 0), **run)

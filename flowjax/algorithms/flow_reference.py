@@ -25,10 +25,13 @@ Each piece is one ``FlowConfig`` field, so each departure can be switched on alo
   the server averages every weight, local and policy included);
 * ``policy_eval_dropout``: their LSTM policies call ``F.dropout`` (always on), so routing is
   random at evaluation too;
-* ``evaluation``: ``"paper"`` or ``"reference"`` (``*_generalized_test``: a fresh SGD
-  state; the local branch trained K epochs on half 0, then the policy and global branch
-  trained jointly by one step on routed loss + regularizer for K epochs on half 1; a copy
-  of the global branch taken after the first of those epochs gives
+* ``evaluation``: ``"paper"``, ``"reference"`` or ``"reference_policy"``
+  (``*_generalized_test``: a fresh SGD state; the local branch trained K epochs on half 0,
+  then K epochs on half 1 of one step on routed loss + regularizer, which trains the policy
+  and the global branch jointly in their EMNIST code (``"reference"``) and the policy
+  alone in their CIFAR code (``"reference_policy"``: ``requires_grad = False`` on every
+  ``local`` and ``global`` parameter, so the global branch stays the server's); a copy of
+  the global branch taken after the first of those epochs gives
   ``acc_g_client_snapshot``, reported beside the server model's Acc_g).
 
 ``semantics="reference"`` (``config.methods.flow.semantics``) sets all of them to the
@@ -55,7 +58,7 @@ HALVES = ("random", "shard", "shard_reshuffled", "none")
 FROZEN_MOMENTUM = ("set_to_none", "zero_grad")
 REGULARIZERS = ("paper", "reference")
 LOCAL_INITS = ("global", "server")
-EVALUATIONS = ("paper", "reference")
+EVALUATIONS = ("paper", "reference", "reference_policy")
 SEMANTICS = ("paper", "reference")
 REFERENCE_EPSILON = 1e-6
 
@@ -75,7 +78,8 @@ _REFERENCE = {
     # Their CIFAR policy has no dropout; its exit heads are dense layers on the base
     # layers' pre-activations (no relu): that one difference is not reproduced.
     "resnet18_gn": dict(halves="none", policy_eval_dropout=False, policy_last="dense",
-                        policy_hidden=(1000, 750, 350, 150, 50, 2), policy_dropout=0.0),
+                        policy_hidden=(1000, 750, 350, 150, 50, 2), policy_dropout=0.0,
+                        evaluation="reference_policy"),
 }
 REFERENCE_MODELS = tuple(sorted(_REFERENCE))
 _COMMON_REFERENCE = dict(frozen_momentum="zero_grad", regularizer="reference",
