@@ -70,3 +70,15 @@ def test_results_written_before_the_client_mean_still_print():
     del s["breakdown_client_mean"]
     row = results_table({"fedavg": {"populations": {"train_clients": s}}}).splitlines()[2]
     assert row.rstrip(" |").endswith("n/a | n/a | n/a | n/a")
+
+
+def test_clients_benefiting_over_the_snapshot_counts_strict_gains_over_it():
+    """Flow's reference evaluation: Acc_p against the client's global-branch snapshot,
+    strictly (the authors' harmed = before >= after), beside the server-model count."""
+    counts = _counts(GROUP_COUNTS)  # Acc_p per client: 6/10, 2/2, 1/4
+    counts = counts.replace(
+        correct_global_snapshot=np.array([5.0, 2.0, 2.0], np.float32),
+        snapshot_instances=counts.instances.astype(np.float32))
+    s = summarize(counts)
+    assert s.clients_benefiting_snapshot == pytest.approx(1 / 3, rel=1e-15)  # 6/10 > 5/10 only
+    assert summarize(_counts(GROUP_COUNTS)).clients_benefiting_snapshot is None

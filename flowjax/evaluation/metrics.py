@@ -135,6 +135,9 @@ class EvalSummary:
     # after its first routing epoch (the authors' "before_accuracy"), beside Acc_g.
     acc_g_client_snapshot: float | None = None
     acc_g_client_snapshot_weighted: float | None = None
+    # Share of clients whose Acc_p beats that snapshot strictly (the authors' count:
+    # ``harmed = before_accuracy >= after_accuracy``), beside ``clients_benefiting``.
+    clients_benefiting_snapshot: float | None = None
     # The breakdown as a mean over clients of each client's group fractions (pairs with
     # acc_g / acc_p; ``breakdown`` pools instances and pairs with acc_*_weighted). Empty
     # in summaries saved before it existed.
@@ -170,10 +173,12 @@ def summarize(counts: ClientCounts) -> EvalSummary:
     difference = acc["personal"] - acc["global"]
     snapshot = {}
     if np.sum(counts.snapshot_instances[keep]) > 0:
+        snapshot_acc = counts.correct_global_snapshot[keep] / n
         snapshot = dict(
-            acc_g_client_snapshot=float(np.mean(counts.correct_global_snapshot[keep] / n)),
+            acc_g_client_snapshot=float(np.mean(snapshot_acc)),
             acc_g_client_snapshot_weighted=float(
-                np.sum(counts.correct_global_snapshot[keep]) / total))
+                np.sum(counts.correct_global_snapshot[keep]) / total),
+            clients_benefiting_snapshot=float(np.mean(acc["personal"] > snapshot_acc)))
     return EvalSummary(
         num_clients=int(np.sum(keep)),
         acc_g=float(np.mean(acc["global"])),
