@@ -477,13 +477,21 @@ def validate_task(task: FederatedTask, model: RoutableModel) -> None:
     """Checks loaded data against the model before anything is built or compiled.
 
     Labels must lie in ``[0, num_classes)``, float features must be finite, token ids
-    must lie in ``[0, vocab_size)``, feature shapes and dtypes must be what the model
+    must lie in ``[0, vocab_size)`` (and a store that records its number of token ids
+    must have the model's ``vocab_size``), feature shapes and dtypes must be what the model
     takes, every population must have clients, and some training client must have
     training examples (individual empty clients are fine: they weigh 0).
 
     Raises:
       ValueError: one line naming the population, split, feature, value and client.
     """
+    if task.token_ids is not None and task.token_ids != model.vocab_size:
+        # Ids below both sizes would pass the range check, but oov/bos/eos would be
+        # ordinary words to the model (its label weights place them by its own size).
+        _fail("model_options.vocab_size", model.vocab_size,
+              f"expected {task.token_ids}, the token ids {task.name} was converted with "
+              f"({task.token_ids - 4} words + pad, oov, bos, eos), or convert again with "
+              f"--vocab_size={model.vocab_size - 4}")
     rule = _input_rule(model)
     populations = {"train": task.train, "held_out": task.held_out}
     for name, data in populations.items():

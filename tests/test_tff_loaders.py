@@ -184,6 +184,7 @@ def test_stackoverflow_vocabulary_truncation_and_cap(converted):
     assert (vocab["pad"], vocab["oov"], vocab["bos"], vocab["eos"], vocab["size"]) == (
         0, OOV, BOS, EOS, 7)
     task = load_task("stackoverflow_tff", {"store_dir": str(so_dir)})
+    assert task.token_ids == 7  # what validate_task holds the model's vocab_size to
     assert list(task.train.client_ids) == ["00001", "00002", "00003"]
     np.testing.assert_array_equal(task.train.num_examples("train"), [3, 3, 0])
     np.testing.assert_array_equal(task.train.num_examples("test"), [1, 0, 0])
@@ -319,7 +320,22 @@ def test_paper_configs_train_on_converted_files(converted, dataset):
     config.eval.clients = 2
     if dataset == "stackoverflow":  # a narrow LSTM keeps the compile short
         config.model_options.update(embed_dim=8, hidden=16, dense=8)
+        # The store's 3 words + pad, oov, bos, eos; the paper's 10,004 is refused.
+        with pytest.raises(ValueError, match=r"^config.model_options.vocab_size=10004: "
+                                             r"expected 7, the token ids stackoverflow_tff "
+                                             r"was converted with \(3 words"):
+            run_config.build_simulation(config)
+        config.model_options.vocab_size = 7
     result = experiment.run(run_config.build_simulation(config))
     summary = result.summaries["train_clients"]
     assert 0 <= summary.acc_g <= 1 and 0 <= summary.acc_p <= 1
     assert [h["kind"] for h in result.history][0] == "train"
+
+
+def test_stackoverflow_vocab_size_below_one_is_refused_before_anything_is_written(
+        tff_dir, tmp_path):
+    out = tmp_path / "so"
+    with pytest.raises(ValueError, match=r"^vocab_size must be >= 1 \(the number of "
+                                         r"vocabulary words\), got -2$"):
+        convert("stackoverflow", tff_dir, out, "tff_h5", vocab_size=-2)
+    assert not out.exists()

@@ -120,8 +120,12 @@ class FederatedTask:
       train: clients that may be sampled for training (their test splits are evaluated).
       held_out: clients that never train ("newly joined"); may be None.
       name: dataset name for reports.
+      token_ids: number of token ids the data was encoded with, where the files say so
+        (a converted Stack Overflow store: its words plus 4 special ids); a model must
+        have exactly as many (``validation.validate_task``). None: not recorded.
     """
 
     train: FederatedData
     held_out: FederatedData | None
     name: str
+    token_ids: int | None = None

@@ -362,6 +362,9 @@ def convert_sources(kind: str, sources: Mapping[str, ClientSource], out_dir: str
         raise ValueError(f"unknown dataset {kind!r}; expected one of {list(KINDS)}")
     if max_sentences is not None and max_sentences < 1:
         raise ValueError(f"max_sentences must be >= 1 or None, got {max_sentences}")
+    if kind == "stackoverflow" and vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1 (the number of vocabulary words), got "
+                         f"{vocab_size}")
     spec = _SPECS[kind]
     check_out_dir(out_dir, overwrite, protected)
     needed = ("train", "test", "held_out") if kind == "stackoverflow" else ("train", "test")

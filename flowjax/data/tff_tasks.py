@@ -113,6 +113,7 @@ def load_stackoverflow_tff(*, store_dir: Any = None, max_train_examples: int | N
     _check_cap("max_test_examples", max_test_examples)
     _check_cap("max_held_out_clients", max_held_out_clients)
     _, stores = open_task_dir("stackoverflow", store_dir)
+    token_ids = _token_ids(pathlib.Path(store_dir))
     caps = {"train": max_train_examples, "test": max_test_examples}
     train = StoreView(stores["train"], None, caps)
     population = None
@@ -123,4 +124,20 @@ def load_stackoverflow_tff(*, store_dir: Any = None, max_train_examples: int | N
             rng = np.random.default_rng(seed)
             indices = np.sort(rng.choice(len(store), max_held_out_clients, replace=False))
         population = StoreView(store, indices, caps)
-    return FederatedTask(train=train, held_out=population, name="stackoverflow_tff")
+    return FederatedTask(train=train, held_out=population, name="stackoverflow_tff",
+                         token_ids=token_ids)
+
+
+def _token_ids(root: pathlib.Path) -> int:
+    """The number of token ids of a converted Stack Overflow store (``vocab.json``'s
+    ``size``: its words, then pad, oov, bos, eos)."""
+    try:
+        size = json.loads((root / "vocab.json").read_text())["size"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"stackoverflow_tff: store_dir {str(root)!r} has no readable "
+                         f"vocab.json size ({type(e).__name__}); "
+                         f"{_convert_hint('stackoverflow', root)}") from None
+    if not isinstance(size, int) or size < 5:
+        raise ValueError(f"stackoverflow_tff: {root / 'vocab.json'} says size={size!r}; "
+                         f"expected an integer >= 5; {_convert_hint('stackoverflow', root)}")
+    return size
