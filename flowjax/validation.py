@@ -98,6 +98,7 @@ _RULES: tuple[tuple[str, Check], ...] = (
     ("data.train_fraction", Interval(0, 1, closed_low=False)),
     ("data.held_out_fraction", Interval(0, 1)),
     ("data.min_sequences", integer(2)),
+    ("data.seed", integer(0)),
     ("data.max_train_examples", optional_cap),
     ("data.max_test_examples", optional_cap),
     ("server.learning_rate", positive),
@@ -148,6 +149,12 @@ def build_model(config: Any) -> RoutableModel:
         if name in options and not model_takes(config.model, name):
             _fail(name, options[name], f"expected {default!r}: {config.model} does not "
                   f"implement {name}")
+    for name, value in options.items():
+        # Every integer option of the models is a size (classes, widths, vocabulary,
+        # groups): 0 or less fails deep in a layer's initializer otherwise.
+        sizes = value if isinstance(value, (tuple, list)) else (value,)
+        if any(is_int(size) and size < 1 for size in sizes):
+            _fail(f"model_options.{name}", value, "expected sizes >= 1")
     try:
         return get_model(config.model, **options)
     except TypeError as error:

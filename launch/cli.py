@@ -102,8 +102,8 @@ def _positional_error(remaining: Sequence[str]) -> str | None:
     unquoted space) would otherwise be ignored."""
     if len(remaining) <= 1:
         return None
-    return (f"unexpected argument {remaining[1]!r}; expected only flags such as "
-            "--config.seed=1 (quote a value that holds spaces)")
+    return (f"unexpected argument {remaining[1]!r}; expected only flags, --name=value "
+            "(quote a value that holds spaces)")
 
 
 def parse_flags(argv: list[str]) -> list[str]:

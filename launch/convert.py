@@ -139,8 +139,7 @@ def _fail(text: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        _fail(f"unexpected arguments {argv[1:]}: expected only --flags")
+    del argv  # cli.parse_flags refused any positional argument
     for flag in (_DATASET, _SOURCE, _OUT):
         if flag.value is None:
             _fail(f"--{flag.name} is required")
@@ -160,9 +159,16 @@ def main(argv: list[str]) -> None:
         if cli.debug():
             raise
         _fail(str(error).splitlines()[0] if str(error) else type(error).__name__)
+    except KeyboardInterrupt:
+        if cli.debug():
+            raise
+        # The conversion writes a temporary folder and moves it into place at the end.
+        print(f"interrupted (Ctrl-C); --out={_OUT.value} was left as it was; the same "
+              "command converts again", file=sys.stderr, flush=True)
+        sys.exit(cli.INTERRUPTED)
     print(f"wrote {out} in {time.perf_counter() - start:.1f}s; load it with "
           f"load_task('{_DATASET.value}_tff', {{'store_dir': '{out}'}})")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

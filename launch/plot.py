@@ -43,6 +43,12 @@ def main(argv):
     if not os.path.isdir(workdir):
         print(f"error: --workdir={workdir} is not a directory", file=sys.stderr)
         return 2
+    out = _OUT_DIR.value or os.path.join(workdir, "plots")
+    if _DPI.value < 1:
+        return cli.fail(ValueError(f"--dpi={_DPI.value}: expected an integer >= 1"))
+    if os.path.exists(out) and not os.path.isdir(out):
+        return cli.fail(ValueError(f"--out_dir={out} is a file; expected a directory (new, "
+                                   "or one to add the PNGs to)"))
     try:
         from flowjax.paper import plot_draw  # matplotlib is an optional extra
     except ImportError as error:
@@ -66,12 +72,16 @@ def main(argv):
         print(f"error: nothing to plot under --workdir={workdir}: no run has an evaluation "
               f"yet", file=sys.stderr)
         return 2
-    out = _OUT_DIR.value or os.path.join(workdir, "plots")
-    os.makedirs(out, exist_ok=True)
-    for name, figure in figures.items():
-        path = os.path.join(out, name)
-        figure.savefig(path, dpi=_DPI.value)
-        print(f"wrote {path}")
+    try:
+        os.makedirs(out, exist_ok=True)
+        for name, figure in figures.items():
+            path = os.path.join(out, name)
+            figure.savefig(path, dpi=_DPI.value)
+            print(f"wrote {path}")
+    except OSError as error:
+        return cli.fail(ValueError(f"--out_dir={out}: cannot write it "
+                                   f"({error.strerror or error}); expected a directory you "
+                                   "can write"))
     return 0
 
 

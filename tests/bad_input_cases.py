@@ -194,6 +194,7 @@ CASES: tuple[Case, ...] = (
     _config("log_every", 0, "config.log_every=0: expected an integer >= 1"),
     _config("checkpoint_every", -5, "config.checkpoint_every=-5: expected an integer >= 0"),
     _config("seed", -1, "config.seed=-1: expected an integer >= 0"),
+    _config("data.seed", -1, "config.data.seed=-1: expected an integer >= 0"),
     _config("mapping.chunk_size", 0, "config.mapping.chunk_size=0: expected an integer >= 1"),
     _config("methods.flow.policy_hidden", (8, 0, 8, 8), "config.methods.flow.policy_hidden="
             "(8, 0, 8, 8): expected a non-empty sequence of integer widths >= 1"),
@@ -216,6 +217,7 @@ CASES: tuple[Case, ...] = (
             "'mlp', 'resnet18_gn', 'shakespeare_lstm', 'stackoverflow_lstm']"),
     _config("model_options", {"hiden": 32}, "config.model_options={'hiden': 32}: expected "
             "keyword arguments of shakespeare_lstm"),
+    _config("model_options", {"hidden": 0}, "config.model_options.hidden=0: expected sizes >= 1"),
     _config("dataset", "emnist", "config.dataset='emnist': expected one of ["),
     _config("server.optimizer", "adamw", "config.server.optimizer='adamw': expected one of "
             "['sgd', 'adam', 'yogi', 'adagrad']"),
@@ -559,7 +561,8 @@ CONVERT_CASES: tuple[ConvertCase, ...] = (
     ConvertCase("a source folder with half of TFF's h5 files", _case_partial,
                 "error: found TFF h5 fed_emnist_train.h5 in src but not fed_emnist_test.h5"),
     ConvertCase("a stray positional argument", lambda folder: ["--dataset=emnist", "extra"],
-                "error: unexpected arguments ['extra']: expected only --flags"),
+                "error: unexpected argument 'extra'; expected only flags, --name=value "
+                "(quote a value that holds spaces)"),
     ConvertCase("a corrupt FedJAX blob (zlib)", lambda folder: _fedjax_emnist(
                     folder, blob=b"not zlib"),
                 "error: src/federated_emnist_train.sqlite: client 'f0000_14': corrupt data "
@@ -683,8 +686,8 @@ COMMAND_CASES += (
                 "error: config.seed=18446744073709551616: expected an integer in [0, 2**64)",
                 "command line (`launch/train.py` via `validate_config`)"),
     CommandCase("a stray positional argument", _TRAIN + ("stray",), "error: unexpected "
-                "argument 'stray'; expected only flags such as --config.seed=1 (quote a value "
-                "that holds spaces)"),
+                "argument 'stray'; expected only flags, --name=value (quote a value that holds "
+                "spaces)"),
     CommandCase("`--config.dataset=shakespeare_tff` on the embedded data's config", _TRAIN + (
                 "--config.dataset=shakespeare_tff",), "error: config.data.min_sequences: not "
                 "an option of dataset 'shakespeare_tff'", "command line (`launch/train.py` via "
@@ -720,7 +723,12 @@ COMMAND_CASES += (
                 "magnitude and stay finite)",
                 _TRAIN + (*_TINY, "--config.algorithm=fedavg", "--config.sgd.learning_rate=1e30"),
                 "warning: round 2: training loss ", "run (`flowjax.experiment.loss_growth`)",
-                trains=True, exit_code=0),
+                workdir="{tmp}/run", trains=True, exit_code=0),
+    CommandCase("`train.py` over a folder holding a `results.json` and no `config.json` "
+                "(what made it is unknown)", _TRAIN + _TINY,
+                "error: WORKDIR holds a run (results, metrics or checkpoints) but no "
+                "config.json, so what made it is unknown; nothing was deleted; use --overwrite "
+                "to replace the run or another --workdir", _TRAIN_WHERE),
 )
 
 BEHAVIOURS: tuple[Behaviour, ...] = (

@@ -87,3 +87,31 @@ def test_write_store_replaces_only_a_store(tmp_path):
     store = write_store(tmp_path / "s", clients, spec)
     write_store(store, [("b", {})], spec, overwrite=True)
     assert list(ClientStore(store).client_ids) == ["b"]
+
+
+def test_ctrl_c_while_replacing_a_task_directory_puts_the_old_one_back(tmp_path, monkeypatch):
+    """``--overwrite`` moves the old task directory aside before moving the new one in;
+    an interruption between the two moves restores the old one."""
+    from flowjax.data import tff_h5
+
+    out = tmp_path / "task"
+
+    def build(contents):
+        def write(tmp):
+            (tmp / "vocab.json").write_text(contents)
+            return {"dataset": "stackoverflow", "populations": []}
+        return write
+
+    tff_h5._write_task_dir(out, build("old"), overwrite=False)
+    before = _tree(tmp_path)
+    real_replace = os.replace
+
+    def interrupted_replace(src, dst):
+        if ".tmp-" in os.path.basename(str(src)):  # the new directory moving into place
+            raise KeyboardInterrupt
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(tff_h5.os, "replace", interrupted_replace)
+    with pytest.raises(KeyboardInterrupt):
+        tff_h5._write_task_dir(out, build("new"), overwrite=True)
+    assert _tree(tmp_path) == before

@@ -73,10 +73,10 @@ Q0 = {"both_correct": histogram([{0: 5}, {Q0_BINS - 1: 5}, dict.fromkeys(range(Q
       "neither": histogram([{1: 1}, {2: 1}, {3: 1}])}
 
 
-def plot(workdir):
+def plot(workdir, *flags):
     return subprocess.run([sys.executable, os.path.join(ROOT, "launch", "plot.py"),
-                           f"--workdir={workdir}"], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120)
+                           f"--workdir={workdir}", *flags], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
 
 
 def titles(figure):
@@ -327,3 +327,19 @@ def test_plot_methods_and_out_dir_select_the_runs_and_the_folder(tmp_path):
     with pytest.raises(ValueError, match=r"^no run of method ditto; the runs' methods are "
                                          r"fedavg, flow, flow_ref_halves$"):
         plot_data.select_methods(runs + plot_data.load_runs(str(tmp_path)), ["ditto"])
+
+
+def test_a_bad_dpi_or_out_dir_is_one_line_and_writes_nothing(tmp_path):
+    write_run(tmp_path, dataset="toy", algorithm="fedavg", seed=0, evals={1: (0.1, 0.2)},
+              breakdown=BREAKDOWN_A)
+    a_file = tmp_path / "out.png"
+    a_file.write_text("mine")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for flags, expected in ((["--dpi=-5"], "error: --dpi=-5: expected an integer >= 1"),
+                            ([f"--out_dir={a_file}"], f"error: --out_dir={a_file} is a file; "
+                                                      "expected a directory")):
+        done = plot(tmp_path, *flags)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.strip().splitlines()[-1].startswith(expected), done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert a_file.read_text() == "mine"

@@ -314,11 +314,11 @@ def _write_task_dir(out_dir: pathlib.Path, build: Callable[[pathlib.Path], dict[
     check_out_dir(out_dir, overwrite, protected)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    old = None
     try:
         fields = build(tmp)
         task = {"format": TASK_FORMAT, "version": TASK_VERSION, **fields}
         (tmp / "task.json").write_text(json.dumps(task, indent=1, sort_keys=True))
-        old = None
         if out_dir.exists():
             check_out_dir(out_dir, overwrite, protected)  # unchanged while we converted
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
@@ -326,7 +326,9 @@ def _write_task_dir(out_dir: pathlib.Path, build: Callable[[pathlib.Path], dict[
         os.replace(tmp, out_dir)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException:  # Ctrl-C included: the previous task directory is put back
+        if old is not None and old.exists() and not out_dir.exists():
+            os.replace(old, out_dir)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
