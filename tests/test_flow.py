@@ -36,9 +36,11 @@ def test_split_halves_are_disjoint_and_cover_the_client():
     assert not np.array_equal(zeta_l, other_l)
 
 
-@pytest.mark.parametrize("ratio", [0.25, 0.5, 0.75])
-def test_half_capacity_bounds_every_client_size(ratio):
-    for padded in (1, 4, 8, 13):
+@pytest.mark.parametrize("ratio, sizes", [(0.25, (1, 4, 8, 13)), (0.5, (1, 4, 8, 13)),
+                                          (0.75, (1, 4, 8, 13)),
+                                          (0.7, (90,))])  # float32's 90 x 0.7 floors to 63
+def test_half_capacity_bounds_every_client_size(ratio, sizes):
+    for padded in sizes:
         local_cap, global_cap = half_capacity(padded, ratio)
         for n in range(padded + 1):
             zeta_l, zeta_g = split_halves(jax.random.key(n), jnp.arange(padded) < n, ratio)
