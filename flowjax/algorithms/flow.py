@@ -96,7 +96,9 @@ class FlowConfig:
       regularizer: ``paper`` or ``reference`` (``gamma * mean(-log(q^2 + 1e-6))``).
       local_init: ``global`` (paper) or ``server`` (separate random init of the local
         branch, averaged by the server with global and policy).
-      policy_eval_dropout: keep the policy's dropout on when routing at evaluation.
+      policy_eval_dropout: keep the policy's dropout on when routing at evaluation (one
+        draw of dropout masks per evaluated client, the same for each of its test batches:
+        ``predict`` takes no key; the authors' ``F.dropout`` draws anew at every call).
       evaluation: ``paper``, or the authors' ``*_generalized_test``: ``reference`` (their
         EMNIST code) or ``reference_policy`` (their CIFAR code).
       policy_last: ``exit`` or ``dense`` (the authors' EMNIST/CIFAR policy head).
