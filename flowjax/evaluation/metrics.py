@@ -121,6 +121,8 @@ class EvalSummary:
     acc_g_weighted: float
     acc_p_weighted: float
     acc_p_soft_weighted: float
+    # Acc_p > Acc_g, ==, < (strictly): baselines.md's "hurt" (Acc_p <= Acc_g) is
+    # clients_hurt + clients_tied, reported apart so ties show.
     clients_benefiting: float
     clients_tied: float
     clients_hurt: float
