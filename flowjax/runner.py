@@ -105,7 +105,8 @@ def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> 
             raise ValueError(f"--workdir={workdir} holds a run with a different config "
                              f"(differs in: {', '.join(differing[:6])}); use --overwrite to "
                              f"replace it or another --workdir")
-        if run_folder.finished(workdir):
+        if run_folder.finished(workdir):  # every host sees it: the workdir is shared
+            distributed.barrier("workdir prepared")
             return True
     if not distributed.is_primary():  # the other hosts of a multi-host run write nothing
         distributed.barrier("workdir prepared")
