@@ -152,9 +152,19 @@ def build_request(table: str, workdir: str | None, seeds: Sequence[str],
     spec = resolve_table(table)
     if not workdir:
         raise ValueError("--workdir is required (the root of the cells and the tables)")
+    parsed = [parse_override(text) for text in overrides]
+    for override in parsed:
+        # A cell's variant and seed are set last (cell_config): an override of them would
+        # be silently undone.
+        if override.path in _CELL_FIELDS:
+            raise ValueError(f"--override={override.text!r}: {override.path} is set by each "
+                             f"cell; expected {_CELL_FIELDS[override.path]} instead")
     return Request(spec, workdir, resolve_datasets(spec, datasets, scale),
                    resolve_methods(spec, methods), bool(methods), parse_seeds(seeds), scale,
-                   [parse_override(text) for text in overrides])
+                   parsed)
+
+
+_CELL_FIELDS = {"seed": "--seeds", "algorithm": "--methods"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,27 +204,37 @@ def cell_state(path: str) -> str:
     return "interrupted" if run_folder.has_config(path) else "new"
 
 
+def checked_cell(cell: Cell, request: Request,
+                 load: ConfigLoader = load_dataset_config) -> tuple[Any, list[str]]:
+    """The cell's validated config, and the fields in which a run started in its folder
+    differs from it (empty: none, or the same config).
+
+    Raises:
+      ValueError: a bad override or config value (one line naming the cell).
+    """
+    try:
+        config = cell_config(cell, request, load)
+        validate_config(config)
+    except ValueError as error:
+        raise ValueError(f"{cell.dataset}/{cell.variant}/seed_{cell.seed}: {error}") from None
+    return config, conflicting_fields(cell.path(request.workdir), resolved_config(config),
+                                      "delete the cell folder to rerun it")
+
+
 def check_cells(request: Request, load: ConfigLoader = load_dataset_config) -> dict[Cell, Any]:
-    """Every cell's config, validated, before anything runs.
+    """Every cell's config, validated, before anything runs or is tabulated.
 
     Raises:
       ValueError: a bad override or config value, or a started cell holding another config
-        (it would be refused mid-grid, or a finished one silently reused).
+        (it would be refused mid-grid, or a finished one silently reused or tabulated).
     """
     configs = {}
     for cell in request.cells:
-        path = cell.path(request.workdir)
-        try:
-            config = cell_config(cell, request, load)
-            validate_config(config)
-        except ValueError as error:
-            raise ValueError(f"{cell.dataset}/{cell.variant}/seed_{cell.seed}: {error}") from None
-        differing = conflicting_fields(path, resolved_config(config),
-                                       "delete the cell folder to rerun it")
+        config, differing = checked_cell(cell, request, load)
         if differing:
-            raise ValueError(f"{path} holds a run of another config (differs in: "
-                             f"{', '.join(differing[:6])}); use another --workdir or "
-                             "the same --scale and --override as before")
+            raise ValueError(f"{cell.path(request.workdir)} holds a run of another config "
+                             f"(differs in: {', '.join(differing[:6])}); use another --workdir "
+                             "or the same --scale and --override as before")
         configs[cell] = config
     return configs
 
@@ -260,18 +280,29 @@ def write_tables(request: Request, command: str, started: float) -> str:
     return markdown
 
 
-def describe_plan(request: Request) -> str:
-    """One line per cell: state, folder and config (``--dry_run``)."""
+def describe_plan(request: Request, load: ConfigLoader = load_dataset_config) -> str:
+    """One line per cell: state, folder and config (``--dry_run``). A cell whose folder
+    holds a run of another config shows as ``conflict``, naming the fields.
+
+    Raises:
+      ValueError: a bad override or config value, as the run would (one line).
+    """
+    overrides = " ".join(f"--override={o.text}" for o in request.overrides)
     lines = [f"{request.table.name}: {len(request.cells)} cells (datasets "
              f"{','.join(request.datasets)} x variants {','.join(request.methods)} x seeds "
-             f"{','.join(map(str, request.seeds))}; runs shared between rows once)"]
+             f"{','.join(map(str, request.seeds))}; runs shared between rows once)"
+             + (f", with {overrides}" if overrides else "")]
     for variant, dataset in sorted(request.skipped, key=lambda pair: pair[::-1]):
         lines.append(f"  not run (as in the paper): {variant} on {dataset}")
     for cell in request.cells:
         path = cell.path(request.workdir)
-        lines.append(f"  {cell_state(path):11s} {path}  "
+        _, differing = checked_cell(cell, request, load)
+        state = "conflict" if differing else cell_state(path)
+        conflict = f"; holds another config, differs in: {', '.join(differing[:6])}"
+        lines.append(f"  {state:11s} {path}  "
                      f"({DATASETS[cell.dataset].config_spec(request.scale)}, "
-                     f"{variant_overrides(cell.variant)}, seed={cell.seed})")
+                     f"{variant_overrides(cell.variant)}, seed={cell.seed}"
+                     f"{conflict if differing else ''})")
     return "\n".join(lines)
 
 
@@ -285,13 +316,12 @@ def execute(request: Request, command: str, *, aggregate_only: bool = False,
     """
     started = time.perf_counter()
     if dry_run:
-        print(describe_plan(request))
+        print(describe_plan(request, load))
         return 0
-    if not aggregate_only:
-        configs = check_cells(request, load)
-        failed = run_cells(request, configs, run, progress)
-    else:
-        failed = []
+    # Also before tabulating only: the table's header names this command, so a cell run
+    # with other flags must not be counted as its result.
+    configs = check_cells(request, load)
+    failed = [] if aggregate_only else run_cells(request, configs, run, progress)
     markdown = write_tables(request, command, started)
     print(markdown)
     print(f"wrote {request.workdir}/{request.table.name}.md and .csv")

@@ -374,16 +374,29 @@ def test_a_finished_cell_of_another_config_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"holds a run of another config \(differs in: "
                                          r"num_rounds\)"):
         reproduce.check_cells(request, tiny_config)
+    # Tabulating alone refuses it too (the table's header names this command), and the
+    # plan names the conflict instead of calling the cell finished.
+    with pytest.raises(ValueError, match=r"holds a run of another config"):
+        reproduce.execute(request, "cmd", aggregate_only=True, load=tiny_config)
+    assert not (tmp_path / "table2.md").exists()
+    plan = reproduce.describe_plan(request, tiny_config).splitlines()[-1]
+    assert plan.split()[0] == "conflict" and "differs in: num_rounds" in plan
 
 
 def test_overrides_set_typed_fields_per_dataset():
     request = reproduce.build_request(
         "table2", "/tmp/unused", ["0"], ["shakespeare", "emnist"], "paper", ["flow"],
-        ["num_rounds=7", "emnist:data.store_dir=data/emnist", "shakespeare:methods.flow.gamma=0.5",
-         "algorithm=fedavg"])
+        ["num_rounds=7", "emnist:data.store_dir=data/emnist", "shakespeare:methods.flow.gamma=0.5"])
     shakespeare, emnist = request.cells
     config = reproduce.cell_config(shakespeare, request, tiny_config)
     assert (config.num_rounds, config.methods.flow.gamma, config.algorithm) == (7, 0.5, "flow")
+    # A cell's own fields would be set over the override: refused, naming the flag to use.
+    for field, flag in (("algorithm=fedavg", "--methods"), ("seed=5", "--seeds")):
+        with pytest.raises(ValueError, match=re.escape(f"--override='{field}': "
+                                                       f"{field.split('=')[0]} is set by each "
+                                                       f"cell; expected {flag} instead")):
+            reproduce.build_request("table2", "/tmp/unused", ["0"], ["shakespeare"], "paper",
+                                    ["flow"], [field])
     config = reproduce.cell_config(emnist, request, reproduce.load_dataset_config)
     assert (config.data.store_dir, config.num_rounds,
             config.methods.flow.gamma) == ("data/emnist", 7, 1e-2)
