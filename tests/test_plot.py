@@ -343,3 +343,19 @@ def test_a_bad_dpi_or_out_dir_is_one_line_and_writes_nothing(tmp_path):
         assert done.stderr.strip().splitlines()[-1].startswith(expected), done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert a_file.read_text() == "mine"
+
+
+def test_breakdown_bars_are_client_means_where_the_results_have_them(tmp_path):
+    """The paper's Figure 3 averages each client's fractions, as Acc_g and Acc_p are; a
+    results.json from before ``breakdown_client_mean`` existed gives its pooled one."""
+    write_run(tmp_path / "flow", dataset="toy", algorithm="flow", seed=0,
+              evals={1: (0.1, 0.2)}, breakdown=BREAKDOWN_A)
+    write_run(tmp_path / "fedavg", dataset="toy", algorithm="fedavg", seed=0,
+              evals={1: (0.1, 0.2)}, breakdown=BREAKDOWN_A)
+    path = tmp_path / "flow" / "results.json"
+    results = json.loads(path.read_text())
+    results["populations"]["train_clients"]["breakdown_client_mean"] = BREAKDOWN_B
+    path.write_text(json.dumps(results))
+    means = plot_data.mean_breakdowns(plot_data.load_runs(str(tmp_path)))["train_clients"]
+    assert means["flow"] == pytest.approx(BREAKDOWN_B)
+    assert means["fedavg"] == pytest.approx(BREAKDOWN_A)

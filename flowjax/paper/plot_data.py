@@ -262,13 +262,20 @@ def curve_bands(runs: Sequence[Run]) -> dict[str, dict[str, dict[str, Band]]]:
 
 
 def mean_breakdowns(runs: Sequence[Run]) -> dict[str, dict[str, dict[str, float]]]:
-    """``{population: {method: {group: mean fraction over seeds}}}`` of finished runs."""
+    """``{population: {method: {group: mean fraction over seeds}}}`` of finished runs.
+
+    A run's fractions are means over its clients (``breakdown_client_mean``), as the
+    paper's Figure 3 averages them and as Acc_g and Acc_p are: both correct + global only
+    is then the tables' Acc_g. Results written before that field existed give their
+    instance-pooled ``breakdown``.
+    """
     collected: dict[str, dict[str, list[Mapping[str, float]]]] = {}
     for run in runs:
         for population, summary in ((run.results or {}).get("populations") or {}).items():
-            if summary.get("breakdown"):
+            breakdown = summary.get("breakdown_client_mean") or summary.get("breakdown")
+            if breakdown:
                 collected.setdefault(population, {}).setdefault(run.method, []).append(
-                    summary["breakdown"])
+                    breakdown)
     return {population: {method: {g: float(np.mean([b.get(g, 0.0) for b in seeds]))
                                   for g in GROUPS}
                          for method, seeds in collected[population].items()}
