@@ -22,9 +22,11 @@ from launch import cli
 
 from absl import flags  # noqa: E402
 
+from flowjax import run_folder  # noqa: E402
 from flowjax.paper.aggregate import load_results, metric_by_seed, paired_differences  # noqa: E402
 from flowjax.paper.plan import Cell, cell_name  # noqa: E402
 from flowjax.paper.stats import seed_stats  # noqa: E402
+from flowjax.runner import differing_fields  # noqa: E402
 
 METRICS = ("acc_g", "acc_p", "acc_p_soft")
 POPULATION = "train_clients"
@@ -102,6 +104,31 @@ def csv_text(rows: list[dict]) -> str:
     return out.getvalue()
 
 
+def check_pairs(float32_workdir: str, bfloat16_workdir: str, cells: Sequence[Cell]) -> None:
+    """Each finished cell of one grid and its partner in the other must differ in
+    ``compute_dtype`` alone, float32 in the first and bfloat16 in the second.
+
+    Raises:
+      ValueError: a finished cell without its config, of the wrong precision, or whose
+        partner differs in another field (one line naming the cell).
+    """
+    remedy = "expected a launch/reproduce.py cell folder"
+    for cell in cells:
+        paths = [cell.path(root) for root in (float32_workdir, bfloat16_workdir)]
+        if not all(run_folder.finished(path) for path in paths):
+            continue  # a seed missing from either grid is left out of the pairs
+        configs = [run_folder.read_config(path, remedy) for path in paths]
+        for path, config, dtype in zip(paths, configs, ("float32", "bfloat16")):
+            if config is None or config.get("compute_dtype") != dtype:
+                found = None if config is None else config.get("compute_dtype")
+                raise ValueError(f"{path}: compute_dtype={found!r}; expected {dtype!r} "
+                                 "(are the two workdirs given the right way round?)")
+        others = [f for f in differing_fields(*configs) if f != "compute_dtype"]
+        if others:
+            raise ValueError(f"{paths[1]} differs from {paths[0]} in {', '.join(others[:6])}; "
+                             "expected the same run but for compute_dtype")
+
+
 def main(argv: Sequence[str]) -> int:
     del argv
     try:
@@ -113,6 +140,7 @@ def main(argv: Sequence[str]) -> int:
             raise ValueError("--out is required: the output path without extension")
         seeds = [int(s) for s in _SEEDS.value]
         cells = [Cell(_DATASET.value, cell_name(m), s) for m in _METHODS.value for s in seeds]
+        check_pairs(_FLOAT32.value, _BFLOAT16.value, cells)
         grids = [load_results(workdir, cells) for workdir in (_FLOAT32.value, _BFLOAT16.value)]
     except (ValueError, OSError) as error:
         return cli.fail(error)

@@ -449,7 +449,7 @@ def test_bad_table_exits_2_with_one_line(tmp_path):
 
 def test_precision_effect_pairs_bf16_and_float32_cells_by_seed(tmp_path):
     """launch/precision_effect.py: both grids' means and bf16 - float32 per seed."""
-    def grid(name, acc_p):
+    def grid(name, acc_p, dtype, **fields):
         root = tmp_path / name
         for seed, (g, p) in acc_p.items():
             for method in ("fedavg", "flow"):
@@ -458,10 +458,13 @@ def test_precision_effect_pairs_bf16_and_float32_cells_by_seed(tmp_path):
                           "num_clients": 4, "breakdown": {}}
                 write_cell(str(root), "fashion_mnist_0.1", method, seed,
                            {"train_clients": values})
+                config = {"algorithm": method, "seed": seed, "compute_dtype": dtype, **fields}
+                (root / "fashion_mnist_0.1" / method / f"seed_{seed}" / "config.json").write_text(
+                    json.dumps(config))
         return root
 
-    f32 = grid("f32", {0: (0.50, 0.80), 44: (0.60, 0.90)})
-    bf16 = grid("bf16", {0: (0.52, 0.79), 44: (0.59, 0.90)})
+    f32 = grid("f32", {0: (0.50, 0.80), 44: (0.60, 0.90)}, "float32")
+    bf16 = grid("bf16", {0: (0.52, 0.79), 44: (0.59, 0.90)}, "bfloat16")
     out = tmp_path / "docs" / "table"
     script = os.path.join(ROOT, "launch", "precision_effect.py")
     args = [sys.executable, script, "--dataset=fashion_mnist_0.1", "--methods=fedavg,flow",
@@ -487,3 +490,14 @@ def test_precision_effect_pairs_bf16_and_float32_cells_by_seed(tmp_path):
     assert missing.returncode == 2
     assert missing.stderr.strip() == (f"error: --float32_workdir='{tmp_path / 'nope'}': "
                                       "expected a launch/reproduce.py workdir")
+    # Grids given the wrong way round, or pairs that differ in more than the precision.
+    other = grid("other", {0: (0.5, 0.8)}, "bfloat16", num_rounds=3)
+    for f32_dir, bf16_dir, message in (
+            (bf16, f32, "compute_dtype='bfloat16'; expected 'float32' (are the two workdirs "
+                        "given the right way round?)"),
+            (f32, other, "differs from"), ):
+        done = subprocess.run([*args, f"--float32_workdir={f32_dir}",
+                               f"--bfloat16_workdir={bf16_dir}"], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "in num_rounds; expected the same run but for compute_dtype" in done.stderr
