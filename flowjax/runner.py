@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import subprocess
 import time
 from typing import Any
 
@@ -207,5 +209,35 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
     run_folder.write_json_atomic(run_folder.path(workdir, run_folder.RESULTS), results)
     run_folder.write_json_atomic(run_folder.path(workdir, run_folder.RUN_INFO), {
         "wall_time_s": time.perf_counter() - start,
-        "compilations": dict(simulation.trace_counts), "warnings": warnings})
+        "compilations": dict(simulation.trace_counts), "warnings": warnings,
+        "code": code_version()})
     return results
+
+
+def code_version() -> dict[str, Any]:
+    """The flowjax code that ran: its git commit and whether the checkout had uncommitted
+    changes (None for both outside a git checkout), and the package version.
+
+    A cell is reused by its config alone (``conflicting_fields``); this tells a cell run
+    by older code apart when a change alters a method's numbers.
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = dirty = None
+    if not os.path.exists(os.path.join(root, ".git")):  # e.g. a `git archive` copy inside
+        root = None                                      # another checkout: not its commit
+    try:
+        if root is None:
+            raise OSError("not a git checkout")
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                                text=True, timeout=10, check=True).stdout.strip() or None
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                cwd=root, capture_output=True, text=True, timeout=10,
+                                check=True).stdout
+        dirty = bool(status.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit = dirty = None
+    try:
+        version = importlib.metadata.version("flowjax")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    return {"commit": commit, "dirty": dirty, "version": version}

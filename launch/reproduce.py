@@ -298,12 +298,26 @@ def describe_plan(request: Request, load: ConfigLoader = load_dataset_config) ->
         path = cell.path(request.workdir)
         _, differing = checked_cell(cell, request, load)
         state = "conflict" if differing else cell_state(path)
-        conflict = f"; holds another config, differs in: {', '.join(differing[:6])}"
+        notes = ([f"holds another config, differs in: {', '.join(differing[:6])}"]
+                 if differing else [])
+        code = _ran_code(path)
+        if code:
+            notes.append(f"ran code {code}")
         lines.append(f"  {state:11s} {path}  "
                      f"({DATASETS[cell.dataset].config_spec(request.scale)}, "
                      f"{variant_overrides(cell.variant)}, seed={cell.seed}"
-                     f"{conflict if differing else ''})")
+                     f"{''.join('; ' + note for note in notes)})")
     return "\n".join(lines)
+
+
+def _ran_code(path: str) -> str:
+    """The commit a finished cell's ``run.json`` records (short; ``+`` if the checkout
+    had uncommitted changes), or ``""``: a config match alone does not tell a cell run
+    by older code."""
+    info = run_folder.read_run_info(path, "delete the cell folder to rerun it") or {}
+    code = info.get("code") or {}
+    commit = code.get("commit")
+    return f"{commit[:7]}{'+' if code.get('dirty') else ''}" if commit else ""
 
 
 def execute(request: Request, command: str, *, aggregate_only: bool = False,

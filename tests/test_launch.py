@@ -1,5 +1,6 @@
 """The launchers as a user runs them (subprocesses, real flags)."""
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -42,6 +43,13 @@ def test_train_writes_results_and_prints_the_table(tmp_path):
         assert field in results
     run_info = json.loads((workdir / "run.json").read_text())
     assert run_info["compilations"] == {"round": 1, "eval": 1}
+    # The code that ran: this checkout's commit (CI runs a clone), or None outside git.
+    in_git = os.path.exists(os.path.join(ROOT, ".git"))
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() if in_git else None
+    assert run_info["code"]["commit"] == commit
+    assert run_info["code"]["version"] == importlib.metadata.version("flowjax")
+    assert isinstance(run_info["code"]["dirty"], bool) == in_git
     lines = (workdir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["kind"] for line in lines] == ["train", "train", "eval"]
     assert json.loads((workdir / "config.json").read_text())["num_rounds"] == 2

@@ -381,6 +381,11 @@ def test_a_finished_cell_of_another_config_is_refused(tmp_path):
     assert not (tmp_path / "table2.md").exists()
     plan = reproduce.describe_plan(request, tiny_config).splitlines()[-1]
     assert plan.split()[0] == "conflict" and "differs in: num_rounds" in plan
+    # The plan also names the code a finished cell ran (run.json), where it says.
+    with open(os.path.join(cell.path(str(tmp_path)), "run.json"), "w") as handle:
+        json.dump({"wall_time_s": 1.0, "code": {"commit": "0123456789abcdef", "dirty": True}},
+                  handle)
+    assert reproduce.describe_plan(request, tiny_config).endswith("; ran code 0123456+)")
 
 
 def test_overrides_set_typed_fields_per_dataset():
