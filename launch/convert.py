@@ -22,6 +22,7 @@ source folder, a folder holding it or one inside it.
 
 import os
 import pathlib
+import sqlite3
 import sys
 import time
 from typing import Any
@@ -47,6 +48,10 @@ _MAX_SENTENCES = flags.DEFINE_integer(
     "Stack Overflow: keep each client's first N train sentences (0 keeps all).")
 _VOCAB_SIZE = flags.DEFINE_integer("vocab_size", tff_h5.VOCAB_SIZE,
                                    "Stack Overflow: vocabulary words.")
+_VOCAB_FILE = flags.DEFINE_string(
+    "vocab_file", None, "Stack Overflow: TFF's stackoverflow.word_count (its first "
+    "--vocab_size words are TFF's vocabulary); default: that file in --source if it is "
+    "there, else the train split's most frequent words.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False,
                                "Replace an existing --out written by this tool.")
 cli.define_debug_flag()
@@ -115,13 +120,17 @@ def convert(dataset: str, source: str | os.PathLike, out: str | os.PathLike,
     """Converts ``dataset`` files in ``source`` (format ``fmt``) into task directory ``out``.
 
     ``options``: ``only_digits`` (EMNIST), ``max_sentences``, ``vocab_size``,
+    ``vocab_file`` (default: ``stackoverflow.word_count`` in ``source`` if there),
     ``held_out_train_fraction`` (Stack Overflow), ``overwrite``, and for
     ``fedjax_sqlite`` a ``feature_map``.
     """
     source, out = os.path.expanduser(str(source)), os.path.expanduser(str(out))
     if dataset != "stackoverflow":
-        for name in ("max_sentences", "vocab_size", "held_out_train_fraction"):
+        for name in ("max_sentences", "vocab_size", "vocab_file", "held_out_train_fraction"):
             options.pop(name, None)
+    elif options.get("vocab_file") is None:
+        listed = os.path.join(source, tff_h5.WORD_COUNT_FILE)
+        options["vocab_file"] = listed if os.path.isfile(listed) else None
     fmt, _ = detect_format(dataset, source, fmt, options.get("only_digits", False))
     # Before any file is read: an --out that must not be replaced fails at once.
     tff_h5.check_out_dir(out, options.get("overwrite", False), (source,))
@@ -146,7 +155,9 @@ def main(argv: list[str]) -> None:
     start = time.perf_counter()
     options: dict[str, Any] = {"overwrite": _OVERWRITE.value,
                                "max_sentences": _MAX_SENTENCES.value or None,
-                               "vocab_size": _VOCAB_SIZE.value}
+                               "vocab_size": _VOCAB_SIZE.value,
+                               "vocab_file": (os.path.expanduser(_VOCAB_FILE.value)
+                                              if _VOCAB_FILE.value else None)}
     if _DATASET.value == "emnist":
         options["only_digits"] = _ONLY_DIGITS.value
     source = os.path.expanduser(_SOURCE.value)
@@ -155,10 +166,15 @@ def main(argv: list[str]) -> None:
                                    _ONLY_DIGITS.value and _DATASET.value == "emnist")
         print(found, flush=True)
         out = convert(_DATASET.value, source, _OUT.value, fmt, **options)
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, sqlite3.DatabaseError, RuntimeError) as error:
+        # sqlite3.DatabaseError / h5py's RuntimeError: a file damaged inside, which
+        # opened fine (a truncated one is refused on opening).
         if cli.debug():
             raise
-        _fail(str(error).splitlines()[0] if str(error) else type(error).__name__)
+        damaged = isinstance(error, (sqlite3.DatabaseError, RuntimeError))
+        text = str(error).splitlines()[0] if str(error) else type(error).__name__
+        _fail(f"a file in --source={source} is damaged ({text}); download it again"
+              if damaged else text)
     except KeyboardInterrupt:
         if cli.debug():
             raise

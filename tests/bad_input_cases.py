@@ -527,6 +527,21 @@ def _case_bad_proto(folder):
     return ["--dataset=shakespeare", "--source=src", "--out=out"]
 
 
+def _case_damaged_sqlite(folder):
+    """TFF's EMNIST SQLite with one page in its middle overwritten (it opens, then a
+    read hits the damage)."""
+    import lzma
+    os.makedirs(os.path.join(folder, "src"))
+    with lzma.open(os.path.join(FIXTURES, "tff_sqlite", "emnist_all.sqlite.lzma")) as f:
+        data = bytearray(f.read())
+    page = int.from_bytes(data[16:18], "big")  # the SQLite header's page size
+    middle = len(data) // page // 2
+    data[middle * page:(middle + 1) * page] = b"\xab" * page
+    with open(os.path.join(folder, "src", "emnist_all.sqlite"), "wb") as f:
+        f.write(bytes(data))
+    return ["--dataset=emnist", "--source=src", "--out=out"]
+
+
 def _case_truncated_lzma(folder):
     os.makedirs(os.path.join(folder, "src"))
     with open(os.path.join(FIXTURES, "tff_sqlite", "emnist_all.sqlite.lzma"), "rb") as f:
@@ -595,6 +610,8 @@ CONVERT_CASES: tuple[ConvertCase, ...] = (
                 "error: src/shakespeare.sqlite[train]: client "),
     ConvertCase("a truncated TFF `.sqlite.lzma` download", _case_truncated_lzma,
                 "error: src/emnist_all.sqlite.lzma: not a complete LZMA file"),
+    ConvertCase("a TFF SQLite file damaged inside (a page overwritten)", _case_damaged_sqlite,
+                "error: a file in --source=src is damaged ("),
 )
 
 

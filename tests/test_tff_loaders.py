@@ -339,3 +339,40 @@ def test_stackoverflow_vocab_size_below_one_is_refused_before_anything_is_writte
                                          r"vocabulary words\), got -2$"):
         convert("stackoverflow", tff_dir, out, "tff_h5", vocab_size=-2)
     assert not out.exists()
+
+
+def test_stackoverflow_vocabulary_is_tffs_word_count_file_when_it_is_in_the_source(
+        tff_dir, tmp_path):
+    """TFF's stackoverflow.word_count (TFF, FedJAX and Reddi et al. take its first V lines)
+    sets the vocabulary in file order, not the train split's own counts."""
+    import shutil
+
+    source = tmp_path / "src"
+    source.mkdir()
+    for split in ("train", "test", "held_out"):
+        shutil.copy(tff_dir / f"stackoverflow_{split}.h5", source)
+    (source / "stackoverflow.word_count").write_text("sat 9\ncat 5\nthe 3\ndog 1\n")
+    out = convert("stackoverflow", source, tmp_path / "so", "tff_h5", vocab_size=3)
+    vocab = json.loads((out / "vocab.json").read_text())
+    assert vocab["words"] == ["sat", "cat", "the"]
+    assert vocab["source"] == "first words of stackoverflow.word_count"
+    task = load_task("stackoverflow_tff", {"store_dir": str(out)})
+    x, _ = _sentence(BOS, 3, 2, 1, EOS)  # "the cat sat" under the file's ids
+    np.testing.assert_array_equal(_client(task.train, "00001", "train")["x"][0], x)
+    # A file that is not TFF's format fails in one line before anything is written.
+    (source / "stackoverflow.word_count").write_text("sat 9\nnot a count line\n")
+    with pytest.raises(ValueError, match=r"stackoverflow.word_count:2: 'not a count line' "
+                                         r"is not 'word count'"):
+        convert("stackoverflow", source, tmp_path / "so2", "tff_h5", vocab_size=3)
+    assert not (tmp_path / "so2").exists()
+
+
+def test_stackoverflow_words_are_split_on_single_spaces_as_tff_does():
+    """tf.strings.split(sep=' '): an empty word (two spaces, an empty sentence) is out of
+    vocabulary, and a tab is part of a word."""
+    from flowjax.data.tff_h5 import WordIds
+
+    ids = WordIds(["a"])  # a = 1, oov 2, bos 3, eos 4
+    np.testing.assert_array_equal(ids.sentence(b"a  a", length=5), [3, 1, 2, 1, 4, 0])
+    np.testing.assert_array_equal(ids.sentence(b"", length=5), [3, 2, 4, 0, 0, 0])
+    np.testing.assert_array_equal(ids.sentence(b"a\ta", length=5), [3, 2, 4, 0, 0, 0])

@@ -26,8 +26,9 @@ Examples (the stored ``x``/``y``):
 * Shakespeare: every snippet through :func:`flowjax.data.shakespeare.snippet_to_sequences`
   (``int32 [80]`` each), exactly as the embedded dataset.
 * Stack Overflow: word ids, TFF's next-word layout (``tff.simulation.baselines``):
-  ``0`` pad, ``1..V`` the vocabulary (the ``V = 10,000`` most frequent words of the train
-  split, by descending count then ascending byte order), ``V + 1`` out-of-vocabulary,
+  ``0`` pad, ``1..V`` the vocabulary (the first ``V = 10,000`` words of TFF's
+  ``stackoverflow.word_count`` when given, TFF's own list; else the train split's most
+  frequent words, by descending occurrences then ascending bytes), ``V + 1`` out-of-vocabulary,
   ``V + 2`` beginning of sentence, ``V + 3`` end of sentence (``V + 4 = 10,004`` ids).
   A sentence becomes ``[bos] + ids[:20]`` followed by ``eos`` only when it had fewer than
   20 words, padded with 0 to 21; ``x`` is its first 20 ids, ``y`` its last 20.
@@ -169,7 +170,9 @@ class WordIds:
     def sentence(self, text: bytes | str, length: int = SO_SEQUENCE_LENGTH) -> np.ndarray:
         """``int32 [length + 1]``: bos, the first ``length`` word ids, eos if room, pads."""
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
-        ids = [self._ids.get(w, self.oov) for w in data.split()][:length]
+        # TFF splits on single spaces (tf.strings.split(sep=' ')): an empty word between
+        # two spaces, or of an empty sentence, is out of vocabulary.
+        ids = [self._ids.get(w, self.oov) for w in data.split(b" ")][:length]
         if len(ids) < length:
             ids.append(self.eos)
         row = np.zeros(length + 1, np.int32)
@@ -186,12 +189,43 @@ class WordIds:
 
 
 def count_words(source: ClientSource) -> collections.Counter:
-    """Word counts over every sentence of ``source`` (TFF splits on whitespace)."""
+    """Word occurrences over every sentence of ``source``, split as ``WordIds`` splits
+    (the empty word is not counted)."""
     counts: collections.Counter = collections.Counter()
     for client_id in source.client_ids():
         for sentence in np.asarray(source.read(client_id)["tokens"]).reshape(-1):
-            counts.update(bytes(sentence).split())
+            counts.update(w for w in bytes(sentence).split(b" ") if w)
     return counts
+
+
+# TFF's published vocabulary (``tff.simulation.datasets.stackoverflow.load_word_counts``,
+# which FedJAX's ``default_vocab`` and Reddi et al.'s ``create_vocab`` read too): one
+# ``word count`` line per word, most frequent first; the vocabulary is its first V words.
+WORD_COUNT_FILE = "stackoverflow.word_count"
+
+
+def read_word_counts(path: str | os.PathLike, size: int = VOCAB_SIZE) -> list[str]:
+    """The first ``size`` words of TFF's ``stackoverflow.word_count`` file, in file order.
+
+    Raises:
+      ValueError: the file is unreadable, a line is not ``word count``, or it holds fewer
+        than ``size`` words (one line).
+    """
+    words: list[str] = []
+    try:
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                fields = line.split()
+                if len(fields) != 2 or not fields[1].isdigit():
+                    raise ValueError(f"{path}:{number}: {line.strip()[:60]!r} is not "
+                                     "'word count'; expected TFF's stackoverflow.word_count")
+                words.append(fields[0])
+                if len(words) == size:
+                    return words
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: cannot read it ({error}); expected TFF's "
+                         "stackoverflow.word_count") from None
+    raise ValueError(f"{path} holds {len(words)} words; expected at least --vocab_size={size}")
 
 
 def top_words(counts: Mapping[bytes, int], size: int = VOCAB_SIZE) -> list[str]:
@@ -336,6 +370,7 @@ def _write_task_dir(out_dir: pathlib.Path, build: Callable[[pathlib.Path], dict[
 
 def convert_sources(kind: str, sources: Mapping[str, ClientSource], out_dir: str | os.PathLike,
                     *, max_sentences: int | None = MAX_SENTENCES, vocab_size: int = VOCAB_SIZE,
+                    vocab_file: str | os.PathLike | None = None,
                     held_out_train_fraction: float = HELD_OUT_TRAIN_FRACTION,
                     overwrite: bool = False, origin: str = "", num_classes: int | None = None,
                     protected: Sequence[str | os.PathLike] = ()) -> pathlib.Path:
@@ -348,6 +383,10 @@ def convert_sources(kind: str, sources: Mapping[str, ClientSource], out_dir: str
       max_sentences: Stack Overflow: keep each client's first ``max_sentences`` train
         sentences (None keeps all).
       vocab_size: Stack Overflow: number of vocabulary words.
+      vocab_file: Stack Overflow: TFF's ``stackoverflow.word_count``, whose first
+        ``vocab_size`` words are the vocabulary TFF, FedJAX and Reddi et al. use; None
+        counts the train split's word occurrences instead (not TFF's list: its counts are
+        users per word, and its order of ties is the file's).
       held_out_train_fraction: Stack Overflow: share of a held-out user's sentences
         (the first ones) used for personalization.
       overwrite: replace an existing ``out_dir`` (only a task directory this project
@@ -375,18 +414,24 @@ def convert_sources(kind: str, sources: Mapping[str, ClientSource], out_dir: str
             raise ValueError(f"{sources[split].name}: 0 clients in its {split} split: expected "
                              "at least one client (is it the right file, completely downloaded?)")
     classes = EMNIST_CLASSES if num_classes is None else num_classes
+    vocabulary = (f"first words of {os.path.basename(vocab_file)}" if vocab_file is not None
+                  else "train word occurrences")
     options = {"max_sentences": max_sentences, "vocab_size": vocab_size,
-               "held_out_train_fraction": held_out_train_fraction} if kind == "stackoverflow" else {}
+               "held_out_train_fraction": held_out_train_fraction,
+               "vocabulary": vocabulary} if kind == "stackoverflow" else {}
+    # Read before anything is written: a bad word-count file fails at once.
+    listed = (read_word_counts(vocab_file, vocab_size)
+              if kind == "stackoverflow" and vocab_file is not None else None)
 
     def build(tmp: pathlib.Path) -> dict[str, Any]:
         dropped: dict[str, int] = {}
         source_meta = {"dataset": kind, "origin": origin, **options}
         if kind == "stackoverflow":
-            words = top_words(count_words(sources["train"]), vocab_size)
+            words = listed or top_words(count_words(sources["train"]), vocab_size)
             vocab = WordIds(words)
             (tmp / "vocab.json").write_text(json.dumps(
                 {"words": words, "pad": vocab.pad, "oov": vocab.oov, "bos": vocab.bos,
-                 "eos": vocab.eos, "size": vocab.size}))
+                 "eos": vocab.eos, "size": vocab.size, "source": vocabulary}))
             encode, cap = vocab.examples, max_sentences
         else:
             encode = (functools.partial(emnist_examples, num_classes=classes)
