@@ -145,6 +145,10 @@ def apply_override(config: Any, override: Override) -> None:
         raise ValueError(f"--override={override.text!r}: {error}") from None
 
 
+# Fields each cell sets itself (``cell_config``), and the flag that chooses them.
+_CELL_FIELDS = {"seed": "--seeds", "algorithm": "--methods"}
+
+
 def build_request(table: str, workdir: str | None, seeds: Sequence[str],
                   datasets: Sequence[str], scale: str, methods: Sequence[str],
                   overrides: Sequence[str]) -> Request:
@@ -162,9 +166,6 @@ def build_request(table: str, workdir: str | None, seeds: Sequence[str],
     return Request(spec, workdir, resolve_datasets(spec, datasets, scale),
                    resolve_methods(spec, methods), bool(methods), parse_seeds(seeds), scale,
                    parsed)
-
-
-_CELL_FIELDS = {"seed": "--seeds", "algorithm": "--methods"}
 
 
 @functools.lru_cache(maxsize=None)
