@@ -223,21 +223,21 @@ def code_version() -> dict[str, Any]:
     """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     commit = dirty = None
-    if not os.path.exists(os.path.join(root, ".git")):  # e.g. a `git archive` copy inside
-        root = None                                      # another checkout: not its commit
-    try:
-        if root is None:
-            raise OSError("not a git checkout")
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                                text=True, timeout=10, check=True).stdout.strip() or None
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                                cwd=root, capture_output=True, text=True, timeout=10,
-                                check=True).stdout
-        dirty = bool(status.strip())
-    except (OSError, subprocess.SubprocessError):
-        commit = dirty = None
+    # Only this checkout's own .git: a `git archive` copy inside another checkout would
+    # otherwise report that checkout's commit.
+    if os.path.exists(os.path.join(root, ".git")):
+        try:
+            commit = _git(root, "rev-parse", "HEAD").strip() or None
+            dirty = bool(_git(root, "status", "--porcelain", "--untracked-files=no").strip())
+        except (OSError, subprocess.SubprocessError):
+            commit = dirty = None
     try:
         version = importlib.metadata.version("flowjax")
     except importlib.metadata.PackageNotFoundError:
         version = None
     return {"commit": commit, "dirty": dirty, "version": version}
+
+
+def _git(root: str, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                          timeout=10, check=True).stdout

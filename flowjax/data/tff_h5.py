@@ -427,7 +427,8 @@ def convert_sources(kind: str, sources: Mapping[str, ClientSource], out_dir: str
         dropped: dict[str, int] = {}
         source_meta = {"dataset": kind, "origin": origin, **options}
         if kind == "stackoverflow":
-            words = listed or top_words(count_words(sources["train"]), vocab_size)
+            words = (listed if listed is not None
+                     else top_words(count_words(sources["train"]), vocab_size))
             vocab = WordIds(words)
             (tmp / "vocab.json").write_text(json.dumps(
                 {"words": words, "pad": vocab.pad, "oov": vocab.oov, "bos": vocab.bos,
