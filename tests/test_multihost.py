@@ -63,6 +63,9 @@ def test_two_processes_equal_one_process_with_two_devices(tmp_path, algorithm):
                if json.loads(line)["kind"] == "train"] for d in ("multi", "single")]
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
     assert sorted(os.listdir(tmp_path / "multi" / "checkpoints")) == ["1", "2"]
+    for run in ("multi", "single"):  # sharded: still one compilation per program
+        info = json.loads((tmp_path / run / "run.json").read_text())
+        assert info["compilations"] == {"round": 1, "eval": 1}, (run, info)
 
 
 def test_bad_process_flags_are_one_line_errors(tmp_path):

@@ -28,6 +28,8 @@ for algorithm in ("flow", "ditto"):
                                            simulation.settings, simulation.server_optimizer,
                                            ClientMapping("loop", 1, devices))
         outcome = experiment.run(simulation)
+        # One compilation each, on two devices as on one.
+        assert simulation.trace_counts == {"round": 1, "eval": 1}, simulation.trace_counts
         leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(outcome.final_state.params)]
         results[algorithm, devices] = (leaves, outcome.summaries["train_clients"].acc_p)
     one, two = results[algorithm, 1], results[algorithm, 2]

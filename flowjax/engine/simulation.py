@@ -125,8 +125,10 @@ class Simulation:
             self.client_states = ClientStateStore(
                 jax.device_get(self.algorithm.init_client_state(params)))
         state = ServerState(params=params, opt_state=self.server_optimizer.init(params))
-        if distributed.multiprocess() and self.mapping.num_devices > 1:
-            # Every host computed the same state; one global array spans all their devices.
+        if self.mapping.num_devices > 1:
+            # Replicated where the round leaves it, so round 2 does not compile the round
+            # again for a new input sharding; across hosts, every host computed the same
+            # state and one global array spans all their devices.
             state = distributed.replicate(state, self.mapping.mesh())
         return state
 
