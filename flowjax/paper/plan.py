@@ -302,7 +302,9 @@ TABLES: dict[str, TableSpec] = {spec.name: spec for spec in (
                          for m in ("fedavg", "fedavg_ft", "apfl", "ditto", "knn_per")}}),
         ("acc_g", "acc_g_client_snapshot", "acc_p", "clients_benefiting"),
         ("fashion_mnist_0.1", "fashion_mnist_0.6"),
-        not_applicable=frozenset({("fedavg", "acc_p"), ("fedavg_momentum", "acc_p")})),
+        # FedAvg does not personalize: no Acc_p, so no client improves on its Acc_g either.
+        not_applicable=frozenset((m, f) for m in ("fedavg", "fedavg_momentum")
+                                 for f in ("acc_p", "clients_benefiting"))),
 )}
 
 
