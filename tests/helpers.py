@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,20 @@ from flowjax import experiment
 from flowjax.core.cohort import ClientExamples, assemble_cohort, client_at
 from flowjax.models.base import RoutableModel
 from flowjax.models.layers import Dense, chain_model
+
+
+def default_xla_env() -> dict[str, str]:
+    """This process's environment for a child that compiles as a user's default build
+    does: without the suite's XLA flags (``conftest.TEST_XLA_FLAGS``) and without the
+    launchers' CPU tuning (``launch/xla_env.py``), whose flags cannot be unset in a
+    process where JAX has started."""
+    from conftest import TEST_XLA_FLAGS
+    from launch import xla_env
+    env = dict(os.environ, FLOWJAX_XLA_TUNING="0")
+    tuned = {flag.split("=")[0] for flag in (*xla_env.CPU_FLAGS, *TEST_XLA_FLAGS)}
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if f.split("=")[0] not in tuned)
+    return env
 
 
 def apply_overrides(config, overrides):

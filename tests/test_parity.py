@@ -19,8 +19,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import TEST_XLA_FLAGS
-from launch import parity, xla_env
+from launch import parity
+from tests.helpers import default_xla_env
 
 with open(parity.FIXTURE) as f:
     FIXTURE = json.load(f)
@@ -58,11 +58,7 @@ def _flowjax_side_under_default_xla(out: str) -> dict:
     The suite's cheaper LLVM pipeline (``conftest.TEST_XLA_FLAGS``) moves them by up to
     3.9e-4 (measured), so the child runs without it too.
     """
-    env = dict(os.environ, FLOWJAX_XLA_TUNING="0")
-    tuned = {flag.split("=")[0] for flag in (*xla_env.CPU_FLAGS, *TEST_XLA_FLAGS)}
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if f.split("=")[0] not in tuned]
-    env["XLA_FLAGS"] = " ".join(flags)
-    subprocess.run([sys.executable, "-c", _CHILD, out], env=env, check=True,
+    subprocess.run([sys.executable, "-c", _CHILD, out], env=default_xla_env(), check=True,
                    cwd=parity.ROOT)
     with open(out, "rb") as f:
         return pickle.load(f)
