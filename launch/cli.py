@@ -152,7 +152,12 @@ def fail(error: BaseException) -> int:
     return 2
 
 
-def _quiet_interrupt(main: Callable[[list[str]], int | None]) -> Callable[[list[str]], int]:
+RESUMES = ("the same command resumes from the newest checkpoint (with checkpoint_every=0 "
+           "a run starts over)")
+
+
+def _quiet_interrupt(main: Callable[[list[str]], int | None],
+                     resumable: bool) -> Callable[[list[str]], int]:
     @functools.wraps(main)
     def wrapped(argv):
         try:
@@ -161,12 +166,13 @@ def _quiet_interrupt(main: Callable[[list[str]], int | None]) -> Callable[[list[
             if debug():
                 raise
             # Checkpoint writes hold Ctrl-C until they are complete (flowjax/checkpoint.py).
-            print("interrupted (Ctrl-C); the same command resumes from the newest "
-                  "checkpoint", file=sys.stderr, flush=True)
+            print("interrupted (Ctrl-C)" + (f"; {RESUMES}" if resumable else ""),
+                  file=sys.stderr, flush=True)
             return INTERRUPTED
     return wrapped
 
 
-def run(main: Callable[[list[str]], int | None]) -> None:
-    """``absl.app.run(main)`` with ``parse_flags`` and Ctrl-C as one line, exit 130."""
-    app.run(_quiet_interrupt(main), flags_parser=parse_flags)
+def run(main: Callable[[list[str]], int | None], resumable: bool = False) -> None:
+    """``absl.app.run(main)`` with ``parse_flags`` and Ctrl-C as one line, exit 130;
+    ``resumable``: a launcher that trains run folders, whose line says how to resume."""
+    app.run(_quiet_interrupt(main, resumable), flags_parser=parse_flags)

@@ -366,4 +366,4 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, resumable=True)

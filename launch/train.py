@@ -63,4 +63,4 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["workdir"])
-    cli.run(main)
+    cli.run(main, resumable=True)

@@ -751,7 +751,9 @@ COMMAND_CASES += (
 BEHAVIOURS: tuple[Behaviour, ...] = (
     Behaviour("Ctrl-C (SIGINT) during a run, even mid-checkpoint", "launchers (`launch/cli.py`, "
               "`flowjax/checkpoint.py`)", "one line `interrupted (Ctrl-C); the same command "
-              "resumes from the newest checkpoint`, exit 130 (128 + SIGINT); a checkpoint "
+              "resumes from the newest checkpoint (with checkpoint_every=0 a run starts "
+              "over)` (train.py, compare.py, reproduce.py; the other launchers print "
+              "`interrupted (Ctrl-C)`), exit 130 (128 + SIGINT); a checkpoint "
               "being written, and the deletion of the one it replaces, finish first, so no "
               "half-deleted `checkpoints/N` is left; the rerun's results are byte-identical",
               "tests/test_resume.py::test_ctrl_c_mid_checkpoint_is_one_line_and_resumes_exactly"),

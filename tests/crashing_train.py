@@ -54,4 +54,4 @@ if __name__ == "__main__":
     from launch import cli, train
     inject(fault)
     train.flags.mark_flags_as_required(["workdir"])
-    cli.run(train.main)
+    cli.run(train.main, resumable=True)

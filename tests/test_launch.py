@@ -149,3 +149,15 @@ def test_every_launcher_shows_the_traceback_of_a_bad_input_under_debug(tmp_path)
             assert stderr.strip().splitlines()[-1].startswith("error: "), (script, stderr)
             assert "Traceback" not in stderr, (script, stderr)
     assert [p.name for p in not_a_store.iterdir()] == ["keep.txt"]
+
+
+def test_ctrl_c_line_tells_how_to_resume_only_where_a_launcher_trains_run_folders(capsys):
+    from launch import cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    for resumable, line in ((True, f"interrupted (Ctrl-C); {cli.RESUMES}"),
+                            (False, "interrupted (Ctrl-C)")):
+        assert cli._quiet_interrupt(interrupted, resumable)([]) == cli.INTERRUPTED == 130
+        assert capsys.readouterr().err == line + "\n"

@@ -63,7 +63,8 @@ def test_ctrl_c_mid_checkpoint_is_one_line_and_resumes_exactly(uninterrupted, tm
     stopped = train(tmp_path, fault="checkpoint:6:SIGINT")
     assert stopped.returncode == 130, stopped.stderr[-2000:]
     assert stopped.stderr.strip().splitlines()[-1] == (
-        "interrupted (Ctrl-C); the same command resumes from the newest checkpoint")
+        "interrupted (Ctrl-C); the same command resumes from the newest checkpoint (with "
+        "checkpoint_every=0 a run starts over)")
     assert "Traceback" not in stopped.stderr
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4", "6"]
     assert not (tmp_path / "results.json").exists()
