@@ -156,10 +156,10 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
                           overwrite: bool = False) -> dict[str, Any]:
     """Trains and evaluates ``config``; writes ``config.json``, ``metrics.jsonl``,
     ``results.json`` (deterministic: same seed, same bytes) and ``run.json`` (wall time,
-    compilations) into ``workdir``, resuming from its newest checkpoint if any; with
-    ``config.tensorboard`` also TensorBoard event files in ``workdir/tensorboard/``. A
-    ``workdir`` that holds this config's finished run is left as it is and its stored
-    results are returned (``overwrite`` runs it again).
+    summed over the attempts of a resumed run; compilations) into ``workdir``, resuming
+    from its newest checkpoint if any; with ``config.tensorboard`` also TensorBoard event
+    files in ``workdir/tensorboard/``. A ``workdir`` that holds this config's finished run
+    is left as it is and its stored results are returned (``overwrite`` runs it again).
 
     Raises:
       ValueError: a bad config value or an incompatible workdir (one-line message),
@@ -180,7 +180,9 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
         print(f"{workdir}: finished earlier with this config; reusing its results.json "
               f"(--overwrite runs it again)", flush=True)
         return run_folder.read_results(workdir, "use --overwrite to run it again")
-    # HypCluster's FedAvg warm-up is a stage of its own, before the method's first round.
+    # Timed from here: HypCluster's FedAvg warm-up (a stage of its own, before the
+    # method's first round, run again by a resumed attempt) is part of the run's time.
+    start = time.perf_counter()
     simulation = run_config.simulation_for(run, run_config.warm_up(run))
     task = simulation.task
     print(f"{config.algorithm} on {task.name}: {len(task.train.client_ids)} training clients, "
@@ -197,7 +199,6 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
     callbacks = [*run_folder_callbacks(workdir, config.get("checkpoint_every", 0), resolved),
                  *([tensorboard] if tensorboard is not None else []),
                  DivergenceGuard(config.get("on_divergence", "stop"), warn), bar]
-    start = time.perf_counter()
     try:
         result = loop.run(simulation, callbacks)
     except DivergenceError as error:
@@ -207,8 +208,17 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
     if not primary:
         return results
     run_folder.write_json_atomic(run_folder.path(workdir, run_folder.RESULTS), results)
+    this_attempt = time.perf_counter() - start
+    earlier = result.earlier_wall_time_s
+    if earlier is None:
+        warnings.append(f"resumed from round {result.resumed_from}'s checkpoint, which an "
+                        f"older flowjax wrote without its time: wall_time_s counts only this "
+                        f"attempt")
     run_folder.write_json_atomic(run_folder.path(workdir, run_folder.RUN_INFO), {
-        "wall_time_s": time.perf_counter() - start,
+        # A resumed run's time is its attempts' time to the resumed checkpoint plus this
+        # attempt's (reproduce.py and compare.py sum it over cells and methods).
+        "wall_time_s": this_attempt + (earlier or 0.0),
+        "wall_time_s_this_attempt": this_attempt, "resumed_from_round": result.resumed_from,
         "compilations": dict(simulation.trace_counts), "warnings": warnings,
         "code": code_version()})
     return results

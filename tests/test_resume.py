@@ -84,6 +84,14 @@ def test_stateful_method_resumes_its_client_states_exactly(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     for name in ("results.json", "metrics.jsonl"):
         assert (tmp_path / "killed" / name).read_bytes() == (tmp_path / "clean" / name).read_bytes()
+    # run.json's wall time is the whole run's: the killed attempt's time up to the
+    # checkpoint of round 2 it resumed from, plus the resumed attempt's.
+    fresh, resumed = (json.loads((tmp_path / d / "run.json").read_text())
+                      for d in ("clean", "killed"))
+    assert fresh["resumed_from_round"] is None
+    assert fresh["wall_time_s"] == fresh["wall_time_s_this_attempt"] > 0
+    assert resumed["resumed_from_round"] == 2 and resumed["warnings"] == []
+    assert resumed["wall_time_s"] > resumed["wall_time_s_this_attempt"] > 0
 
 
 @pytest.mark.slow  # in-process equivalent: test_experiment.py's same-seed test

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -47,6 +48,10 @@ class RunState:
         rounds, and at every round a callback ``syncs_at``).
       summaries: the newest evaluation, by population.
       last_checkpoint: the round of the newest checkpoint (None: none written).
+      resumed_from: the checkpoint round this attempt resumed from (None: a fresh start).
+      earlier_wall_time_s: wall seconds the earlier attempts took to reach that
+        checkpoint (0 for a fresh start; None when the checkpoint recorded none).
+      started_at: ``time.perf_counter()`` when this attempt's loop started.
     """
 
     simulation: Simulation
@@ -55,6 +60,17 @@ class RunState:
     history: list[Record] = dataclasses.field(default_factory=list)
     summaries: dict[str, EvalSummary] = dataclasses.field(default_factory=dict)
     last_checkpoint: int | None = None
+    resumed_from: int | None = None
+    earlier_wall_time_s: float | None = 0.0
+    started_at: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def wall_time_s(self) -> float | None:
+        """Wall seconds of the whole run so far, earlier attempts included up to the
+        resumed checkpoint (the work they did after it is redone, so not counted); None
+        when the earlier attempts' time is unknown."""
+        if self.earlier_wall_time_s is None:
+            return None
+        return self.earlier_wall_time_s + time.perf_counter() - self.started_at
 
     @property
     def last(self) -> bool:
@@ -116,7 +132,9 @@ class Checkpoints(Callback):
             simulation.client_states.load_state_dict(rows)
         run.state, run.rounds_done, run.history = state, latest, list(meta["history"])
         run.summaries = {name: EvalSummary(**s) for name, s in meta.get("summaries", {}).items()}
-        run.last_checkpoint = latest
+        run.last_checkpoint = run.resumed_from = latest
+        # Checkpoints of older flowjax versions recorded no time.
+        run.earlier_wall_time_s = meta.get("wall_time_s")
 
     def syncs_at(self, rounds_done: int, last: bool) -> bool:
         return last or rounds_done % self.every == 0
@@ -128,7 +146,8 @@ class Checkpoints(Callback):
         client_states = run.simulation.client_states
         rows = client_states.state_dict() if client_states is not None else None
         meta = {"rounds_done": done, "history": run.history, "fingerprint": self.fingerprint,
-                "summaries": {n: s.to_dict() for n, s in run.summaries.items()}}
+                "summaries": {n: s.to_dict() for n, s in run.summaries.items()},
+                "wall_time_s": run.wall_time_s()}
         self._checkpointer.save(done, run.state, rows, json.loads(json.dumps(meta)))
         run.last_checkpoint = done
 

@@ -37,11 +37,17 @@ def finalize_metrics(sums: dict[str, Any]) -> dict[str, float | None]:
 
 @dataclasses.dataclass
 class RunResult:
-    """What a finished run returns (and the runner writes to ``results.json``)."""
+    """What a finished run returns (and the runner writes to ``results.json``).
+
+    ``resumed_from`` and ``earlier_wall_time_s`` are ``RunState``'s: the checkpoint this
+    attempt resumed from and the earlier attempts' wall time up to it.
+    """
 
     summaries: dict[str, EvalSummary]
     history: list[dict[str, Any]]
     final_state: ServerState
+    resumed_from: int | None = None
+    earlier_wall_time_s: float | None = 0.0
 
     def results_dict(self) -> dict[str, Any]:
         primary = self.summaries["train_clients"].to_dict()
@@ -98,4 +104,5 @@ def run(simulation: Simulation, callbacks: Sequence[Callback] = ()) -> RunResult
         for callback in callbacks:
             callback.on_run_end(run_state)
     return RunResult(summaries=run_state.summaries, history=run_state.history,
-                     final_state=run_state.state)
+                     final_state=run_state.state, resumed_from=run_state.resumed_from,
+                     earlier_wall_time_s=run_state.earlier_wall_time_s)
