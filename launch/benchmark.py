@@ -66,19 +66,18 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from flowjax.algorithms.base import (SGDConfig, client_optimizer, plain_loss_sums,  # noqa: E402
-                                     sgd_step)
-from flowjax.algorithms.fedavg import FedAvgConfig, fedavg  # noqa: E402
-from flowjax.algorithms.flow import FlowConfig, flow  # noqa: E402
+from flowjax.algorithms.base import client_optimizer, plain_loss_sums, sgd_step  # noqa: E402
 from flowjax.core.cohort import client_at  # noqa: E402
 from flowjax.core.mapping import ClientMapping, default_mapping, executed_steps  # noqa: E402
 from flowjax.core.server_opt import server_optimizer  # noqa: E402
 from flowjax.core.tree import weighted_mean  # noqa: E402
-from flowjax.data.federated import ArrayFederatedData, FederatedTask, RaggedSplit  # noqa: E402
 from flowjax.data.synthetic import stackoverflow_like_sizes  # noqa: E402
 from flowjax.memory_plan import chunk_for_sizes, plan_chunk_size  # noqa: E402
 from flowjax.experiment import RunSettings, Simulation  # noqa: E402
+from flowjax.data.federated import FederatedTask  # noqa: E402
 from flowjax.models import MODELS, get_model, model_takes  # noqa: E402
+from launch.bench_common import (ALGORITHMS, BATCH, LEARNING_RATE, build_algorithm,  # noqa: E402
+                                 first_batch, synthetic_examples, synthetic_task)
 
 _MODELS = flags.DEFINE_list("models", ["emnist_cnn", "shakespeare_lstm"], "Models to time.")
 _STRATEGIES = flags.DEFINE_list("strategies", ["loop", "chunked", "vmap"], "Client mappings: "
@@ -121,23 +120,6 @@ _PROJECT = flags.DEFINE_integer("project_rounds", 0, "Print clients/s and the ti
                                 "many rounds (0: no projection).")
 cli.define_debug_flag()
 
-BATCH = {"emnist_cnn": 20, "shakespeare_lstm": 4, "stackoverflow_lstm": 16}
-POLICY = {"emnist_cnn": (350, 150, 50, 50), "shakespeare_lstm": (64, 64, 32, 16),
-          "stackoverflow_lstm": (64, 64, 32, 16)}
-LEARNING_RATE = {"emnist_cnn": 0.01, "shakespeare_lstm": 0.11, "stackoverflow_lstm": 0.1}
-TOKENS = {"shakespeare_lstm": (87, 81), "stackoverflow_lstm": (10004, 21)}  # (vocab, length + 1)
-
-
-def synthetic_examples(model_name: str, n: int, rng: np.random.Generator):
-    """``n`` random examples ``(x, y)`` shaped like the model's dataset."""
-    if model_name == "emnist_cnn":
-        x = rng.normal(size=(n, 28, 28)).astype(np.float32)
-        return x, rng.integers(0, 62, size=(n,)).astype(np.int32)
-    vocab, length = TOKENS[model_name]
-    tokens = rng.integers(1, vocab, size=(n, length)).astype(np.int32)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
 def client_sizes(clients: int, cap: int, skewed: bool, seed: int = 0) -> np.ndarray:
     """Examples per client: all ``cap`` (no padding at all), or Stack Overflow-like."""
     if not skewed:
@@ -148,21 +130,6 @@ def client_sizes(clients: int, cap: int, skewed: bool, seed: int = 0) -> np.ndar
 def client_steps(task: FederatedTask, batch: int) -> np.ndarray:
     """Each client's own minibatches per epoch (what a loop over clients runs)."""
     return -(-np.asarray(task.train.num_examples("train")) // batch)
-
-
-def synthetic_task(model_name: str, sizes: np.ndarray, seed: int = 0) -> FederatedTask:
-    """Client ``i`` holds ``sizes[i]`` random examples."""
-    x, y = synthetic_examples(model_name, int(np.sum(sizes)), np.random.default_rng(seed))
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    split = RaggedSplit({"x": x, "y": y}, offsets)
-    ids = tuple(f"c{i}" for i in range(len(sizes)))
-    data = ArrayFederatedData(ids, {"train": split, "test": split})
-    return FederatedTask(train=data, held_out=None, name=f"synthetic_{model_name}")
-
-
-def first_batch(task: FederatedTask, batch: int) -> jax.Array:
-    """Example inputs for Flow's policy shapes."""
-    return jnp.asarray(task.train.client(0, "train")["x"][:batch])
 
 
 class BadFlags(ValueError):
@@ -186,18 +153,12 @@ def model_options(model_name: str) -> dict:
 
 
 def algorithms(model_name: str, example_x):
-    model = get_model(model_name, **model_options(model_name))
-    sgd = SGDConfig(learning_rate=LEARNING_RATE[model_name], epochs=_EPOCHS.value,
-                    batch_size=BATCH[model_name])
-    builders = {
-        "fedavg": lambda: fedavg(model, FedAvgConfig(sgd=sgd)),
-        "flow": lambda: flow(model, FlowConfig(sgd=sgd, gamma=1e-3,
-                                               policy_hidden=POLICY[model_name]), example_x),
-    }
-    unknown = set(_ALGORITHMS.value) - set(builders)
+    unknown = set(_ALGORITHMS.value) - set(ALGORITHMS)
     if unknown or not _ALGORITHMS.value:
         raise BadFlags(f"--algorithms={','.join(_ALGORITHMS.value)}: expected some of fedavg, flow")
-    return model, {name: builders[name]() for name in _ALGORITHMS.value}
+    model = get_model(model_name, **model_options(model_name))
+    return model, {name: build_algorithm(model, name, example_x, _EPOCHS.value)
+                   for name in _ALGORITHMS.value}
 
 
 def median_seconds(fn, repeats: int) -> float:

@@ -12,7 +12,7 @@
 #   PY        the Python with jax[cuda] (default: python3, the device image's)
 # The EMNIST runs come first (their targets are ratios within one run), then Stack Overflow
 # at 64 skewed clients (baseline, float32, bf16, command buffers over loops), then a bf16
-# 1,000-client Flow round and the roofline.
+# 1,000-client Flow round, the roofline and a determinism check.
 set -u
 OUT=${OUT:-/tmp/gpu_bench_out}
 NEW=$(cd "${NEW:-.}" && pwd)
@@ -90,6 +90,9 @@ XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" step so64_cmdbuf
 SO1000=(launch/benchmark.py --models=stackoverflow_lstm --skewed --clients=1000 --epochs=3 --strategies=planned --nopython_loop --nocentralized --nowarmup --repeats=1 --project_rounds=2000)
 step so1000_flow_bf16 170 "$NEW" "${SO1000[@]}" --algorithms=flow --compute_dtype=bfloat16 --json_out="$RAW/so1000_flow_bf16.json"
 step roofline 70 "$NEW" launch/roofline.py --models=emnist_cnn,stackoverflow_lstm --json_out="$RAW/roofline_gpu.json"
+# Same seed, same numbers on the GPU? The same FedAvg and Flow rounds twice, compared bit
+# for bit (the CNN's convolutions and the LSTM's embedding gradient may sum with atomics).
+step determinism 80 "$NEW" launch/determinism_check.py --json_out="$RAW/determinism.json"
 
 echo "# done after $(($(date +%s) - START)) s" | tee -a "$LOG"
 tar czf "$OUT/raw.tgz" -C "$OUT" raw && rm -rf "$RAW"

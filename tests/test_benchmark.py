@@ -178,3 +178,37 @@ def test_strategy_names_carry_their_own_chunk_size():
         benchmark.parse_strategy("vmap:3", 5, 1)
     with pytest.raises(benchmark.BadFlags, match="'chunked:0'"):
         benchmark.parse_strategy("chunked:0", 5, 1)
+
+
+def test_run_twice_tells_a_reproducible_round_from_one_that_is_not():
+    """``launch/determinism_check.py``'s comparison (run on GPUs by launch/gpu_bench.sh):
+    on CPU the same rounds run twice agree bit for bit; a client update that draws host
+    noise (as atomics reorder a GPU's sums) is reported, with the size of the gap."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from flowjax.algorithms.base import SGDConfig
+    from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
+    from flowjax.data.synthetic import synthetic_images
+    from launch.bench_common import run_twice
+    from tests.helpers import tiny_mlp
+
+    task = synthetic_images(num_clients=4, num_classes=10, examples=(8, 8), seed=0, held_out=0)
+    algorithm = fedavg(tiny_mlp(), FedAvgConfig(sgd=SGDConfig(learning_rate=0.1, epochs=1,
+                                                              batch_size=4)))
+    same = run_twice(algorithm, task, rounds=2, batch_size=4)
+    assert same["identical"] and same["differing_arrays"] == 0 and same["compilations"] == 1
+
+    rng = np.random.default_rng()
+
+    def noisy_update(params, client, key, state=None):
+        result = algorithm.client_update(params, client, key, state)
+        noise = jax.pure_callback(lambda: np.float32(rng.normal() * 1e-6),
+                                  jax.ShapeDtypeStruct((), jnp.float32))
+        return dataclasses.replace(result, params=jax.tree.map(lambda p: p + noise, result.params))
+    noisy = run_twice(dataclasses.replace(algorithm, client_update=noisy_update), task,
+                      rounds=2, batch_size=4)
+    assert not noisy["identical"] and noisy["differing_arrays"] > 0
+    assert 0 < noisy["max_abs_diff"] < 1e-4

@@ -133,6 +133,7 @@ def test_every_launcher_shows_the_traceback_of_a_bad_input_under_debug(tmp_path)
         "precision_effect.py": [f"--float32_workdir={missing}", f"--bfloat16_workdir={missing}",
                                 f"--out={tmp_path / 'table'}"],
         "benchmark.py": ["--models=mlp"],
+        "determinism_check.py": ["--models=mlp"],
         "bench_store.py": ["--num_clients=3", f"--dir={not_a_store}"],
     }
     # All at once: each is an interpreter start and a check of flags or files.
