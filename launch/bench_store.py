@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
     padded = examples_per_client(sizes, batch_size=16, cap=CAP)
     chosen = np.random.default_rng(1).choice(len(store), _COHORT.value, replace=False)
     cohort = assemble_cohort(store, "train", chosen, num_clients=_COHORT.value,
-                             padded_examples=padded, batch_size=16)
+                             padded_examples=padded, batch_size=16, max_examples=CAP)
     cohort_s = time.perf_counter() - start
 
     print(f"clients: {len(store):,}  train rows: {store.num_rows('train'):,}  "

@@ -65,6 +65,28 @@ def test_cohort_shapes_masks_and_cap(images_small):
     assert 0 < padding_efficiency(cohort) <= 1
 
 
+def test_a_cap_that_is_not_whole_batches_keeps_exactly_the_cap(images_small):
+    """max_examples_per_client = 10 at batch 4: cohorts are padded to 12 slots, and every
+    client keeps its first 10 examples, not 12 (as a cap of 1,000 sentences at batch 16
+    must keep 1,000, not 1,008)."""
+    from flowjax.experiment import RunSettings, Simulation
+    from flowjax.algorithms.base import SGDConfig
+    from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
+    from tests.helpers import tiny_mlp
+    import optax
+    sizes = images_small.train.num_examples("train")
+    assert sizes.max() > 12
+    settings = RunSettings(seed=0, num_rounds=1, clients_per_round=len(sizes), batch_size=4,
+                           max_examples_per_client=10)
+    algorithm = fedavg(tiny_mlp(), FedAvgConfig(sgd=SGDConfig(learning_rate=0.1, epochs=1,
+                                                              batch_size=4)))
+    simulation = Simulation(algorithm, images_small, settings, server_optimizer=optax.sgd(1.0))
+    cohort = simulation.host_cohort(0)
+    assert simulation.train_examples == 12 and cohort.mask.shape[1:] == (3, 4)
+    np.testing.assert_array_equal(cohort.num_examples, np.minimum(sizes[cohort.client_id], 10))
+    np.testing.assert_array_equal(cohort.mask.reshape(len(sizes), -1).sum(1), cohort.num_examples)
+
+
 def test_epoch_batches_cover_each_member_once_and_ignore_padding():
     member = jnp.array([True, False, True, True, False, True, True])
     indices, mask = epoch_batches(jax.random.key(0), member, batch_size=2, max_members=5)

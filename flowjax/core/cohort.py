@@ -56,12 +56,16 @@ def examples_per_client(sizes: np.ndarray, batch_size: int, cap: int | None = No
 
 
 def assemble_cohort(data: FederatedData, split: str, client_indices: Sequence[int], *,
-                    num_clients: int, padded_examples: int, batch_size: int) -> ClientExamples:
+                    num_clients: int, padded_examples: int, batch_size: int,
+                    max_examples: int | None = None) -> ClientExamples:
     """Stacks clients into a numpy ``ClientExamples`` of ``num_clients`` clients.
 
-    Clients larger than ``padded_examples`` keep their first ``padded_examples``
-    examples (the cap). Missing clients (when fewer than ``num_clients`` are given) are
-    padding clients with no examples and id -1; they weigh 0 in every mean.
+    Each client keeps its first ``max_examples`` examples (the cap; all when None), and
+    at most ``padded_examples``. The padded size is the cap rounded up to whole batches
+    (``examples_per_client``), so it is the cap itself, not the padded size, that limits
+    a client: a cap of 1,000 at batch 16 keeps 1,000 examples, in 63 batches. Missing
+    clients (when fewer than ``num_clients`` are given) are padding clients with no
+    examples and id -1; they weigh 0 in every mean.
     """
     if padded_examples % batch_size:
         raise ValueError(f"padded_examples={padded_examples} is not a multiple of "
@@ -76,7 +80,8 @@ def assemble_cohort(data: FederatedData, split: str, client_indices: Sequence[in
     ids = np.full((num_clients,), -1, np.int32)
     for slot, index in enumerate(client_indices):
         rows = data.client(int(index), split)
-        n = min(len(rows["y"]), padded_examples)
+        n = min(len(rows["y"]), padded_examples,
+                max_examples if max_examples is not None else padded_examples)
         for name in spec:
             arrays[name][slot, :n] = rows[name][:n]
         counts[slot] = n

@@ -139,7 +139,8 @@ class Simulation:
         return assemble_cohort(self.task.train, "train", clients,
                                num_clients=self.cohort_clients,
                                padded_examples=self.train_examples,
-                               batch_size=self.settings.batch_size)
+                               batch_size=self.settings.batch_size,
+                               max_examples=self.settings.max_examples_per_client)
 
     def cohort(self, round_index: int) -> ClientExamples:
         """The round's cohort where the round takes it (sharded over the mesh, if any)."""
@@ -207,7 +208,8 @@ class Simulation:
             for start in range(0, len(indices), self.eval_cohort_clients):
                 chunk = indices[start: start + self.eval_cohort_clients]
                 args = dict(num_clients=self.eval_cohort_clients,
-                            batch_size=self.settings.batch_size)
+                            batch_size=self.settings.batch_size,
+                            max_examples=self.settings.max_eval_examples)
                 train = assemble_cohort(data, "train", chunk,
                                         padded_examples=self.eval_train_examples, **args)
                 test = assemble_cohort(data, "test", chunk,
