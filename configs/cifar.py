@@ -10,6 +10,11 @@ Appendix B: 4000 rounds, 10 clients/round, K = 3, batch 20, lr 0.05, gamma 1e-3;
 20 epochs at lr 0.1; kNN-Per k = 5 with lambda 0.5 (CIFAR-10) / 0.4 (CIFAR-100); APFL
 alpha 0.2 / 0.25; Ditto lambda 0.01; PartialFed 5 epochs at lr 0.11 (``methods.partialfed.sgd``);
 HypCluster k = 2.
+
+The partition is seeded by ``data.seed`` (0), not by the run's seed, so the seeds 0, 44, 56
+vary training on the same clients. The authors' code draws it from the run's seed, so
+their spread across seeds includes the partition's; ``--config.data.seed=<seed>`` per run
+does the same here.
 """
 
 import ml_collections
@@ -30,7 +35,7 @@ def get_config(variant: str = "cifar10_0.1") -> ml_collections.ConfigDict:
     config = base_config(variant)
     config.dataset = f"{name}_dirichlet"
     config.data = ml_collections.ConfigDict(dict(
-        alpha=alpha, num_clients=500, train_per_client=100, test_per_client=20,
+        alpha=alpha, num_clients=500, train_per_client=100, test_per_client=20, seed=0,
         data_dir=config_dict.placeholder(str)))
     config.model = "resnet18_gn"
     config.model_options = ml_collections.ConfigDict(dict(num_classes=10 if name == "cifar10" else 100))

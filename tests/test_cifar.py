@@ -38,6 +38,20 @@ def test_dirichlet_tasks_from_tfds_mock(name):
     assert skew[0.1] > skew[0.6], skew  # smaller alpha, more skewed clients
 
 
+def test_config_partition_seed_is_data_seed():
+    """configs/cifar.py's partition follows data.seed (default 0), not the run's seed."""
+    from configs import cifar
+    config = cifar.get_config("cifar10_0.1")
+    assert config.data.seed == 0
+    config.data.update(num_clients=20, train_per_client=25, test_per_client=5)
+
+    def labels(seed):
+        with tfds.testing.mock_data(num_examples=600):
+            task = load_task(config.dataset, dict(config.data, seed=seed))
+        return [task.train.client(i, "train")["y"].tolist() for i in range(20)]
+    assert labels(0) == labels(0) != labels(1)
+
+
 @pytest.mark.slow  # compiles the routed ResNet-18 (about a minute on 2 cores)
 def test_cifar_config_trains_a_round_on_mock_data():
     from configs import cifar
