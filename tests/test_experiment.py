@@ -172,6 +172,27 @@ def test_seeds_are_64_bit_and_never_wrap():
             assert jax.random.key_data(prng.stream_key(prng.seed_words(seed), purpose)).tolist() == expected
 
 
+def test_client_sampling_has_a_stream_per_64_bit_seed():
+    from flowjax.core.prng import Purpose, host_rng
+    from flowjax.core.sampler import ClientSampler
+
+    def cohort(seed, round_index):
+        return ClientSampler(1000, 10, seed).sample(round_index).tolist()
+    # Below 2**32 the streams are NumPy's for [seed, purpose, round]: committed runs stand.
+    for seed in (0, 7, 2 ** 32 - 1):
+        expected = np.sort(np.random.default_rng([seed, int(Purpose.SAMPLE), 3]).choice(
+            1000, size=10, replace=False)).tolist()
+        assert cohort(seed, 3) == expected
+    # NumPy alone would give seed 3 * 2**32 + 7's round 0 seed 7's round 3 (its words
+    # [7, 3] + [3, 0], the trailing zero dropped).
+    assert (np.random.default_rng([3 * 2 ** 32 + 7, 3, 0]).permutation(50).tolist()
+            == np.random.default_rng([7, 3, 3]).permutation(50).tolist())
+    assert cohort(3 * 2 ** 32 + 7, 0) != cohort(7, 3)
+    assert cohort(2 ** 32, 0) != cohort(0, 0) and cohort(2 ** 64 - 1, 0) == cohort(2 ** 64 - 1, 0)
+    with pytest.raises(ValueError, match=r"expected an integer in \[0, 2\*\*64\)"):
+        host_rng(2 ** 64, 0)
+
+
 def test_loss_growth_warns_past_1000_times_the_first_loss():
     from flowjax.experiment import loss_growth
 

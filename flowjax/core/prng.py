@@ -26,6 +26,22 @@ class Purpose(enum.IntEnum):
     SAMPLE = 3
 
 
+def host_rng(seed: int, *words: int) -> np.random.Generator:
+    """NumPy's generator of the host-side stream ``(seed, *words)`` (client sampling, the
+    evaluated clients), as ``np.random.default_rng([seed, *words])`` for seeds below
+    ``2**32``, so their streams stand.
+
+    NumPy splits a larger int into 32-bit words and drops trailing zero words, so
+    ``[3 * 2**32 + 7, 3, 0]`` would be ``[7, 3, 3]``: seed ``3 * 2**32 + 7``'s round 0
+    would sample seed 7's round 3. A larger seed's words are therefore followed by its
+    own words and a nonzero last word, a sequence no smaller seed's stream has.
+    """
+    seed_key(seed)  # the same range check
+    if seed < _LOW_WORD:
+        return np.random.default_rng([seed, *words])
+    return np.random.default_rng([seed & (_LOW_WORD - 1), seed >> 32, *words, _LOW_WORD - 1])
+
+
 def seed_key(seed: int) -> jax.Array:
     """The run's root key: distinct for every seed in ``[0, 2**64)``.
 

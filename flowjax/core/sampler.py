@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from flowjax.core.prng import Purpose
+from flowjax.core.prng import Purpose, host_rng
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +37,6 @@ class ClientSampler:
 
     def sample(self, round_index: int) -> np.ndarray:
         """Sorted client indices (int64) of round ``round_index``."""
-        rng = np.random.default_rng([self.seed, int(Purpose.SAMPLE), round_index])
+        rng = host_rng(self.seed, int(Purpose.SAMPLE), round_index)
         chosen = rng.choice(self.num_clients, size=self.clients_per_round, replace=False)
         return np.sort(chosen)

@@ -193,10 +193,10 @@ class Simulation:
                  else self.settings.eval_held_out_clients)
         if limit is None or limit >= num:
             return np.arange(num)
-        stream = [self.settings.seed, int(prng.Purpose.EVAL)]
+        words = [int(prng.Purpose.EVAL)]
         if population != "train_clients":
-            stream.append(1)  # an independent draw per population
-        rng = np.random.default_rng(stream)
+            words.append(1)  # an independent draw per population
+        rng = prng.host_rng(self.settings.seed, *words)
         return np.sort(rng.choice(num, size=limit, replace=False))
 
     def evaluate(self, params: PyTree, round_index: int) -> dict[str, EvalSummary]:
