@@ -5,6 +5,8 @@ compilation cache (``tests/conftest.py``) a run of a config compiled before load
 executables instead of compiling them again (its trace count still counts the trace).
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -280,3 +282,39 @@ def test_a_finished_run_is_reused_not_retrained_and_an_unknown_one_is_refused(tm
                                          r"but no config.json, so what made it is unknown"):
         run_config_to_workdir(config, str(workdir), progress=False)
     assert {p.name: p.read_text() for p in workdir.iterdir()} == files
+
+
+def test_a_capped_evaluation_draws_among_clients_with_test_examples():
+    """eval.clients = 4 of 10 training clients, 5 of which have no test example (as many
+    Stack Overflow users): 4 clients are evaluated and averaged, not fewer."""
+    import optax
+
+    from flowjax.algorithms.base import SGDConfig
+    from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
+    from flowjax.data.federated import ArrayFederatedData, FederatedTask, RaggedSplit
+    from tests.helpers import tiny_mlp
+
+    rng = np.random.default_rng(0)
+
+    def split(sizes):
+        x = rng.normal(size=(sum(sizes), 28, 28)).astype(np.float32)
+        y = rng.integers(0, 10, sum(sizes)).astype(np.int32)
+        return RaggedSplit({"x": x, "y": y}, np.concatenate([[0], np.cumsum(sizes)]))
+    test_sizes = [3, 0, 2, 0, 0, 4, 1, 0, 0, 2]
+    data = ArrayFederatedData(tuple(f"c{i}" for i in range(10)),
+                              {"train": split([4] * 10), "test": split(test_sizes)})
+    task = FederatedTask(train=data, held_out=None, name="some_without_test")
+    algorithm = fedavg(tiny_mlp(), FedAvgConfig(sgd=SGDConfig(learning_rate=0.1, epochs=1,
+                                                              batch_size=4)))
+    for seed in (0, 1, 2):
+        settings = experiment.RunSettings(seed=seed, num_rounds=1, clients_per_round=2,
+                                          batch_size=4, eval_clients=4)
+        simulation = experiment.Simulation(algorithm, task, settings, optax.sgd(1.0))
+        chosen = simulation.eval_client_indices("train_clients")
+        assert len(chosen) == 4 and all(test_sizes[i] > 0 for i in chosen)
+        summary = simulation.evaluate(simulation.init_state().params, 0)["train_clients"]
+        assert summary.num_clients == 4
+    settings = dataclasses.replace(settings, eval_clients=8)  # more than have test examples
+    simulation = experiment.Simulation(algorithm, task, settings, optax.sgd(1.0))
+    np.testing.assert_array_equal(simulation.eval_client_indices("train_clients"),
+                                  [0, 2, 5, 6, 9])
