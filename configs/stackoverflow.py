@@ -8,7 +8,7 @@
 Variant ``paper``: Appendix B (2000 rounds, 10 clients/round, K = 3, batch 16, lr 0.1,
 gamma 1e-3; kNN-Per k = 5, lambda 0.5; APFL alpha 0.25; Ditto lambda 0.1; HypCluster
 k = 2). Accuracy excludes pad; ``--config.model_options.exclude_special=True`` also drops
-oov/bos/eos.
+oov/bos/eos from the accuracies (training is the same either way).
 """
 
 import ml_collections

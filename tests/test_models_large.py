@@ -148,17 +148,23 @@ def test_policy_shapes(setup):
     assert log_q.shape == setup.instance_shape + (setup.model.num_layers, 2)
 
 
-@pytest.mark.parametrize("exclude_special, expected", [
+@pytest.mark.parametrize("exclude_special, counted", [
     (False, [0, 1, 1, 1, 1, 1, 1]),
     (True, [0, 1, 1, 1, 0, 0, 0]),
 ])
-def test_stackoverflow_label_weights(exclude_special, expected):
+def test_stackoverflow_label_weights(exclude_special, counted):
+    """Training fits every label but padding either way; exclude_special leaves
+    oov/bos/eos out of the accuracies only (Reddi et al.'s second accuracy)."""
+    from flowjax.algorithms.base import instance_weights
     # pad 0, words 1..10000, then oov 10001, bos 10002, eos 10003.
     y = jnp.array([[0, 1, 5000, 10000, 10001, 10002, 10003]])
     model = get_model("stackoverflow_lstm", exclude_special=exclude_special)
-    weights = model.label_weights(y)
-    assert weights.dtype == jnp.float32
-    np.testing.assert_array_equal(weights, np.array([expected], np.float32))
+    mask = jnp.ones((1,), jnp.float32)
+    for_loss = instance_weights(model, y, mask)
+    for_metrics = instance_weights(model, y, mask, for_metrics=True)
+    assert for_loss.dtype == for_metrics.dtype == jnp.float32
+    np.testing.assert_array_equal(for_loss, np.array([[0, 1, 1, 1, 1, 1, 1]], np.float32))
+    np.testing.assert_array_equal(for_metrics, np.array([counted], np.float32))
 
 
 def test_strided_conv_needs_autodiff():
@@ -169,3 +175,24 @@ def test_strided_conv_needs_autodiff():
     assert conv.apply({"params": params}, x).shape == (1, 4, 4, 4)
     with pytest.raises(ValueError, match="custom_grad=False"):
         Conv2D(4, stride=2).init(jax.random.key(0), x)
+
+
+def test_stackoverflow_accuracy_without_special_tokens_counts_only_words():
+    """The evaluation's counts (``metrics.batch_counts``) follow the metric weights: with
+    exclude_special the oov and eos labels are not counted instances."""
+    from flowjax.algorithms.base import SGDConfig
+    from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
+    from flowjax.evaluation.metrics import batch_counts
+    # vocab 8: pad 0, words 1..4, oov 5, bos 6, eos 7.
+    y = jnp.array([[1, 4, 5, 7, 0, 0]])
+    x = jnp.array([[6, 1, 4, 5, 7, 0]])
+    counted = {}
+    for exclude_special in (False, True):
+        model = get_model("stackoverflow_lstm", vocab_size=8, embed_dim=4, hidden=4, dense=4,
+                          exclude_special=exclude_special)
+        algorithm = fedavg(model, FedAvgConfig(sgd=SGDConfig(learning_rate=0.1, epochs=1,
+                                                             batch_size=1)))
+        params = algorithm.init(jax.random.key(0))
+        counts = batch_counts(algorithm, params, params, x, y, jnp.ones((1,), bool))
+        counted[exclude_special] = float(counts.instances)
+    assert counted == {False: 4.0, True: 2.0}

@@ -137,10 +137,14 @@ def client_optimizer(learning_rate: float, momentum: float = 0.0) -> optax.Gradi
     return optax.sgd(learning_rate, momentum=momentum or None)
 
 
-def instance_weights(model: RoutableModel, y: jax.Array, example_weights: jax.Array) -> jax.Array:
-    """Per-instance loss weights: the example mask times the model's label weights."""
+def instance_weights(model: RoutableModel, y: jax.Array, example_weights: jax.Array,
+                     for_metrics: bool = False) -> jax.Array:
+    """Per-instance loss weights: the example mask times the model's label weights
+    (``for_metrics``: its metric weights, where it has its own)."""
     extra = y.ndim - example_weights.ndim
-    return model.label_weights(y) * example_weights.reshape(example_weights.shape + (1,) * extra)
+    weights = (model.metric_weights if for_metrics and model.metric_weights is not None
+               else model.label_weights)
+    return weights(y) * example_weights.reshape(example_weights.shape + (1,) * extra)
 
 
 def plain_loss_sums(model: RoutableModel, params: Params, batch, key: jax.Array,

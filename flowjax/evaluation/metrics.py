@@ -66,7 +66,8 @@ def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: j
                  y: jax.Array, example_mask: jax.Array) -> ClientCounts:
     """Counts of one test batch."""
     predictions = algorithm.predict(params, personal, x)
-    weights = instance_weights(algorithm.model, y, example_mask.astype(jnp.float32))
+    weights = instance_weights(algorithm.model, y, example_mask.astype(jnp.float32),
+                               for_metrics=True)
     global_ok = correct(predictions.global_logits, y)
     personal_ok = correct(predictions.personal_hard, y)
     soft_ok = correct(predictions.personal_soft, y)

@@ -43,7 +43,10 @@ class RoutableModel:
       layer_apply: ``layer_apply(j, layer_params, h) -> h``.
       glue_apply: ``glue_apply(j, h, train, key) -> h``; parameter-free.
       label_weights: ``label_weights(y) -> float array [*instance]``; 0 where a label
-        must not count (padding tokens), 1 elsewhere.
+        must not count (padding tokens), 1 elsewhere: the training losses' weights.
+      metric_weights: the same for the accuracies only (None: ``label_weights``), for a
+        metric that leaves out labels training still fits (Stack Overflow's accuracy
+        without oov/eos).
       instance_ndim: 1 for ``[batch]`` instances, 2 for ``[batch, time]``.
       num_classes: size of the output distribution.
       policy_input: how ``flowjax.routing`` turns ``x`` into per-instance policy
@@ -64,6 +67,7 @@ class RoutableModel:
     policy_input: str = "flat"
     vocab_size: int = 0
     head_layers: tuple[str, ...] = ()
+    metric_weights: Callable[[jax.Array], jax.Array] | None = None
 
     @property
     def num_layers(self) -> int:

@@ -8,9 +8,10 @@ Token ids (``vocab_size = V``, ``V = 10004`` for the 10,000-word vocabulary):
 * ``V - 2``: beginning of sentence (``10002``);
 * ``V - 1``: end of sentence (``10003``).
 
-Reddi et al. also report an accuracy that ignores the special tokens;
-``exclude_special=True`` gives label weights 0 on oov/bos/eos as well as on padding (bos
-never occurs as a label anyway), the default counts every label but padding.
+Training fits every label but padding. The accuracy counts the same labels by default;
+Reddi et al. (and TFF) also report one that ignores the special tokens:
+``exclude_special=True`` leaves oov/bos/eos out of the accuracies (the model's
+``metric_weights``; bos never occurs as a label anyway) and trains exactly as without it.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def stackoverflow_lstm(vocab_size: int = 10004, embed_dim: int = 96, hidden: int
       hidden: LSTM width.
       dense: width of the projection between the LSTM and the output layer (linear, as
         in Reddi et al.'s Keras model).
-      exclude_special: label weights 0 on oov/bos/eos as well as on padding.
+      exclude_special: the accuracies leave out oov/bos/eos labels as well as padding
+        (training does not: its losses count every label but padding).
       custom_grad: the LSTM with the hand-written VJP (fast on CPU) or plain autodiff.
       compute_dtype: ``"float32"`` (the default; exactly the float32 model) or
         ``"bfloat16"``: the LSTM's products (its recurrent weight cast once per sequence)
@@ -84,6 +86,8 @@ def stackoverflow_lstm(vocab_size: int = 10004, embed_dim: int = 96, hidden: int
         name="stackoverflow_lstm", layer_names=("embedding", "lstm", "dense1", "dense2"),
         modules=modules, embed_input=_embed_input, glue_apply=_glue_apply,
         example_input=jax.ShapeDtypeStruct((1, SEQUENCE_LENGTH), jnp.int32),
-        label_weights=_label_weights_fn(vocab_size, exclude_special), instance_ndim=2,
+        label_weights=_label_weights_fn(vocab_size, exclude_special=False),
+        metric_weights=_label_weights_fn(vocab_size, exclude_special=True) if exclude_special
+        else None, instance_ndim=2,
         num_classes=vocab_size, policy_input="tokens", vocab_size=vocab_size,
         head_layers=("dense2",))
