@@ -10,10 +10,12 @@ Groups of the 2x2 breakdown, in this order everywhere: both correct, global only
 personalized only, neither.
 
 Two averages, never mixed in one figure: ``acc_*`` and ``breakdown_client_mean`` are
-means over clients of per-client fractions (the paper's accuracy formula), so
-``both_correct + global_only = acc_g`` and ``both_correct + personalized_only = acc_p``;
-``acc_*_weighted`` and ``breakdown`` pool the instances of all clients (the Figure 3
-instance breakdown), with the same identities against ``acc_*_weighted``.
+means over clients of per-client fractions (the paper's accuracy formula, and Figure 3's
+breakdown "averaged over the test splits of all clients", which ``launch/plot.py`` draws),
+so ``both_correct + global_only = acc_g`` and ``both_correct + personalized_only = acc_p``;
+``acc_*_weighted`` and ``breakdown`` pool the instances of all clients, with the same
+identities against ``acc_*_weighted`` (``results.json``'s top-level ``breakdown`` is this
+pooled one, beside the client-mean ``acc_g`` / ``acc_p``).
 """
 
 from __future__ import annotations
