@@ -23,7 +23,9 @@ def get_config(variant: str = "paper") -> ml_collections.ConfigDict:
     config.dataset = "stackoverflow_tff"
     config.data = store_data()
     config.model = "stackoverflow_lstm"
-    config.model_options = ml_collections.ConfigDict(dict(exclude_special=False))
+    # vocab_size: 10,000 words + pad, oov, bos, eos; a store converted with another
+    # --vocab_size=V needs V + 4 here (a run checks it against the store's vocab.json).
+    config.model_options = ml_collections.ConfigDict(dict(vocab_size=10004, exclude_special=False))
     config.num_rounds = 2000
     config.sgd.update(epochs=3, batch_size=16, learning_rate=0.1)
     config.methods.flow.gamma = 1e-3

@@ -376,3 +376,10 @@ def test_stackoverflow_words_are_split_on_single_spaces_as_tff_does():
     np.testing.assert_array_equal(ids.sentence(b"a  a", length=5), [3, 1, 2, 1, 4, 0])
     np.testing.assert_array_equal(ids.sentence(b"", length=5), [3, 2, 4, 0, 0, 0])
     np.testing.assert_array_equal(ids.sentence(b"a\ta", length=5), [3, 2, 4, 0, 0, 0])
+
+
+def test_another_vocabulary_size_is_a_command_line_override():
+    """README: a store converted with --vocab_size=V needs --config.model_options.vocab_size=V+4."""
+    from launch import cli
+    assert cli.config_args_error(["train.py", "--config=configs/stackoverflow.py:paper",
+                                  "--config.model_options.vocab_size=7"]) is None
