@@ -191,7 +191,8 @@ class Simulation:
         A client without test examples has no accuracy and is left out of every mean, so a
         subset is drawn among the others: ``eval_clients=1000`` on Stack Overflow, whose
         test split holds 204,088 of the 342,477 training clients (TFF's counts), averages
-        1,000 clients, as the paper does. Where every client has test examples the draw is unchanged.
+        1,000 clients, as the paper does. Where every client has test examples the draw is
+        unchanged.
         """
         data = self.eval_populations()[population]
         num = len(data.client_ids)
