@@ -84,7 +84,6 @@ def test_training_never_reads_the_reported_part(method, cnn, images_small):
     assert_trees_equal(a.params[mean], b.params[mean])  # the client's own trained part
 
 
-@pytest.mark.slow  # CI time; run with -m slow
 def test_the_reported_part_survives_checkpoint_and_resume(tmp_path):
     # ClientMean is a pytree node of the server params: orbax must restore it as one.
     def run(rounds, workdir):

@@ -264,7 +264,7 @@ def test_fashion_mnist_configs_are_valid_for_every_method(variant):
         fashion_mnist.get_config("mini")
 
 
-@pytest.mark.slow  # compiles the EMNIST CNN and its routed twin (a minute on 2 cores)
+# The offline CPU runs' data path (mini_reproduction.sh, gain_source.sh): about 25 s.
 def test_fashion_mnist_mini_config_trains_on_generated_files(tmp_path):
     from configs import fashion_mnist
     from flowjax import config as run_config
