@@ -318,3 +318,11 @@ def test_a_capped_evaluation_draws_among_clients_with_test_examples():
     simulation = experiment.Simulation(algorithm, task, settings, optax.sgd(1.0))
     np.testing.assert_array_equal(simulation.eval_client_indices("train_clients"),
                                   [0, 2, 5, 6, 9])
+    # No client with a test example: the one-line error of an uncapped evaluation.
+    empty = FederatedTask(train=ArrayFederatedData(data.client_ids, {
+        "train": data.splits["train"], "test": split([0] * 10)}), held_out=None, name="none")
+    for cap in (None, 4):
+        simulation = experiment.Simulation(algorithm, empty, dataclasses.replace(
+            settings, eval_clients=cap), optax.sgd(1.0))
+        with pytest.raises(ValueError, match="client has a test instance; cannot summarize"):
+            simulation.evaluate(simulation.init_state().params, 0)

@@ -214,6 +214,8 @@ class Simulation:
         summaries = {}
         for population_index, (name, data) in enumerate(self.eval_populations().items()):
             indices = self.eval_client_indices(name)
+            if not len(indices):  # a capped draw among no client with test examples
+                raise ValueError(f"no {name} client has a test instance; cannot summarize")
             chunks = []
             for start in range(0, len(indices), self.eval_cohort_clients):
                 chunk = indices[start: start + self.eval_cohort_clients]
