@@ -71,10 +71,10 @@ from flowjax.core.cohort import client_at  # noqa: E402
 from flowjax.core.mapping import ClientMapping, default_mapping, executed_steps  # noqa: E402
 from flowjax.core.server_opt import server_optimizer  # noqa: E402
 from flowjax.core.tree import weighted_mean  # noqa: E402
+from flowjax.data.federated import FederatedTask  # noqa: E402
 from flowjax.data.synthetic import stackoverflow_like_sizes  # noqa: E402
 from flowjax.memory_plan import chunk_for_sizes, plan_chunk_size  # noqa: E402
 from flowjax.experiment import RunSettings, Simulation  # noqa: E402
-from flowjax.data.federated import FederatedTask  # noqa: E402
 from flowjax.models import MODELS, get_model, model_takes  # noqa: E402
 from launch.bench_common import (ALGORITHMS, BATCH, LEARNING_RATE, build_algorithm,  # noqa: E402
                                  first_batch, synthetic_examples, synthetic_task)
