@@ -20,6 +20,7 @@ from tests.helpers import small_config
 
 SGD = dict(learning_rate=0.05, epochs=1, batch_size=4)
 CONFIG = dict(sgd=SGDConfig(**SGD))
+KNN = dict(CONFIG, neighbours=3, lam=0.45)  # the paper's Shakespeare values
 
 
 
@@ -44,7 +45,7 @@ def test_embedding_pass_returns_the_forward_logits(cnn, lstm, images_small, shak
 
 
 def test_training_is_fedavg(cnn, images_small):
-    algorithm = knn_per(cnn, KnnPerConfig(**CONFIG))
+    algorithm = knn_per(cnn, KnnPerConfig(**KNN))
     reference = fedavg(cnn, FedAvgConfig(**CONFIG))
     params = algorithm.init(jax.random.key(0))
     client = _client(images_small.train, 1, padded_examples=16)
@@ -126,7 +127,7 @@ def test_knn_distribution_is_the_normalized_exp_minus_distance_vote():
 
 
 def test_lam_zero_is_the_global_model_exactly(cnn, images_small):
-    algorithm = knn_per(cnn, KnnPerConfig(**CONFIG, lam=0.0))
+    algorithm = knn_per(cnn, KnnPerConfig(**dict(KNN, lam=0.0)))
     params = algorithm.init(jax.random.key(0))
     store = algorithm.personalize(params, _client(images_small.train, 3, 32), jax.random.key(1))
     x = _client(images_small.train, 3, 8, split="test").x[0]
@@ -139,7 +140,7 @@ def test_lam_zero_is_the_global_model_exactly(cnn, images_small):
 
 
 def test_lam_one_k_one_predicts_the_true_label_of_a_duplicated_train_example(cnn, images_small):
-    algorithm = knn_per(cnn, KnnPerConfig(**CONFIG, lam=1.0, neighbours=1))
+    algorithm = knn_per(cnn, KnnPerConfig(**dict(KNN, lam=1.0, neighbours=1)))
     params = algorithm.init(jax.random.key(0))
     client = _client(images_small.train, 4, padded_examples=16)
     # Labels no model would predict: a fixed permutation of the true ones.
@@ -151,7 +152,7 @@ def test_lam_one_k_one_predicts_the_true_label_of_a_duplicated_train_example(cnn
 
 
 def test_client_without_train_data_falls_back_to_the_global_model(cnn, images_small):
-    algorithm = knn_per(cnn, KnnPerConfig(**CONFIG, lam=0.5))
+    algorithm = knn_per(cnn, KnnPerConfig(**dict(KNN, lam=0.5)))
     params = algorithm.init(jax.random.key(0))
     client = _client(images_small.train, 0, padded_examples=8)
     empty = client.replace(mask=jnp.zeros_like(client.mask), num_examples=jnp.int32(0))
@@ -164,12 +165,12 @@ def test_client_without_train_data_falls_back_to_the_global_model(cnn, images_sm
 
 def test_bad_config_values_name_the_field():
     with pytest.raises(ValueError, match=r"^lam=1.5: expected a number in \[0, 1\]$"):
-        KnnPerConfig(**CONFIG, lam=1.5)
+        KnnPerConfig(**dict(KNN, lam=1.5))
     with pytest.raises(ValueError, match=r"^neighbours=0: expected an integer >= 1$"):
-        KnnPerConfig(**CONFIG, neighbours=0)
+        KnnPerConfig(**dict(KNN, neighbours=0))
     with pytest.raises(ValueError,
                        match=r"^max_datastore=2: expected an integer >= neighbours \(3\)$"):
-        KnnPerConfig(**CONFIG, max_datastore=2)
+        KnnPerConfig(**dict(KNN, max_datastore=2))
 
 
 def test_knn_per_run_trains_and_evaluates():

@@ -64,8 +64,8 @@ class KnnPerConfig:
     """
 
     sgd: SGDConfig
-    neighbours: int = 3
-    lam: float = 0.45
+    neighbours: int  # no default: the paper sets k and lam per dataset (configs/)
+    lam: float
     max_datastore: int = 4096
 
     def __post_init__(self):
