@@ -60,7 +60,7 @@ def method_configs(base: Any, workdir: str, methods: list[str]) -> dict[str, Any
     for name in names:
         config = base.copy_and_resolve_references()
         try:
-            run_config.set_fields(config, variant_overrides(name))
+            run_config.set_fields(config, variant_overrides(name, model=config.model))
             validate_config(config)
         except ValueError as error:
             raise ValueError(f"{name}: {error}") from None

@@ -193,7 +193,7 @@ def cell_config(cell: Cell, request: Request, load: ConfigLoader = load_dataset_
     for override in request.overrides:
         if override.dataset in (None, cell.dataset):
             apply_override(config, override)
-    run_config.set_fields(config, variant_overrides(cell.variant))
+    run_config.set_fields(config, variant_overrides(cell.variant, model=config.model))
     config.seed = cell.seed
     return config
 

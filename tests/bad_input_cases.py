@@ -356,6 +356,13 @@ COMMAND_CASES: tuple[CommandCase, ...] = (
                 ("launch/reproduce.py", "--table=table2", "--seeds=0,x"),
                 "error: bad --seeds value 'x'; expected comma-separated integers >= 0, e.g. "
                 "--seeds=0,44,56", _REPRODUCE),
+    CommandCase("`reproduce.py --table=gain_source --datasets=cifar10_0.1`",
+                ("launch/reproduce.py", "--table=gain_source", "--datasets=cifar10_0.1",
+                 "--dry_run"),
+                "error: cifar10_0.1/flow_ref_halves/seed_0: flow_ref_halves sets "
+                "methods.flow.halves='shard', but the authors' code for model 'resnet18_gn' "
+                "uses 'none'; expected a config whose model is emnist_cnn, or flow with "
+                "methods.flow.halves='none'", _REPRODUCE),
 )
 
 

@@ -432,6 +432,35 @@ def test_overrides_set_typed_fields_per_dataset():
             reproduce.cell_config(request.cells[0], request, tiny_config)
 
 
+def test_their_single_departures_run_only_where_their_code_makes_that_choice():
+    request = reproduce.build_request(
+        "gain_source", "/tmp/unused", ["0"], ["fashion_mnist_0.1", "cifar10_0.1"], "paper",
+        ["flow_ref_halves", "flow_ref_evaluation", "flow_ref_optimizer", "fedavg_momentum"], [])
+    configs = {}
+    for cell in request.cells:
+        try:
+            configs[cell.dataset, cell.variant] = reproduce.cell_config(
+                cell, request, reproduce.load_dataset_config)
+        except ValueError as error:
+            configs[cell.dataset, cell.variant] = str(error)
+    mnist = {v: configs["fashion_mnist_0.1", v] for v in
+             ("flow_ref_halves", "flow_ref_evaluation", "flow_ref_optimizer")}
+    assert (mnist["flow_ref_halves"].methods.flow.halves,
+            mnist["flow_ref_evaluation"].methods.flow.evaluation,
+            mnist["flow_ref_optimizer"].methods.flow.sgd.momentum) == ("shard", "reference", 0.9)
+    # Their CIFAR code has no halves and evaluates by training the policy alone.
+    assert configs["cifar10_0.1", "flow_ref_halves"] == (
+        "flow_ref_halves sets methods.flow.halves='shard', but the authors' code for model "
+        "'resnet18_gn' uses 'none'; expected a config whose model is emnist_cnn, or flow "
+        "with methods.flow.halves='none'")
+    assert configs["cifar10_0.1", "flow_ref_evaluation"].startswith(
+        "flow_ref_evaluation sets methods.flow.evaluation='reference', but the authors' code "
+        "for model 'resnet18_gn' uses 'reference_policy'")
+    # The same choice in both of their codes, and a baseline variant: allowed.
+    assert configs["cifar10_0.1", "flow_ref_optimizer"].methods.flow.frozen_momentum == "zero_grad"
+    assert configs["cifar10_0.1", "fedavg_momentum"].methods.fedavg.sgd.momentum == 0.9
+
+
 @pytest.mark.parametrize("args, message", [
     (dict(table="tabel2"), "unknown --table='tabel2'; expected one of table2, table3, "
                            "regularization, pi_pc_flow, fixed_policy, soft_hard, order, "

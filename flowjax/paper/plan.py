@@ -14,6 +14,7 @@ import os
 from typing import Any, Mapping, Sequence
 
 from flowjax.algorithms import ALGORITHMS
+from flowjax.algorithms.flow_reference import REFERENCE_MODELS, reference_options
 
 # The methods of compare.py's ``--methods=all`` (every implemented baseline and Flow).
 MAIN = ("local", "fedavg", "fedavg_ft", "apfl", "ditto", "fedrep", "lg_fedavg", "hypcluster",
@@ -47,22 +48,47 @@ REFERENCE_VARIANTS = {
 }
 
 
-def variant_overrides(name: str) -> dict[str, Any]:
+def variant_overrides(name: str, model: str | None = None) -> dict[str, Any]:
     """Config fields (dotted paths, ``flowjax.config.set_fields``) that turn a dataset
     config into method or ablation ``name``.
 
+    A single departure of the authors' code (``flow_ref_*``) takes the value of their
+    EMNIST code; given the config's ``model``, it is refused where their code for that
+    model makes another choice (CIFAR's ResNet: no halves, policy-only evaluation).
+
     Raises:
-      ValueError: ``name`` is neither an algorithm nor an ablation (one line).
+      ValueError: ``name`` is neither an algorithm nor an ablation, or such a departure
+        does not fit ``model`` (one line).
     """
     if name in ABLATIONS:
         return {"algorithm": "flow", **ABLATIONS[name]}
     if name in REFERENCE_VARIANTS:
+        if model is not None:
+            check_departures_fit(name, model)
         return {"algorithm": "flow", **REFERENCE_VARIANTS[name]}
     if name in ALGORITHMS:
         return {"algorithm": name}
     raise ValueError(f"unknown method or variant {name!r}; expected one of "
                      f"{sorted(set(ALGORITHMS) | set(ABLATIONS) | set(REFERENCE_VARIANTS))}, "
                      "'all' or 'ablations'")
+
+
+def check_departures_fit(name: str, model: str) -> None:
+    """Raises a one-line ``ValueError`` if a ``methods.flow`` field that reference variant
+    ``name`` sets differs from what the authors' code for ``model`` uses."""
+    departures = {key.removeprefix("methods.flow."): value
+                  for key, value in REFERENCE_VARIANTS[name].items()
+                  if key.startswith("methods.flow.") and key != "methods.flow.semantics"}
+    if not departures or model not in REFERENCE_MODELS:
+        return  # no code of theirs for this model: the departure as their EMNIST code makes it
+    theirs = reference_options(model)
+    for field, value in departures.items():
+        their_value = theirs[field.removeprefix("sgd.")]
+        if their_value != value:
+            raise ValueError(f"{name} sets methods.flow.{field}={value!r}, but the authors' "
+                             f"code for model {model!r} uses {their_value!r}; expected a "
+                             f"config whose model is emnist_cnn, or flow with "
+                             f"methods.flow.{field}={their_value!r}")
 
 
 def expand(methods: Sequence[str]) -> list[str]:
