@@ -59,7 +59,6 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
     )
     config.methods = ml_collections.ConfigDict(
         {name: dict(fields, sgd=sgd_override()) for name, fields in methods.items()})
-    config.methods.local.sgd.update(epochs=10, learning_rate=0.05)
 
     config.server = ml_collections.ConfigDict(dict(
         optimizer="sgd", learning_rate=1.0, momentum=0.0, b1=0.9, b2=0.99, eps=1e-3,

@@ -2,6 +2,7 @@
 a method added by its file plus one registry line, and a run resolved once."""
 
 import dataclasses
+import importlib
 import json
 
 import jax
@@ -152,3 +153,42 @@ def test_dotted_overrides_set_existing_fields_only():
     with pytest.raises(ValueError, match=r"^unknown config field 'methods.flow.gama'; "
                        r"expected one of config.methods.flow's fields \['evaluation'"):
         run_config.set_fields(config, {"methods.flow.gama": 0.0})
+
+
+# ---------------------------------------------------------------- Appendix B
+
+
+# (epochs, learning rate, batch size) of the clients' SGD per paper config and method, as
+# Appendix B states them: "the default epoch count is 3 for all the algorithms" (Stack
+# Overflow), "5 for each client, for each algorithm" (Shakespeare); Local's own epochs and
+# rate only on EMNIST and CIFAR; Flow's 0.11 on Shakespeare; PartialFed's on CIFAR.
+APPENDIX_B_SGD = {
+    ("stackoverflow", "paper"): {"fedavg": (3, 0.1, 16), "local": (3, 0.1, 16),
+                                 "flow": (3, 0.1, 16)},
+    ("shakespeare", "paper"): {"fedavg": (5, 0.1, 4), "local": (5, 0.1, 4),
+                               "flow": (5, 0.11, 4)},
+    ("shakespeare", "tff"): {"fedavg": (5, 0.1, 4), "local": (5, 0.1, 4), "flow": (5, 0.11, 4)},
+    ("emnist", "paper"): {"fedavg": (3, 0.01, 20), "local": (10, 0.05, 20),
+                          "flow": (3, 0.01, 20)},
+    ("cifar", "cifar10_0.1"): {"fedavg": (3, 0.05, 20), "local": (20, 0.1, 20),
+                               "flow": (3, 0.05, 20), "partialfed": (5, 0.11, 20)},
+    ("cifar", "cifar100_0.6"): {"fedavg": (3, 0.05, 20), "local": (20, 0.1, 20),
+                                "flow": (3, 0.05, 20), "partialfed": (5, 0.11, 20)},
+}
+
+
+@pytest.mark.parametrize("dataset, variant", sorted(APPENDIX_B_SGD))
+def test_paper_configs_give_each_method_appendix_b_client_sgd(dataset, variant):
+    config = importlib.import_module(f"configs.{dataset}").get_config(variant)
+    got = {name: (sgd.epochs, sgd.learning_rate, sgd.batch_size)
+           for name in APPENDIX_B_SGD[dataset, variant]
+           for sgd in [algorithms.method_config(config, name).sgd]}
+    assert got == APPENDIX_B_SGD[dataset, variant]
+
+
+def test_quick_shakespeare_gives_every_method_one_rate():
+    config = importlib.import_module("configs.shakespeare").get_config("quick")
+    rates = {name: (algorithms.method_config(config, name).sgd.epochs,
+                    algorithms.method_config(config, name).sgd.learning_rate)
+             for name in ("fedavg", "local", "flow", "ditto", "apfl")}
+    assert set(rates.values()) == {(1, 1.0)}, rates
