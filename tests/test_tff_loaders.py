@@ -8,7 +8,9 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -283,6 +285,24 @@ def test_msgpack_codec_round_trip():
     for name, value in arrays.items():
         assert np.asarray(back[name]).dtype == np.asarray(value).dtype
         np.testing.assert_array_equal(back[name], value)
+
+
+def test_msgpack_codec_reads_payloads_packed_without_bin_types():
+    """msgpack before 1.0 packed bytes as its str type unless told otherwise; FedJAX's
+    reader (serialization.py) unpacks the array payloads with raw=True, and so do we."""
+    x = np.array([[0.5, -1.0], [2.0, 255.0]], np.float32)  # bytes that are not UTF-8
+    tokens = np.array([b"a b", "\u00fc".encode()], object)
+
+    def legacy(code, payload):
+        return msgpack.ExtType(code, msgpack.packb(payload, use_bin_type=False))
+
+    blob = zlib.compress(msgpack.packb(
+        {"x": legacy(1, (list(x.shape), x.dtype.name, x.tobytes("C"))),
+         "tokens": legacy(4, (list(tokens.shape), list(tokens)))}, use_bin_type=False))
+    back = decode_client(blob)
+    np.testing.assert_array_equal(back["x"], x)
+    assert back["x"].dtype == np.float32
+    assert list(back["tokens"]) == list(tokens)
 
 
 def test_convert_cli(tff_dir, tmp_path):

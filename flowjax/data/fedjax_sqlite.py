@@ -74,12 +74,14 @@ def _default(obj: Any) -> msgpack.ExtType:
 
 def _ext_hook(code: int, data: bytes) -> Any:
     if code in (EXT_NDARRAY, EXT_NPSCALAR):
-        shape, name, raw = msgpack.unpackb(data, raw=False)
+        # raw=True as FedJAX reads it: a payload packed without bin types (msgpack < 1.0
+        # defaults) holds the array bytes as a msgpack str, which must not be UTF-8 decoded.
+        shape, name, raw = msgpack.unpackb(data, raw=True)
         name = name.decode() if isinstance(name, bytes) else name
         array = np.frombuffer(raw, np.dtype(name)).reshape(shape).copy()
         return array[()] if code == EXT_NPSCALAR else array
     if code == EXT_OBJECT_NDARRAY:
-        shape, items = msgpack.unpackb(data, raw=False)
+        shape, items = msgpack.unpackb(data, raw=True)
         array = np.empty(len(items), object)
         array[:] = [bytes(x) for x in items]
         return array.reshape(shape)
