@@ -123,7 +123,9 @@ def test_a_methods_sgd_fields_apply_only_to_that_method():
     assert method_config(config).sgd.learning_rate == 0.1  # paper: baselines
     config.algorithm = "flow"
     assert method_config(config).sgd.learning_rate == 0.11  # paper: Flow
-    assert method_config(config, "local").sgd == SGDConfig(0.05, 10, 4)  # its own rate, epochs
+    assert method_config(config, "local").sgd == SGDConfig(0.1, 5, 4)  # "for each algorithm"
+    from configs import emnist
+    assert method_config(emnist.get_config("paper"), "local").sgd == SGDConfig(0.05, 10, 20)
     config.methods.flow.sgd.learning_rate = -1.0
     with pytest.raises(ValueError, match=r"^config.methods.flow.sgd.learning_rate=-1.0: "
                                          r"expected a finite number > 0$"):
