@@ -137,9 +137,11 @@ def warm_up(run: ResolvedRun) -> Any:
     """HypCluster's warm-up stage: the server params after
     ``methods.hypcluster.warmup_rounds`` rounds of FedAvg with this run's SGD, seed,
     client sampling, server optimizer and mapping (no evaluation); these rounds come
-    before, and in addition to, ``num_rounds``. None for other methods or 0 rounds.
+    before, and in addition to, ``num_rounds``, and HypCluster's own rounds continue the
+    sampling and training streams after them (``simulation_for``). None for other
+    methods or 0 rounds.
     """
-    rounds = getattr(run.method, "warmup_rounds", 0) if run.algorithm == "hypcluster" else 0
+    rounds = warmup_rounds(run)
     if not rounds:
         return None
     settings = dataclasses.replace(run.settings, num_rounds=rounds)
@@ -152,11 +154,23 @@ def warm_up(run: ResolvedRun) -> Any:
     return state.params
 
 
+def warmup_rounds(run: ResolvedRun) -> int:
+    """The FedAvg rounds of HypCluster's warm-up stage (0 for other methods)."""
+    return getattr(run.method, "warmup_rounds", 0) if run.algorithm == "hypcluster" else 0
+
+
 def simulation_for(run: ResolvedRun, warm_start: Any = None) -> Simulation:
-    """The run's simulation; ``warm_start``: HypCluster's warm-up params (``warm_up``)."""
-    options = {} if warm_start is None else {"warm_start": warm_start}
+    """The run's simulation; ``warm_start``: HypCluster's warm-up params (``warm_up``).
+
+    After a warm-up of W rounds, round r samples and draws its training keys as round
+    W + r of the seed's streams: the warm-up's cohorts and keys are not drawn again.
+    """
+    options, settings = {}, run.settings
+    if warm_start is not None:
+        options = {"warm_start": warm_start}
+        settings = dataclasses.replace(settings, first_round=warmup_rounds(run))
     algorithm = make_algorithm(run.algorithm, run.model, run.method, run.example_x, **options)
-    return Simulation(algorithm, run.task, run.settings,
+    return Simulation(algorithm, run.task, settings,
                       server_optimizer=build_server_optimizer(run.config),
                       mapping=build_mapping(run.config))
 

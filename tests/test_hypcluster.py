@@ -92,12 +92,31 @@ predictions = one_cluster.predict(states["hypcluster"], personal, client.x[0])
 expected = forward(cnn, states["fedavg"], client.x[0])
 np.testing.assert_array_equal(predictions.global_logits, expected)
 np.testing.assert_array_equal(predictions.personal_hard, expected)
+# A warm-up of W FedAvg rounds, then HypCluster's rounds continuing the seed's sampling and
+# training streams from round W: with k = 1 and no perturbation, W + R rounds of FedAvg.
+from flowjax import config as run_config
+from tests.helpers import small_config
+warm_then_one = run_config.build_simulation(small_config(
+    algorithm="hypcluster", num_rounds=1, **{"methods.hypcluster.warmup_rounds": 2,
+                                             "methods.hypcluster.clusters": 1,
+                                             "methods.hypcluster.perturbation": 0.0}))
+plain = run_config.build_simulation(small_config(algorithm="fedavg", num_rounds=3))
+assert not np.array_equal(plain.host_cohort(0).client_id, plain.host_cohort(2).client_id)
+np.testing.assert_array_equal(warm_then_one.host_cohort(0).client_id,
+                              plain.host_cohort(2).client_id)
+state = warm_then_one.init_state()
+state, _ = warm_then_one.run_round(state, 0)
+reference = plain.init_state()
+for round_index in range(3):
+    reference, _ = plain.run_round(reference, round_index)
+assert leaves_equal(state.params["cluster0"], reference.params), "warm-up + 1 == 3 rounds"
 print("one cluster == FedAvg")
 """
 
 
 def test_one_cluster_is_fedavg_exactly_through_the_engine():
-    """HypCluster with k = 1 trains and predicts exactly as FedAvg: two different programs
+    """HypCluster with k = 1 trains and predicts exactly as FedAvg, and after its warm-up
+    continues FedAvg's rounds rather than replaying them: two different programs
     agreeing bit for bit, so checked as a user's default build compiles them (in a child
     without the suite's XLA flags, under which their sums may be ordered differently)."""
     done = subprocess.run([sys.executable, "-c", _ONE_CLUSTER_CHILD], capture_output=True,

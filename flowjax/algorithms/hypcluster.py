@@ -34,8 +34,9 @@ Choices where the paper is silent:
   ``w + perturbation * N(0, I)`` with noise drawn from ``fold_in(key, i)`` (an absolute
   standard deviation, on every parameter). The run launcher (``flowjax.config``) obtains
   ``w`` from a FedAvg run of the same config for ``config.methods.hypcluster.warmup_rounds``
-  rounds; with ``perturbation = 0`` all clusters are equal and every client picks
-  cluster 0.
+  rounds W, and HypCluster's round r then samples and trains as round W + r of the
+  seed's streams (no cohort of the warm-up is drawn again); with ``perturbation = 0``
+  all clusters are equal and every client picks cluster 0.
 * Metrics: ``clients_in_cluster{i}``, the share of the round's real clients that chose
   cluster i (collapse shows as a share of 1).
 """

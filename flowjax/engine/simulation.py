@@ -45,6 +45,9 @@ class RunSettings:
       eval_held_out: also evaluate the held-out ("newly joined") clients.
       eval_chunk: clients per evaluation call.
       log_every: rounds between host syncs for training metrics.
+      first_round: the index of round 0 in the training streams (client sampling and
+        training keys); a stage that follows other rounds of the same seed (HypCluster
+        after its FedAvg warm-up) continues their streams instead of replaying them.
     """
 
     seed: int
@@ -59,6 +62,7 @@ class RunSettings:
     eval_held_out: bool = True
     eval_chunk: int = 16
     log_every: int = 1
+    first_round: int = 0
 
     def __post_init__(self):
         for name in ("num_rounds", "clients_per_round", "batch_size", "eval_chunk", "log_every"):
@@ -66,6 +70,8 @@ class RunSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+        if self.first_round < 0:
+            raise ValueError(f"first_round must be >= 0, got {self.first_round}")
         for name in ("eval_clients", "eval_held_out_clients"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None (all), got {getattr(self, name)}")
@@ -135,7 +141,7 @@ class Simulation:
     # ----------------------------------------------------------------- training
     def host_cohort(self, round_index: int) -> ClientExamples:
         """The padded, stacked training cohort of a round (host numpy arrays)."""
-        clients = self.sampler.sample(round_index)
+        clients = self.sampler.sample(self.settings.first_round + round_index)
         return assemble_cohort(self.task.train, "train", clients,
                                num_clients=self.cohort_clients,
                                padded_examples=self.train_examples,
@@ -160,7 +166,8 @@ class Simulation:
             client_ids = distributed.fetch(cohort.client_id)
         states = self._client_states_for(client_ids)
         # A numpy scalar, not a device array: every host passes the same host value.
-        state, metrics, new_states = self._round_fn(state, cohort, np.int32(round_index), states,
+        stream_round = np.int32(self.settings.first_round + round_index)
+        state, metrics, new_states = self._round_fn(state, cohort, stream_round, states,
                                                    self.seed_words)
         if self.client_states is not None:
             self.client_states.scatter(client_ids, distributed.fetch(new_states))
