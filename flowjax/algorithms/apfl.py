@@ -98,10 +98,11 @@ def apfl(model: RoutableModel, config: APFLConfig) -> FederatedAlgorithm:
         personal_step = sgd_step(
             lambda p, b, k: plain_sums(mix_params(alpha, p, w_before), b, k), optimizer)
         w_carry, sums = global_step(w_carry, batch, key)
-        # Equal to the w step's layer-1 dropout key (``layer_key(key, 1)``), a parent of
-        # v's own dropout keys: both only feed further fold_ins, so no random bits are
-        # shared; a tag above the layer indices (as partialfed.py's) would be cleaner but
-        # would change every APFL result on models with dropout.
+        # Equal to the w step's layer-1 dropout key (``layer_key(key, 1)``): w's layer-1
+        # mask element m is drawn from the key data of v's layer-m dropout key, which v
+        # only uses as a key, so no bits are drawn twice. A tag above the layer indices
+        # (as partialfed.py's) would be cleaner but would change every APFL result on
+        # models with dropout.
         v_key = jax.random.fold_in(key, 1)
         if personal_trains is None:
             v_carry, personal_sums = personal_step(v_carry, batch, v_key)
