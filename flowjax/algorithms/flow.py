@@ -98,7 +98,9 @@ class FlowConfig:
         branch, averaged by the server with global and policy).
       policy_eval_dropout: keep the policy's dropout on when routing at evaluation (one
         draw of dropout masks per evaluated client, the same for each of its test batches:
-        ``predict`` takes no key; the authors' ``F.dropout`` draws anew at every call).
+        ``predict`` takes no key; the authors' ``F.dropout`` draws anew at every call). The
+        mask follows an instance's position in its batch, so the k-th instance of every
+        test batch gets the same one, and another eval batch size gives other routes.
       evaluation: ``paper``, or the authors' ``*_generalized_test``: ``reference`` (their
         EMNIST code) or ``reference_policy`` (their CIFAR code).
       policy_last: ``exit`` or ``dense`` (the authors' EMNIST/CIFAR policy head).
