@@ -12,10 +12,14 @@ the paper, elementwise, with ``tau`` the adaptivity (``eps``):
 
 ``bias_correction=False`` is the paper's algorithm exactly, with its initialization
 ``v_{-1} = tau^2`` (the paper requires ``v_{-1} >= tau^2``). ``bias_correction=True`` is
-the TFF / Adam convention instead: both moments start at 0 and the step uses
-``m_t / (1 - b1^t)`` and ``v_t / (1 - b2^t)``; FedAdagrad's ``v`` is a plain sum (no
-decay to correct), so only its ``m`` is corrected. With it FedAdam is optax's Adam.
-``eps`` stays outside the square root everywhere.
+Adam's own correction instead (Kingma and Ba's Algorithm 1, as optax has it): both
+moments start at 0 and the step uses ``m_t / (1 - b1^t)`` and ``v_t / (1 - b2^t)``;
+FedAdagrad's ``v`` is a plain sum (no decay to correct), so only its ``m`` is corrected.
+With it FedAdam is optax's Adam. ``eps`` stays outside the square root everywhere. TFF's
+(and Keras's) Adam and Yogi correct differently: they scale the learning rate by
+``sqrt(1 - b2^t) / (1 - b1^t)`` and add ``eps`` to the uncorrected ``sqrt(v_t)``, which
+is this form with ``eps / sqrt(1 - b2^t)``, and their Yogi starts ``v`` at 1e-6; their
+first steps are therefore smaller than these.
 
 Groups. The optimizer treats each top-level key of a dict of params as its own group
 with its own state (e.g. HypCluster's clusters, FedRep's body): a group whose
@@ -149,8 +153,8 @@ def server_optimizer(name: str, learning_rate: float, *, momentum: float = 0.0, 
       b1, b2: the moments' decays (``b2`` unused by ``adagrad``).
       eps: the adaptivity ``tau`` of Reddi et al. (outside the square root).
       bias_correction: adaptive optimizers; False is the paper's Algorithm 2 exactly
-        (``v_{-1} = tau^2``, no correction), True the TFF / Adam convention (see the
-        module docstring).
+        (``v_{-1} = tau^2``, no correction), True Adam's correction of both moments
+        from 0, as optax's (not TFF's: see the module docstring).
     """
     if learning_rate <= 0:
         raise ValueError(f"server learning rate must be > 0, got {learning_rate}")
