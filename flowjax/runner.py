@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import subprocess
@@ -224,9 +225,14 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
     return results
 
 
+@functools.cache
 def code_version() -> dict[str, Any]:
     """The flowjax code that ran: its git commit and whether the checkout had uncommitted
     changes (None for both outside a git checkout), and the package version.
+
+    Read once per process, when this module is imported: a process keeps running the code
+    it imported, so a commit or an edit made while ``compare.py`` or ``reproduce.py`` runs
+    method after method must not be recorded for the later methods.
 
     A cell is reused by its config alone (``conflicting_fields``); this tells a cell run
     by older code apart when a change alters a method's numbers.
@@ -251,3 +257,6 @@ def code_version() -> dict[str, Any]:
 def _git(root: str, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
                           timeout=10, check=True).stdout
+
+
+code_version()  # the checkout as this process imported it (see the docstring)

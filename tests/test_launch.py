@@ -67,6 +67,15 @@ def test_train_writes_results_and_prints_the_table(tmp_path):
         "round": 1, "eval": 1}
 
 
+def test_run_json_names_the_code_the_process_imported(monkeypatch):
+    """compare.py and reproduce.py run method after method in one process: a commit made
+    meanwhile is not the code that process runs, so run.json must not name it."""
+    from flowjax import runner
+    imported = runner.code_version()
+    monkeypatch.setattr(runner, "_git", lambda root, *args: "f" * 40 + "\n")
+    assert runner.code_version() == imported
+
+
 def test_compilation_cache_folder_follows_the_environment():
     from launch.xla_env import compilation_cache_dir
     assert compilation_cache_dir({}) == os.path.join(
