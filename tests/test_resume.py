@@ -94,6 +94,20 @@ def test_stateful_method_resumes_its_client_states_exactly(tmp_path):
     assert resumed["wall_time_s"] > resumed["wall_time_s_this_attempt"] > 0
 
 
+def test_hypcluster_resumes_after_its_warm_up_exactly(tmp_path):
+    # A resumed attempt runs the FedAvg warm-up again, then continues HypCluster's rounds
+    # in the streams after it (config.simulation_for), as the uninterrupted run did.
+    hypcluster = ("--config.algorithm=hypcluster", "--config.methods.hypcluster.warmup_rounds=2")
+    clean = train(tmp_path / "clean", *hypcluster)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    killed = train(tmp_path / "killed", *hypcluster, fault="round:3")
+    assert killed.returncode == -signal.SIGKILL
+    resumed = train(tmp_path / "killed", *hypcluster)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for name in ("results.json", "metrics.jsonl"):
+        assert (tmp_path / "killed" / name).read_bytes() == (tmp_path / "clean" / name).read_bytes()
+
+
 @pytest.mark.slow  # in-process equivalent: test_experiment.py's same-seed test
 def test_same_seed_same_bytes_and_other_seed_differs(uninterrupted, tmp_path):
     again = train(tmp_path / "again")
