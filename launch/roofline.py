@@ -403,7 +403,8 @@ def hlo_inventory(conv_impl: str, clients: int = 100, batch: int = 20) -> dict[s
     return counts
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``sys.argv[1:]`` when ``argv`` is None); exits 2 on a bad flag."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="emnist_cnn,stackoverflow_lstm",
                         help="comma-separated; empty: none")
@@ -415,7 +416,11 @@ def main() -> None:
                         help="also measure this device's copy bandwidth and matmul rates")
     parser.add_argument("--inventory", action="store_true",
                         help="also list the library calls of a vmapped EMNIST client update")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     print(f"jax {jax.__version__}, XLA cost analysis on {jax.devices()[0].device_kind} "
           f"({jax.default_backend()})")
     out = {}

@@ -212,3 +212,30 @@ def test_run_twice_tells_a_reproducible_round_from_one_that_is_not():
                       rounds=2, batch_size=4)
     assert not noisy["identical"] and noisy["differing_arrays"] > 0
     assert 0 < noisy["max_abs_diff"] < 1e-4
+
+
+def test_every_step_of_the_device_script_parses_its_flags(tmp_path):
+    """``launch/gpu_bench.sh`` gets one 15-minute device call: each of its launcher
+    commands is run here with ``tests/flags_only_python.py`` as the Python, which parses
+    the flags as the launcher would and runs nothing, so a typo fails in CI instead."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{root}/tests/flags_only_python.py" '
+                      '"$@"\n')
+    python.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, PY=str(python), OUT=str(out), BASE=root, BUDGET_S="100000")
+    done = subprocess.run(["bash", "launch/gpu_bench.sh"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    log = (out / "gpu_bench.log").read_text()
+    steps = dict(re.findall(r"^## (\S+): rc=(\d+)", log, re.M))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert set(steps) == {"versions", "emnist_xla", "emnist_slices", "emnist_slices_bf16",
+                          "so64_baseline", "so64", "so64_bf16", "so64_cmdbuf",
+                          "so1000_flow_bf16", "roofline", "determinism"}, log[-3000:]
+    assert set(steps.values()) == {"0"}, log[-3000:]
