@@ -10,19 +10,15 @@ fails here, not in the 15 minutes a device is lent for.
 """
 
 import importlib.util
-import os
 import sys
 
 from absl import flags
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["-c"]:
         return 0
-    path, *args = argv
-    sys.path.insert(0, ROOT)
+    path, *args = argv  # the launcher's own imports resolve as gpu_bench.sh sets PYTHONPATH
     spec = importlib.util.spec_from_file_location("launcher_under_check", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
