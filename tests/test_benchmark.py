@@ -1,6 +1,11 @@
-"""The benchmark's helpers (the timed paths run in launch/benchmark.py itself)."""
+"""The benchmark's helpers (the timed paths run in launch/benchmark.py itself), and the
+device script's command lines."""
 
 import importlib.util
+import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -218,11 +223,6 @@ def test_every_step_of_the_device_script_parses_its_flags(tmp_path):
     """``launch/gpu_bench.sh`` gets one 15-minute device call: each of its launcher
     commands is run here with ``tests/flags_only_python.py`` as the Python, which parses
     the flags as the launcher would and runs nothing, so a typo fails in CI instead."""
-    import os
-    import re
-    import subprocess
-    import sys
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{root}/tests/flags_only_python.py" '
