@@ -74,16 +74,21 @@ def test_ctrl_c_mid_checkpoint_is_one_line_and_resumes_exactly(uninterrupted, tm
         assert (tmp_path / name).read_bytes() == (uninterrupted / name).read_bytes(), name
 
 
-def test_stateful_method_resumes_its_client_states_exactly(tmp_path):
-    ditto = ("--config.algorithm=ditto",)
-    clean = train(tmp_path / "clean", *ditto)
+def killed_at_round_3_resumes_exactly(tmp_path, *extra):
+    """Runs ``extra`` clean into ``clean/`` and killed at round 3 then resumed into
+    ``killed/``; both leave the same results and metrics, byte for byte."""
+    clean = train(tmp_path / "clean", *extra)
     assert clean.returncode == 0, clean.stderr[-3000:]
-    killed = train(tmp_path / "killed", *ditto, fault="round:3")
+    killed = train(tmp_path / "killed", *extra, fault="round:3")
     assert killed.returncode == -signal.SIGKILL
-    resumed = train(tmp_path / "killed", *ditto)
+    resumed = train(tmp_path / "killed", *extra)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     for name in ("results.json", "metrics.jsonl"):
         assert (tmp_path / "killed" / name).read_bytes() == (tmp_path / "clean" / name).read_bytes()
+
+
+def test_stateful_method_resumes_its_client_states_exactly(tmp_path):
+    killed_at_round_3_resumes_exactly(tmp_path, "--config.algorithm=ditto")
     # run.json's wall time is the whole run's: the killed attempt's time up to the
     # checkpoint of round 2 it resumed from, plus the resumed attempt's.
     fresh, resumed = (json.loads((tmp_path / d / "run.json").read_text())
@@ -97,15 +102,8 @@ def test_stateful_method_resumes_its_client_states_exactly(tmp_path):
 def test_hypcluster_resumes_after_its_warm_up_exactly(tmp_path):
     # A resumed attempt runs the FedAvg warm-up again, then continues HypCluster's rounds
     # in the streams after it (config.simulation_for), as the uninterrupted run did.
-    hypcluster = ("--config.algorithm=hypcluster", "--config.methods.hypcluster.warmup_rounds=2")
-    clean = train(tmp_path / "clean", *hypcluster)
-    assert clean.returncode == 0, clean.stderr[-3000:]
-    killed = train(tmp_path / "killed", *hypcluster, fault="round:3")
-    assert killed.returncode == -signal.SIGKILL
-    resumed = train(tmp_path / "killed", *hypcluster)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    for name in ("results.json", "metrics.jsonl"):
-        assert (tmp_path / "killed" / name).read_bytes() == (tmp_path / "clean" / name).read_bytes()
+    killed_at_round_3_resumes_exactly(tmp_path, "--config.algorithm=hypcluster",
+                                      "--config.methods.hypcluster.warmup_rounds=2")
 
 
 @pytest.mark.slow  # in-process equivalent: test_experiment.py's same-seed test
