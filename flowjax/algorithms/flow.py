@@ -24,7 +24,8 @@ Options from the paper's ablations and the authors' code (defaults follow the pa
 untrained policy: the fixed-policy ablation), ``local_route="global"`` (pi-Flow: "both
 paths of the dynamic model are global models"; here the second path is the received
 global model, frozen, and the K1 local phase is skipped, so routing chooses per instance
-between two global routes only), ``global_step="global_only"`` (the authors' code: the
+between two global routes only; the split is still drawn, so ``zeta_l`` goes unused and the
+weight stays ``|zeta_g|``), ``global_step="global_only"`` (the authors' code: the
 global step runs the global branch alone), ``momentum`` (their SGD momentum 0.9), and the
 other departures of the authors' code, each alone or all at once (``halves``,
 ``frozen_momentum``, ``regularizer``, ``local_init``, ``policy_eval_dropout``,
