@@ -8,6 +8,7 @@ import pytest
 from flowjax.algorithms.base import SGDConfig
 from flowjax.algorithms.flow import FlowConfig, flow, half_capacity, split_halves
 from flowjax.models.base import forward
+from flowjax.routing.routed import routed_forward
 from tests.helpers import one_client
 
 CONFIG = dict(sgd=SGDConfig(learning_rate=0.05, epochs=1, batch_size=4), routing_epochs=2,
@@ -91,6 +92,59 @@ def test_each_training_order_moves_global_and_policy(mlp, images_small, order):
         moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), result.params[part], params[part])
         assert any(jax.tree.leaves(moved)), (order, part)
     assert np.isfinite(float(result.metrics["loss_sum"]))
+
+
+def test_phases_train_on_their_own_half_and_the_weight_is_zeta_g(mlp, images_small):
+    # 13 real examples at ratio 0.3: |zeta_l| = floor(13 * 0.3) = 3, |zeta_g| = 10. The
+    # loss counts are examples seen: K1 epochs over zeta_l, K2 over zeta_g.
+    algorithm = _algorithm(mlp, images_small, split_ratio=0.3, local_epochs=2, routing_epochs=3)
+    client = _client(images_small, 1, padded_examples=16)
+    client = client.replace(mask=jnp.arange(16).reshape(4, 4) < 13, num_examples=jnp.int32(13))
+    result = jax.jit(algorithm.client_update)(algorithm.init(jax.random.key(0)), client,
+                                              jax.random.key(1))
+    assert float(result.weight) == 10.0
+    assert float(result.metrics["local_loss_count"]) == 2 * 3
+    assert float(result.metrics["loss_count"]) == 3 * 10
+
+
+def test_policy_first_trains_the_policy_before_the_global_branch_moves(mlp, images_small):
+    # Under policy_first the policy's K2 epochs end before the global step runs, so how
+    # the global branch is then trained cannot change the policy; under alternating it does.
+    client, key = _client(images_small, 1, 32), jax.random.key(1)
+    policies = {}
+    for order in ("policy_first", "alternating", "global_first"):
+        for global_step in ("routed", "global_only"):
+            algorithm = _algorithm(mlp, images_small, order=order, global_step=global_step)
+            params = algorithm.init(jax.random.key(0))
+            policies[order, global_step] = jax.jit(algorithm.client_update)(
+                params, client, key).params["policy"]
+
+    def same(a, b):
+        return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+    assert same(policies["policy_first", "routed"], policies["policy_first", "global_only"])
+    assert not same(policies["alternating", "routed"], policies["alternating", "global_only"])
+    orders = [policies[order, "routed"] for order in ("policy_first", "alternating",
+                                                       "global_first")]
+    assert not any(same(a, b) for i, a in enumerate(orders) for b in orders[i + 1:])
+
+
+def test_soft_prediction_mixes_at_q0_and_hard_takes_the_local_branch_below_one_half(
+        mlp, images_small):
+    algorithm = _algorithm(mlp, images_small, fixed_q0=0.3)
+    params = algorithm.init(jax.random.key(0))
+    client = _client(images_small, 1, 32)
+    personal = jax.jit(algorithm.personalize)(params, client, jax.random.key(1))
+    x = client.x[0]
+    predictions = jax.jit(algorithm.predict)(params, personal, x)
+    # The q0 it routed with is the constant's exp(log(0.3)), 0.3 to float32 rounding.
+    np.testing.assert_allclose(predictions.q0, 0.3, rtol=1e-6)
+    soft = jax.jit(lambda g, l, q0, x: routed_forward(mlp, g, l, q0, x))(
+        personal["global"], personal["local"], predictions.q0, x)
+    np.testing.assert_array_equal(predictions.personal_soft, soft)
+    np.testing.assert_array_equal(predictions.personal_hard,
+                                  jax.jit(lambda p, x: forward(mlp, p, x))(personal["local"], x))
+    assert not np.array_equal(predictions.personal_soft, predictions.personal_hard)
 
 
 def test_global_only_step_is_independent_of_the_policy(mlp, images_small):
