@@ -1,11 +1,21 @@
 """The evaluation's two averages: per-client means (Acc_g, Acc_p, breakdown_client_mean)
-and instance-pooled figures (acc_*_weighted, breakdown), each consistent with itself."""
+and instance-pooled figures (acc_*_weighted, breakdown), each consistent with itself; and
+the engine's evaluation against a client-by-client computation."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+from flowjax.algorithms.base import SGDConfig
+from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
+from flowjax.algorithms.flow import FlowConfig, flow
+from flowjax.core import prng
 from flowjax.evaluation.metrics import GROUPS, ClientCounts, summarize
+from flowjax.experiment import RunSettings, Simulation
 from flowjax.reporting import comparison_csv, results_table
+from tests.helpers import one_client
 
 # Three clients of unequal sizes; groups = [both, global only, personalized only, neither].
 GROUP_COUNTS = np.array([[5, 3, 1, 1], [0, 0, 2, 0], [1, 0, 0, 3]], np.float32)
@@ -82,3 +92,38 @@ def test_clients_benefiting_over_the_snapshot_counts_strict_gains_over_it():
     s = summarize(counts)
     assert s.clients_benefiting_snapshot == pytest.approx(1 / 3, rel=1e-15)  # 6/10 > 5/10 only
     assert summarize(_counts(GROUP_COUNTS)).clients_benefiting_snapshot is None
+
+
+@pytest.mark.parametrize("method", ["fedavg_ft", "flow_fixed_q0_0.3"])
+def test_evaluation_counts_equal_a_client_by_client_computation(method, mlp, images_small):
+    """Simulation.evaluate against the definition: each client personalized on its train
+    split with its (seed, population, round, client) key, then Acc_g, Acc_p and soft
+    Acc_p counted on its test split and averaged over clients."""
+    sgd = SGDConfig(learning_rate=0.5, epochs=2, batch_size=4)
+    x0 = jnp.asarray(images_small.train.client(0, "train")["x"][:4])
+    algorithm = (fedavg(mlp, FedAvgConfig(sgd=sgd, finetune=True)) if method == "fedavg_ft"
+                 else flow(mlp, FlowConfig(sgd=sgd, gamma=0.01, fixed_q0=0.3,
+                                           policy_hidden=(16, 16)), x0))
+    settings = RunSettings(seed=5, num_rounds=1, clients_per_round=3, batch_size=4,
+                           eval_held_out=False)
+    simulation = Simulation(algorithm, images_small, settings, server_optimizer=optax.sgd(1.0))
+    params = simulation.init_state().params
+    summary = simulation.evaluate(params, round_index=7)["train_clients"]
+
+    stream = jax.random.fold_in(prng.base_key(5, prng.Purpose.EVAL), 0)  # population 0
+    accuracies = {"g": [], "p": [], "soft": []}
+    for index in range(len(images_small.train.client_ids)):
+        train = one_client(images_small, index, simulation.eval_train_examples)
+        key = prng.client_key(prng.round_key(stream, 7), train.client_id)
+        personal = algorithm.personalize(params, train, key, None)
+        test = images_small.train.client(index, "test")
+        predictions = algorithm.predict(params, personal, jnp.asarray(test["x"]))
+        y = np.asarray(test["y"])
+        for name, logits in (("g", predictions.global_logits), ("p", predictions.personal_hard),
+                             ("soft", predictions.personal_soft)):
+            accuracies[name].append(np.mean(np.argmax(np.asarray(logits), -1) == y))
+    got = (summary.acc_g, summary.acc_p, summary.acc_p_soft)
+    want = tuple(float(np.mean(accuracies[name])) for name in ("g", "p", "soft"))
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    if method != "fedavg_ft":  # soft and hard routing differ at q0 = 0.3
+        assert summary.acc_p_soft != summary.acc_p
