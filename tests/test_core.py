@@ -23,7 +23,13 @@ def test_weighted_mean_matches_hand_computation():
 
 
 def test_weighted_mean_with_equal_weights_is_the_mean():
-    stacked = jax.random.normal(jax.random.key(0), (4, 7))
+    # Exact in any summation order: eighths of small integers sum without rounding, and a
+    # power-of-two weight and the scale 1 / (4 w) only rescale.
+    stacked = jax.random.randint(jax.random.key(0), (4, 7), -50, 50).astype(jnp.float32) / 8
+    for weight in (0.5, 1.0, 2.0):
+        np.testing.assert_array_equal(weighted_mean(stacked, jnp.full((4,), weight)),
+                                      stacked.mean(axis=0))
+    # Other equal weights round the scale 1 / (4 w): the mean to float32 precision.
     np.testing.assert_allclose(weighted_mean(stacked, jnp.full((4,), 2.5)),
                                stacked.mean(axis=0), rtol=1e-6)
 
