@@ -139,6 +139,32 @@ def test_lam_zero_is_the_global_model_exactly(cnn, images_small):
                                   jnp.argmax(predictions.global_logits, -1))
 
 
+def test_prediction_mixes_a_hand_computed_k_nearest_vote_with_the_global_softmax(
+        cnn, images_small):
+    """The paper's kNN-Per prediction, lam p_kNN + (1 - lam) softmax(w(x)), with p_kNN the
+    exp(-distance) vote of the k = 3 nearest stored embeddings, computed in numpy."""
+    lam, k = 0.45, 3
+    algorithm = knn_per(cnn, KnnPerConfig(**dict(KNN, lam=lam, neighbours=k)))
+    params = algorithm.init(jax.random.key(0))
+    store = algorithm.personalize(params, _client(images_small.train, 3, 32), jax.random.key(1))
+    x = _client(images_small.train, 3, 8, split="test").x[0]
+    predictions = jax.jit(algorithm.predict)(params, store, x)
+    phi, logits = (np.asarray(a, np.float64) for a in embed_and_logits(cnn, params, x))
+    keys = np.asarray(store.keys, np.float64)[np.asarray(store.valid)]
+    labels = np.asarray(store.labels)[np.asarray(store.valid)]
+    assert len(labels) > k
+    expected = []
+    for query, row in zip(phi, logits):
+        distance = np.linalg.norm(keys - query, axis=-1)
+        nearest = np.argsort(distance)[:k]
+        votes = np.exp(-(distance[nearest] - distance[nearest].min()))
+        p_knn = np.bincount(labels[nearest], votes, minlength=10) / votes.sum()
+        softmax = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
+        expected.append(np.log(lam * p_knn + (1 - lam) * softmax))
+    np.testing.assert_allclose(np.exp(predictions.personal_hard), np.exp(expected), atol=2e-6)
+    np.testing.assert_array_equal(predictions.global_logits, forward(cnn, params, x))
+
+
 def test_lam_one_k_one_predicts_the_true_label_of_a_duplicated_train_example(cnn, images_small):
     algorithm = knn_per(cnn, KnnPerConfig(**dict(KNN, lam=1.0, neighbours=1)))
     params = algorithm.init(jax.random.key(0))
