@@ -12,9 +12,10 @@ from flowjax.algorithms.base import SGDConfig
 from flowjax.algorithms import build_algorithm
 from flowjax.algorithms.base import client_optimizer, plain_loss_sums, sgd_step
 from flowjax.algorithms.flow import FlowConfig, flow
-from flowjax.algorithms.flow_reference import (group_sgd_step, reference_options,
-                                               reference_regularizer_mean, shard_batches_fn,
-                                               shard_member)
+from flowjax.algorithms import method_config
+from flowjax.algorithms.flow_reference import (PAPER, group_sgd_step, reference_options,
+                                               reference_regularizer_mean, resolve,
+                                               shard_batches_fn, shard_member)
 from flowjax.core.losses import mean_from_sums
 from flowjax.evaluation.metrics import evaluate_client, summarize
 from flowjax.validation import validate_config
@@ -125,11 +126,14 @@ def test_global_only_step_equals_a_plain_model_step_on_the_odd_batch(mlp, images
 
 
 def test_no_split_trains_both_phases_on_every_example(mlp, images_small):
-    algorithm = _flow(mlp, images_small, halves="none")
+    algorithm = _flow(mlp, images_small, halves="none", local_epochs=2, routing_epochs=3)
     client = _client_of_size(images_small, 10)
     result = jax.jit(algorithm.client_update)(algorithm.init(jax.random.key(0)), client,
                                               jax.random.key(1))
     assert float(result.weight) == 10.0
+    # Each phase saw all 10 examples in each of its epochs.
+    assert float(result.metrics["local_loss_count"]) == 2 * 10
+    assert float(result.metrics["loss_count"]) == 3 * 10
 
 
 @pytest.mark.parametrize("frozen", ["set_to_none", "zero_grad"])
@@ -298,6 +302,15 @@ def test_each_departure_can_be_switched_on_alone_from_the_config(cnn):
         config = emnist.get_config()
         config.methods.flow[field] = value
         build_algorithm("flow", cnn, config, x)
+        # The field reaches the method as given; every other departure stays the paper's.
+        resolved = resolve(method_config(config, "flow"), cnn.name)
+        departures = {name: getattr(resolved, name) for name in PAPER}
+        assert departures == {**PAPER, field: value}, field
+        assert (resolved.sgd.momentum, resolved.global_step) == (0.0, "routed"), field
+    # ... and local_init="server" builds the separate local branch the server averages.
+    config.methods.flow.local_init = "server"
+    params = jax.eval_shape(build_algorithm("flow", cnn, config, x).init, jax.random.key(0))
+    assert set(params) == {"global", "local", "policy"}
 
 
 def test_reference_semantics_is_refused_where_no_reference_exists():
