@@ -8,6 +8,7 @@ import pytest
 from flowjax.algorithms.base import SGDConfig
 from flowjax.algorithms.flow import FlowConfig, flow, half_capacity, split_halves
 from flowjax.models.base import forward
+from flowjax.routing.policy import build_policy
 from flowjax.routing.routed import routed_forward
 from tests.helpers import one_client
 
@@ -81,6 +82,35 @@ def test_regularizer_raises_q0(mlp, images_small):
         algorithm = _algorithm(mlp, images_small, gamma=gamma, routing_epochs=3)
         q0[gamma] = _mean_q0(algorithm, start, client)
     assert q0[1.0] > q0[0.0] + 0.01, q0
+
+
+def test_policy_step_descends_the_papers_regularized_objective(mlp, images_small):
+    # One batch of 4, no split, one routing epoch, no policy dropout: the trained policy is
+    # psi - lr grad_psi [mean_i CE_i(routed) - gamma mean_i (1/L) sum_j log q0_ij], at the
+    # received global branch and the local branch the K1 phase trained (personalize returns
+    # that branch: it is frozen while routing). Recomputed here with the public pieces.
+    gamma, lr = 0.5, CONFIG["sgd"].learning_rate
+    x0 = jnp.asarray(images_small.train.client(0, "train")["x"][:4])
+    algorithm = _algorithm(mlp, images_small, gamma=gamma, halves="none", routing_epochs=1,
+                           policy_dropout=0.0)
+    params = algorithm.init(jax.random.key(0))
+    client = _client(images_small, 1, padded_examples=4)
+    personal = jax.jit(algorithm.personalize)(params, client, jax.random.key(1))
+    policy = build_policy(mlp, x0, (16,) * mlp.num_layers, dropout_rate=0.0)
+    x, y = client.x[0], client.y[0]
+
+    def objective(psi):
+        log_q0 = policy.log_probs(psi, x)[..., 0]
+        logits = routed_forward(mlp, params["global"], personal["local"], jnp.exp(log_q0), x)
+        ce = -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=-1)[:, 0]
+        return jnp.mean(ce) - gamma * jnp.mean(jnp.sum(log_q0, axis=-1) / mlp.num_layers)
+
+    grads = jax.grad(objective)(params["policy"])
+    expected = jax.tree.map(lambda p, g: p - lr * g, params["policy"], grads)
+    for got, want in zip(jax.tree.leaves(personal["policy"]), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(expected),
+                                                        jax.tree.leaves(params["policy"])))
 
 
 @pytest.mark.parametrize("order", ["alternating", "policy_first", "global_first"])
