@@ -7,9 +7,11 @@ import pytest
 
 from flowjax.algorithms.base import SGDConfig
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
-from flowjax.algorithms.partialfed import (PartialFedConfig, load_layers, partialfed,
-                                           sample_use_global, straight_through_choice)
+from flowjax.algorithms.partialfed import (_STRATEGY_NOISE, PartialFedConfig, load_layers,
+                                           partialfed, sample_use_global,
+                                           straight_through_choice)
 from flowjax.core.cohort import assemble_cohort, client_at
+from flowjax.routing.routed import routed_forward
 from tests.helpers import assert_trees_equal, check_state_round_trip, differs
 
 SGD = dict(learning_rate=0.05, epochs=2, batch_size=4)
@@ -107,6 +109,34 @@ def test_a_round_moves_the_strategy_and_stores_the_sent_model(cnn, algorithm, up
     assert_trees_equal(result.client_state["layers"], result.params)
     assert float(result.weight) == float(client.num_examples)
     assert np.isfinite(float(result.metrics["loss_sum"]))
+
+
+def test_strategy_step_is_sgd_on_the_straight_through_routed_loss(mlp, images_small):
+    """One batch, one epoch: the stored logits are a0 - lr_s grad_a CE(routed) where layer
+    j's output mixes global (choice index 0) and previous by the straight-through sample
+    drawn with the step's noise key (run_epochs' step 0 of epoch 0), recomputed here."""
+    config = dict(CONFIG, sgd=SGDConfig(learning_rate=0.05, epochs=1, batch_size=4))
+    algorithm = partialfed(mlp, PartialFedConfig(**config))
+    params = algorithm.init(jax.random.key(0))
+    previous = mlp.init(jax.random.key(7))
+    a0 = jax.random.normal(jax.random.key(3), (mlp.num_layers, 2))
+    state = {**algorithm.init_client_state(params), "layers": previous, "logits": a0}
+    client = _client(images_small, 2, padded_examples=4)
+    key = jax.random.key(1)
+    result = jax.jit(algorithm.client_update)(params, client, key, state)
+
+    step_key = jax.random.fold_in(jax.random.fold_in(key, 0), 0)
+    x, y = client.x[0], client.y[0]
+
+    def loss(a):
+        choice = straight_through_choice(a, jax.random.fold_in(step_key, _STRATEGY_NOISE), 1.0)
+        q0 = jnp.broadcast_to(choice[:, 0], (x.shape[0], mlp.num_layers))
+        logits = routed_forward(mlp, params, previous, q0, x)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], -1))
+
+    expected = a0 - CONFIG["strategy_learning_rate"] * jax.grad(loss)(a0)
+    np.testing.assert_allclose(result.client_state["logits"], expected, rtol=2e-6, atol=1e-7)
+    assert not np.array_equal(expected, a0)
 
 
 def test_personal_model_is_the_argmax_mix_of_the_trained_copies(cnn, algorithm, update,
