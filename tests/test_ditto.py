@@ -10,6 +10,8 @@ from flowjax.algorithms.apfl import APFLConfig, apfl
 from flowjax.algorithms.base import SGDConfig, plain_loss_sums
 from flowjax.algorithms.ditto import DittoConfig, ditto, proximal_pull
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
+from flowjax.core import prng
+from flowjax.core.cohort import client_at
 from flowjax.core.losses import mean_from_sums
 from flowjax.experiment import RunSettings, Simulation
 from tests.helpers import assert_trees_equal, check_state_round_trip, one_client
@@ -166,8 +168,24 @@ def test_a_personal_model_that_diverges_is_skipped_and_keeps_its_state(method, m
                                  state.params),
                "visited": np.array([True])}
     simulation.client_states.scatter(victim, planted)
+    cohort = jax.tree.map(jnp.asarray, simulation.host_cohort(0))
+    before = simulation.client_states.gather(np.asarray(cohort.client_id))
+    initial = jax.tree.map(np.array, state.params)  # the round donates its input state
     state, metrics = simulation.run_round(state, 0)
     assert float(metrics["clients_skipped"]) == 1.0
+    # The server's mean is the other clients' alone, by their example counts.
+    key_of_round = prng.round_key(prng.base_key(0, prng.Purpose.TRAIN), 0)
+    sent, weights = [], []
+    for slot in (1, 2):  # slot 0 is the victim
+        client = client_at(cohort, slot)
+        result = algorithm.client_update(initial, client,
+                                         prng.client_key(key_of_round, client.client_id),
+                                         jax.tree.map(lambda a, s=slot: a[s], before))
+        sent.append(result.params)
+        weights.append(float(result.weight))
+    expected = jax.tree.map(lambda a, b: (weights[0] * a + weights[1] * b) / sum(weights), *sent)
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert all(np.isfinite(float(value)) for value in metrics.values())
     assert_trees_equal(simulation.client_states.gather(victim), planted)
     assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(state.params))
