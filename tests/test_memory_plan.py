@@ -1,5 +1,6 @@
 """The memory planner: the chunk it picks compiles under the budget, the next one would not."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -42,11 +43,20 @@ def test_plan_grows_with_memory_and_shrinks_with_data(algorithm):
                            device_bytes=2**30, max_clients=10).clients_per_chunk == 10
 
 
-def test_stateful_methods_plan_their_client_state():
-    method = ditto(tiny_mlp(), DittoConfig(sgd=SGDConfig(learning_rate=0.1, epochs=1,
-                                                         batch_size=8), lam=0.1))
+def test_stateful_methods_plan_their_client_state(algorithm):
+    model = tiny_mlp()
+    method = ditto(model, DittoConfig(sgd=SGDConfig(learning_rate=0.1, epochs=1,
+                                                    batch_size=8), lam=0.1))
     plan = plan_chunk_size(method, SPEC, padded_examples=64, batch_size=8, device_bytes=2**26)
     assert plan.clients_per_chunk > 0
+    # Each client of a chunk brings its personal model v in and takes the new one out: two
+    # params' worth beyond FedAvg's per-client bytes (1.5 leaves room for buffers XLA may
+    # share; without the state in the plan the difference is one params' worth at most).
+    fedavg_plan = plan_chunk_size(algorithm, SPEC, padded_examples=64, batch_size=8,
+                                  device_bytes=2**26)
+    param_bytes = sum(np.asarray(leaf).nbytes for leaf in
+                      jax.tree.leaves(model.init(jax.random.key(0))))
+    assert plan.per_client_bytes - fedavg_plan.per_client_bytes >= 1.5 * param_bytes
 
 
 def test_bad_budget_is_a_one_line_error(algorithm):
