@@ -193,6 +193,11 @@ def test_stackoverflow_accuracy_without_special_tokens_counts_only_words():
         algorithm = fedavg(model, FedAvgConfig(sgd=SGDConfig(learning_rate=0.1, epochs=1,
                                                              batch_size=1)))
         params = algorithm.init(jax.random.key(0))
+        # A model that predicts oov (id 5) everywhere: right at the oov label only.
+        last = params["dense2"]
+        params = {**params, "dense2": {**last, "bias": last["bias"].at[5].add(100.0)}}
         counts = batch_counts(algorithm, params, params, x, y, jnp.ones((1,), bool))
-        counted[exclude_special] = float(counts.instances)
-    assert counted == {False: 4.0, True: 2.0}
+        counted[exclude_special] = (float(counts.instances), float(counts.correct_global),
+                                    float(counts.correct_personal))
+    # Instances, global hits, personal hits: with exclude_special the oov hit is not one.
+    assert counted == {False: (4.0, 1.0, 1.0), True: (2.0, 0.0, 0.0)}
