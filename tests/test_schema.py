@@ -177,21 +177,22 @@ APPENDIX_B_SGD = {
 }
 
 
+def client_sgd(dataset: str, variant: str, names) -> dict[str, tuple]:
+    """``{method: (epochs, learning rate, batch size)}`` of a dataset config's variant."""
+    config = importlib.import_module(f"configs.{dataset}").get_config(variant)
+    return {name: (sgd.epochs, sgd.learning_rate, sgd.batch_size)
+            for name in names for sgd in [algorithms.method_config(config, name).sgd]}
+
+
 @pytest.mark.parametrize("dataset, variant", sorted(APPENDIX_B_SGD))
 def test_paper_configs_give_each_method_appendix_b_client_sgd(dataset, variant):
-    config = importlib.import_module(f"configs.{dataset}").get_config(variant)
-    got = {name: (sgd.epochs, sgd.learning_rate, sgd.batch_size)
-           for name in APPENDIX_B_SGD[dataset, variant]
-           for sgd in [algorithms.method_config(config, name).sgd]}
-    assert got == APPENDIX_B_SGD[dataset, variant]
+    expected = APPENDIX_B_SGD[dataset, variant]
+    assert client_sgd(dataset, variant, expected) == expected
 
 
 def test_quick_shakespeare_gives_every_method_one_rate():
-    config = importlib.import_module("configs.shakespeare").get_config("quick")
-    rates = {name: (algorithms.method_config(config, name).sgd.epochs,
-                    algorithms.method_config(config, name).sgd.learning_rate)
-             for name in ("fedavg", "local", "flow", "ditto", "apfl")}
-    assert set(rates.values()) == {(1, 1.0)}, rates
+    got = client_sgd("shakespeare", "quick", ("fedavg", "local", "flow", "ditto", "apfl"))
+    assert set(got.values()) == {(1, 1.0, 4)}, got
 
 
 def test_paper_configs_evaluate_up_to_1000_clients():

@@ -139,9 +139,13 @@ class Simulation:
         return state
 
     # ----------------------------------------------------------------- training
+    def _stream_round(self, round_index: int) -> int:
+        """Where round ``round_index`` of this stage draws its clients and training keys."""
+        return self.settings.first_round + round_index
+
     def host_cohort(self, round_index: int) -> ClientExamples:
         """The padded, stacked training cohort of a round (host numpy arrays)."""
-        clients = self.sampler.sample(self.settings.first_round + round_index)
+        clients = self.sampler.sample(self._stream_round(round_index))
         return assemble_cohort(self.task.train, "train", clients,
                                num_clients=self.cohort_clients,
                                padded_examples=self.train_examples,
@@ -166,9 +170,8 @@ class Simulation:
             client_ids = distributed.fetch(cohort.client_id)
         states = self._client_states_for(client_ids)
         # A numpy scalar, not a device array: every host passes the same host value.
-        stream_round = np.int32(self.settings.first_round + round_index)
-        state, metrics, new_states = self._round_fn(state, cohort, stream_round, states,
-                                                   self.seed_words)
+        state, metrics, new_states = self._round_fn(
+            state, cohort, np.int32(self._stream_round(round_index)), states, self.seed_words)
         if self.client_states is not None:
             self.client_states.scatter(client_ids, distributed.fetch(new_states))
         return state, metrics
