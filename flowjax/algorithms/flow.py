@@ -29,7 +29,9 @@ weight stays ``|zeta_g|``), ``global_step="global_only"`` (the authors' code: th
 global step runs the global branch alone), ``momentum`` (their SGD momentum 0.9), and the
 other departures of the authors' code, each alone or all at once (``halves``,
 ``frozen_momentum``, ``regularizer``, ``local_init``, ``policy_eval_dropout``,
-``evaluation``, ``policy_last``; see ``flowjax.algorithms.flow_reference``).
+``evaluation``, ``policy_last``; see ``flowjax.algorithms.flow_reference``; on the
+Shakespeare LSTM, ``semantics="reference"`` is their network and procedure whole,
+``flowjax.algorithms.flow_reference_lstm``).
 pc-Flow is FedAvgFT (``flowjax.algorithms.fedavg``).
 
 Optimizer: one SGD momentum buffer per parameter group (global, local, policy), kept for
@@ -51,6 +53,7 @@ import numpy as np
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions, SGDConfig,
                                      instance_weights, plain_loss_sums, valid_examples)
+from flowjax.algorithms import flow_reference_lstm
 from flowjax.algorithms.flow_reference import (DEPARTURES, SEMANTICS, group_sgd_step,
                                                reference_regularizer_mean, resolve,
                                                shard_batches_fn, shard_member)
@@ -190,6 +193,8 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
     (``flow_reference.resolve``).
     """
     config = resolve(config, model.name)
+    if config.semantics == "reference" and model.name in flow_reference_lstm.MODELS:
+        return flow_reference_lstm.reference_lstm(model, config)  # their network, whole
     policy = build_policy(model, example_x, config.policy_hidden,
                           dropout_rate=config.policy_dropout, last=config.policy_last)
     num_layers = model.num_layers

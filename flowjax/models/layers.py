@@ -323,7 +323,7 @@ def _split_gates(z: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Arr
     return tuple(jnp.split(z, 4, axis=-1))
 
 
-def _lstm_cell(z: jax.Array, c: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def lstm_cell(z: jax.Array, c: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One LSTM step from pre-activations ``z [..., 4H]`` and the previous cell state:
     ``(h, c, activated gates)``."""
     i, f, g, o = _split_gates(z)
@@ -365,7 +365,7 @@ def _lstm_scan(zx: jax.Array, w_h: jax.Array, compute_dtype: Any = None,
     def step(carry, zx_t):
         h, c = carry
         w_h_c = w_h_once if cast_once else _operand(compute_dtype, w_h)
-        h, c, gates = _lstm_cell(zx_t + _matmul(h, w_h_c, compute_dtype), c)
+        h, c, gates = lstm_cell(zx_t + _matmul(h, w_h_c, compute_dtype), c)
         return (h, c), (h, c, gates)
 
     _, (hs, cs, gates) = lax.scan(step, (zeros, zeros), zx)
@@ -498,8 +498,8 @@ def routed_lstm(x: jax.Array, global_weights: tuple[jax.Array, jax.Array, jax.Ar
     def step(carry, inputs):
         h, c = carry
         zx_g_t, zx_l_t, q0_t = inputs
-        h_g, c_g, _ = _lstm_cell(zx_g_t + h @ w_h_g, c)
-        h_l, c_l, _ = _lstm_cell(zx_l_t + h @ w_h_l, c)
+        h_g, c_g, _ = lstm_cell(zx_g_t + h @ w_h_g, c)
+        h_l, c_l, _ = lstm_cell(zx_l_t + h @ w_h_l, c)
         if hard:
             use_global = (q0_t >= 0.5)[:, None]
             h, c = jnp.where(use_global, h_g, h_l), jnp.where(use_global, c_g, c_l)
