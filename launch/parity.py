@@ -25,12 +25,18 @@ PyTorch 2.x ``zero_grad()`` (frozen groups skipped; flowjax ``frozen_momentum=se
 and under ``zero_grad(set_to_none=False)`` (the pre-2.0 default their code was written for:
 frozen groups keep moving by momentum; flowjax ``frozen_momentum=zero_grad``).
 
-The Shakespeare LSTM is not compared: the authors' LSTM routes on a policy over the cells'
-own (h, c) states with one shared policy network for both layers, which flowjax's LSTM
-models do not implement (see README, "Reference mode").
+The Shakespeare LSTM (``--model=shakespeare``): their ``ShakespeareNet``
+(``models/shakespeare_rnn_dynamic_v4.py``) and ``shakespeare_train`` /
+``shakespeare_generalized_test`` against flowjax's reference mode for ``shakespeare_lstm``
+(``flowjax.algorithms.flow_reference_lstm``), on a synthetic client of 11 sequences. Their
+loader reshuffles on every pass; here each pass their loop asks for (``.shard(2, i)`` or
+every batch) is the next pass of flowjax's own plan for the client's key, checked to be of
+the same kind, so both sides see the same batches in the same order. Their policy's
+``F.dropout`` is swapped for the identity in their module's globals for the run.
 
-``flowjax_side`` needs no PyTorch: ``tests/test_parity.py`` recomputes it and compares it
-with the committed figures of the PyTorch side (``tests/fixtures/parity_emnist.json``).
+``flowjax_side`` and ``shakespeare_flowjax_side`` need no PyTorch: ``tests/test_parity.py``
+recomputes them and compares them with the committed figures of the PyTorch side
+(``tests/fixtures/parity_emnist.json``, ``parity_shakespeare.json``).
 """
 
 from __future__ import annotations
@@ -57,6 +63,16 @@ ZERO_GRAD_MODES = ("set_to_none", "zero_grad")
 SETTINGS = dict(seed=0, train_examples=90, test_examples=40, epochs=3, batch_size=20,
                 learning_rate=0.01, gamma=0.01, num_classes=62)
 SAMPLED_VALUES = 64  # per tensor in the fixture, at evenly spaced flat indices
+
+SHAKESPEARE_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "parity_shakespeare.json")
+# Their shakespeare_flowv4 hyperparameters (configs/hyperparameters.py): embedding 8,
+# vocabulary 90, LSTM 256, batch 4, lr 0.11, epsilon 1e-6; K = 2 epochs (theirs 5) and 11
+# sequences of 80 tokens (batches of 4, 4, 3: two even, one odd) keep it short. lambda is
+# 0.1, not their 0.001: at 0.001 the regularizer moves no weight by the 1e-4 tolerance in
+# one update, so the check could not see which routes it reads.
+SHAKESPEARE_SETTINGS = dict(seed=0, train_examples=11, test_examples=5, epochs=2,
+                            batch_size=4, learning_rate=0.11, gamma=0.1, vocab_size=90,
+                            embed_dim=8, hidden=256, sequence_length=80)
 
 
 # ----------------------------------------------------------------------------- data
@@ -102,10 +118,10 @@ def _examples(x: np.ndarray, y: np.ndarray, batch_size: int):
     steps = -(-n // batch_size)
     pad = steps * batch_size - n
     xs = np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)])
-    ys = np.concatenate([y, np.zeros((pad,), y.dtype)])
+    ys = np.concatenate([y, np.zeros((pad,) + y.shape[1:], y.dtype)])
     mask = np.arange(steps * batch_size) < n
     return ClientExamples(x=jnp.asarray(xs.reshape((steps, batch_size) + x.shape[1:])),
-                          y=jnp.asarray(ys.reshape(steps, batch_size)),
+                          y=jnp.asarray(ys.reshape((steps, batch_size) + y.shape[1:])),
                           mask=jnp.asarray(mask.reshape(steps, batch_size)),
                           num_examples=jnp.int32(n), client_id=jnp.int32(0))
 
@@ -163,6 +179,147 @@ def _metrics(before_logits: np.ndarray, after_logits: np.ndarray, y: np.ndarray)
                 w_g_true_w_p_false=int(np.sum(before & ~after)),
                 w_g_false_w_p_true=int(np.sum(~before & after)),
                 w_g_false_w_p_false=int(np.sum(~before & ~after)))
+
+
+# ----------------------------------------------------------------------------- Shakespeare
+
+
+def shakespeare_client_data(seed: int, train_examples: int, test_examples: int,
+                            vocab_size: int, sequence_length: int, **_: Any) -> dict:
+    """A synthetic Shakespeare-shaped client: int64 tokens ``[N, T]`` and next tokens,
+    skewed to a few characters, with trailing padding (id 0) in some sequences, as TFF's
+    last chunk of a snippet has."""
+    rng = np.random.default_rng(seed)
+    n = train_examples + test_examples
+    weights = rng.dirichlet(np.full(vocab_size - 1, 0.3))
+    tokens = 1 + rng.choice(vocab_size - 1, size=(n, sequence_length + 1), p=weights)
+    for row, length in zip(range(0, n, 3), rng.integers(2, sequence_length, size=n)):
+        tokens[row, length:] = 0
+    x, y = tokens[:, :-1].astype(np.int64), tokens[:, 1:].astype(np.int64)
+    return dict(train_x=x[:train_examples], train_y=y[:train_examples],
+                test_x=x[train_examples:], test_y=y[train_examples:])
+
+
+def _flowjax_lstm_algorithm(frozen_momentum: str, settings: dict):
+    import jax.numpy as jnp
+    from flowjax.algorithms.base import SGDConfig
+    from flowjax.algorithms.flow import FlowConfig, flow
+    from flowjax.models import get_model
+
+    model = get_model("shakespeare_lstm", vocab_size=settings["vocab_size"],
+                      embed_dim=settings["embed_dim"], hidden=settings["hidden"])
+    sgd = SGDConfig(learning_rate=settings["learning_rate"], epochs=settings["epochs"],
+                    batch_size=settings["batch_size"])
+    # Policy dropout off (module docstring).
+    config = FlowConfig(sgd=sgd, gamma=settings["gamma"], policy_hidden=(500, 250, 100, 50),
+                        policy_dropout=0.0, semantics="reference",
+                        frozen_momentum=frozen_momentum)
+    algorithm = flow(model, config, jnp.zeros((2, settings["sequence_length"]), jnp.int32))
+    return algorithm, model
+
+
+def lstm_to_torch_layout(params: dict) -> dict[str, np.ndarray]:
+    """flowjax's reference LSTM params as the authors' ``ShakespeareNet`` state dict
+    (numpy): ``[out, in]`` weights; flowjax's one LSTM bias as ``bias_ih``, ``bias_hh = 0``
+    (the cell adds both); their policy's unused image path (``linear_1*``) left out."""
+    state = {"embeddings.weight": np.asarray(params["embedding"]["embedding"])}
+    for branch in ("global", "local"):
+        p = params[branch]
+        for layer in (1, 2):
+            cell = p[f"lstm{layer}"]
+            prefix = f"{branch}_lstm_{layer}"
+            state[f"{prefix}.weight_ih"] = np.asarray(cell["kernel"]).T
+            state[f"{prefix}.weight_hh"] = np.asarray(cell["recurrent_kernel"]).T
+            state[f"{prefix}.bias_ih"] = np.asarray(cell["bias"])
+            state[f"{prefix}.bias_hh"] = np.zeros_like(state[f"{prefix}.bias_ih"])
+        state[f"{branch}_fc.weight"] = np.asarray(p["dense"]["kernel"]).T
+        state[f"{branch}_fc.bias"] = np.asarray(p["dense"]["bias"])
+    names = {"dense0": "lstm_linear_1", "dense1": "lstm_linear_2", "dense2": "lstm_linear_3",
+             "dense3": "lstm_linear_4", "exit": "lstm_linear_exit"}
+    for ours, theirs in names.items():
+        state[f"policy_net.{theirs}.weight"] = np.asarray(params["policy"][ours]["kernel"]).T
+        state[f"policy_net.{theirs}.bias"] = np.asarray(params["policy"][ours]["bias"])
+    return state
+
+
+def lstm_effective(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A ``ShakespeareNet`` state with each cell's ``bias_ih + bias_hh`` (what the cell
+    adds) as ``bias``, and their policy's unused image path left out: what both sides
+    have, for comparison."""
+    out = {}
+    for name, value in state.items():
+        if name.startswith("policy_net.linear_1") or name.endswith("bias_hh"):
+            continue
+        if name.endswith("bias_ih"):
+            value = value + state[name.replace("bias_ih", "bias_hh")]
+            name = name.replace("bias_ih", "bias")
+        out[name] = np.asarray(value)
+    return out
+
+
+def _lstm_passes(plan: dict, order: list[tuple[str, str, int]]) -> list[tuple[str, list]]:
+    """The example indices of every batch of every pass, in the order their loop asks for
+    them: ``order`` lists ``(phase, kind, epoch)``."""
+    passes = []
+    for phase, kind, epoch in order:
+        indices, mask = (np.asarray(a[epoch]) for a in plan[phase])
+        passes.append((kind, [row[keep] for row, keep in zip(indices, mask) if keep.any()]))
+    return passes
+
+
+def shakespeare_flowjax_side(frozen_momentum: str,
+                             settings: dict = SHAKESPEARE_SETTINGS) -> dict[str, Any]:
+    """flowjax's reference LSTM: initial and updated weights (their layout, effective
+    biases), the evaluation's logits and metrics, and the batches it trained on; no
+    PyTorch needed."""
+    import jax
+    import jax.numpy as jnp
+    from flowjax.algorithms import flow_reference_lstm as reference
+
+    algorithm, model = _flowjax_lstm_algorithm(frozen_momentum, settings)
+    data = shakespeare_client_data(**settings)
+    params = algorithm.init(jax.random.key(settings["seed"]))
+    train = _examples(data["train_x"].astype(np.int32), data["train_y"].astype(np.int32),
+                      settings["batch_size"])
+    key = jax.random.key(settings["seed"] + 1)
+    result = jax.jit(algorithm.client_update)(params, train, key)
+    personal = jax.jit(algorithm.personalize)(params, train, key)
+    predictions = jax.jit(algorithm.predict)(params, personal,
+                                             jnp.asarray(data["test_x"].astype(np.int32)))
+    snapshot = np.asarray(predictions.global_snapshot)
+    personal_logits = np.asarray(predictions.personal_hard)
+    valid = train.flat()[2]
+    k1 = k2 = settings["epochs"]
+    batch = settings["batch_size"]
+    train_plan = reference.train_plan(key, valid, batch, k1, k2)
+    eval_plan = reference.evaluation_plan(key, valid, batch, k1, k2)
+    train_order = ([("local", "shard0", e) for e in range(k1)]
+                   + [step for e in range(k2) for step in (("policy", "shard1", e),
+                                                           ("global", "all", e))])
+    eval_order = ([("local", "all", e) for e in range(k1)]
+                  + [("joint", "all", e) for e in range(k2)])
+    return dict(initial=lstm_effective(lstm_to_torch_layout(params)),
+                torch_state=lstm_to_torch_layout(params),
+                updated=lstm_effective(lstm_to_torch_layout(result.params)),
+                eval_snapshot_logits=snapshot, eval_personal_logits=personal_logits,
+                metrics=_lstm_metrics(snapshot, personal_logits, data["test_y"]),
+                train_passes=_lstm_passes(train_plan, train_order),
+                eval_passes=_lstm_passes(eval_plan, eval_order))
+
+
+def _lstm_metrics(before_logits: np.ndarray, after_logits: np.ndarray, y: np.ndarray) -> dict:
+    """``shakespeare_generalized_test``'s figures from the two models' logits: padding
+    labels (0) count nowhere."""
+    real = y != 0
+    before = (before_logits.argmax(-1) == y) & real
+    after = (after_logits.argmax(-1) == y) & real
+    wrong_before, wrong_after = real & ~before, real & ~after
+    return dict(before_accuracy=float(before.sum() / real.sum()),
+                after_accuracy=float(after.sum() / real.sum()),
+                w_g_true_w_p_true=int(np.sum(before & after)),
+                w_g_true_w_p_false=int(np.sum(before & wrong_after)),
+                w_g_false_w_p_true=int(np.sum(wrong_before & after)),
+                w_g_false_w_p_false=int(np.sum(wrong_before & wrong_after)))
 
 
 # ----------------------------------------------------------------------------- theirs
@@ -294,9 +451,11 @@ def _their_net(trainer, state: dict[str, np.ndarray]):
     return net
 
 
-def torch_side(reference_dir: str, initial: dict[str, np.ndarray], mode: str,
+def torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
                settings: dict = SETTINGS) -> dict[str, Any]:
-    """Their ``emnist_train`` and ``emnist_generalized_test`` from ``initial``."""
+    """Their ``emnist_train`` and ``emnist_generalized_test`` from flowjax's initial
+    weights (``ours["initial"]``)."""
+    initial = ours["initial"]
     import torch
     torch.set_num_threads(1)
     trainer = import_their_trainer(reference_dir)
@@ -326,15 +485,127 @@ def torch_side(reference_dir: str, initial: dict[str, np.ndarray], mode: str,
         figures = trainer.emnist_generalized_test(net, train, test)
     snapshot = np.concatenate([o for m, mode_, o in captured if m is not net and mode_ == "global"])
     personal = np.concatenate([o for m, mode_, o in captured if m is net and mode_ == "personalized"])
+    return dict(updated=updated, eval_snapshot_logits=snapshot, eval_personal_logits=personal,
+                metrics=_reported_metrics(figures))
+
+
+class _ScriptedDataset:
+    """``tf.data`` stand-in for their reshuffling Shakespeare loader: every pass their loop
+    asks for (``.shard(2, i)`` or iterating every batch) is the next pass of flowjax's
+    plan, which must be of the same kind, so both sides see the same batches."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, passes: list):
+        self._x, self._y, self._passes = x, y, list(passes)
+
+    def _next(self, kind: str) -> list:
+        if not self._passes:
+            raise AssertionError(f"their loop asked for a {kind} pass after flowjax's last")
+        planned, batches = self._passes.pop(0)
+        if planned != kind:
+            raise AssertionError(f"their loop asked for a {kind} pass where flowjax's plan "
+                                 f"has {planned}")
+        return [(_Tensorish(self._x[i]), _Tensorish(self._y[i])) for i in batches]
+
+    def shard(self, num_shards: int, index: int) -> list:
+        assert num_shards == 2, num_shards
+        return self._next(f"shard{index}")
+
+    def __iter__(self):
+        return iter(self._next("all"))
+
+    def exhausted(self) -> bool:
+        return not self._passes
+
+
+class _Batches:
+    """Every pass over the test examples: one batch (their test batch is 100)."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray):
+        self._batch = (_Tensorish(x), _Tensorish(y))
+
+    def __iter__(self):
+        return iter([self._batch])
+
+
+@contextlib.contextmanager
+def _policy_dropout_off(trainer):
+    """Their LSTM policy calls ``F.dropout`` (on even in eval mode): its module's ``F`` is
+    swapped for one whose dropout is the identity, then given back."""
+    import torch
+    # The globals their model's code runs with (not sys.modules' entry, which
+    # import_their_trainer gives back to an earlier import of the same name).
+    namespace = trainer.ShakespeareNet.forward.__globals__
+    functional = namespace["F"]
+    namespace["F"] = types.SimpleNamespace(
+        relu=torch.nn.functional.relu, dropout=lambda x, p=0.5, training=True, inplace=False: x)
+    try:
+        yield
+    finally:
+        namespace["F"] = functional
+
+
+def _their_lstm_net(trainer, state: dict[str, np.ndarray], settings: dict):
+    import torch
+    net = trainer.ShakespeareNet(settings["embed_dim"], settings["vocab_size"],
+                                 settings["hidden"])
+    full = {k: v.detach().numpy() for k, v in net.state_dict().items()}
+    unknown = set(state) - set(full)
+    assert not unknown, unknown
+    full.update(state)  # their policy's unused image path keeps its own init
+    net.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in full.items()}, strict=True)
+    return net
+
+
+def shakespeare_torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
+                           settings: dict = SHAKESPEARE_SETTINGS) -> dict[str, Any]:
+    """Their ``shakespeare_train`` and ``shakespeare_generalized_test`` from flowjax's
+    initial weights, on flowjax's batches (``ours["train_passes"]``, ``["eval_passes"]``)."""
+    import torch
+    torch.set_num_threads(1)
+    trainer = import_their_trainer(reference_dir)
+    workdir = tempfile.mkdtemp(prefix="flow_parity_")
+    # The module globals their __main__ block would set (shakespeare_flowv4).
+    trainer.__dict__.update(lr=settings["learning_rate"], epochs=settings["epochs"],
+                            lambda_=settings["gamma"], epsilon=1e-6, DEVICE="cpu",
+                            checkpoint_dir=workdir + os.sep, METHOD="FlowV4", num_clients=10,
+                            total_clients=715, total_rounds=1500)
+    data = shakespeare_client_data(**settings)
+    test = _Batches(data["test_x"], data["test_y"])
+
+    with _zero_grad(mode), _policy_dropout_off(trainer):
+        train = _ScriptedDataset(data["train_x"], data["train_y"], ours["train_passes"])
+        net = _their_lstm_net(trainer, ours["torch_state"], settings)
+        trainer.shakespeare_train(net, train, test)
+        assert train.exhausted(), "their loop left passes of flowjax's plan unread"
+        updated = {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
+
+        train = _ScriptedDataset(data["train_x"], data["train_y"], ours["eval_passes"])
+        net = _their_lstm_net(trainer, ours["torch_state"], settings)
+        captured = []
+
+        def hook(module, args, kwargs, output):
+            if not module.training:  # [B, V, T] -> [B, T, V]
+                logits = output[0].detach().numpy().transpose(0, 2, 1).copy()
+                captured.append((module, kwargs.get("mode"), logits))
+
+        net.register_forward_hook(hook, with_kwargs=True)
+        figures = trainer.shakespeare_generalized_test(net, train, test)
+        assert train.exhausted(), "their evaluation left passes of flowjax's plan unread"
+    snapshot = np.concatenate([o for m, mode_, o in captured if m is not net and mode_ == "global"])
+    personal = np.concatenate([o for m, mode_, o in captured if m is net and mode_ == "personalized"])
+    return dict(updated=lstm_effective(updated), eval_snapshot_logits=snapshot,
+                eval_personal_logits=personal, metrics=_reported_metrics(figures))
+
+
+def _reported_metrics(figures: tuple) -> dict[str, Any]:
+    """The figures of their ``*_generalized_test`` that ``_metrics`` recomputes."""
     names = ("before_loss", "before_accuracy", "after_loss", "after_accuracy", "correct",
              "total", "harmed", "w_g_true_w_p_true", "w_g_true_w_p_false", "w_g_false_w_p_true",
              "w_g_false_w_p_false")
     reported = dict(zip(names, figures))
-    metrics = {k: reported[k] for k in ("before_accuracy", "after_accuracy", "w_g_true_w_p_true",
-                                        "w_g_true_w_p_false", "w_g_false_w_p_true",
-                                        "w_g_false_w_p_false")}
-    return dict(updated=updated, eval_snapshot_logits=snapshot, eval_personal_logits=personal,
-                metrics=metrics)
+    return {k: reported[k] for k in ("before_accuracy", "after_accuracy", "w_g_true_w_p_true",
+                                     "w_g_true_w_p_false", "w_g_false_w_p_true",
+                                     "w_g_false_w_p_false")}
 
 
 # ----------------------------------------------------------------------------- compare
@@ -374,31 +645,36 @@ def _summary(value: np.ndarray, scale: int = 1) -> dict[str, Any]:
                 indices=picks.tolist(), values=flat[picks].tolist())
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reference_dir", required=True,
-                        help="checkout of github.com/Astuary/Flow")
-    parser.add_argument("--zero_grad", choices=ZERO_GRAD_MODES + ("both",), default="both")
-    parser.add_argument("--write_fixture", action="store_true",
-                        help=f"write the PyTorch side's figures to {FIXTURE}")
-    args = parser.parse_args(argv)
-    try:
-        import torch
-    except ImportError:
-        print("launch/parity.py needs PyTorch: pip install -e '.[parity]' (torch==2.13.0)",
-              file=sys.stderr)
-        return 2
-    modes = ZERO_GRAD_MODES if args.zero_grad == "both" else (args.zero_grad,)
-    fixture = dict(settings=SETTINGS, torch_version=torch.__version__, tolerance=TOLERANCE,
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One model's parity check: both sides, its settings and its fixture."""
+
+    title: str
+    settings: dict
+    fixture: str
+    flowjax_side: Any
+    torch_side: Any
+
+
+CHECKS = {
+    "emnist": Check("EMNIST CNN", SETTINGS, FIXTURE, flowjax_side, torch_side),
+    "shakespeare": Check("Shakespeare LSTM", SHAKESPEARE_SETTINGS, SHAKESPEARE_FIXTURE,
+                         shakespeare_flowjax_side, shakespeare_torch_side),
+}
+
+
+def run_check(check: Check, reference_dir: str, modes: tuple[str, ...], torch_version: str
+              ) -> tuple[float, dict[str, Any]]:
+    """Prints one model's figures; returns its worst max abs diff and its fixture."""
+    fixture = dict(settings=check.settings, torch_version=torch_version, tolerance=TOLERANCE,
                    modes={})
     worst = 0.0
     runs = {}
-    print(f"EMNIST CNN, one Flow client update + reference evaluation "
-          f"(torch {torch.__version__}, float32, dropout off on both sides)")
+    print(f"{check.title}, one Flow client update + reference evaluation "
+          f"(torch {torch_version}, float32, dropout off on both sides)")
     for mode in modes:
-        ours = flowjax_side(mode)
-        theirs = torch_side(args.reference_dir, ours["initial"], mode)
+        ours = check.flowjax_side(mode)
+        theirs = check.torch_side(reference_dir, ours, mode)
         diffs = compare(ours, theirs)
         worst = max(worst, diffs["params"], diffs["snapshot_logits"], diffs["personal_logits"],
                     diffs["metrics"])
@@ -411,19 +687,50 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    max abs diff, evaluation metrics:                 {diffs['metrics']:.3e}"
               f"  (theirs: {theirs['metrics']})")
         fixture["modes"][mode] = fixture_entry(theirs)
+        if "train_passes" in ours:  # the batches both sides trained on
+            fixture["modes"][mode]["passes"] = _passes_json(ours)
         runs[mode] = ours, theirs
     if len(runs) == 2:  # the comparison can tell the two frozen-group rules apart
         control = compare(runs["set_to_none"][0], runs["zero_grad"][1])
         print(f"  control, flowjax set_to_none vs their set_to_none=False: max abs diff "
               f"{control['params']:.3e} (parameters), {control['personal_logits']:.3e} (logits)")
-    print("Shakespeare LSTM: not compared (flowjax has no model with the authors' per-step "
-          "policy over the LSTM states; README, 'Reference mode').")
+    return worst, fixture
+
+
+def _passes_json(ours: dict[str, Any]) -> dict[str, list]:
+    return {name: [[kind, [batch.tolist() for batch in batches]] for kind, batches in ours[name]]
+            for name in ("train_passes", "eval_passes")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reference_dir", required=True,
+                        help="checkout of github.com/Astuary/Flow")
+    parser.add_argument("--model", choices=tuple(CHECKS) + ("both",), default="both")
+    parser.add_argument("--zero_grad", choices=ZERO_GRAD_MODES + ("both",), default="both")
+    parser.add_argument("--write_fixture", action="store_true",
+                        help="write the PyTorch side's figures to tests/fixtures/parity_*.json")
+    args = parser.parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print("launch/parity.py needs PyTorch: pip install -e '.[parity]' (torch==2.13.0)",
+              file=sys.stderr)
+        return 2
+    modes = ZERO_GRAD_MODES if args.zero_grad == "both" else (args.zero_grad,)
+    names = tuple(CHECKS) if args.model == "both" else (args.model,)
+    worst = 0.0
+    for name in names:
+        check_worst, fixture = run_check(CHECKS[name], args.reference_dir, modes,
+                                         torch.__version__)
+        worst = max(worst, check_worst)
+        if args.write_fixture:
+            with open(CHECKS[name].fixture, "w") as f:
+                json.dump(fixture, f)
+            print(f"wrote {os.path.relpath(CHECKS[name].fixture, ROOT)}")
     verdict = "within" if worst <= TOLERANCE else "ABOVE"
     print(f"worst max abs diff {worst:.3e}: {verdict} the {TOLERANCE:g} target")
-    if args.write_fixture:
-        with open(FIXTURE, "w") as f:
-            json.dump(fixture, f)
-        print(f"wrote {os.path.relpath(FIXTURE, ROOT)}")
     return 0 if worst <= TOLERANCE else 1
 
 

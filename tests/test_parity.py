@@ -1,9 +1,10 @@
 """flowjax's side of launch/parity.py against the committed figures of the authors' code.
 
-``tests/fixtures/parity_emnist.json`` was written by
+``tests/fixtures/parity_emnist.json`` and ``parity_shakespeare.json`` were written by
 ``python launch/parity.py --reference_dir=<checkout of Astuary/Flow> --write_fixture``
-(PyTorch 2.13.0 CPU): per tensor of their ``EMNISTNet`` after one ``emnist_train`` client
-update, and for the logits of their ``emnist_generalized_test``, the sum, the sum of
+(PyTorch 2.13.0 CPU): per tensor of their ``EMNISTNet`` (``ShakespeareNet``) after one
+``emnist_train`` (``shakespeare_train``) client update, and for the logits of their
+``*_generalized_test``, the sum, the sum of
 squares and values at evenly spaced flat indices, plus the evaluation's metrics. This test
 recomputes flowjax's reference mode from the same initial weights and minibatches, without
 PyTorch, and checks each sampled value to the script's 1e-4 target, the sums to what that
@@ -22,33 +23,37 @@ import pytest
 from launch import parity
 from tests.helpers import default_xla_env
 
-with open(parity.FIXTURE) as f:
-    FIXTURE = json.load(f)
+FIXTURES = {}
+for _name, _check_spec in parity.CHECKS.items():
+    with open(_check_spec.fixture) as f:
+        FIXTURES[_name] = json.load(f)
 
 
-def _check(ours: np.ndarray, theirs: dict, name: str) -> None:
+def _check(ours: np.ndarray, theirs: dict, name: str, tolerance: float) -> None:
     flat = np.asarray(ours, np.float64).reshape(-1)
     assert flat.size == theirs["size"], name
     np.testing.assert_allclose(flat[theirs["indices"]], theirs["values"], rtol=0,
-                               atol=FIXTURE["tolerance"], err_msg=name)
-    assert abs(flat.sum() - theirs["sum"]) <= FIXTURE["tolerance"] * flat.size, name
+                               atol=tolerance, err_msg=name)
+    assert abs(flat.sum() - theirs["sum"]) <= tolerance * flat.size, name
 
 
-def test_fixture_was_written_for_the_settings_the_script_uses():
-    assert FIXTURE["settings"] == parity.SETTINGS
-    assert set(FIXTURE["modes"]) == set(parity.ZERO_GRAD_MODES)
+@pytest.mark.parametrize("model", sorted(parity.CHECKS))
+def test_fixture_was_written_for_the_settings_the_script_uses(model):
+    assert FIXTURES[model]["settings"] == parity.CHECKS[model].settings
+    assert set(FIXTURES[model]["modes"]) == set(parity.ZERO_GRAD_MODES)
 
 
 _CHILD = """
 import pickle, sys
 from launch import parity
 with open(sys.argv[1], "wb") as f:
-    pickle.dump({mode: parity.flowjax_side(mode) for mode in parity.ZERO_GRAD_MODES}, f)
+    pickle.dump({name: {mode: check.flowjax_side(mode) for mode in parity.ZERO_GRAD_MODES}
+                 for name, check in parity.CHECKS.items()}, f)
 """
 
 
 def _flowjax_side_under_default_xla(out: str) -> dict:
-    """``parity.flowjax_side(mode)`` for every mode, in one fresh process (one start and
+    """Every check's flowjax side for every mode, in one fresh process (one start and
     its shared compilations instead of one per mode) without the launchers' XLA tuning.
 
     The parity figures hold for XLA's default CPU matmuls, as ``launch/parity.py`` runs.
@@ -69,21 +74,29 @@ def flowjax_sides(tmp_path_factory):
     return _flowjax_side_under_default_xla(str(tmp_path_factory.mktemp("parity") / "ours.pkl"))
 
 
+@pytest.mark.parametrize("model", sorted(parity.CHECKS))
 @pytest.mark.parametrize("mode", parity.ZERO_GRAD_MODES)
-def test_flowjax_reference_mode_matches_the_authors_client_update(mode, flowjax_sides):
-    ours = flowjax_sides[mode]
-    theirs = FIXTURE["modes"][mode]
+def test_flowjax_reference_mode_matches_the_authors_client_update(model, mode, flowjax_sides):
+    ours = flowjax_sides[model][mode]
+    theirs = FIXTURES[model]["modes"][mode]
+    tolerance = FIXTURES[model]["tolerance"]
+    if "passes" in theirs:  # their loop was fed flowjax's batches: still the same ones?
+        assert parity._passes_json(ours) == theirs["passes"]
     assert set(ours["updated"]) == set(theirs["tensors"])
     for name, summary in theirs["tensors"].items():
-        _check(ours["updated"][name], summary, name)
-    _check(ours["eval_snapshot_logits"], theirs["eval_snapshot_logits"], "snapshot logits")
-    _check(ours["eval_personal_logits"], theirs["eval_personal_logits"], "routed logits")
+        _check(ours["updated"][name], summary, name, tolerance)
+    _check(ours["eval_snapshot_logits"], theirs["eval_snapshot_logits"], "snapshot logits",
+           tolerance)
+    _check(ours["eval_personal_logits"], theirs["eval_personal_logits"], "routed logits",
+           tolerance)
     assert ours["metrics"] == theirs["metrics"]
 
 
-def test_the_fixture_tells_the_two_frozen_group_rules_apart():
+@pytest.mark.parametrize("model", sorted(parity.CHECKS))
+def test_the_fixture_tells_the_two_frozen_group_rules_apart(model):
     """The check can fail: the other rule's figures are far outside the tolerance."""
-    a = FIXTURE["modes"]["set_to_none"]["tensors"]
-    b = FIXTURE["modes"]["zero_grad"]["tensors"]
+    fixture = FIXTURES[model]
+    a = fixture["modes"]["set_to_none"]["tensors"]
+    b = fixture["modes"]["zero_grad"]["tensors"]
     gap = max(np.max(np.abs(np.subtract(a[k]["values"], b[k]["values"]))) for k in a)
-    assert gap > 100 * FIXTURE["tolerance"]
+    assert gap > 100 * fixture["tolerance"]
