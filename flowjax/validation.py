@@ -173,6 +173,7 @@ def _check_flow_departures(flow: Any, model: RoutableModel) -> None:
     try:
         resolved = flow_reference.resolve(flow, model.name)
         if resolved.semantics == "reference" and model.name in flow_reference_lstm.MODELS:
+            flow_reference_lstm.check_unused(flow, model.name)
             flow_reference_lstm.check_config(resolved, model)
             return  # their LSTM procedure indexes its own regularizer
     except FieldError as error:  # a departure the reference mode sets clashes with a field

@@ -25,18 +25,21 @@ PyTorch 2.x ``zero_grad()`` (frozen groups skipped; flowjax ``frozen_momentum=se
 and under ``zero_grad(set_to_none=False)`` (the pre-2.0 default their code was written for:
 frozen groups keep moving by momentum; flowjax ``frozen_momentum=zero_grad``).
 
-The Shakespeare LSTM (``--model=shakespeare``): their ``ShakespeareNet``
-(``models/shakespeare_rnn_dynamic_v4.py``) and ``shakespeare_train`` /
-``shakespeare_generalized_test`` against flowjax's reference mode for ``shakespeare_lstm``
-(``flowjax.algorithms.flow_reference_lstm``), on a synthetic client of 11 sequences. Their
-loader reshuffles on every pass; here each pass their loop asks for (``.shard(2, i)`` or
-every batch) is the next pass of flowjax's own plan for the client's key, checked to be of
-the same kind, so both sides see the same batches in the same order. Their policy's
-``F.dropout`` is swapped for the identity in their module's globals for the run.
+The LSTMs (``--model=shakespeare``, ``--model=stackoverflow``): their ``ShakespeareNet``
+(``models/shakespeare_rnn_dynamic_v4.py``) with ``shakespeare_train`` /
+``shakespeare_generalized_test``, and their ``StackoverflowNet``
+(``models/stackoverflow_nwp_rnn_dynamic_v4.py``) with ``stackoverflow_nwp_train`` /
+``stackoverflow_nwp_generalized_test``, against flowjax's reference mode for
+``shakespeare_lstm`` and ``stackoverflow_lstm`` (``flowjax.algorithms.flow_reference_lstm``),
+each on a synthetic client. Their loaders reshuffle on every pass; here each pass their
+loop asks for (``.shard(2, i)`` or every batch) is the next pass of flowjax's own plan for
+the client's key, checked to be of the same kind, so both sides see the same batches in
+the same order. Their policies' ``F.dropout`` is swapped for the identity in their model
+module's globals for the run.
 
-``flowjax_side`` and ``shakespeare_flowjax_side`` need no PyTorch: ``tests/test_parity.py``
+``flowjax_side`` and ``lstm_flowjax_side`` need no PyTorch: ``tests/test_parity.py``
 recomputes them and compares them with the committed figures of the PyTorch side
-(``tests/fixtures/parity_emnist.json``, ``parity_shakespeare.json``).
+(``tests/fixtures/parity_{emnist,shakespeare,stackoverflow}.json``).
 """
 
 from __future__ import annotations
@@ -70,9 +73,40 @@ SHAKESPEARE_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "parity_shakespear
 # sequences of 80 tokens (batches of 4, 4, 3: two even, one odd) keep it short. lambda is
 # 0.1, not their 0.001: at 0.001 the regularizer moves no weight by the 1e-4 tolerance in
 # one update, so the check could not see which routes it reads.
-SHAKESPEARE_SETTINGS = dict(seed=0, train_examples=11, test_examples=5, epochs=2,
-                            batch_size=4, learning_rate=0.11, gamma=0.1, vocab_size=90,
-                            embed_dim=8, hidden=256, sequence_length=80)
+SHAKESPEARE_SETTINGS = dict(model="shakespeare_lstm", seed=0, train_examples=11,
+                            test_examples=5, epochs=2, batch_size=4, learning_rate=0.11,
+                            gamma=0.1, vocab_size=90, embed_dim=8, hidden=256,
+                            sequence_length=80)
+STACKOVERFLOW_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "parity_stackoverflow.json")
+# Their stackoverflow_nwp_flowv4 hyperparameters: embedding 96 (their policy's second path
+# reads 2 x 96 inputs, written in), sequence length 20 (also written in), batch 16, lr 0.1,
+# K = 2 epochs (theirs 3); a 200-word vocabulary and an LSTM of 64 (theirs 10,004 and 670)
+# keep it short; 37 sequences are batches of 16, 16, 5. lambda 0.1 as for Shakespeare.
+STACKOVERFLOW_SETTINGS = dict(model="stackoverflow_lstm", seed=0, train_examples=37,
+                              test_examples=6, epochs=2, batch_size=16, learning_rate=0.1,
+                              gamma=0.1, vocab_size=200, embed_dim=96, hidden=64,
+                              sequence_length=20)
+# Their policies' LSTM-state path (``lstm=True``), the same in both models.
+_THEIR_STATE_POLICY = {"dense0": "lstm_linear_1", "dense1": "lstm_linear_2",
+                       "dense2": "lstm_linear_3", "dense3": "lstm_linear_4",
+                       "exit": "lstm_linear_exit"}
+# Per model: their class (an attribute of their trainer), its state-dict names for
+# flowjax's layers, the policy's, and the client functions.
+THEIR_LSTM = {
+    "shakespeare_lstm": dict(
+        net="ShakespeareNet", embedding="embeddings", train="shakespeare_train",
+        evaluate="shakespeare_generalized_test", total_clients=715,
+        layers={"lstm1": "{}_lstm_1", "lstm2": "{}_lstm_2", "dense": "{}_fc"},
+        policy={"states": _THEIR_STATE_POLICY}),
+    "stackoverflow_lstm": dict(
+        net="StackoverflowNWPNet", embedding="embedding", train="stackoverflow_nwp_train",
+        evaluate="stackoverflow_nwp_generalized_test", total_clients=195303,
+        layers={"lstm": "{}_lstm", "dense1": "{}_linear_1", "dense2": "{}_linear_2"},
+        policy={"states": _THEIR_STATE_POLICY,
+                "outputs": {"linear1": "linear_1", "linear2": "linear_2",
+                            "exit2": "linear_2_exit", "linear3": "linear_3",
+                            "exit3": "linear_3_exit"}}),
+}
 
 
 # ----------------------------------------------------------------------------- data
@@ -181,14 +215,14 @@ def _metrics(before_logits: np.ndarray, after_logits: np.ndarray, y: np.ndarray)
                 w_g_false_w_p_false=int(np.sum(~before & ~after)))
 
 
-# ----------------------------------------------------------------------------- Shakespeare
+# ----------------------------------------------------------------------------- LSTMs
 
 
-def shakespeare_client_data(seed: int, train_examples: int, test_examples: int,
-                            vocab_size: int, sequence_length: int, **_: Any) -> dict:
-    """A synthetic Shakespeare-shaped client: int64 tokens ``[N, T]`` and next tokens,
-    skewed to a few characters, with trailing padding (id 0) in some sequences, as TFF's
-    last chunk of a snippet has."""
+def token_client_data(seed: int, train_examples: int, test_examples: int, vocab_size: int,
+                      sequence_length: int, **_: Any) -> dict:
+    """A synthetic next-token client: int64 tokens ``[N, T]`` and next tokens, skewed to a
+    few ids, with trailing padding (id 0) in some sequences, as TFF's last chunk of a
+    Shakespeare snippet and Stack Overflow's short sentences have."""
     rng = np.random.default_rng(seed)
     n = train_examples + test_examples
     weights = rng.dirichlet(np.full(vocab_size - 1, 0.3))
@@ -206,8 +240,11 @@ def _flowjax_lstm_algorithm(frozen_momentum: str, settings: dict):
     from flowjax.algorithms.flow import FlowConfig, flow
     from flowjax.models import get_model
 
-    model = get_model("shakespeare_lstm", vocab_size=settings["vocab_size"],
-                      embed_dim=settings["embed_dim"], hidden=settings["hidden"])
+    sizes = dict(vocab_size=settings["vocab_size"], embed_dim=settings["embed_dim"],
+                 hidden=settings["hidden"])
+    if settings["model"] == "stackoverflow_lstm":
+        sizes["dense"] = settings["embed_dim"]  # their linear_1 maps to the embedding width
+    model = get_model(settings["model"], **sizes)
     sgd = SGDConfig(learning_rate=settings["learning_rate"], epochs=settings["epochs"],
                     batch_size=settings["batch_size"])
     # Policy dropout off (module docstring).
@@ -218,37 +255,36 @@ def _flowjax_lstm_algorithm(frozen_momentum: str, settings: dict):
     return algorithm, model
 
 
-def lstm_to_torch_layout(params: dict) -> dict[str, np.ndarray]:
-    """flowjax's reference LSTM params as the authors' ``ShakespeareNet`` state dict
-    (numpy): ``[out, in]`` weights; flowjax's one LSTM bias as ``bias_ih``, ``bias_hh = 0``
-    (the cell adds both); their policy's unused image path (``linear_1*``) left out."""
-    state = {"embeddings.weight": np.asarray(params["embedding"]["embedding"])}
+def lstm_to_torch_layout(params: dict, model_name: str) -> dict[str, np.ndarray]:
+    """flowjax's reference LSTM params as the authors' state dict (numpy): ``[out, in]``
+    weights; flowjax's one LSTM bias as ``bias_ih``, ``bias_hh = 0`` (the cell adds both)."""
+    names = THEIR_LSTM[model_name]
+    state = {f"{names['embedding']}.weight": np.asarray(params["embedding"]["embedding"])}
     for branch in ("global", "local"):
-        p = params[branch]
-        for layer in (1, 2):
-            cell = p[f"lstm{layer}"]
-            prefix = f"{branch}_lstm_{layer}"
-            state[f"{prefix}.weight_ih"] = np.asarray(cell["kernel"]).T
-            state[f"{prefix}.weight_hh"] = np.asarray(cell["recurrent_kernel"]).T
-            state[f"{prefix}.bias_ih"] = np.asarray(cell["bias"])
-            state[f"{prefix}.bias_hh"] = np.zeros_like(state[f"{prefix}.bias_ih"])
-        state[f"{branch}_fc.weight"] = np.asarray(p["dense"]["kernel"]).T
-        state[f"{branch}_fc.bias"] = np.asarray(p["dense"]["bias"])
-    names = {"dense0": "lstm_linear_1", "dense1": "lstm_linear_2", "dense2": "lstm_linear_3",
-             "dense3": "lstm_linear_4", "exit": "lstm_linear_exit"}
-    for ours, theirs in names.items():
-        state[f"policy_net.{theirs}.weight"] = np.asarray(params["policy"][ours]["kernel"]).T
-        state[f"policy_net.{theirs}.bias"] = np.asarray(params["policy"][ours]["bias"])
+        for ours, theirs in names["layers"].items():
+            layer, prefix = params[branch][ours], theirs.format(branch)
+            if "recurrent_kernel" in layer:
+                state[f"{prefix}.weight_ih"] = np.asarray(layer["kernel"]).T
+                state[f"{prefix}.weight_hh"] = np.asarray(layer["recurrent_kernel"]).T
+                state[f"{prefix}.bias_ih"] = np.asarray(layer["bias"])
+                state[f"{prefix}.bias_hh"] = np.zeros_like(state[f"{prefix}.bias_ih"])
+            else:
+                state[f"{prefix}.weight"] = np.asarray(layer["kernel"]).T
+                state[f"{prefix}.bias"] = np.asarray(layer["bias"])
+    for path, layers in names["policy"].items():
+        for ours, theirs in layers.items():
+            policy = params["policy"][path][ours]
+            state[f"policy_net.{theirs}.weight"] = np.asarray(policy["kernel"]).T
+            state[f"policy_net.{theirs}.bias"] = np.asarray(policy["bias"])
     return state
 
 
 def lstm_effective(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A ``ShakespeareNet`` state with each cell's ``bias_ih + bias_hh`` (what the cell
-    adds) as ``bias``, and their policy's unused image path left out: what both sides
-    have, for comparison."""
+    """A state dict with each cell's ``bias_ih + bias_hh`` (what the cell adds) as
+    ``bias``: what both sides have, for comparison."""
     out = {}
     for name, value in state.items():
-        if name.startswith("policy_net.linear_1") or name.endswith("bias_hh"):
+        if name.endswith("bias_hh"):
             continue
         if name.endswith("bias_ih"):
             value = value + state[name.replace("bias_ih", "bias_hh")]
@@ -267,8 +303,7 @@ def _lstm_passes(plan: dict, order: list[tuple[str, str, int]]) -> list[tuple[st
     return passes
 
 
-def shakespeare_flowjax_side(frozen_momentum: str,
-                             settings: dict = SHAKESPEARE_SETTINGS) -> dict[str, Any]:
+def lstm_flowjax_side(frozen_momentum: str, settings: dict) -> dict[str, Any]:
     """flowjax's reference LSTM: initial and updated weights (their layout, effective
     biases), the evaluation's logits and metrics, and the batches it trained on; no
     PyTorch needed."""
@@ -277,7 +312,7 @@ def shakespeare_flowjax_side(frozen_momentum: str,
     from flowjax.algorithms import flow_reference_lstm as reference
 
     algorithm, model = _flowjax_lstm_algorithm(frozen_momentum, settings)
-    data = shakespeare_client_data(**settings)
+    data = token_client_data(**settings)
     params = algorithm.init(jax.random.key(settings["seed"]))
     train = _examples(data["train_x"].astype(np.int32), data["train_y"].astype(np.int32),
                       settings["batch_size"])
@@ -291,16 +326,20 @@ def shakespeare_flowjax_side(frozen_momentum: str,
     valid = train.flat()[2]
     k1 = k2 = settings["epochs"]
     batch = settings["batch_size"]
-    train_plan = reference.train_plan(key, valid, batch, k1, k2)
-    eval_plan = reference.evaluation_plan(key, valid, batch, k1, k2)
-    train_order = ([("local", "shard0", e) for e in range(k1)]
-                   + [step for e in range(k2) for step in (("policy", "shard1", e),
-                                                           ("global", "all", e))])
-    eval_order = ([("local", "all", e) for e in range(k1)]
-                  + [("joint", "all", e) for e in range(k2)])
-    return dict(initial=lstm_effective(lstm_to_torch_layout(params)),
-                torch_state=lstm_to_torch_layout(params),
-                updated=lstm_effective(lstm_to_torch_layout(result.params)),
+    net = reference.NETS[model.name]
+    train_plan = reference.train_plan(net, key, valid, batch, k1, k2)
+    eval_plan = reference.evaluation_plan(net, key, valid, batch, k1, k2)
+    routing = [("policy", "shard1", e) for e in range(k2)]
+    if net.global_epoch_on_every_batch:
+        routing = [step for e in range(k2) for step in (("policy", "shard1", e),
+                                                        ("global", "all", e))]
+    train_order = [("local", "shard0", e) for e in range(k1)] + routing
+    every = net.evaluation_on_every_batch
+    eval_order = ([("local", "all" if every else "shard0", e) for e in range(k1)]
+                  + [("joint", "all" if every else "shard1", e) for e in range(k2)])
+    layout = lambda p: lstm_to_torch_layout(p, model.name)  # noqa: E731
+    return dict(initial=lstm_effective(layout(params)), torch_state=layout(params),
+                updated=lstm_effective(layout(result.params)),
                 eval_snapshot_logits=snapshot, eval_personal_logits=personal_logits,
                 metrics=_lstm_metrics(snapshot, personal_logits, data["test_y"]),
                 train_passes=_lstm_passes(train_plan, train_order),
@@ -490,7 +529,7 @@ def torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
 
 
 class _ScriptedDataset:
-    """``tf.data`` stand-in for their reshuffling Shakespeare loader: every pass their loop
+    """``tf.data`` stand-in for their reshuffling LSTM loaders: every pass their loop
     asks for (``.shard(2, i)`` or iterating every batch) is the next pass of flowjax's
     plan, which must be of the same kind, so both sides see the same batches."""
 
@@ -528,13 +567,13 @@ class _Batches:
 
 
 @contextlib.contextmanager
-def _policy_dropout_off(trainer):
-    """Their LSTM policy calls ``F.dropout`` (on even in eval mode): its module's ``F`` is
-    swapped for one whose dropout is the identity, then given back."""
+def _policy_dropout_off(net_class):
+    """Their LSTM policies call ``F.dropout`` (on even in eval mode): the ``F`` of the
+    globals their model's code runs with is swapped for one whose dropout is the
+    identity, then given back (not sys.modules' entry, which import_their_trainer gives
+    back to an earlier import of the same name)."""
     import torch
-    # The globals their model's code runs with (not sys.modules' entry, which
-    # import_their_trainer gives back to an earlier import of the same name).
-    namespace = trainer.ShakespeareNet.forward.__globals__
+    namespace = net_class.forward.__globals__
     functional = namespace["F"]
     namespace["F"] = types.SimpleNamespace(
         relu=torch.nn.functional.relu, dropout=lambda x, p=0.5, training=True, inplace=False: x)
@@ -544,43 +583,48 @@ def _policy_dropout_off(trainer):
         namespace["F"] = functional
 
 
-def _their_lstm_net(trainer, state: dict[str, np.ndarray], settings: dict):
+def _their_lstm_net(net_class, state: dict[str, np.ndarray], settings: dict):
     import torch
-    net = trainer.ShakespeareNet(settings["embed_dim"], settings["vocab_size"],
-                                 settings["hidden"])
+    if settings["model"] == "shakespeare_lstm":
+        net = net_class(settings["embed_dim"], settings["vocab_size"], settings["hidden"])
+    else:
+        net = net_class(settings["vocab_size"], settings["embed_dim"], settings["hidden"],
+                        settings["sequence_length"], 1)
     full = {k: v.detach().numpy() for k, v in net.state_dict().items()}
     unknown = set(state) - set(full)
     assert not unknown, unknown
-    full.update(state)  # their policy's unused image path keeps its own init
+    full.update(state)  # Shakespeare's unused policy path (linear_1*) keeps its own init
     net.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in full.items()}, strict=True)
     return net
 
 
-def shakespeare_torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
-                           settings: dict = SHAKESPEARE_SETTINGS) -> dict[str, Any]:
-    """Their ``shakespeare_train`` and ``shakespeare_generalized_test`` from flowjax's
-    initial weights, on flowjax's batches (``ours["train_passes"]``, ``["eval_passes"]``)."""
+def lstm_torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
+                    settings: dict) -> dict[str, Any]:
+    """Their ``*_train`` and ``*_generalized_test`` from flowjax's initial weights, on
+    flowjax's batches (``ours["train_passes"]``, ``["eval_passes"]``)."""
     import torch
     torch.set_num_threads(1)
     trainer = import_their_trainer(reference_dir)
+    names = THEIR_LSTM[settings["model"]]
+    net_class = getattr(trainer, names["net"])
     workdir = tempfile.mkdtemp(prefix="flow_parity_")
-    # The module globals their __main__ block would set (shakespeare_flowv4).
+    # The module globals their __main__ block would set (*_flowv4).
     trainer.__dict__.update(lr=settings["learning_rate"], epochs=settings["epochs"],
                             lambda_=settings["gamma"], epsilon=1e-6, DEVICE="cpu",
                             checkpoint_dir=workdir + os.sep, METHOD="FlowV4", num_clients=10,
-                            total_clients=715, total_rounds=1500)
-    data = shakespeare_client_data(**settings)
+                            total_clients=names["total_clients"], total_rounds=1500)
+    data = token_client_data(**settings)
     test = _Batches(data["test_x"], data["test_y"])
 
-    with _zero_grad(mode), _policy_dropout_off(trainer):
+    with _zero_grad(mode), _policy_dropout_off(net_class):
         train = _ScriptedDataset(data["train_x"], data["train_y"], ours["train_passes"])
-        net = _their_lstm_net(trainer, ours["torch_state"], settings)
-        trainer.shakespeare_train(net, train, test)
+        net = _their_lstm_net(net_class, ours["torch_state"], settings)
+        getattr(trainer, names["train"])(net, train, test)
         assert train.exhausted(), "their loop left passes of flowjax's plan unread"
         updated = {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
 
         train = _ScriptedDataset(data["train_x"], data["train_y"], ours["eval_passes"])
-        net = _their_lstm_net(trainer, ours["torch_state"], settings)
+        net = _their_lstm_net(net_class, ours["torch_state"], settings)
         captured = []
 
         def hook(module, args, kwargs, output):
@@ -589,12 +633,15 @@ def shakespeare_torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
                 captured.append((module, kwargs.get("mode"), logits))
 
         net.register_forward_hook(hook, with_kwargs=True)
-        figures = trainer.shakespeare_generalized_test(net, train, test)
+        figures = getattr(trainer, names["evaluate"])(net, train, test)
         assert train.exhausted(), "their evaluation left passes of flowjax's plan unread"
     snapshot = np.concatenate([o for m, mode_, o in captured if m is not net and mode_ == "global"])
     personal = np.concatenate([o for m, mode_, o in captured if m is net and mode_ == "personalized"])
-    return dict(updated=lstm_effective(updated), eval_snapshot_logits=snapshot,
-                eval_personal_logits=personal, metrics=_reported_metrics(figures))
+    updated = lstm_effective(updated)
+    assert set(ours["updated"]) <= set(updated), set(ours["updated"]) - set(updated)
+    return dict(updated={k: updated[k] for k in ours["updated"]},  # both sides' tensors
+                eval_snapshot_logits=snapshot, eval_personal_logits=personal,
+                metrics=_reported_metrics(figures))
 
 
 def _reported_metrics(figures: tuple) -> dict[str, Any]:
@@ -656,10 +703,18 @@ class Check:
     torch_side: Any
 
 
+def _lstm_check(title: str, settings: dict, fixture: str) -> Check:
+    return Check(title, settings, fixture,
+                 lambda mode: lstm_flowjax_side(mode, settings),
+                 lambda reference_dir, ours, mode: lstm_torch_side(reference_dir, ours, mode,
+                                                                   settings))
+
+
 CHECKS = {
     "emnist": Check("EMNIST CNN", SETTINGS, FIXTURE, flowjax_side, torch_side),
-    "shakespeare": Check("Shakespeare LSTM", SHAKESPEARE_SETTINGS, SHAKESPEARE_FIXTURE,
-                         shakespeare_flowjax_side, shakespeare_torch_side),
+    "shakespeare": _lstm_check("Shakespeare LSTM", SHAKESPEARE_SETTINGS, SHAKESPEARE_FIXTURE),
+    "stackoverflow": _lstm_check("Stack Overflow LSTM", STACKOVERFLOW_SETTINGS,
+                                 STACKOVERFLOW_FIXTURE),
 }
 
 

@@ -314,11 +314,11 @@ def test_each_departure_can_be_switched_on_alone_from_the_config(cnn):
 
 
 def test_reference_semantics_is_refused_where_no_reference_exists():
-    from configs import stackoverflow
-    config = stackoverflow.get_config("paper")
+    from configs import synthetic
+    config = synthetic.get_config("quick")
     config.methods.flow.semantics = "reference"
     with pytest.raises(ValueError, match=r"^config.methods.flow.semantics='reference': expected "
-                       r"'paper' for model stackoverflow_lstm"):
+                       r"'paper' for model mlp"):
         validate_config(config)
     config = emnist.get_config()
     config.methods.flow.halves = "odd"

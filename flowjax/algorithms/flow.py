@@ -30,7 +30,7 @@ global step runs the global branch alone), ``momentum`` (their SGD momentum 0.9)
 other departures of the authors' code, each alone or all at once (``halves``,
 ``frozen_momentum``, ``regularizer``, ``local_init``, ``policy_eval_dropout``,
 ``evaluation``, ``policy_last``; see ``flowjax.algorithms.flow_reference``; on the
-Shakespeare LSTM, ``semantics="reference"`` is their network and procedure whole,
+LSTMs, ``semantics="reference"`` is their network and procedure whole,
 ``flowjax.algorithms.flow_reference_lstm``).
 pc-Flow is FedAvgFT (``flowjax.algorithms.fedavg``).
 
@@ -192,9 +192,10 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
     ``config``'s departures left None follow ``config.semantics`` for this model
     (``flow_reference.resolve``).
     """
-    config = resolve(config, model.name)
     if config.semantics == "reference" and model.name in flow_reference_lstm.MODELS:
-        return flow_reference_lstm.reference_lstm(model, config)  # their network, whole
+        flow_reference_lstm.check_unused(config, model.name)
+        return flow_reference_lstm.reference_lstm(model, resolve(config, model.name))
+    config = resolve(config, model.name)
     policy = build_policy(model, example_x, config.policy_hidden,
                           dropout_rate=config.policy_dropout, last=config.policy_last)
     num_layers = model.num_layers

@@ -35,8 +35,8 @@ Each piece is one ``FlowConfig`` field, so each departure can be switched on alo
   ``acc_g_client_snapshot``, reported beside the server model's Acc_g).
 
 ``semantics="reference"`` (``config.methods.flow.semantics``) sets all of them to the
-values of the authors' code for the model (``reference_options``). For the Shakespeare LSTM
-their code is another network (its policy reads the cells' states), which
+values of the authors' code for the model (``reference_options``). For the LSTMs their code
+is another network (its policy reads the cells' states), which
 ``flowjax.algorithms.flow_reference_lstm`` runs whole. Where their code
 crashes (a client with one batch has an empty half) the tiny-client rule of ``flow.py``
 applies: both phases use all examples.
@@ -82,11 +82,13 @@ _REFERENCE = {
     "resnet18_gn": dict(halves="none", policy_eval_dropout=False, policy_last="dense",
                         policy_hidden=(1000, 750, 350, 150, 50, 2), policy_dropout=0.0,
                         evaluation="reference_policy"),
-    # Their LSTM is another network (its policy reads the cells' states): semantics=
-    # "reference" runs it whole (``flow_reference_lstm``), with these fields.
+    # Their LSTMs are other networks (their policies read the cells' states): semantics=
+    # "reference" runs them whole (``flow_reference_lstm``), with these fields.
     # (Their policy's dropout, 0.3, is FlowConfig's default policy_dropout.)
     "shakespeare_lstm": dict(halves="shard_reshuffled", policy_eval_dropout=True,
                              policy_hidden=(500, 250, 100, 50)),
+    "stackoverflow_lstm": dict(halves="shard_reshuffled", policy_eval_dropout=True,
+                               policy_hidden=(500, 250, 100, 50)),
 }
 REFERENCE_MODELS = tuple(sorted(_REFERENCE))
 _COMMON_REFERENCE = dict(frozen_momentum="zero_grad", regularizer="reference",
