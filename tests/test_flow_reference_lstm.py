@@ -209,6 +209,27 @@ def test_padded_examples_change_no_result(model_name):
     assert done.stdout.strip() == "bit-identical"
 
 
+def test_vmapped_clients_match_the_per_client_loop(algorithm, shakespeare_small):
+    """The engine maps clients with vmap: the same updates as one client at a time, to
+    the float32 rounding of batched dots (the conformance tests' tolerance)."""
+    from flowjax.core.cohort import assemble_cohort
+    from flowjax.core.mapping import ClientMapping, map_clients
+    from tests.test_conformance import VMAP_ATOL, VMAP_RTOL
+    cohort = jax.tree.map(jnp.asarray, assemble_cohort(
+        shakespeare_small.train, "train", [0, 1, 2], num_clients=3, padded_examples=8,
+        batch_size=2))
+    params = algorithm.init(jax.random.key(0))
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(1), i))(jnp.arange(3))
+    update = lambda examples, key: algorithm.client_update(params, examples, key)  # noqa: E731
+    results = [jax.jit(map_clients(update, ClientMapping(strategy)))(cohort, keys)
+               for strategy in ("vmap", "loop")]
+    assert jax.tree.structure(results[0]) == jax.tree.structure(results[1])
+    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+        np.testing.assert_allclose(a, b, rtol=VMAP_RTOL, atol=VMAP_ATOL)
+    assert not np.array_equal(results[1].params["policy"]["states"]["exit"]["bias"][0],
+                              results[1].params["policy"]["states"]["exit"]["bias"][1])
+
+
 def test_the_plan_is_their_shards_and_every_batch(shakespeare_small):
     valid = jnp.arange(12) < 9  # batches of 2: 0..4, shard 0 holds batches 0, 2, 4
     net = reference.NETS["shakespeare_lstm"]
