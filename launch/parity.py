@@ -45,7 +45,6 @@ recomputes them and compares them with the committed figures of the PyTorch side
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import json
 import os

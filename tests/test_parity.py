@@ -12,7 +12,6 @@ target allows (``|sum a - sum b| <= 1e-4 * size``) and the metrics exactly.
 """
 
 import json
-import os
 import pickle
 import subprocess
 import sys
