@@ -472,6 +472,26 @@ def test_their_single_departures_run_only_where_their_code_makes_that_choice():
     assert configs["cifar10_0.1", "fedavg_momentum"].methods.fedavg.sgd.momentum == 0.9
 
 
+def test_on_the_lstms_their_code_runs_only_whole():
+    request = reproduce.build_request(
+        "gain_source", "/tmp/unused", ["0"], ["shakespeare"], "mini",
+        ["flow_reference", "flow_ref_optimizer", "fedavg_momentum"], [])
+    configs = {}
+    for cell in request.cells:
+        try:
+            configs[cell.variant] = reproduce.cell_config(cell, request,
+                                                         reproduce.load_dataset_config)
+        except ValueError as error:
+            configs[cell.variant] = str(error)
+    assert configs["flow_ref_optimizer"] == (
+        "flow_ref_optimizer switches one departure of the authors' code on alone, but for "
+        "model 'shakespeare_lstm' their code is another network that runs only whole "
+        "(flow_reference); expected --methods without the flow_ref_* rows, e.g. "
+        "fedavg,fedavg_ft,ditto,apfl,knn_per,flow,flow_reference")
+    assert configs["flow_reference"].methods.flow.semantics == "reference"
+    assert configs["fedavg_momentum"].methods.fedavg.sgd.momentum == 0.9
+
+
 @pytest.mark.parametrize("args, message", [
     (dict(table="tabel2"), "unknown --table='tabel2'; expected one of table2, table3, "
                            "regularization, pi_pc_flow, fixed_policy, soft_hard, order, "

@@ -14,6 +14,7 @@ import os
 from typing import Any, Mapping, Sequence
 
 from flowjax.algorithms import ALGORITHMS
+from flowjax.algorithms import flow_reference_lstm
 from flowjax.algorithms.flow_reference import REFERENCE_MODELS, reference_options
 
 # The methods of compare.py's ``--methods=all`` (every implemented baseline and Flow).
@@ -54,7 +55,8 @@ def variant_overrides(name: str, model: str | None = None) -> dict[str, Any]:
 
     A single departure of the authors' code (``flow_ref_*``) takes the value of their
     EMNIST code; given the config's ``model``, it is refused where their code for that
-    model makes another choice (CIFAR's ResNet: no halves, policy-only evaluation).
+    model makes another choice (CIFAR's ResNet: no halves, policy-only evaluation), and on
+    the LSTMs, whose reference runs only whole (``flow_reference_lstm``).
 
     Raises:
       ValueError: ``name`` is neither an algorithm nor an ablation, or such a departure
@@ -81,6 +83,11 @@ def check_departures_fit(name: str, model: str) -> None:
                   if key.startswith("methods.flow.") and key != "methods.flow.semantics"}
     if not departures or model not in REFERENCE_MODELS:
         return  # no code of theirs for this model: the departure as their EMNIST code makes it
+    if model in flow_reference_lstm.MODELS:
+        raise ValueError(f"{name} switches one departure of the authors' code on alone, but "
+                         f"for model {model!r} their code is another network that runs only "
+                         f"whole (flow_reference); expected --methods without the flow_ref_* "
+                         f"rows, e.g. fedavg,fedavg_ft,ditto,apfl,knn_per,flow,flow_reference")
     theirs = reference_options(model)
     for field, value in departures.items():
         their_value = theirs[field.removeprefix("sgd.")]
