@@ -1,9 +1,10 @@
 r"""Parity of flowjax's reference-mode Flow with the authors' PyTorch code, step for step.
 
-  .venv/bin/pip install torch==2.13.0        # or: pip install -e '.[parity]'
-  git -C /work/.mirror/Astuary+Flow/repo worktree add /work/authors-flow HEAD
-  python launch/parity.py --reference_dir=/work/authors-flow
-  python launch/parity.py --reference_dir=/work/authors-flow --write_fixture   # CI figures
+  pip install -e '.[parity]'                                  # torch==2.13.0, CPU
+  git clone https://github.com/Astuary/Flow authors-flow      # their one commit, 0df6b97
+  python launch/parity.py --reference_dir=authors-flow
+  python launch/parity.py --reference_dir=authors-flow --model=stackoverflow
+  python launch/parity.py --reference_dir=authors-flow --write_fixture   # CI figures
 
 Imports the authors' ``EMNISTNet`` (``models/emnist_cnn_dynamic_v4.py``) and their client
 loops ``emnist_train`` / ``emnist_generalized_test`` (``trainers/client_flow.py``) from the
