@@ -197,6 +197,11 @@ def group_sgd_step(loss_sums: Callable[[dict, Any, jax.Array], jax.Array],
 # ----------------------------------------------------------------------------- regularizer
 
 
+def reference_terms(q: jax.Array) -> jax.Array:
+    """Their regularizer's per-entry term, ``-log(q^2 + 1e-6)``."""
+    return -jnp.log(q ** 2 + REFERENCE_EPSILON)
+
+
 def reference_regularizer_mean(model_name: str, q: jax.Array, weights: jax.Array) -> jax.Array:
     """``mean(-log(q^2 + 1e-6))`` over the entries the authors index for ``model_name``,
     averaged over instances with weight (padding excluded)."""
@@ -207,7 +212,7 @@ def reference_regularizer_mean(model_name: str, q: jax.Array, weights: jax.Array
     if layers is not None:
         q = q[..., jnp.asarray(layers), :]
     q = q[..., jnp.asarray(entries)]  # [*instance, layers, entries]
-    terms = -jnp.log(q ** 2 + REFERENCE_EPSILON)
+    terms = reference_terms(q)
     per_instance = jnp.mean(terms.reshape(terms.shape[: weights.ndim] + (-1,)), axis=-1)
     return jnp.sum(per_instance * weights) / jnp.maximum(jnp.sum(weights), 1e-12)
 

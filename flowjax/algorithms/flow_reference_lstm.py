@@ -81,7 +81,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flowjax.algorithms.base import ClientResult, FederatedAlgorithm, Predictions, instance_weights
-from flowjax.algorithms.flow_reference import (REFERENCE_EPSILON, group_sgd_step,
+from flowjax.algorithms.flow_reference import (group_sgd_step, reference_terms,
                                                shard_batches_fn)
 from flowjax.core.checks import FieldError
 from flowjax.core.cohort import ClientExamples
@@ -313,7 +313,7 @@ def reference_lstm(model: RoutableModel, config: Any) -> FederatedAlgorithm:
             h = apply(groups, branch, layer, h)
         return h
 
-    def mixed_cells(groups, e, key, hard: bool):
+    def mixed_cells(groups, e, key, rounded):
         """The routed recurrence: the last cell's mixed hidden states ``[B, T, H]`` and the
         state policy's routes ``[B, T, cells, 2]`` (index 0 local)."""
         weights = {name: lstm_weights(torch_bias(groups[name])) for name in
@@ -340,8 +340,7 @@ def reference_lstm(model: RoutableModel, config: Any) -> FederatedAlgorithm:
                     jax.random.fold_in(key, t), layer)
                 logits = state_policy.apply({"params": groups["policy"]["states"]},
                                             jnp.concatenate([e_t, *read], axis=-1), step_key)
-                p = jax.nn.softmax(logits, axis=-1)
-                p = jnp.round(p) if hard else p
+                p = rounded(jax.nn.softmax(logits, axis=-1))
                 # torch.bmm(p [B, 1, 2], [local, global] [B, 2, H])
                 h_g = p[:, :1] * h_l + p[:, 1:] * h_g
                 c_g = p[:, :1] * c_l + p[:, 1:] * c_g
@@ -358,16 +357,15 @@ def reference_lstm(model: RoutableModel, config: Any) -> FederatedAlgorithm:
     def routed(groups, x, *, hard: bool, key: jax.Array | None):
         """Their ``mode='personalized'``: ``(logits, q0 [B, T, L], regularizer [B])``,
         ``q0`` the global branch's weight at each routed layer."""
-        e = embed(groups, x)
-        cells_key = None if key is None else jax.random.fold_in(key, 0)
-        hs, probs = mixed_cells(groups, e, cells_key, hard)
+        # torch.round(p) for hard routes, on both entries (round half to even).
         rounded = jnp.round if hard else (lambda p: p)
+        cells_key = None if key is None else jax.random.fold_in(key, 0)
+        hs, probs = mixed_cells(groups, embed(groups, x), cells_key, rounded)
         if net.cell_states:  # Shakespeare: the global head on the mixed last state
             logits = apply(groups, "global", net.layers[-1], hs)
             q0 = probs[..., 1]
             entries = probs[:, REGULARIZED_STEP, -1, :]  # [B, 2]
-            terms = -jnp.log(entries ** 2 + REFERENCE_EPSILON)
-            return logits, q0, jnp.mean(terms, axis=-1)
+            return logits, q0, jnp.mean(reference_terms(entries), axis=-1)
         first, second = net.layers[1:]
         x_g, x_l = apply(groups, "global", first, hs), apply(groups, "local", first, hs)
         dense_key = None if key is None else jax.random.fold_in(key, 1)
@@ -382,9 +380,9 @@ def reference_lstm(model: RoutableModel, config: Any) -> FederatedAlgorithm:
         q0 = jnp.concatenate([probs[..., 1], p1[..., :1], p2[..., :1]], axis=-1)
         # mean of their [B, T + 2, T] stack: each LSTM route T times, then p1's, p2's.
         steps = x.shape[1]
-        f = lambda p: -jnp.log(p ** 2 + REFERENCE_EPSILON)  # noqa: E731
-        total = (steps * jnp.sum(f(probs[..., 0, 1]), axis=-1)
-                 + jnp.sum(f(p1[..., 1]), axis=-1) + jnp.sum(f(p2[..., 1]), axis=-1))
+        total = (steps * jnp.sum(reference_terms(probs[..., 0, 1]), axis=-1)
+                 + jnp.sum(reference_terms(p1[..., 1]), axis=-1)
+                 + jnp.sum(reference_terms(p2[..., 1]), axis=-1))
         return logits, q0, total / ((steps + 2) * steps)
 
     def branch_sums(branch):
