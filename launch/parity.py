@@ -205,14 +205,20 @@ def flowjax_side(frozen_momentum: str, settings: dict = SETTINGS) -> dict[str, A
                 metrics=_metrics(snapshot, personal_logits, data["test_y"]))
 
 
-def _metrics(before_logits: np.ndarray, after_logits: np.ndarray, y: np.ndarray) -> dict:
-    """``emnist_generalized_test``'s figures from the two models' logits."""
-    before, after = before_logits.argmax(-1) == y, after_logits.argmax(-1) == y
-    return dict(before_accuracy=float(before.mean()), after_accuracy=float(after.mean()),
+def _metrics(before_logits: np.ndarray, after_logits: np.ndarray, y: np.ndarray,
+             real: np.ndarray | None = None) -> dict:
+    """Their ``*_generalized_test``'s figures from the two models' logits; labels outside
+    ``real`` (their LSTMs' padding, 0) count nowhere."""
+    real = np.ones(y.shape, bool) if real is None else real
+    before = (before_logits.argmax(-1) == y) & real
+    after = (after_logits.argmax(-1) == y) & real
+    wrong_before, wrong_after = real & ~before, real & ~after
+    return dict(before_accuracy=float(before.sum() / real.sum()),
+                after_accuracy=float(after.sum() / real.sum()),
                 w_g_true_w_p_true=int(np.sum(before & after)),
-                w_g_true_w_p_false=int(np.sum(before & ~after)),
-                w_g_false_w_p_true=int(np.sum(~before & after)),
-                w_g_false_w_p_false=int(np.sum(~before & ~after)))
+                w_g_true_w_p_false=int(np.sum(before & wrong_after)),
+                w_g_false_w_p_true=int(np.sum(wrong_before & after)),
+                w_g_false_w_p_false=int(np.sum(wrong_before & wrong_after)))
 
 
 # ----------------------------------------------------------------------------- LSTMs
@@ -341,24 +347,10 @@ def lstm_flowjax_side(frozen_momentum: str, settings: dict) -> dict[str, Any]:
     return dict(initial=lstm_effective(layout(params)), torch_state=layout(params),
                 updated=lstm_effective(layout(result.params)),
                 eval_snapshot_logits=snapshot, eval_personal_logits=personal_logits,
-                metrics=_lstm_metrics(snapshot, personal_logits, data["test_y"]),
+                metrics=_metrics(snapshot, personal_logits, data["test_y"],
+                                 real=data["test_y"] != 0),
                 train_passes=_lstm_passes(train_plan, train_order),
                 eval_passes=_lstm_passes(eval_plan, eval_order))
-
-
-def _lstm_metrics(before_logits: np.ndarray, after_logits: np.ndarray, y: np.ndarray) -> dict:
-    """``shakespeare_generalized_test``'s figures from the two models' logits: padding
-    labels (0) count nowhere."""
-    real = y != 0
-    before = (before_logits.argmax(-1) == y) & real
-    after = (after_logits.argmax(-1) == y) & real
-    wrong_before, wrong_after = real & ~before, real & ~after
-    return dict(before_accuracy=float(before.sum() / real.sum()),
-                after_accuracy=float(after.sum() / real.sum()),
-                w_g_true_w_p_true=int(np.sum(before & after)),
-                w_g_true_w_p_false=int(np.sum(before & wrong_after)),
-                w_g_false_w_p_true=int(np.sum(wrong_before & after)),
-                w_g_false_w_p_false=int(np.sum(wrong_before & wrong_after)))
 
 
 # ----------------------------------------------------------------------------- theirs
@@ -434,7 +426,10 @@ def import_their_trainer(reference_dir: str):
         sys.path[:] = saved_path
         for name in [n for n in sys.modules if n.split(".")[0] == "configs"]:
             del sys.modules[name]
-        sys.modules.update(ours)
+        # Give back this repository's configs; their modules of this import stay, so a
+        # later import never finds an earlier import's (stale) module under a name.
+        for name, module in ours.items():
+            sys.modules.setdefault(name, module)
 
 
 _THEIR_PACKAGES = ("configs", "models", "trainers", "dataloaders")
@@ -570,8 +565,7 @@ class _Batches:
 def _policy_dropout_off(net_class):
     """Their LSTM policies call ``F.dropout`` (on even in eval mode): the ``F`` of the
     globals their model's code runs with is swapped for one whose dropout is the
-    identity, then given back (not sys.modules' entry, which import_their_trainer gives
-    back to an earlier import of the same name)."""
+    identity, then given back."""
     import torch
     namespace = net_class.forward.__globals__
     functional = namespace["F"]

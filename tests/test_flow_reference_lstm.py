@@ -15,6 +15,7 @@ from flowjax.algorithms import build_algorithm, flow_reference_lstm as reference
 from flowjax.algorithms.base import SGDConfig
 from flowjax.algorithms.flow import FlowConfig, flow
 from flowjax.models import get_model
+from flowjax.models.base import forward
 from flowjax.validation import validate_config
 from launch.parity import _examples, token_client_data
 from tests.helpers import default_xla_env, one_client
@@ -274,7 +275,7 @@ def test_hard_routes_of_one_cell_are_that_branchs_cells_with_the_global_head(
     predictions = algorithm.predict(params, {"groups": groups, "snapshot": groups}, x)
     cells = {"embedding": params["embedding"], "lstm1": params[towards]["lstm1"],
              "lstm2": params[towards]["lstm2"], "dense": params["global"]["dense"]}
-    expected = jax.jit(lambda p: reference_forward(model, p, x))(cells)
+    expected = jax.jit(lambda p: forward(model, p, x))(cells)
     np.testing.assert_allclose(predictions.personal_hard, expected, rtol=0, atol=2e-6)
     q0 = np.asarray(predictions.q0)
     assert q0.shape == x.shape + (2,)
@@ -293,17 +294,11 @@ def test_stackoverflow_hard_routes_of_one_branch_are_that_branch(so_algorithm, s
     groups = reference.flat_groups(params, reference.NETS["stackoverflow_lstm"])
     predictions = so_algorithm.predict(params, {"groups": groups, "snapshot": groups}, x)
     branch = {"embedding": params["embedding"], **params[towards]}
-    expected = jax.jit(lambda p: reference_forward(so_model, p, x))(branch)
+    expected = jax.jit(lambda p: forward(so_model, p, x))(branch)
     np.testing.assert_allclose(predictions.personal_hard, expected, rtol=0, atol=2e-6)
     q0 = np.asarray(predictions.q0)
     assert q0.shape == x.shape + (3,)  # the LSTM, the first dense mix, the logits' mix
     np.testing.assert_allclose(q0, 1.0 if towards == "global" else 0.0, rtol=0, atol=1e-12)
-
-
-def reference_forward(model, params, x):
-    """The plain model (flowjax's layers) with the shared embedding."""
-    from flowjax.models.base import forward
-    return forward(model, params, x)
 
 
 def test_evaluation_reports_their_snapshot_beside_acc_g(tmp_path):
