@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from flowjax.algorithms import METHODS, algorithm_names, method_config
-from flowjax.algorithms import flow_reference, flow_reference_lstm
+from flowjax.algorithms import flow_reference, flow_reference_lstm, flow_reference_resnet
 from flowjax.algorithms.lg_fedavg import global_layer_names
 from flowjax.core.checks import (FieldError, Interval, integer, is_int, one_of, optional_cap, plain,
                                  positive)
@@ -176,6 +176,10 @@ def _check_flow_departures(flow: Any, model: RoutableModel) -> None:
             flow_reference_lstm.check_unused(flow, model.name)
             flow_reference_lstm.check_config(resolved, model)
             return  # their LSTM procedure indexes its own regularizer
+        if resolved.semantics == "reference" and model.name in flow_reference_resnet.MODELS:
+            flow_reference_resnet.check_unused(flow, model.name)
+            flow_reference_resnet.check_config(resolved, model)
+            return
     except FieldError as error:  # a departure the reference mode sets clashes with a field
         raise error.at("methods.flow.") from None
     if (resolved.regularizer == "reference"

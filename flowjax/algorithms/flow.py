@@ -30,8 +30,8 @@ global step runs the global branch alone), ``momentum`` (their SGD momentum 0.9)
 other departures of the authors' code, each alone or all at once (``halves``,
 ``frozen_momentum``, ``regularizer``, ``local_init``, ``policy_eval_dropout``,
 ``evaluation``, ``policy_last``; see ``flowjax.algorithms.flow_reference``; on the
-LSTMs, ``semantics="reference"`` is their network and procedure whole,
-``flowjax.algorithms.flow_reference_lstm``).
+LSTMs and the CIFAR ResNet, ``semantics="reference"`` is their network and procedure whole,
+``flowjax.algorithms.flow_reference_lstm`` and ``flow_reference_resnet``).
 pc-Flow is FedAvgFT (``flowjax.algorithms.fedavg``).
 
 Optimizer: one SGD momentum buffer per parameter group (global, local, policy), kept for
@@ -53,7 +53,7 @@ import numpy as np
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions, SGDConfig,
                                      instance_weights, plain_loss_sums, valid_examples)
-from flowjax.algorithms import flow_reference_lstm
+from flowjax.algorithms import flow_reference_lstm, flow_reference_resnet
 from flowjax.algorithms.flow_reference import (DEPARTURES, SEMANTICS, group_sgd_step,
                                                reference_regularizer_mean, resolve,
                                                shard_batches_fn, shard_member)
@@ -195,6 +195,9 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
     if config.semantics == "reference" and model.name in flow_reference_lstm.MODELS:
         flow_reference_lstm.check_unused(config, model.name)
         return flow_reference_lstm.reference_lstm(model, resolve(config, model.name))
+    if config.semantics == "reference" and model.name in flow_reference_resnet.MODELS:
+        flow_reference_resnet.check_unused(config, model.name)
+        return flow_reference_resnet.reference_resnet(model, resolve(config, model.name))
     config = resolve(config, model.name)
     policy = build_policy(model, example_x, config.policy_hidden,
                           dropout_rate=config.policy_dropout, last=config.policy_last)

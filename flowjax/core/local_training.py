@@ -95,7 +95,7 @@ def run_epochs(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array, member
                      batch_mask.astype(jnp.float32))
             step_key = jax.random.fold_in(epoch_key, step_index)
             carry, step_stats = step_fn(carry, batch, step_key)
-            return step_index + 1, carry, stats + step_stats
+            return step_index + 1, carry, stats + step_stats.astype(stats.dtype)
 
         start = (jnp.zeros((), jnp.int32), carry, jnp.zeros((2,), jnp.float32))
         _, carry, stats = jax.lax.while_loop(lambda state: state[0] < num_steps, step, start)

@@ -14,7 +14,9 @@ def weighted_cross_entropy(logits: jax.Array, labels: jax.Array,
     Returning both sums lets callers form a mean over valid instances only, so padded
     examples and padding tokens never change a loss.
     """
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    # At least float32 (bf16 logits are upcast); float64 stays float64 (parity checks).
+    dtype = jnp.promote_types(logits.dtype, jnp.float32)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(dtype), labels)
     return jnp.sum(ce * weights), jnp.sum(weights)
 
 

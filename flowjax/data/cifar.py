@@ -23,8 +23,8 @@ from flowjax.data.federated import ArrayFederatedData, FederatedTask
 from flowjax.data.partition import dirichlet_partition  # noqa: F401 (re-exported)
 
 # Per-channel statistics of the CIFAR-10 train set (0-255 scale), used for both datasets.
-_MEAN = np.array([125.3, 123.0, 113.9], np.float32)
-_STD = np.array([63.0, 62.1, 66.7], np.float32)
+CHANNEL_MEAN = np.array([125.3, 123.0, 113.9], np.float32)
+CHANNEL_STD = np.array([63.0, 62.1, 66.7], np.float32)
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100}
 
 
@@ -33,7 +33,7 @@ def _read(source, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     labels = np.empty((len(indices),), np.int32)
     for row, index in enumerate(indices):
         example = source[int(index)]
-        images[row] = (np.asarray(example["image"], np.float32) - _MEAN) / _STD
+        images[row] = (np.asarray(example["image"], np.float32) - CHANNEL_MEAN) / CHANNEL_STD
         labels[row] = int(example["label"])
     return images, labels
 

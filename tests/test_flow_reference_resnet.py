@@ -1,0 +1,222 @@
+"""The authors' Flow for CIFAR (``flow_reference_resnet``), through ``flow()`` and the
+config. Parity with their PyTorch code: ``tests/test_parity.py``."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from configs import cifar
+from flowjax.algorithms import build_algorithm, flow_reference_resnet as reference
+from flowjax.algorithms.base import SGDConfig
+from flowjax.algorithms.flow import FlowConfig, flow
+from flowjax.models import get_model
+from flowjax.validation import validate_config
+from launch.parity import _examples, image_client_data
+
+CONFIG = dict(sgd=SGDConfig(learning_rate=0.05, epochs=2, batch_size=4, momentum=0.9),
+              gamma=0.1, policy_hidden=(1000, 750, 350, 150, 50, 2), semantics="reference")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return get_model("resnet18_gn", num_classes=10)
+
+
+@pytest.fixture(scope="module")
+def algorithm(model):
+    return flow(model, FlowConfig(**CONFIG), jnp.zeros((2, 32, 32, 3)))
+
+
+@pytest.fixture(scope="module")
+def params(algorithm):
+    return algorithm.init(jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def client():
+    data = image_client_data(seed=0, train_examples=6, test_examples=4, num_classes=10)
+    return _examples(data["train_x"], data["train_y"], 4), jnp.asarray(data["test_x"])
+
+
+def test_per_image_standardization_is_tensorflows():
+    """The example of ``tf.image.per_image_standardization``'s docstring (TensorFlow's
+    ``image_ops_impl.py``): the integers 1..12 as one 2 x 2 x 3 image."""
+    image = jnp.arange(1, 13, dtype=jnp.float32).reshape(1, 2, 2, 3)
+    expected = [-1.593255, -1.3035723, -1.0138896, -0.7242068, -0.4345241, -0.14484136,
+                0.14484136, 0.4345241, 0.7242068, 1.0138896, 1.3035723, 1.593255]
+    np.testing.assert_allclose(reference.per_image_standardization(image).reshape(-1),
+                               expected, rtol=1e-6)
+    # A uniform image: the std is capped at 1 / sqrt(N), so it maps to zeros, not NaN.
+    flat = reference.per_image_standardization(jnp.full((1, 2, 2, 3), 7.0))
+    np.testing.assert_array_equal(flat, 0.0)
+
+
+def test_their_input_undoes_flowjaxs_channel_statistics():
+    from flowjax.data.cifar import CHANNEL_MEAN, CHANNEL_STD
+    pixels = np.random.default_rng(0).integers(0, 256, (2, 32, 32, 3)).astype(np.float32)
+    x = (pixels - CHANNEL_MEAN) / CHANNEL_STD  # as flowjax.data.cifar stores them
+    np.testing.assert_allclose(reference.their_pixels(jnp.asarray(x)), pixels, atol=1e-4)
+    np.testing.assert_allclose(reference.their_input(jnp.asarray(x.reshape(2, -1))),
+                               reference.per_image_standardization(jnp.asarray(pixels)),
+                               atol=1e-5)
+
+
+def test_their_group_norm_normalizes_pairs_of_channels_with_one_affine_per_pair():
+    """``GroupNorm2d(C, 2)``: 2 consecutive channels per group over H x W, population
+    variance, eps 1e-5, weight and bias per group (their F.batch_norm on the
+    ``[1, B * C / 2, 2, H, W]`` view), here in float64 numpy from that definition."""
+    x = np.random.default_rng(1).normal(size=(2, 3, 3, 6)) * [1, 2, 3, 4, 5, 6]
+    weight, bias = np.array([0.5, -1.0, 2.0]), np.array([0.1, 0.2, -0.3])
+    out = reference.GroupNorm().apply({"params": {"weight": weight, "bias": bias}},
+                                      jnp.asarray(x, jnp.float32))
+    expected = np.empty_like(x)
+    for b in range(2):
+        for g in range(3):
+            values = x[b, :, :, 2 * g: 2 * g + 2]
+            normal = (values - values.mean()) / np.sqrt(values.var() + 1e-5)
+            expected[b, :, :, 2 * g: 2 * g + 2] = normal * weight[g] + bias[g]
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_semantics_reference_builds_their_network_from_the_config(model):
+    config = cifar.get_config("cifar10_0.1")
+    config.methods.flow.semantics = "reference"
+    validate_config(config)
+    algorithm = build_algorithm("flow", model, config, jnp.zeros((2, 32, 32, 3)))
+    shapes = jax.tree.map(lambda a: a.shape, jax.eval_shape(algorithm.init, jax.random.key(0)))
+    assert set(shapes) == {"shared", "global", "local", "policy"}
+    assert shapes["shared"] == {"weight": (32,), "bias": (32,)}  # one per pair of 64 channels
+    assert shapes["global"] == shapes["local"]
+    assert set(shapes["global"]) == {"conv1", "layer1", "layer2", "layer3", "layer4", "fc"}
+    assert shapes["global"]["conv1"]["kernel"] == (7, 7, 3, 64)
+    assert "downsample_conv" not in shapes["global"]["layer1"]["block0"]
+    assert shapes["global"]["layer2"]["block0"]["downsample_conv"]["kernel"] == (1, 1, 64, 128)
+    assert shapes["global"]["layer4"]["block1"]["bn2"]["weight"] == (256,)
+    assert shapes["global"]["fc"]["kernel"] == (512, 10)
+    policy = shapes["policy"]
+    assert [policy[f"base{j}"]["kernel"] for j in range(5)] == [
+        (3072, 1000), (1000, 750), (750, 350), (350, 150), (150, 50)]
+    assert all(policy[f"exit{j}"]["kernel"][1] == 2 for j in range(5))
+    assert policy["last"]["kernel"] == (50, 2)
+
+
+def test_init_is_theirs(params):
+    conv = np.asarray(params["global"]["conv1"]["kernel"])  # N(0, 2 / (7 * 7 * 64))
+    assert abs(conv.std() / math.sqrt(2 / (49 * 64)) - 1) < 0.03 and abs(conv.mean()) < 1e-3
+    block = params["local"]["layer3"]["block0"]
+    assert not np.any(block["bn2"]["weight"])  # the block's last norm starts at 0
+    assert np.all(block["bn1"]["weight"] == 1) and np.all(block["downsample_norm"]["weight"] == 1)
+    assert np.all(params["shared"]["weight"] == 1) and not np.any(params["shared"]["bias"])
+    for layer, fan_in in ((params["policy"]["base0"], 3072), (params["global"]["fc"], 512)):
+        for value in (layer["kernel"], layer["bias"]):  # nn.Linear: U(+-1/sqrt(fan_in))
+            assert np.abs(value).max() <= 1 / math.sqrt(fan_in)
+            assert np.abs(value).max() > 0.9 / math.sqrt(fan_in)
+    # Separate random inits of the two branches (their local_init="server").
+    assert not np.array_equal(params["global"]["fc"]["kernel"], params["local"]["fc"]["kernel"])
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("halves", "shard", "'none'"), ("evaluation", "reference", "'reference_policy'"),
+    ("order", "policy_first", "'alternating'"), ("policy_eval_dropout", True, "False")])
+def test_what_their_procedure_does_not_run_is_refused_in_one_line(field, value, expected):
+    config = cifar.get_config("cifar10_0.1")
+    config.methods.flow.semantics = "reference"
+    config.methods.flow[field] = value
+    with pytest.raises(ValueError) as error:
+        validate_config(config)
+    assert str(error.value) == (
+        f"config.methods.flow.{field}={value!r}: expected {expected} with semantics="
+        "'reference' on resnet18_gn: the authors' CIFAR procedure runs as one unit")
+
+
+def test_recurrence_is_refused_not_ignored(model):
+    config = cifar.get_config("cifar10_0.1")
+    config.methods.flow.semantics = "reference"
+    config.methods.flow.recurrence = "mixed_state"
+    with pytest.raises(ValueError) as error:
+        validate_config(config)
+    assert str(error.value) == (
+        "config.methods.flow.recurrence='mixed_state': expected None with semantics="
+        "'reference' on resnet18_gn: the authors' CIFAR network has no such option")
+    with pytest.raises(ValueError, match="^recurrence='mixed_state': expected None"):
+        flow(model, FlowConfig(**CONFIG, recurrence="mixed_state"), jnp.zeros((2, 32, 32, 3)))
+
+
+def test_each_pass_flips_about_half_and_padding_changes_no_flip():
+    key = jax.random.key(3)
+    valid = jnp.arange(40) < 37
+    indices, mask = reference.plan_passes(key, valid, 20, 4)
+    assert indices.shape == mask.shape == (4, 2, 20)
+    flipped = np.asarray(indices)[np.asarray(mask)] >= 40
+    assert 0.3 < flipped.mean() < 0.7
+    originals = np.asarray(indices) % 40
+    np.testing.assert_array_equal(originals[0][np.asarray(mask[0])], np.arange(37))  # in order
+    assert not np.array_equal(flipped.reshape(4, -1)[0], flipped.reshape(4, -1)[1])
+    # The same 37 examples padded to 60: the same batches, the same flips.
+    wide, wide_mask = reference.plan_passes(key, jnp.arange(60) < 37, 20, 4)
+    np.testing.assert_array_equal(np.asarray(wide_mask)[:, :2], mask)
+    np.testing.assert_array_equal(np.asarray(wide)[:, :2][np.asarray(mask)] % 60,
+                                  originals[np.asarray(mask)])
+    np.testing.assert_array_equal(np.asarray(wide)[:, :2][np.asarray(mask)] >= 60, flipped)
+
+
+def _forced_policy(params, towards: str):
+    """Zero exit kernels and biases of +-1000 on every route: softmax gives exactly
+    (1, 0) or (0, 1) in float32."""
+    bias = jnp.asarray([1000.0, -1000.0] if towards == "global" else [-1000.0, 1000.0])
+    policy = dict(params["policy"])
+    for name in [f"exit{j}" for j in range(5)] + ["last"]:
+        policy[name] = {"kernel": jnp.zeros_like(policy[name]["kernel"]), "bias": bias}
+    return {**params, "policy": policy}
+
+
+@pytest.mark.parametrize("towards", ["global", "local"])
+def test_routes_of_one_branch_are_that_branch(algorithm, params, client, towards):
+    """q0 = 1 (0) on every route: the routed net is their global (local) mode bit for
+    bit, soft and hard."""
+    forced = _forced_policy(params, towards)
+    branch = forced if towards == "global" else {**forced, "global": forced["local"]}
+    _, x = client
+    predictions = jax.jit(algorithm.predict)(
+        branch, {"params": forced, "snapshot": forced}, x)
+    np.testing.assert_array_equal(predictions.q0, 1.0 if towards == "global" else 0.0)
+    np.testing.assert_array_equal(predictions.personal_soft, predictions.global_logits)
+    np.testing.assert_array_equal(predictions.personal_hard, predictions.global_logits)
+
+
+def test_client_update_trains_what_their_phases_train(algorithm, params, client):
+    """Every part moves; the weight is the client's number of examples; the evaluation's
+    training leaves the global branch as the server sent it (their policy-only phase)."""
+    examples, x = client
+    result = jax.jit(algorithm.client_update)(params, examples, jax.random.key(1))
+    assert float(result.weight) == 6.0
+    for part in reference.GROUPS:
+        assert any(np.any(a != b) for a, b in zip(jax.tree.leaves(result.params[part]),
+                                                  jax.tree.leaves(params[part]))), part
+    personal = jax.jit(algorithm.personalize)(params, examples, jax.random.key(1))
+    for tree in (personal["params"], personal["snapshot"]):
+        for a, b in zip(jax.tree.leaves(tree["global"]), jax.tree.leaves(params["global"])):
+            np.testing.assert_array_equal(a, b)
+    assert any(np.any(a != b) for a, b in zip(jax.tree.leaves(personal["params"]["policy"]),
+                                              jax.tree.leaves(personal["snapshot"]["policy"])))
+
+
+@pytest.mark.slow  # about 4.5 minutes on 2 cores, compiling their network's phases
+def test_a_reference_run_reports_their_snapshot_beside_acc_g():
+    """Through the config and the experiment on mock CIFAR (TFDS's mock_data)."""
+    from flowjax import config as run_config
+    from flowjax import experiment
+
+    config = cifar.get_config("cifar10_0.1")
+    config.data.update(num_clients=4, train_per_client=4, test_per_client=2)
+    config.update(num_rounds=1, clients_per_round=2, batch_size=2, epochs=1)
+    config.eval.clients = 2
+    config.methods.flow.semantics = "reference"
+    with tfds.testing.mock_data(num_examples=64):
+        result = experiment.run(run_config.build_simulation(config))
+    summary = result.summaries["train_clients"]
+    assert 0 <= summary.acc_p <= 1 and summary.acc_g_client_snapshot is not None
