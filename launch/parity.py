@@ -4,6 +4,7 @@ r"""Parity of flowjax's reference-mode Flow with the authors' PyTorch code, step
   git clone https://github.com/Astuary/Flow authors-flow      # their one commit, 0df6b97
   python launch/parity.py --reference_dir=authors-flow
   python launch/parity.py --reference_dir=authors-flow --model=stackoverflow
+  python launch/parity.py --reference_dir=authors-flow --model=cifar
   python launch/parity.py --reference_dir=authors-flow --write_fixture   # CI figures
 
 Imports the authors' ``EMNISTNet`` (``models/emnist_cnn_dynamic_v4.py``) and their client
@@ -38,9 +39,18 @@ the client's key, checked to be of the same kind, so both sides see the same bat
 the same order. Their policies' ``F.dropout`` is swapped for the identity in their model
 module's globals for the run.
 
-``flowjax_side`` and ``lstm_flowjax_side`` need no PyTorch: ``tests/test_parity.py``
+The CIFAR ResNet (``--model=cifar``): their ``resnet18`` (``models/cifar100_resnet_dynamic_v4.py``)
+with ``cifar10_train`` / ``cifar10_generalized_test`` against flowjax's reference mode for
+``resnet18_gn`` (``flowjax.algorithms.flow_reference_resnet``), on a synthetic CIFAR-shaped
+client whose images (flipped where flowjax's plan flips them, standardized per image) their
+loop is fed pass by pass. It runs in float64 on both sides and on a one-batch client:
+their network is chaotic under SGD (a last-bit difference grows 30-100x per step, also
+in float64), so float32, or many steps, compare rounding, not procedures
+(``--cifar_dtype=float32`` shows it).
+
+The ``*flowjax_side`` functions need no PyTorch: ``tests/test_parity.py``
 recomputes them and compares them with the committed figures of the PyTorch side
-(``tests/fixtures/parity_{emnist,shakespeare,stackoverflow}.json``).
+(``tests/fixtures/parity_{emnist,shakespeare,stackoverflow,cifar}.json``).
 """
 
 from __future__ import annotations
@@ -86,6 +96,16 @@ STACKOVERFLOW_SETTINGS = dict(model="stackoverflow_lstm", seed=0, train_examples
                               test_examples=6, epochs=2, batch_size=16, learning_rate=0.1,
                               gamma=0.1, vocab_size=200, embed_dim=96, hidden=64,
                               sequence_length=20)
+CIFAR_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "parity_cifar.json")
+# Their cifar10_flowv4 hyperparameters: batch 20 (their loader's), lr 0.05, epsilon 1e-6,
+# 10 classes; K = 2 epochs (theirs 3); lambda 0.1, not their 0.001, as for the LSTMs.
+# float64 on both sides and 15 images (one batch, padded to 20: 2 local steps, 2 policy
+# and 2 global steps): their network is chaotic under SGD -- a difference in the last bits
+# grows 30-100x per step even in float64 (README) -- so only a short update can be
+# compared at all.
+CIFAR_SETTINGS = dict(model="resnet18_gn", seed=0, train_examples=15, test_examples=20,
+                      epochs=2, batch_size=20, learning_rate=0.05, gamma=0.1, num_classes=10,
+                      dtype="float64")
 # Their policies' LSTM-state path (``lstm=True``), the same in both models.
 _THEIR_STATE_POLICY = {"dense0": "lstm_linear_1", "dense1": "lstm_linear_2",
                        "dense2": "lstm_linear_3", "dense3": "lstm_linear_4",
@@ -351,6 +371,169 @@ def lstm_flowjax_side(frozen_momentum: str, settings: dict) -> dict[str, Any]:
                                  real=data["test_y"] != 0),
                 train_passes=_lstm_passes(train_plan, train_order),
                 eval_passes=_lstm_passes(eval_plan, eval_order))
+
+
+# ----------------------------------------------------------------------------- CIFAR ResNet
+
+
+def image_client_data(seed: int, train_examples: int, test_examples: int, num_classes: int,
+                      **_: Any) -> dict[str, np.ndarray]:
+    """A synthetic CIFAR-shaped client as flowjax's CIFAR data holds it: pixel values
+    with a label-dependent stripe and tint, per-channel standardized
+    (``flowjax.data.cifar``), labels with a class skew."""
+    from flowjax.data.cifar import CHANNEL_MEAN, CHANNEL_STD
+    rng = np.random.default_rng(seed)
+    n = train_examples + test_examples
+    labels = rng.choice(min(num_classes, 4), size=n) * max(1, num_classes // 4)
+    pixels = rng.integers(0, 256, size=(n, 32, 32, 3)).astype(np.float32)
+    pixels[np.arange(n), labels % 32, :, labels % 3] = 255.0
+    band = np.arange(32)[None, :] < (8 + labels % 8)[:, None]  # [N, W], left-aligned
+    pixels *= np.where(band, 0.5, 1.0)[:, None, :, None]  # asymmetric: flips matter
+    x = (pixels - CHANNEL_MEAN) / CHANNEL_STD
+    return dict(train_x=x[:train_examples], train_y=labels[:train_examples].astype(np.int32),
+                test_x=x[train_examples:], test_y=labels[train_examples:].astype(np.int32))
+
+
+def _flowjax_resnet_algorithm(frozen_momentum: str, settings: dict):
+    import jax.numpy as jnp
+    from flowjax.algorithms.base import SGDConfig
+    from flowjax.algorithms.flow import FlowConfig, flow
+    from flowjax.models import get_model
+
+    model = get_model("resnet18_gn", num_classes=settings["num_classes"])
+    sgd = SGDConfig(learning_rate=settings["learning_rate"], epochs=settings["epochs"],
+                    batch_size=settings["batch_size"])
+    config = FlowConfig(sgd=sgd, gamma=settings["gamma"],
+                        policy_hidden=(1000, 750, 350, 150, 50, 2), semantics="reference",
+                        frozen_momentum=frozen_momentum)
+    return flow(model, config, jnp.zeros((2, 32, 32, 3), jnp.float32))
+
+
+def _oihw(kernel) -> np.ndarray:
+    return np.asarray(kernel).transpose(3, 2, 0, 1)
+
+
+def resnet_to_torch_layout(params: dict) -> dict[str, np.ndarray]:
+    """flowjax's reference ResNet params as the authors' state dict (numpy): OIHW
+    kernels, ``[out, in]`` linear weights; the names are theirs but for the prefixes."""
+    state = {"bn1.weight": np.asarray(params["shared"]["weight"]),
+             "bn1.bias": np.asarray(params["shared"]["bias"])}
+    for branch in ("global", "local"):
+        p = params[branch]
+        state[f"{branch}_conv1.weight"] = _oihw(p["conv1"]["kernel"])
+        for stage in range(1, 5):
+            for block in range(2):
+                ours = p[f"layer{stage}"][f"block{block}"]
+                prefix = f"{branch}_layer{stage}.{block}"
+                names = {"conv1": "conv1", "bn1": "bn1", "conv2": "conv2", "bn2": "bn2",
+                         "downsample_conv": "downsample.0", "downsample_norm": "downsample.1"}
+                for mine, theirs in names.items():
+                    if mine not in ours:
+                        continue
+                    if "kernel" in ours[mine]:
+                        state[f"{prefix}.{theirs}.weight"] = _oihw(ours[mine]["kernel"])
+                    else:
+                        state[f"{prefix}.{theirs}.weight"] = np.asarray(ours[mine]["weight"])
+                        state[f"{prefix}.{theirs}.bias"] = np.asarray(ours[mine]["bias"])
+        state[f"{branch}_fc.weight"] = np.asarray(p["fc"]["kernel"]).T
+        state[f"{branch}_fc.bias"] = np.asarray(p["fc"]["bias"])
+    names = {f"base{j}": f"linear_{j + 1}" for j in range(5)}
+    names.update({f"exit{j}": f"linear_{j + 1}_exit" for j in range(5)}, last="linear_6")
+    for ours, theirs in names.items():
+        state[f"prob_policy_net.{theirs}.weight"] = np.asarray(params["policy"][ours]["kernel"]).T
+        state[f"prob_policy_net.{theirs}.bias"] = np.asarray(params["policy"][ours]["bias"])
+    return state
+
+
+def resnet_flowjax_side(frozen_momentum: str, settings: dict) -> dict[str, Any]:
+    """flowjax's reference ResNet in float64 (``CIFAR_SETTINGS``): initial and updated
+    weights (their layout), the evaluation's logits and metrics, the batches it trained on
+    (indices into the client's images followed by their flips) and those images as their
+    network reads them; no PyTorch needed."""
+    import jax
+
+    with jax.enable_x64(True):
+        return _resnet_flowjax_side(frozen_momentum, settings)
+
+
+def _resnet_flowjax_side(frozen_momentum: str, settings: dict) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    from flowjax.algorithms import flow_reference_resnet as reference
+
+    dtype = np.dtype(settings["dtype"])
+    algorithm = _flowjax_resnet_algorithm(frozen_momentum, settings)
+    data = image_client_data(**settings)
+    params = jax.tree.map(lambda a: a.astype(dtype), algorithm.init(jax.random.key(settings["seed"])))
+    train = _examples(data["train_x"].astype(dtype), data["train_y"], settings["batch_size"])
+    key = jax.random.key(settings["seed"] + 1)
+    result = jax.jit(algorithm.client_update)(params, train, key)
+    personal = jax.jit(algorithm.personalize)(params, train, key)
+    test_x = jnp.asarray(data["test_x"].astype(dtype))
+    predictions = jax.jit(algorithm.predict)(params, personal, test_x)
+    snapshot = np.asarray(predictions.global_snapshot)
+    personal_logits = np.asarray(predictions.personal_hard)
+    x, y, valid = train.flat()
+    k = settings["epochs"]
+    plan = reference.train_plan(key, valid, settings["batch_size"], k, k)
+    order = [("local", "all", e) for e in range(k)] + [("routing", "all", e) for e in range(k)]
+    passes = _lstm_passes(plan, order)
+    images = reference.per_image_standardization(reference.with_flips(reference.their_pixels(x)))
+    return dict(initial=resnet_to_torch_layout(params), torch_state=resnet_to_torch_layout(params),
+                updated=resnet_to_torch_layout(result.params),
+                eval_snapshot_logits=snapshot, eval_personal_logits=personal_logits,
+                metrics=_metrics(snapshot, personal_logits, data["test_y"]),
+                train_passes=passes, eval_passes=passes,  # the same key: the same batches
+                their_images=np.asarray(images),
+                their_labels=np.concatenate([np.asarray(y), np.asarray(y)]).astype(np.int64),
+                their_test_images=np.asarray(reference.their_input(test_x)))
+
+
+def resnet_torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
+                      settings: dict) -> dict[str, Any]:
+    """Their ``cifar10_train`` and ``cifar10_generalized_test`` with their ``resnet18``
+    from flowjax's initial weights, on flowjax's batches and flips."""
+    import torch
+    torch.set_num_threads(1)
+    trainer = import_their_trainer(reference_dir)
+    workdir = tempfile.mkdtemp(prefix="flow_parity_")
+    # The module globals their __main__ block would set (cifar10_flowv4).
+    trainer.__dict__.update(lr=settings["learning_rate"], epochs=settings["epochs"],
+                            lambda_=settings["gamma"], epsilon=1e-6, DEVICE="cpu",
+                            checkpoint_dir=workdir + os.sep, METHOD="FlowV4", num_clients=10,
+                            total_clients=500, total_rounds=4000)
+    data = image_client_data(**settings)
+    labels = ours["their_labels"]
+    test = _Batches(ours["their_test_images"], data["test_y"].astype(np.int64))
+
+    def their_net():
+        net = trainer.CifarResNet(num_classes=settings["num_classes"])
+        mine = {k: torch.from_numpy(np.array(v)) for k, v in ours["torch_state"].items()}
+        net.load_state_dict(mine, strict=True)
+        return net.to(getattr(torch, settings["dtype"]))
+
+    with _zero_grad(mode):
+        train = _ScriptedDataset(ours["their_images"], labels, ours["train_passes"])
+        net = their_net()
+        trainer.cifar10_train(net, train, test)
+        assert train.exhausted(), "their loop left passes of flowjax's plan unread"
+        updated = {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
+
+        train = _ScriptedDataset(ours["their_images"], labels, ours["eval_passes"])
+        net = their_net()
+        captured = []
+
+        def hook(module, args, kwargs, output):
+            if not module.training:
+                captured.append((module, kwargs.get("mode"), output[0].detach().numpy().copy()))
+
+        net.register_forward_hook(hook, with_kwargs=True)
+        figures = trainer.cifar10_generalized_test(net, train, test)
+        assert train.exhausted(), "their evaluation left passes of flowjax's plan unread"
+    snapshot = np.concatenate([o for m, mode_, o in captured if m is not net and mode_ == "global"])
+    personal = np.concatenate([o for m, mode_, o in captured if m is net and mode_ == "personalized"])
+    return dict(updated=updated, eval_snapshot_logits=snapshot, eval_personal_logits=personal,
+                metrics=_reported_metrics(figures))
 
 
 # ----------------------------------------------------------------------------- theirs
@@ -704,8 +887,16 @@ def _lstm_check(title: str, settings: dict, fixture: str) -> Check:
                                                                    settings))
 
 
+def _cifar_check(settings: dict) -> Check:
+    return Check("CIFAR ResNet-18", settings, CIFAR_FIXTURE,
+                 lambda mode: resnet_flowjax_side(mode, settings),
+                 lambda reference_dir, ours, mode: resnet_torch_side(reference_dir, ours, mode,
+                                                                     settings))
+
+
 CHECKS = {
     "emnist": Check("EMNIST CNN", SETTINGS, FIXTURE, flowjax_side, torch_side),
+    "cifar": _cifar_check(CIFAR_SETTINGS),
     "shakespeare": _lstm_check("Shakespeare LSTM", SHAKESPEARE_SETTINGS, SHAKESPEARE_FIXTURE),
     "stackoverflow": _lstm_check("Stack Overflow LSTM", STACKOVERFLOW_SETTINGS,
                                  STACKOVERFLOW_FIXTURE),
@@ -720,7 +911,8 @@ def run_check(check: Check, reference_dir: str, modes: tuple[str, ...], torch_ve
     worst = 0.0
     runs = {}
     print(f"{check.title}, one Flow client update + reference evaluation "
-          f"(torch {torch_version}, float32, dropout off on both sides)")
+          f"(torch {torch_version}, {check.settings.get('dtype', 'float32')}, dropout off on "
+          f"both sides)")
     for mode in modes:
         ours = check.flowjax_side(mode)
         theirs = check.torch_side(reference_dir, ours, mode)
@@ -756,8 +948,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reference_dir", required=True,
                         help="checkout of github.com/Astuary/Flow")
-    parser.add_argument("--model", choices=tuple(CHECKS) + ("both",), default="both")
+    parser.add_argument("--model", choices=tuple(CHECKS) + ("all",), default="all")
     parser.add_argument("--zero_grad", choices=ZERO_GRAD_MODES + ("both",), default="both")
+    parser.add_argument("--cifar_dtype", choices=("float32", "float64"), default="float64",
+                        help="the CIFAR check's precision on both sides (float32 shows "
+                             "why it runs in float64; --write_fixture needs float64)")
     parser.add_argument("--write_fixture", action="store_true",
                         help="write the PyTorch side's figures to tests/fixtures/parity_*.json")
     args = parser.parse_args(argv)
@@ -768,10 +963,14 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     modes = ZERO_GRAD_MODES if args.zero_grad == "both" else (args.zero_grad,)
-    names = tuple(CHECKS) if args.model == "both" else (args.model,)
+    if args.write_fixture and args.cifar_dtype != CIFAR_SETTINGS["dtype"]:
+        parser.error(f"--cifar_dtype={args.cifar_dtype} with --write_fixture: expected "
+                     f"{CIFAR_SETTINGS['dtype']}, the precision the CIFAR fixture is checked in")
+    checks = dict(CHECKS, cifar=_cifar_check(dict(CIFAR_SETTINGS, dtype=args.cifar_dtype)))
+    names = tuple(CHECKS) if args.model == "all" else (args.model,)
     worst = 0.0
     for name in names:
-        check_worst, fixture = run_check(CHECKS[name], args.reference_dir, modes,
+        check_worst, fixture = run_check(checks[name], args.reference_dir, modes,
                                          torch.__version__)
         worst = max(worst, check_worst)
         if args.write_fixture:
