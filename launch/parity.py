@@ -44,8 +44,8 @@ with ``cifar10_train`` / ``cifar10_generalized_test`` against flowjax's referenc
 ``resnet18_gn`` (``flowjax.algorithms.flow_reference_resnet``), on a synthetic CIFAR-shaped
 client whose images (flipped where flowjax's plan flips them, standardized per image) their
 loop is fed pass by pass. It runs in float64 on both sides and on a one-batch client:
-their network is chaotic under SGD (a last-bit difference grows 30-100x per step, also
-in float64), so float32, or many steps, compare rounding, not procedures
+their network is chaotic under SGD (a last-bit difference grows by orders of magnitude
+per step, in float64 too), so float32, or many steps, compare rounding, not procedures
 (``--cifar_dtype=float32`` shows it).
 
 The ``*flowjax_side`` functions need no PyTorch: ``tests/test_parity.py``
@@ -101,8 +101,8 @@ CIFAR_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "parity_cifar.json")
 # 10 classes; K = 2 epochs (theirs 3); lambda 0.1, not their 0.001, as for the LSTMs.
 # float64 on both sides and 15 images (one batch, padded to 20: 2 local steps, 2 policy
 # and 2 global steps): their network is chaotic under SGD -- a difference in the last bits
-# grows 30-100x per step even in float64 (README) -- so only a short update can be
-# compared at all.
+# grows by orders of magnitude per step, in float64 too -- so only a short update can be
+# compared at all (README).
 CIFAR_SETTINGS = dict(model="resnet18_gn", seed=0, train_examples=15, test_examples=20,
                       epochs=2, batch_size=20, learning_rate=0.05, gamma=0.1, num_classes=10,
                       dtype="float64")

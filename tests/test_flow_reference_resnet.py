@@ -188,11 +188,29 @@ def test_routes_of_one_branch_are_that_branch(algorithm, params, client, towards
     np.testing.assert_array_equal(predictions.personal_hard, predictions.global_logits)
 
 
-def test_client_update_trains_what_their_phases_train(algorithm, params, client):
+@pytest.fixture(scope="module")
+def updated(algorithm, params, client):
+    return jax.jit(algorithm.client_update)(params, client[0], jax.random.key(1))
+
+
+def test_padded_examples_and_steps_change_no_result(algorithm, params, client, updated):
+    """The same 6 images padded to 12 (3 batches of 4, one of them empty) instead of 8."""
+    examples, _ = client
+    x, y, mask = examples.flat()
+    wide = _examples(np.concatenate([np.asarray(x), np.zeros((4,) + x.shape[1:], x.dtype)]),
+                     np.concatenate([np.asarray(y), np.zeros((4,), y.dtype)]), 4)
+    wide = wide.replace(mask=(jnp.arange(12) < 6).reshape(3, 4), num_examples=jnp.int32(6))
+    assert not np.array_equal(np.asarray(mask), np.ones(8, bool))  # 8 holds padding too
+    result = jax.jit(algorithm.client_update)(params, wide, jax.random.key(1))
+    for a, b in zip(jax.tree.leaves(result), jax.tree.leaves(updated), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_client_update_trains_what_their_phases_train(algorithm, params, client, updated):
     """Every part moves; the weight is the client's number of examples; the evaluation's
     training leaves the global branch as the server sent it (their policy-only phase)."""
     examples, x = client
-    result = jax.jit(algorithm.client_update)(params, examples, jax.random.key(1))
+    result = updated
     assert float(result.weight) == 6.0
     for part in reference.GROUPS:
         assert any(np.any(a != b) for a, b in zip(jax.tree.leaves(result.params[part]),

@@ -1,9 +1,10 @@
 """flowjax's side of launch/parity.py against the committed figures of the authors' code.
 
-``tests/fixtures/parity_emnist.json`` and ``parity_shakespeare.json`` were written by
+``tests/fixtures/parity_{emnist,cifar,shakespeare,stackoverflow}.json`` were written by
 ``python launch/parity.py --reference_dir=<checkout of Astuary/Flow> --write_fixture``
-(PyTorch 2.13.0 CPU): per tensor of their ``EMNISTNet`` (``ShakespeareNet``) after one
-``emnist_train`` (``shakespeare_train``) client update, and for the logits of their
+(PyTorch 2.13.0 CPU; CIFAR in float64): per tensor of their ``EMNISTNet`` (``resnet18``,
+``ShakespeareNet``, ``StackoverflowNet``) after one ``emnist_train`` (``cifar10_train``,
+...) client update, and for the logits of their
 ``*_generalized_test``, the sum, the sum of
 squares and values at evenly spaced flat indices, plus the evaluation's metrics. This test
 recomputes flowjax's reference mode from the same initial weights and minibatches, without

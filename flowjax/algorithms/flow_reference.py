@@ -35,9 +35,12 @@ Each piece is one ``FlowConfig`` field, so each departure can be switched on alo
   ``acc_g_client_snapshot``, reported beside the server model's Acc_g).
 
 ``semantics="reference"`` (``config.methods.flow.semantics``) sets all of them to the
-values of the authors' code for the model (``reference_options``). For the LSTMs their code
-is another network (its policy reads the cells' states), which
-``flowjax.algorithms.flow_reference_lstm`` runs whole. Where their code
+values of the authors' code for the model (``reference_options``). For the LSTMs and the
+CIFAR ResNet their code is another network (the LSTM policies read the cells' states; the
+ResNet has an ImageNet stem, a norm shared by both branches and their GroupNorm), which
+``flowjax.algorithms.flow_reference_lstm`` and ``flow_reference_resnet`` run whole; the
+fields above then apply to ``emnist_cnn`` in reference mode, and to any model one field
+at a time under ``semantics="paper"``. Where their code
 crashes (a client with one batch has an empty half) the tiny-client rule of ``flow.py``
 applies: both phases use all examples.
 """
@@ -77,8 +80,8 @@ REFERENCE_REGULARIZER_ENTRIES: dict[str, tuple[tuple[int, ...] | None, tuple[int
 _REFERENCE = {
     "emnist_cnn": dict(halves="shard", policy_eval_dropout=False, policy_last="dense",
                        policy_hidden=(350, 150, 50, 2)),
-    # Their CIFAR policy has no dropout; its exit heads are dense layers on the base
-    # layers' pre-activations (no relu): that one difference is not reproduced.
+    # Their CIFAR network is another network than resnet18_gn: semantics="reference" runs
+    # it whole (``flow_reference_resnet``), with these fields (their policy has no dropout).
     "resnet18_gn": dict(halves="none", policy_eval_dropout=False, policy_last="dense",
                         policy_hidden=(1000, 750, 350, 150, 50, 2), policy_dropout=0.0,
                         evaluation="reference_policy"),
