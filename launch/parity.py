@@ -494,14 +494,7 @@ def resnet_torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
     """Their ``cifar10_train`` and ``cifar10_generalized_test`` with their ``resnet18``
     from flowjax's initial weights, on flowjax's batches and flips."""
     import torch
-    torch.set_num_threads(1)
-    trainer = import_their_trainer(reference_dir)
-    workdir = tempfile.mkdtemp(prefix="flow_parity_")
-    # The module globals their __main__ block would set (cifar10_flowv4).
-    trainer.__dict__.update(lr=settings["learning_rate"], epochs=settings["epochs"],
-                            lambda_=settings["gamma"], epsilon=1e-6, DEVICE="cpu",
-                            checkpoint_dir=workdir + os.sep, METHOD="FlowV4", num_clients=10,
-                            total_clients=500, total_rounds=4000)
+    trainer = _their_trainer(reference_dir, settings, total_clients=500, total_rounds=4000)
     data = image_client_data(**settings)
     labels = ours["their_labels"]
     test = _Batches(ours["their_test_images"], data["test_y"].astype(np.int64))
@@ -668,20 +661,27 @@ def _their_net(trainer, state: dict[str, np.ndarray]):
     return net
 
 
+def _their_trainer(reference_dir: str, settings: dict, total_clients: int,
+                   total_rounds: int):
+    """Their ``trainers.client_flow`` with the module globals their ``__main__`` block
+    would set for a ``*_flowv4`` run (one CPU thread)."""
+    import torch
+    torch.set_num_threads(1)
+    trainer = import_their_trainer(reference_dir)
+    workdir = tempfile.mkdtemp(prefix="flow_parity_")
+    trainer.__dict__.update(lr=settings["learning_rate"], epochs=settings["epochs"],
+                            lambda_=settings["gamma"], epsilon=1e-6, DEVICE="cpu",
+                            checkpoint_dir=workdir + os.sep, METHOD="FlowV4", num_clients=10,
+                            total_clients=total_clients, total_rounds=total_rounds)
+    return trainer
+
+
 def torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
                settings: dict = SETTINGS) -> dict[str, Any]:
     """Their ``emnist_train`` and ``emnist_generalized_test`` from flowjax's initial
     weights (``ours["initial"]``)."""
     initial = ours["initial"]
-    import torch
-    torch.set_num_threads(1)
-    trainer = import_their_trainer(reference_dir)
-    workdir = tempfile.mkdtemp(prefix="flow_parity_")
-    # The module globals their __main__ block would set (emnist_flowv4).
-    trainer.__dict__.update(lr=settings["learning_rate"], epochs=settings["epochs"],
-                            lambda_=settings["gamma"], epsilon=1e-6, DEVICE="cpu",
-                            checkpoint_dir=workdir + os.sep, METHOD="FlowV4", num_clients=10,
-                            total_clients=3400, total_rounds=1500)
+    trainer = _their_trainer(reference_dir, settings, total_clients=3400, total_rounds=1500)
     data = client_data(**settings)
     train = _BatchedDataset(data["train_x"], data["train_y"], settings["batch_size"])
     test = _BatchedDataset(data["test_x"], data["test_y"], 100)
@@ -779,17 +779,10 @@ def lstm_torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
                     settings: dict) -> dict[str, Any]:
     """Their ``*_train`` and ``*_generalized_test`` from flowjax's initial weights, on
     flowjax's batches (``ours["train_passes"]``, ``["eval_passes"]``)."""
-    import torch
-    torch.set_num_threads(1)
-    trainer = import_their_trainer(reference_dir)
     names = THEIR_LSTM[settings["model"]]
+    trainer = _their_trainer(reference_dir, settings, total_clients=names["total_clients"],
+                             total_rounds=1500)
     net_class = getattr(trainer, names["net"])
-    workdir = tempfile.mkdtemp(prefix="flow_parity_")
-    # The module globals their __main__ block would set (*_flowv4).
-    trainer.__dict__.update(lr=settings["learning_rate"], epochs=settings["epochs"],
-                            lambda_=settings["gamma"], epsilon=1e-6, DEVICE="cpu",
-                            checkpoint_dir=workdir + os.sep, METHOD="FlowV4", num_clients=10,
-                            total_clients=names["total_clients"], total_rounds=1500)
     data = token_client_data(**settings)
     test = _Batches(data["test_x"], data["test_y"])
 

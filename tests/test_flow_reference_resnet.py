@@ -133,6 +133,19 @@ def test_what_their_procedure_does_not_run_is_refused_in_one_line(field, value, 
         "'reference' on resnet18_gn: the authors' CIFAR procedure runs as one unit")
 
 
+def test_flowjaxs_group_count_is_refused_not_ignored():
+    config = cifar.get_config("cifar10_0.1")
+    config.methods.flow.semantics = "reference"
+    config.model_options.groups = 32
+    with pytest.raises(ValueError) as error:
+        validate_config(config)
+    assert str(error.value) == (
+        "config.model_options.groups=32: expected it unset with methods.flow.semantics="
+        "'reference': the authors' CIFAR network has its own GroupNorm (2 channels per group)")
+    config.methods.flow.semantics = "paper"
+    validate_config(config)  # flowjax's resnet18_gn takes it
+
+
 def test_recurrence_is_refused_not_ignored(model):
     config = cifar.get_config("cifar10_0.1")
     config.methods.flow.semantics = "reference"

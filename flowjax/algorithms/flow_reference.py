@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from flowjax.core.checks import FieldError
 from flowjax.core.local_training import packed_batches
 from flowjax.core.losses import mean_from_sums
 from flowjax.routing.policy import LAST_KINDS
@@ -218,6 +219,31 @@ def reference_regularizer_mean(model_name: str, q: jax.Array, weights: jax.Array
     terms = reference_terms(q)
     per_instance = jnp.mean(terms.reshape(terms.shape[: weights.ndim] + (-1,)), axis=-1)
     return jnp.sum(per_instance * weights) / jnp.maximum(jnp.sum(weights), 1e-12)
+
+
+# ----------------------------------------------------------------------------- whole networks
+
+
+def refuse_set_fields(config: Any, fields: tuple[str, ...], model_name: str,
+                      network: str) -> None:
+    """For a reference mode that runs the authors' ``network`` whole: refuses any of
+    ``fields`` that ``config`` (as given) sets, which that network would silently ignore."""
+    for name in fields:
+        if getattr(config, name) is not None:
+            raise FieldError(name, getattr(config, name), f"expected None with "
+                             f"semantics='reference' on {model_name}: the authors' {network} "
+                             f"network has no such option")
+
+
+def refuse_other_values(config: Any, fixed: dict[str, Any], model_name: str,
+                        network: str) -> None:
+    """Refuses a resolved ``config`` whose field differs from the only value (``fixed``)
+    the authors' ``network`` procedure runs."""
+    for name, value in fixed.items():
+        if getattr(config, name) != value:
+            raise FieldError(name, getattr(config, name), f"expected {value!r} with "
+                             f"semantics='reference' on {model_name}: the authors' {network} "
+                             f"procedure runs as one unit")
 
 
 # ----------------------------------------------------------------------------- config

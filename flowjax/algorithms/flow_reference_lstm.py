@@ -82,6 +82,7 @@ from jax import lax
 
 from flowjax.algorithms.base import ClientResult, FederatedAlgorithm, Predictions, instance_weights
 from flowjax.algorithms.flow_reference import (group_sgd_step, reference_terms,
+                                               refuse_other_values, refuse_set_fields,
                                                shard_batches_fn)
 from flowjax.core.checks import FieldError
 from flowjax.core.cohort import ClientExamples
@@ -187,11 +188,7 @@ UNUSED = ("recurrence", "policy_last")
 
 def check_unused(config: Any, model_name: str) -> None:
     """Refuses a field ``config`` sets that the reference LSTMs would silently ignore."""
-    for name in UNUSED:
-        if getattr(config, name) is not None:
-            raise FieldError(name, getattr(config, name), f"expected None with "
-                             f"semantics='reference' on {model_name}: the authors' LSTM "
-                             f"network has no such option")
+    refuse_set_fields(config, UNUSED, model_name, "LSTM")
 
 
 def check_config(config: Any, model: RoutableModel) -> None:
@@ -201,11 +198,7 @@ def check_config(config: Any, model: RoutableModel) -> None:
     if net is None or model.layer_names != ("embedding",) + net.layers:
         raise FieldError("semantics", "reference", f"expected one of the authors' LSTM "
                          f"models {list(MODELS)}, got {model.name} {model.layer_names}")
-    for name, value in FIXED.items():
-        if getattr(config, name) != value:
-            raise FieldError(name, getattr(config, name), f"expected {value!r} with "
-                             f"semantics='reference' on {model.name}: the authors' LSTM "
-                             f"procedure runs as one unit")
+    refuse_other_values(config, FIXED, model.name, "LSTM")
 
 
 def flat_groups(params: dict, net: Net) -> dict:

@@ -70,7 +70,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from flowjax.algorithms.base import ClientResult, FederatedAlgorithm, Predictions, instance_weights
-from flowjax.algorithms.flow_reference import group_sgd_step, reference_terms
+from flowjax.algorithms.flow_reference import (group_sgd_step, reference_terms,
+                                               refuse_other_values, refuse_set_fields)
 from flowjax.core.checks import FieldError
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import packed_batches, run_epochs
@@ -79,7 +80,6 @@ from flowjax.data.cifar import CHANNEL_MEAN, CHANNEL_STD
 from flowjax.models.base import RoutableModel
 
 MODELS = ("resnet18_gn",)
-BRANCHES = ("global", "local")
 IMAGE_SHAPE = (32, 32, 3)
 STAGE_WIDTHS = (64, 128, 256, 512)
 STAGE_STRIDES = (1, 2, 2, 2)
@@ -245,11 +245,7 @@ def branch_modules(num_classes: int) -> dict[str, nn.Module]:
 
 def check_unused(config: Any, model_name: str) -> None:
     """Refuses a field ``config`` sets that their network would silently ignore."""
-    for name in UNUSED:
-        if getattr(config, name) is not None:
-            raise FieldError(name, getattr(config, name), f"expected None with "
-                             f"semantics='reference' on {model_name}: the authors' CIFAR "
-                             f"network has no such option")
+    refuse_set_fields(config, UNUSED, model_name, "CIFAR")
 
 
 def check_config(config: Any, model: RoutableModel) -> None:
@@ -257,11 +253,7 @@ def check_config(config: Any, model: RoutableModel) -> None:
     if model.name not in MODELS:
         raise FieldError("semantics", "reference", f"expected one of {list(MODELS)}, got "
                          f"{model.name}")
-    for name, value in FIXED.items():
-        if getattr(config, name) != value:
-            raise FieldError(name, getattr(config, name), f"expected {value!r} with "
-                             f"semantics='reference' on {model.name}: the authors' CIFAR "
-                             f"procedure runs as one unit")
+    refuse_other_values(config, FIXED, model.name, "CIFAR")
 
 
 # ----------------------------------------------------------------------------- batches
@@ -415,14 +407,20 @@ def reference_resnet(model: RoutableModel, config: Any) -> FederatedAlgorithm:
                           num_epochs=indices.shape[0], batch_size=batch_size, key=epoch_key,
                           batches_fn=lambda _, e: (indices[e], mask[e]))
 
-    def client_update(params, examples: ClientExamples, key, client_state=None) -> ClientResult:
-        """Their ``cifar*_train``."""
-        del client_state  # stateless
+    def local_phase(params, examples: ClientExamples, key):
+        """A fresh SGD and their local epochs, the start of both their client functions:
+        ``(state, local stats, images, y, plan, valid)``."""
         x, y, valid = examples.flat()
         images = with_flips(their_pixels(x))
         plan = train_plan(key, valid, batch_size, config.local_epochs, config.routing_epochs)
-        state, local_stats = run(local_step, start_state(params), images, y, plan["local"],
-                                 jax.random.fold_in(key, 2))
+        state, stats = run(local_step, start_state(params), images, y, plan["local"],
+                           jax.random.fold_in(key, 2))
+        return state, stats, images, y, plan, valid
+
+    def client_update(params, examples: ClientExamples, key, client_state=None) -> ClientResult:
+        """Their ``cifar*_train``."""
+        del client_state  # stateless
+        state, local_stats, images, y, plan, valid = local_phase(params, examples, key)
         state, stats = run(alternating, state, images, y, plan["routing"],
                            jax.random.fold_in(key, 3))
         metrics = {"loss_sum": stats[0], "loss_count": stats[1],
@@ -433,11 +431,7 @@ def reference_resnet(model: RoutableModel, config: Any) -> FederatedAlgorithm:
     def personalize(params, examples: ClientExamples, key, client_state=None):
         """Their ``cifar*_generalized_test``'s training: the personal net and the snapshot."""
         del client_state  # stateless
-        x, y, valid = examples.flat()
-        images = with_flips(their_pixels(x))
-        plan = train_plan(key, valid, batch_size, config.local_epochs, config.routing_epochs)
-        state, _ = run(local_step, start_state(params), images, y, plan["local"],
-                       jax.random.fold_in(key, 2))
+        state, _, images, y, plan, _ = local_phase(params, examples, key)
         first, rest = (jax.tree.map(lambda a: a[:1], plan["routing"]),
                        jax.tree.map(lambda a: a[1:], plan["routing"]))
         state, _ = run(policy_step, state, images, y, first, jax.random.fold_in(key, 3))
