@@ -200,9 +200,10 @@ def _check_model_fields(config: Any, method: Any, model: RoutableModel) -> None:
                   f"expected {model.num_layers} widths, one per routed layer of {model.name} "
                   f"{layers}")
         _check_flow_departures(method, model)
+        options = config.get("model_options") or {}
         if (method.semantics == "reference" and model.name in flow_reference_resnet.MODELS
-                and "groups" in config.get("model_options", {})):
-            _fail("model_options.groups", config.model_options.groups,
+                and "groups" in options):
+            _fail("model_options.groups", options["groups"],
                   "expected it unset with methods.flow.semantics='reference': the authors' "
                   "CIFAR network has its own GroupNorm (2 channels per group)")
         dtype = config.get("compute_dtype", "float32")

@@ -227,6 +227,10 @@ CASES: tuple[Case, ...] = (
             "'im2col', 'im2col_slices']"),
     _config("compute_dtype", "bfloat16", "config.compute_dtype='bfloat16': expected 'float32': "
             "resnet18_gn does not implement compute_dtype", model="resnet18_gn"),
+    _config("model_options", {"groups": 32}, "config.model_options.groups=32: expected it unset "
+            "with methods.flow.semantics='reference': the authors' CIFAR network has its own "
+            "GroupNorm (2 channels per group)", model="resnet18_gn",
+            **{"methods.flow.semantics": "reference", "methods.flow.policy_hidden": (8,) * 6}),
     _config("compute_dtype", "bfloat16", "config.compute_dtype='bfloat16': expected 'float32' "
             "with methods.flow.recurrence='mixed_state': its routed recurrence "
             "(layers.routed_lstm) computes in float32", **{"methods.flow.recurrence": "mixed_state"}),
