@@ -15,7 +15,8 @@ import jax
 import numpy as np
 
 from flowjax.algorithms import METHODS, algorithm_names, method_config
-from flowjax.algorithms import flow_reference, flow_reference_lstm, flow_reference_resnet
+from flowjax.algorithms import flow_reference, flow_reference_resnet
+from flowjax.algorithms.flow_reference_networks import NETWORKS
 from flowjax.algorithms.lg_fedavg import global_layer_names
 from flowjax.core.checks import (FieldError, Interval, integer, is_int, one_of, optional_cap, plain,
                                  positive)
@@ -172,14 +173,11 @@ def _check_flow_departures(flow: Any, model: RoutableModel) -> None:
                   f"{list(flow_reference.REFERENCE_MODELS)}")
     try:
         resolved = flow_reference.resolve(flow, model.name)
-        if resolved.semantics == "reference" and model.name in flow_reference_lstm.MODELS:
-            flow_reference_lstm.check_unused(flow, model.name)
-            flow_reference_lstm.check_config(resolved, model)
-            return  # their LSTM procedure indexes its own regularizer
-        if resolved.semantics == "reference" and model.name in flow_reference_resnet.MODELS:
-            flow_reference_resnet.check_unused(flow, model.name)
-            flow_reference_resnet.check_config(resolved, model)
-            return
+        network = NETWORKS.get(model.name)
+        if resolved.semantics == "reference" and network is not None:
+            network.check_unused(flow, model.name)
+            network.check_config(resolved, model)
+            return  # their procedure indexes its own regularizer
     except FieldError as error:  # a departure the reference mode sets clashes with a field
         raise error.at("methods.flow.") from None
     if (resolved.regularizer == "reference"

@@ -79,7 +79,6 @@ def test_a_cap_that_is_not_whole_batches_keeps_exactly_the_cap(images_small):
     from flowjax.algorithms.base import SGDConfig
     from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
     from tests.helpers import tiny_mlp
-    import optax
     sizes = images_small.train.num_examples("train")
     assert sizes.max() > 12
     settings = RunSettings(seed=0, num_rounds=1, clients_per_round=len(sizes), batch_size=4,

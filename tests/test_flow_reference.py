@@ -1,6 +1,5 @@
 """Flow's reference-code departures (flow_reference), each through ``flow()`` / the config."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

@@ -4,7 +4,6 @@ of the personal layers its latest cohort trained, kept for reporting only."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from flowjax import config as run_config

@@ -1,7 +1,6 @@
 """Local training: the server never moves; each client's model is its own SGD run."""
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax

@@ -31,7 +31,7 @@ other departures of the authors' code, each alone or all at once (``halves``,
 ``frozen_momentum``, ``regularizer``, ``local_init``, ``policy_eval_dropout``,
 ``evaluation``, ``policy_last``; see ``flowjax.algorithms.flow_reference``; on the
 LSTMs and the CIFAR ResNet, ``semantics="reference"`` is their network and procedure whole,
-``flowjax.algorithms.flow_reference_lstm`` and ``flow_reference_resnet``).
+``flowjax.algorithms.flow_reference_networks``).
 pc-Flow is FedAvgFT (``flowjax.algorithms.fedavg``).
 
 Optimizer: one SGD momentum buffer per parameter group (global, local, policy), kept for
@@ -53,10 +53,10 @@ import numpy as np
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions, SGDConfig,
                                      instance_weights, plain_loss_sums, valid_examples)
-from flowjax.algorithms import flow_reference_lstm, flow_reference_resnet
 from flowjax.algorithms.flow_reference import (DEPARTURES, SEMANTICS, group_sgd_step,
                                                reference_regularizer_mean, resolve,
                                                shard_batches_fn, shard_member)
+from flowjax.algorithms.flow_reference_networks import NETWORKS
 from flowjax.core.checks import (FieldError, Interval, check_fields, integer, non_negative,
                                  one_of, widths)
 from flowjax.core.cohort import ClientExamples
@@ -192,12 +192,10 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
     ``config``'s departures left None follow ``config.semantics`` for this model
     (``flow_reference.resolve``).
     """
-    if config.semantics == "reference" and model.name in flow_reference_lstm.MODELS:
-        flow_reference_lstm.check_unused(config, model.name)
-        return flow_reference_lstm.reference_lstm(model, resolve(config, model.name))
-    if config.semantics == "reference" and model.name in flow_reference_resnet.MODELS:
-        flow_reference_resnet.check_unused(config, model.name)
-        return flow_reference_resnet.reference_resnet(model, resolve(config, model.name))
+    network = NETWORKS.get(model.name)
+    if config.semantics == "reference" and network is not None:  # their network, whole
+        network.check_unused(config, model.name)
+        return network.build(model, resolve(config, model.name))
     config = resolve(config, model.name)
     policy = build_policy(model, example_x, config.policy_hidden,
                           dropout_rate=config.policy_dropout, last=config.policy_last)

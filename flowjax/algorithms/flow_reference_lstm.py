@@ -273,7 +273,7 @@ def evaluation_plan(net: Net, key: jax.Array, valid: jax.Array, batch_size: int,
                                   routing_epochs, None if every else 1)}
 
 
-def reference_lstm(model: RoutableModel, config: Any) -> FederatedAlgorithm:
+def build(model: RoutableModel, config: Any) -> FederatedAlgorithm:
     """The authors' Flow procedure for ``model`` (an LSTM of ``NETS``), with ``config``'s
     SGD, gamma, epochs, policy widths and dropout, ``frozen_momentum`` and
     ``policy_eval_dropout`` (module docstring)."""

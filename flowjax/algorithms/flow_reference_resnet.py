@@ -299,7 +299,7 @@ def train_plan(key: jax.Array, valid: jax.Array, batch_size: int, local_epochs: 
 # ----------------------------------------------------------------------------- Flow
 
 
-def reference_resnet(model: RoutableModel, config: Any) -> FederatedAlgorithm:
+def build(model: RoutableModel, config: Any) -> FederatedAlgorithm:
     """The authors' Flow for CIFAR with ``config``'s SGD, gamma, epochs, policy widths and
     ``frozen_momentum`` (module docstring)."""
     check_config(config, model)

@@ -13,7 +13,8 @@ import dataclasses
 import os
 from typing import Any, Mapping, Sequence
 
-from flowjax.algorithms import ALGORITHMS, flow_reference_lstm, flow_reference_resnet
+from flowjax.algorithms import ALGORITHMS
+from flowjax.algorithms.flow_reference_networks import NETWORKS
 
 # The methods of compare.py's ``--methods=all`` (every implemented baseline and Flow).
 MAIN = ("local", "fedavg", "fedavg_ft", "apfl", "ditto", "fedrep", "lg_fedavg", "hypcluster",
@@ -54,7 +55,7 @@ def variant_overrides(name: str, model: str | None = None) -> dict[str, Any]:
     A single departure of the authors' code (``flow_ref_*``) takes the value of their
     EMNIST code; given the config's ``model``, it is refused on the LSTMs and the CIFAR
     ResNet, whose reference is their network and runs only whole
-    (``flow_reference_lstm``, ``flow_reference_resnet``).
+    (``flow_reference_networks``).
 
     Raises:
       ValueError: ``name`` is neither an algorithm nor an ablation, or such a departure
@@ -79,8 +80,7 @@ def check_departures_fit(name: str, model: str) -> None:
     runs only whole (the LSTMs and the CIFAR ResNet: ``flow_reference``)."""
     departures = [key for key in REFERENCE_VARIANTS[name]
                   if key.startswith("methods.flow.") and key != "methods.flow.semantics"]
-    if departures and (model in flow_reference_lstm.MODELS
-                       or model in flow_reference_resnet.MODELS):
+    if departures and model in NETWORKS:
         raise ValueError(f"{name} switches one departure of the authors' code on alone, but "
                          f"for model {model!r} their code is another network that runs only "
                          f"whole (flow_reference); expected --methods without the flow_ref_* "
