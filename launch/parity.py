@@ -513,18 +513,9 @@ def resnet_torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
         updated = {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
 
         train = _ScriptedDataset(ours["their_images"], labels, ours["eval_passes"])
-        net = their_net()
-        captured = []
-
-        def hook(module, args, kwargs, output):
-            if not module.training:
-                captured.append((module, kwargs.get("mode"), output[0].detach().numpy().copy()))
-
-        net.register_forward_hook(hook, with_kwargs=True)
-        figures = trainer.cifar10_generalized_test(net, train, test)
+        figures, snapshot, personal = _their_evaluation(
+            their_net(), lambda net: trainer.cifar10_generalized_test(net, train, test))
         assert train.exhausted(), "their evaluation left passes of flowjax's plan unread"
-    snapshot = np.concatenate([o for m, mode_, o in captured if m is not net and mode_ == "global"])
-    personal = np.concatenate([o for m, mode_, o in captured if m is net and mode_ == "personalized"])
     return dict(updated=updated, eval_snapshot_logits=snapshot, eval_personal_logits=personal,
                 metrics=_reported_metrics(figures))
 
@@ -661,6 +652,27 @@ def _their_net(trainer, state: dict[str, np.ndarray]):
     return net
 
 
+def _their_evaluation(net, evaluate, layout=None) -> tuple[tuple, np.ndarray, np.ndarray]:
+    """Runs their ``*_generalized_test`` (``evaluate(net)``), capturing the logits their
+    nets compute in eval mode: ``(figures, snapshot logits, routed logits)``, the snapshot
+    from their deep copy's global mode and the routed ones from ``net``'s personalized
+    mode; ``layout`` rearranges each captured array."""
+    captured = []
+
+    def hook(module, args, kwargs, output):
+        if not module.training:
+            logits = output[0].detach().numpy()
+            captured.append((module, kwargs.get("mode"),
+                             (logits if layout is None else layout(logits)).copy()))
+
+    net.register_forward_hook(hook, with_kwargs=True)
+    figures = evaluate(net)
+    snapshot = np.concatenate([o for m, mode, o in captured if m is not net and mode == "global"])
+    personal = np.concatenate([o for m, mode, o in captured
+                               if m is net and mode == "personalized"])
+    return figures, snapshot, personal
+
+
 def _their_trainer(reference_dir: str, settings: dict, total_clients: int,
                    total_rounds: int):
     """Their ``trainers.client_flow`` with the module globals their ``__main__`` block
@@ -691,17 +703,9 @@ def torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
         trainer.emnist_train(net, train, test)
         updated = {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
 
-        net = _their_net(trainer, initial)
-        captured = []
-
-        def hook(module, args, kwargs, output):
-            if not module.training:
-                captured.append((module, kwargs.get("mode"), output[0].detach().numpy().copy()))
-
-        net.register_forward_hook(hook, with_kwargs=True)
-        figures = trainer.emnist_generalized_test(net, train, test)
-    snapshot = np.concatenate([o for m, mode_, o in captured if m is not net and mode_ == "global"])
-    personal = np.concatenate([o for m, mode_, o in captured if m is net and mode_ == "personalized"])
+        figures, snapshot, personal = _their_evaluation(
+            _their_net(trainer, initial),
+            lambda net: trainer.emnist_generalized_test(net, train, test))
     return dict(updated=updated, eval_snapshot_logits=snapshot, eval_personal_logits=personal,
                 metrics=_reported_metrics(figures))
 
@@ -794,19 +798,11 @@ def lstm_torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
         updated = {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
 
         train = _ScriptedDataset(data["train_x"], data["train_y"], ours["eval_passes"])
-        net = _their_lstm_net(net_class, ours["torch_state"], settings)
-        captured = []
-
-        def hook(module, args, kwargs, output):
-            if not module.training:  # [B, V, T] -> [B, T, V]
-                logits = output[0].detach().numpy().transpose(0, 2, 1).copy()
-                captured.append((module, kwargs.get("mode"), logits))
-
-        net.register_forward_hook(hook, with_kwargs=True)
-        figures = getattr(trainer, names["evaluate"])(net, train, test)
+        evaluate = getattr(trainer, names["evaluate"])
+        figures, snapshot, personal = _their_evaluation(  # [B, V, T] -> [B, T, V]
+            _their_lstm_net(net_class, ours["torch_state"], settings),
+            lambda net: evaluate(net, train, test), layout=lambda a: a.transpose(0, 2, 1))
         assert train.exhausted(), "their evaluation left passes of flowjax's plan unread"
-    snapshot = np.concatenate([o for m, mode_, o in captured if m is not net and mode_ == "global"])
-    personal = np.concatenate([o for m, mode_, o in captured if m is net and mode_ == "personalized"])
     updated = lstm_effective(updated)
     assert set(ours["updated"]) <= set(updated), set(ours["updated"]) - set(updated)
     return dict(updated={k: updated[k] for k in ours["updated"]},  # both sides' tensors

@@ -221,6 +221,20 @@ def reference_regularizer_mean(model_name: str, q: jax.Array, weights: jax.Array
     return jnp.sum(per_instance * weights) / jnp.maximum(jnp.sum(weights), 1e-12)
 
 
+def epochs_with_snapshot(run: Callable, step: Callable, state: Any, x: jax.Array,
+                         y: jax.Array, batches: Any, first_key: jax.Array,
+                         rest_key: jax.Array) -> tuple[Any, Any]:
+    """Their evaluation's routed epochs, keeping a copy of the params after the first (Acc_g's
+    client snapshot): ``run(step, state, x, y, batches, key)`` over the first epoch of
+    ``batches`` (leading axis: epochs), then over the rest. Returns ``(state, snapshot)``."""
+    first = jax.tree.map(lambda a: a[:1], batches)
+    state, _ = run(step, state, x, y, first, first_key)
+    snapshot = state[0]
+    if jax.tree.leaves(batches)[0].shape[0] > 1:
+        state, _ = run(step, state, x, y, jax.tree.map(lambda a: a[1:], batches), rest_key)
+    return state, snapshot
+
+
 # ----------------------------------------------------------------------------- whole networks
 
 

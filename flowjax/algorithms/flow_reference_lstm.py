@@ -81,9 +81,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from flowjax.algorithms.base import ClientResult, FederatedAlgorithm, Predictions, instance_weights
-from flowjax.algorithms.flow_reference import (group_sgd_step, reference_terms,
-                                               refuse_other_values, refuse_set_fields,
-                                               shard_batches_fn)
+from flowjax.algorithms.flow_reference import (epochs_with_snapshot, group_sgd_step,
+                                               reference_terms, refuse_other_values,
+                                               refuse_set_fields, shard_batches_fn)
 from flowjax.core.checks import FieldError
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import epoch_batches, run_epochs
@@ -491,12 +491,9 @@ def build(model: RoutableModel, config: Any) -> FederatedAlgorithm:
         step_keys = jax.random.fold_in(key, 3)
         state, _ = run(local_step, start_state(params), x, y, plan["local"],
                        jax.random.fold_in(step_keys, 0))
-        first, rest = (jax.tree.map(lambda a: a[:1], plan["joint"]),
-                       jax.tree.map(lambda a: a[1:], plan["joint"]))
-        state, _ = run(joint_step, state, x, y, first, jax.random.fold_in(step_keys, 1))
-        snapshot = state[0]
-        if config.routing_epochs > 1:
-            state, _ = run(joint_step, state, x, y, rest, jax.random.fold_in(step_keys, 2))
+        state, snapshot = epochs_with_snapshot(run, joint_step, state, x, y, plan["joint"],
+                                               jax.random.fold_in(step_keys, 1),
+                                               jax.random.fold_in(step_keys, 2))
         personal = {"groups": state[0], "snapshot": snapshot}
         if config.policy_eval_dropout and config.policy_dropout > 0:
             personal["route_key"] = jax.random.key_data(jax.random.fold_in(key, 4))

@@ -70,8 +70,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from flowjax.algorithms.base import ClientResult, FederatedAlgorithm, Predictions, instance_weights
-from flowjax.algorithms.flow_reference import (group_sgd_step, reference_terms,
-                                               refuse_other_values, refuse_set_fields)
+from flowjax.algorithms.flow_reference import (epochs_with_snapshot, group_sgd_step,
+                                               reference_terms, refuse_other_values,
+                                               refuse_set_fields)
 from flowjax.core.checks import FieldError
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import packed_batches, run_epochs
@@ -432,12 +433,9 @@ def build(model: RoutableModel, config: Any) -> FederatedAlgorithm:
         """Their ``cifar*_generalized_test``'s training: the personal net and the snapshot."""
         del client_state  # stateless
         state, _, images, y, plan, _ = local_phase(params, examples, key)
-        first, rest = (jax.tree.map(lambda a: a[:1], plan["routing"]),
-                       jax.tree.map(lambda a: a[1:], plan["routing"]))
-        state, _ = run(policy_step, state, images, y, first, jax.random.fold_in(key, 3))
-        snapshot = state[0]
-        if config.routing_epochs > 1:
-            state, _ = run(policy_step, state, images, y, rest, jax.random.fold_in(key, 4))
+        state, snapshot = epochs_with_snapshot(run, policy_step, state, images, y,
+                                               plan["routing"], jax.random.fold_in(key, 3),
+                                               jax.random.fold_in(key, 4))
         return {"params": state[0], "snapshot": snapshot}
 
     def predict(params, personal, x) -> Predictions:
