@@ -319,7 +319,7 @@ def lstm_effective(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def _lstm_passes(plan: dict, order: list[tuple[str, str, int]]) -> list[tuple[str, list]]:
+def _planned_passes(plan: dict, order: list[tuple[str, str, int]]) -> list[tuple[str, list]]:
     """The example indices of every batch of every pass, in the order their loop asks for
     them: ``order`` lists ``(phase, kind, epoch)``."""
     passes = []
@@ -369,8 +369,8 @@ def lstm_flowjax_side(frozen_momentum: str, settings: dict) -> dict[str, Any]:
                 eval_snapshot_logits=snapshot, eval_personal_logits=personal_logits,
                 metrics=_metrics(snapshot, personal_logits, data["test_y"],
                                  real=data["test_y"] != 0),
-                train_passes=_lstm_passes(train_plan, train_order),
-                eval_passes=_lstm_passes(eval_plan, eval_order))
+                train_passes=_planned_passes(train_plan, train_order),
+                eval_passes=_planned_passes(eval_plan, eval_order))
 
 
 # ----------------------------------------------------------------------------- CIFAR ResNet
@@ -477,7 +477,7 @@ def _resnet_flowjax_side(frozen_momentum: str, settings: dict) -> dict[str, Any]
     k = settings["epochs"]
     plan = reference.train_plan(key, valid, settings["batch_size"], k, k)
     order = [("local", "all", e) for e in range(k)] + [("routing", "all", e) for e in range(k)]
-    passes = _lstm_passes(plan, order)
+    passes = _planned_passes(plan, order)
     images = reference.per_image_standardization(reference.with_flips(reference.their_pixels(x)))
     return dict(initial=resnet_to_torch_layout(params), torch_state=resnet_to_torch_layout(params),
                 updated=resnet_to_torch_layout(result.params),

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import optax
 
 from flowjax.core.checks import FieldError
-from flowjax.core.local_training import packed_batches
+from flowjax.core.local_training import packed_batches, run_epochs
 from flowjax.core.losses import mean_from_sums
 from flowjax.routing.policy import LAST_KINDS
 from flowjax.routing.routed import RECURRENCES
@@ -218,7 +218,24 @@ def reference_regularizer_mean(model_name: str, q: jax.Array, weights: jax.Array
     q = q[..., jnp.asarray(entries)]  # [*instance, layers, entries]
     terms = reference_terms(q)
     per_instance = jnp.mean(terms.reshape(terms.shape[: weights.ndim] + (-1,)), axis=-1)
-    return jnp.sum(per_instance * weights) / jnp.maximum(jnp.sum(weights), 1e-12)
+    return instance_mean(per_instance, weights)
+
+
+def instance_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
+    """Their regularizer's batch mean: ``values`` averaged over the instances with weight
+    (padding excluded)."""
+    return jnp.sum(values * weights) / jnp.maximum(jnp.sum(weights), 1e-12)
+
+
+def run_planned(step: Callable, state: Any, x: jax.Array, y: jax.Array, batches: Any,
+                batch_size: int, key: jax.Array) -> tuple[Any, jax.Array]:
+    """``run_epochs`` of ``step`` over batches planned up front, ``(indices [E, S, B],
+    mask [E, S, B])`` into ``x`` and ``y``: one epoch per leading entry."""
+    indices, mask = batches
+    member = jnp.ones(x.shape[:1], bool)  # unused: the batches are planned
+    return run_epochs(step, state, x, y, member, num_epochs=indices.shape[0],
+                      batch_size=batch_size, key=key,
+                      batches_fn=lambda _, e: (indices[e], mask[e]))
 
 
 def epochs_with_snapshot(run: Callable, step: Callable, state: Any, x: jax.Array,

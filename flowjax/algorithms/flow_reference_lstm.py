@@ -82,11 +82,12 @@ from jax import lax
 
 from flowjax.algorithms.base import ClientResult, FederatedAlgorithm, Predictions, instance_weights
 from flowjax.algorithms.flow_reference import (epochs_with_snapshot, group_sgd_step,
-                                               reference_terms, refuse_other_values,
-                                               refuse_set_fields, shard_batches_fn)
+                                               instance_mean, reference_terms,
+                                               refuse_other_values, refuse_set_fields,
+                                               run_planned, shard_batches_fn)
 from flowjax.core.checks import FieldError
 from flowjax.core.cohort import ClientExamples
-from flowjax.core.local_training import epoch_batches, run_epochs
+from flowjax.core.local_training import epoch_batches
 from flowjax.core.losses import weighted_cross_entropy
 from flowjax.models.base import RoutableModel
 from flowjax.models.layers import dropout, lstm_cell, lstm_weights
@@ -393,8 +394,7 @@ def build(model: RoutableModel, config: Any) -> FederatedAlgorithm:
         logits, _, regularizer = routed(groups, x, hard=False, key=dropout_key)
         ce_sum, count = weighted_cross_entropy(logits, y, instance_weights(model, y, w))
         if config.gamma > 0:  # a batch mean, as theirs, over the batch's real sequences
-            mean = jnp.sum(regularizer * w) / jnp.maximum(jnp.sum(w), 1e-12)
-            ce_sum = ce_sum + config.gamma * count * mean
+            ce_sum = ce_sum + config.gamma * count * instance_mean(regularizer, w)
         return jnp.stack([ce_sum, count])
 
     def step_for(loss_sums, active):
@@ -438,12 +438,7 @@ def build(model: RoutableModel, config: Any) -> FederatedAlgorithm:
         return groups, {name: optimizer.init(p) for name, p in groups.items()}
 
     def run(step, state, x, y, batches, epoch_key):
-        """Epochs of ``step`` over planned ``batches`` ``(indices [E, S, B], mask)``."""
-        indices, mask = batches
-        member = jnp.ones(x.shape[:1], bool)  # unused: the batches are planned
-        return run_epochs(step, state, x, y, member, num_epochs=indices.shape[0],
-                          batch_size=batch_size, key=epoch_key,
-                          batches_fn=lambda _, e: (indices[e], mask[e]))
+        return run_planned(step, state, x, y, batches, batch_size, epoch_key)
 
     def one_pass(batches):
         return jax.tree.map(lambda a: a[None], batches)

@@ -71,19 +71,19 @@ from jax import lax
 
 from flowjax.algorithms.base import ClientResult, FederatedAlgorithm, Predictions, instance_weights
 from flowjax.algorithms.flow_reference import (epochs_with_snapshot, group_sgd_step,
-                                               reference_terms, refuse_other_values,
-                                               refuse_set_fields)
+                                               instance_mean, reference_terms,
+                                               refuse_other_values, refuse_set_fields,
+                                               run_planned)
 from flowjax.core.checks import FieldError
 from flowjax.core.cohort import ClientExamples
-from flowjax.core.local_training import packed_batches, run_epochs
+from flowjax.core.local_training import packed_batches
 from flowjax.core.losses import weighted_cross_entropy
 from flowjax.data.cifar import CHANNEL_MEAN, CHANNEL_STD
 from flowjax.models.base import RoutableModel
+# The same image, stages and convolution init as flowjax's ResNet-18.
+from flowjax.models.resnet_gn import CONV_INIT, IMAGE_SHAPE, STAGE_STRIDES, STAGE_WIDTHS
 
 MODELS = ("resnet18_gn",)
-IMAGE_SHAPE = (32, 32, 3)
-STAGE_WIDTHS = (64, 128, 256, 512)
-STAGE_STRIDES = (1, 2, 2, 2)
 CHANNELS_PER_GROUP = 2
 NORM_EPSILON = 1e-5
 NUM_ROUTES = 6
@@ -131,8 +131,7 @@ def conv(features: int, kernel: int, stride: int, padding: int, name: str | None
     init; PyTorch's symmetric padding."""
     return nn.Conv(features, (kernel, kernel), strides=stride, name=name,
                    padding=((padding, padding), (padding, padding)), use_bias=False,
-                   kernel_init=nn.initializers.variance_scaling(2.0, "fan_out",
-                                                                "normal"))
+                   kernel_init=CONV_INIT)  # N(0, 2 / (k * k * C_out)), as resnet18_gn's
 
 
 class GroupNorm(nn.Module):
@@ -363,8 +362,7 @@ def build(model: RoutableModel, config: Any) -> FederatedAlgorithm:
         ce_sum, count = weighted_cross_entropy(logits, y, instance_weights(model, y, w))
         if config.gamma > 0:
             per_example = jnp.mean(reference_terms(p[..., 1]), axis=-1)
-            mean = jnp.sum(per_example * w) / jnp.maximum(jnp.sum(w), 1e-12)
-            ce_sum = ce_sum + config.gamma * count * mean
+            ce_sum = ce_sum + config.gamma * count * instance_mean(per_example, w)
         return jnp.stack([ce_sum, count])
 
     def step_for(loss_sums, active):
@@ -402,11 +400,8 @@ def build(model: RoutableModel, config: Any) -> FederatedAlgorithm:
 
     def run(step, state, images, y, batches, epoch_key):
         """Epochs of ``step`` over planned ``batches`` of ``with_flips`` images."""
-        indices, mask = batches
-        member = jnp.ones(images.shape[:1], bool)  # unused: the batches are planned
-        return run_epochs(step, state, images, jnp.concatenate([y, y]), member,
-                          num_epochs=indices.shape[0], batch_size=batch_size, key=epoch_key,
-                          batches_fn=lambda _, e: (indices[e], mask[e]))
+        return run_planned(step, state, images, jnp.concatenate([y, y]), batches, batch_size,
+                           epoch_key)
 
     def local_phase(params, examples: ClientExamples, key):
         """A fresh SGD and their local epochs, the start of both their client functions:

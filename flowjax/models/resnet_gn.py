@@ -30,7 +30,7 @@ LAYER_NAMES = ("stem", "stage1", "stage2", "stage3", "stage4", "fc")
 # PyTorch's GroupNorm epsilon; Flax's default (1e-6) would work as well.
 _GN_EPSILON = 1e-5
 # torchvision's ResNet init for convolutions (kaiming normal, fan_out, relu gain).
-_CONV_INIT: Callable[..., jax.Array] = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
+CONV_INIT: Callable[..., jax.Array] = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
 
 
 def _conv(features: int, kernel: int, stride: int, custom_grad: bool) -> Conv2D:
@@ -39,7 +39,7 @@ def _conv(features: int, kernel: int, stride: int, custom_grad: bool) -> Conv2D:
     padding = "SAME" if kernel > 1 else "VALID"
     return Conv2D(features, (kernel, kernel), padding=padding,
                   custom_grad=custom_grad and stride == 1, stride=stride, use_bias=False,
-                  kernel_init=_CONV_INIT)
+                  kernel_init=CONV_INIT)
 
 
 def _norm(groups: int) -> nn.GroupNorm:
