@@ -40,6 +40,10 @@ Options:
     first execution, instead of a warm-up round and then ``--repeats`` rounds: for rounds
     too long to run twice.
   --project_rounds=2000: also print clients/s and the time of that many such rounds.
+  --profile_dir=DIR (with --nowarmup): one more execution of each engine round's compiled
+    program under ``jax.profiler.trace(DIR/<model>-<method>-<mapping>)``, its HLO text
+    beside it, and a summary of the trace printed and stored in the row
+    (``launch/trace_summary.py``: device busy vs idle time, op time by kind, top ops).
 
 The Stack Overflow scale run of ``launch/gpu_bench.sh``:
 
@@ -57,6 +61,7 @@ xla_env.apply()
 import dataclasses  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -76,6 +81,7 @@ from flowjax.data.synthetic import stackoverflow_like_sizes  # noqa: E402
 from flowjax.memory_plan import chunk_for_sizes, plan_chunk_size  # noqa: E402
 from flowjax.experiment import RunSettings, Simulation  # noqa: E402
 from flowjax.models import MODELS, get_model, model_takes  # noqa: E402
+from launch import trace_summary  # noqa: E402
 from launch.bench_common import (ALGORITHMS, BATCH, LEARNING_RATE, build_algorithm,  # noqa: E402
                                  first_batch, synthetic_examples, synthetic_task)
 
@@ -116,6 +122,10 @@ _PYTHON_LOOP = flags.DEFINE_bool("python_loop", True, "Time the sequential Pytho
 _CENTRALIZED = flags.DEFINE_bool("centralized", True, "Time the centralized-equivalent step.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "A warm-up round before the timed ones; without "
                             "it the round is compiled ahead of time and run --repeats times.")
+_PROFILE = flags.DEFINE_string("profile_dir", None, "With --nowarmup: trace one more execution "
+                                "of each engine round with JAX's profiler into a folder here "
+                                "per row, and print where its time went "
+                                "(launch/trace_summary.py).")
 _PROJECT = flags.DEFINE_integer("project_rounds", 0, "Print clients/s and the time of this "
                                 "many rounds (0: no projection).")
 cli.define_debug_flag()
@@ -182,7 +192,8 @@ def mapping_padding(cohort, mapping: ClientMapping, batch: int,
             "example_efficiency": float(np.sum(cohort.num_examples)) * epochs / (executed * batch)}
 
 
-def time_engine_round(algorithm, task, mapping: ClientMapping, repeats: int) -> dict:
+def time_engine_round(algorithm, task, mapping: ClientMapping, repeats: int,
+                      profile_dir: str | None = None) -> dict:
     batch = BATCH[algorithm.model.name]
     settings = RunSettings(seed=0, num_rounds=1, clients_per_round=len(task.train.client_ids),
                            batch_size=batch, eval_held_out=False)
@@ -200,7 +211,7 @@ def time_engine_round(algorithm, task, mapping: ClientMapping, repeats: int) -> 
     if _WARMUP.value:
         timing["round_s"] = median_seconds(one_round, repeats)
     else:
-        timing = time_compiled_round(simulation, state, cohort, repeats)
+        timing = time_compiled_round(simulation, state, cohort, repeats, profile_dir)
     return {**timing, "compilations": simulation.trace_counts["round"],
             **mapping_padding(jax.device_get(host_cohort), mapping, batch, _EPOCHS.value)}
 
@@ -213,21 +224,43 @@ def parse_strategy(strategy: str, chunk_size: int, devices: int) -> ClientMappin
     return ClientMapping(name, int(size) if size else chunk_size, devices)
 
 
-def time_compiled_round(simulation, state, cohort, repeats: int) -> dict:
+def time_compiled_round(simulation, state, cohort, repeats: int,
+                        profile_dir: str | None = None) -> dict:
     """Compiles the round ahead of time, then times ``repeats`` executions with no warm-up
-    run (the engine's own jitted round function, lowered for these exact arguments)."""
+    run (the engine's own jitted round function, lowered for these exact arguments).
+    With ``profile_dir``, one more execution runs under JAX's profiler (not timed)."""
     start = time.perf_counter()
     compiled = simulation._round_fn.lower(state, cohort, np.int32(0), None,
                                           simulation.seed_words).compile()
     compile_s = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
+
+    def execute():
         fresh = jax.tree.map(jnp.copy, state)  # donated by the round
         jax.block_until_ready(fresh)
         start = time.perf_counter()
         jax.block_until_ready(compiled(fresh, cohort, np.int32(0), None, simulation.seed_words))
-        times.append(time.perf_counter() - start)
-    return {"round_s": statistics.median(times), "compile_s": compile_s}
+        return time.perf_counter() - start
+
+    times = [execute() for _ in range(repeats)]
+    timing = {"round_s": statistics.median(times), "compile_s": compile_s}
+    if profile_dir:
+        timing["profile"] = profile_execution(execute, compiled.as_text(), profile_dir)
+    return timing
+
+
+def profile_execution(execute, hlo_text: str, directory: str) -> dict:
+    """Runs ``execute`` once under ``jax.profiler.trace(directory)``, writes the compiled
+    HLO beside the trace and returns (and prints) ``trace_summary``'s summary."""
+    os.makedirs(directory, exist_ok=True)
+    hlo_path = os.path.join(directory, "round.hlo.txt")
+    with open(hlo_path, "w") as out:
+        out.write(hlo_text)
+    with jax.profiler.trace(directory):
+        seconds = execute()
+    summary = trace_summary.summarize_dir(directory, hlo_path)
+    print(f"profiled one execution ({seconds:.3f} s, traced) into {directory}:\n"
+          + trace_summary.format_summary(summary), flush=True)
+    return {"directory": directory, "round_s_traced": seconds, "processes": summary}
 
 
 def planned_mapping(algorithm, task, batch: int, device_bytes: int) -> ClientMapping:
@@ -316,6 +349,14 @@ def mapping_label(mapping: ClientMapping) -> str:
     return label + (f", {mapping.num_devices} devices" if mapping.num_devices > 1 else "")
 
 
+def profile_folder(model_name: str, method: str, mapping: str) -> str | None:
+    """``--profile_dir``'s folder for one row, named in letters, digits, '.', '_', '-'."""
+    if not _PROFILE.value:
+        return None
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{model_name}-{method}-{mapping}").strip("_")
+    return os.path.join(_PROFILE.value, name)
+
+
 def time_model(model_name: str, clients: int, steps: int, repeats: int) -> dict:
     """Every row of one model's table: engine rounds per mapping, the Python loop, the
     centralized-equivalent step and (with --compare_torch) PyTorch eager."""
@@ -342,7 +383,8 @@ def time_model(model_name: str, clients: int, steps: int, repeats: int) -> dict:
                 else:
                     mapping, label = parse_strategy(strategy, _CHUNK.value, devices), ""
                 key = (method, mapping_label(mapping) + (f" ({label})" if label else ""))
-                rows[key] = time_engine_round(algorithm, task, mapping, repeats)
+                rows[key] = time_engine_round(algorithm, task, mapping, repeats,
+                                              profile_folder(model_name, *key))
                 print(f"timed {key[0]}, {key[1]}: {rows[key]['round_s']:.3f} s per round",
                       flush=True)  # before the table: a run cut short still reports it
     torch_row = time_torch(model_name, task, steps, repeats) if _COMPARE_TORCH.value else None
@@ -535,6 +577,9 @@ def run(argv):
     if unknown or not _MODELS.value:
         raise BadFlags(f"--models={','.join(_MODELS.value)}: {', '.join(unknown) or 'none given'}"
                        f" is not benchmarked; expected some of {', '.join(BATCH)}")
+    if _PROFILE.value and _WARMUP.value:
+        raise BadFlags(f"--profile_dir={_PROFILE.value}: expected --nowarmup as well; the "
+                       "profiled execution reuses the round compiled ahead of time")
     clients, steps, repeats = _CLIENTS.value, _STEPS.value, _REPEATS.value
     report = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
               "jax": jax.__version__, "clients": clients, "steps": steps,

@@ -11,8 +11,9 @@
 #   BUDGET_S  seconds for all runs together (default 450); a run gets at most what is left
 #   PY        the Python with jax[cuda] (default: python3, the device image's)
 # The EMNIST runs come first (their targets are ratios within one run), then Stack Overflow
-# at 64 skewed clients (baseline, float32, bf16, command buffers over loops), then a bf16
-# 1,000-client Flow round, the roofline and a determinism check.
+# at 64 skewed clients (baseline, float32, bf16, command buffers over loops), profiles of
+# both (where the device's time goes), then a bf16 1,000-client Flow round, the roofline
+# and a determinism check.
 set -u
 OUT=${OUT:-/tmp/gpu_bench_out}
 NEW=$(cd "${NEW:-.}" && pwd)
@@ -87,6 +88,15 @@ step so64_bf16 100 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:
 #   python launch/chunk_costs.py --results=so64_cmdbuf.json --algorithm=flow
 XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" step so64_cmdbuf 110 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:4,chunked:19 --nopython_loop --nocentralized --repeats=2 --json_out="$RAW/so64_cmdbuf.json"
 
+# Where the time goes (launch/trace_summary.py): one more execution of each round above,
+# compiled ahead of time, traced by JAX's profiler; each row prints the device's busy and
+# idle time, op time by kind and by layer, and its top kernels (into the .txt and JSON).
+# The traces themselves stay in raw.tgz only while it fits what a device call returns.
+PROFILE=(--nopython_loop --nocentralized --nowarmup --repeats=1)
+step profile_emnist 90 "$NEW" launch/benchmark.py "${EMNIST[@]}" "${PROFILE[@]}" --conv_impl=im2col_slices --profile_dir="$RAW/profile_emnist" --json_out="$RAW/profile_emnist.json"
+step profile_so64 100 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 "${PROFILE[@]}" --profile_dir="$RAW/profile_so64" --json_out="$RAW/profile_so64.json"
+find "$RAW" \( -name '*.xplane.pb' -o -name 'round.hlo.txt' \) -delete 2>/dev/null
+
 SO1000=(launch/benchmark.py --models=stackoverflow_lstm --skewed --clients=1000 --epochs=3 --strategies=planned --nopython_loop --nocentralized --nowarmup --repeats=1 --project_rounds=2000)
 step so1000_flow_bf16 170 "$NEW" "${SO1000[@]}" --algorithms=flow --compute_dtype=bfloat16 --json_out="$RAW/so1000_flow_bf16.json"
 step roofline 70 "$NEW" launch/roofline.py --models=emnist_cnn,stackoverflow_lstm --json_out="$RAW/roofline_gpu.json"
@@ -95,4 +105,10 @@ step roofline 70 "$NEW" launch/roofline.py --models=emnist_cnn,stackoverflow_lst
 step determinism 80 "$NEW" launch/determinism_check.py --json_out="$RAW/determinism.json"
 
 echo "# done after $(($(date +%s) - START)) s" | tee -a "$LOG"
-tar czf "$OUT/raw.tgz" -C "$OUT" raw && rm -rf "$RAW"
+tar czf "$OUT/raw.tgz" -C "$OUT" raw
+# A device call returns files of at most 16 MiB: without the traces if they do not fit.
+if (($(stat -c %s "$OUT/raw.tgz") > 15 * 1024 * 1024)); then
+  echo "# raw.tgz over 15 MiB: packed again without the *.trace.json.gz files" | tee -a "$LOG"
+  tar czf "$OUT/raw.tgz" --exclude='*.trace.json.gz' -C "$OUT" raw
+fi
+rm -rf "$RAW"

@@ -237,5 +237,6 @@ def test_every_step_of_the_device_script_parses_its_flags(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert set(steps) == {"versions", "emnist_xla", "emnist_slices", "emnist_slices_bf16",
                           "so64_baseline", "so64", "so64_bf16", "so64_cmdbuf",
-                          "so1000_flow_bf16", "roofline", "determinism"}, log[-3000:]
+                          "profile_emnist", "profile_so64", "so1000_flow_bf16", "roofline",
+                          "determinism"}, log[-3000:]
     assert set(steps.values()) == {"0"}, log[-3000:]
