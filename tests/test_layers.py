@@ -109,6 +109,30 @@ def test_max_pool_matches_reduce_window(size):
     assert_close(jax.grad(loss(layers.max_pool_2x2))(h), jax.grad(loss(reference_max_pool))(h))
 
 
+def test_max_pool_gradient_of_a_routed_input_is_exact_under_the_suites_flags():
+    """The pooled input as the routed CNN computes it: a per-instance mix of two branches.
+    With ``c = q a + (1 - q) b > 0`` the pool is ``c`` times the pool of ``x``, so the
+    gradient has a closed form. ``max`` over the window axes had it infinite under the
+    suite's XLA flags (``conftest.TEST_XLA_FLAGS``: its gradient needs XLA to recompute
+    the input bit for bit alike, ``layers.max_pool_2x2``); selects need no such match."""
+    x = normal(0, (8, 26, 26, 4))
+    q = jax.random.uniform(jax.random.key(1), (8, 1, 1, 1))
+    a, b = jnp.float32(1.1), jnp.float32(0.7)
+    f = lambda a, b: jnp.sum(layers.max_pool_2x2(q * (x * a) + (1 - q) * (x * b)) ** 2)  # noqa: E731
+    grads = jax.jit(jax.grad(f, argnums=(0, 1)))(a, b)
+    c, q = q[:, 0, 0, 0] * a + (1 - q[:, 0, 0, 0]) * b, q[:, 0, 0, 0]
+    pooled = jnp.sum(reference_max_pool(x) ** 2, axis=(1, 2, 3))
+    assert_close(grads, (jnp.sum(2 * c * q * pooled), jnp.sum(2 * c * (1 - q) * pooled)))
+
+
+def test_max_pool_gives_a_tie_to_the_first_maximum():
+    """As PyTorch's max pool does; the forward value is the maximum itself."""
+    h = jnp.asarray([[1.0, 3.0], [3.0, 2.0]]).reshape(1, 2, 2, 1)
+    np.testing.assert_array_equal(layers.max_pool_2x2(h), [[[[3.0]]]])
+    np.testing.assert_array_equal(jax.grad(lambda h: layers.max_pool_2x2(h).sum())(h)[0, ..., 0],
+                                  [[0.0, 1.0], [0.0, 0.0]])
+
+
 def test_dropout():
     h, key = jnp.ones((1000,)), jax.random.key(0)
     assert layers.dropout(h, 0.5, False, key) is h

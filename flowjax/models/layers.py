@@ -298,14 +298,29 @@ class Conv2D(nn.Module):
         return y + self.param("bias", self.bias_init, (self.features,))
 
 
+def _larger(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``max(a, b)`` as a select: its gradient goes to exactly one operand, ``a`` on a
+    tie."""
+    return jnp.where(a >= b, a, b)
+
+
 def max_pool_2x2(h: jax.Array) -> jax.Array:
     """2x2 max pooling with stride 2 on NHWC, dropping an odd last row or column.
 
-    Written as reshape + max because the gradient of ``reduce_window`` max is slow on CPU.
+    Written as reshape + selects because the gradient of ``reduce_window`` max is slow on
+    CPU. Not as ``max`` over the window axes: that reduction's gradient finds the maximum
+    by comparing its input with its output and divides by the number of matches, which
+    needs XLA to compute the input bit for bit alike wherever it recomputes it. XLA CPU at
+    ``--xla_backend_optimization_level=0`` did not: the CNN's routed gradient came out
+    up to 40% off or infinite (``tests/test_layers.py``). Selects need no such match. A
+    tie's gradient goes to the window's first maximum, as in PyTorch's max pool.
     """
     n, height, width, c = h.shape
-    h = h[:, : height // 2 * 2, : width // 2 * 2]
-    return h.reshape(n, height // 2, 2, width // 2, 2, c).max(axis=(2, 4))
+    h = h[:, : height // 2 * 2, : width // 2 * 2].reshape(n, height // 2, 2, width // 2, 2, c)
+    # Within each row of a window first, then across its rows: a tie goes to the first
+    # maximum in row-major order.
+    in_rows = _larger(h[..., 0, :], h[..., 1, :])
+    return _larger(in_rows[:, :, 0], in_rows[:, :, 1])
 
 
 def dropout(h: jax.Array, rate: float, train: bool, key: jax.Array) -> jax.Array:
