@@ -45,7 +45,10 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
             evaluation=config_dict.placeholder(str),  # reference / paper
             policy_last=config_dict.placeholder(str),  # dense / exit
             # LSTM routing: "mixed_state" (Eq. 3 per time step) or "separate" (None).
-            recurrence=config_dict.placeholder(str)),
+            recurrence=config_dict.placeholder(str),
+            # True: a layer's two branches in one product where its input outweighs its
+            # weights (the same model to float32 rounding; routing/routed.py). None: off.
+            fuse_branches=config_dict.placeholder(bool)),
         apfl=dict(alpha=0.25),
         ditto=dict(lam=0.1),
         # None: derived from E, (E - 1) head + 1 body epochs (E = 1: 0 + 1; algorithms/fedrep.py).

@@ -22,7 +22,9 @@ POLICY = {"emnist_cnn": (350, 150, 50, 50), "shakespeare_lstm": (64, 64, 32, 16)
           "stackoverflow_lstm": (64, 64, 32, 16)}
 LEARNING_RATE = {"emnist_cnn": 0.01, "shakespeare_lstm": 0.11, "stackoverflow_lstm": 0.1}
 TOKENS = {"shakespeare_lstm": (87, 81), "stackoverflow_lstm": (10004, 21)}  # (vocab, length + 1)
-ALGORITHMS = ("fedavg", "flow")
+# flow_fused: Flow with each layer's two branches in one product where its input outweighs
+# its weights (FlowConfig.fuse_branches), timed beside flow in the same run.
+ALGORITHMS = ("fedavg", "flow", "flow_fused")
 
 
 def synthetic_examples(model_name: str, n: int, rng: np.random.Generator):
@@ -52,15 +54,15 @@ def first_batch(task: FederatedTask, batch: int) -> jax.Array:
 
 def build_algorithm(model: RoutableModel, name: str, example_x: jax.Array,
                     epochs: int = 1) -> FederatedAlgorithm:
-    """FedAvg, or Flow with gamma 1e-3 and the model's policy widths, at the model's batch
-    size and learning rate."""
+    """FedAvg, or Flow with gamma 1e-3 and the model's policy widths (``flow_fused``: and
+    ``fuse_branches``), at the model's batch size and learning rate."""
     sgd = SGDConfig(learning_rate=LEARNING_RATE[model.name], epochs=epochs,
                     batch_size=BATCH[model.name])
     if name == "fedavg":
         return fedavg(model, FedAvgConfig(sgd=sgd))
-    if name == "flow":
-        return flow(model, FlowConfig(sgd=sgd, gamma=1e-3, policy_hidden=POLICY[model.name]),
-                    example_x)
+    if name in ("flow", "flow_fused"):
+        return flow(model, FlowConfig(sgd=sgd, gamma=1e-3, policy_hidden=POLICY[model.name],
+                                      fuse_branches=name == "flow_fused"), example_x)
     raise ValueError(f"unknown algorithm {name!r}; expected one of {', '.join(ALGORITHMS)}")
 
 

@@ -31,6 +31,9 @@ Options:
     the largest chunk that fits the device (``plan_chunk_size``; on CPU give
     ``--plan_memory_gb``) caps ``chunk_for_sizes``'s padding-vs-fill choice.
   --epochs=3: epochs per round (FedAvg; each of Flow's two phases).
+  --algorithms=fedavg,flow,flow_fused: ``flow_fused`` is Flow with each layer's two branches
+    in one product where its input outweighs its weights (``FlowConfig.fuse_branches``:
+    the EMNIST CNN's convolutions), timed beside ``flow`` in the same run.
   --conv_impl=im2col, --compute_dtype=bfloat16: the EMNIST CNN's conv formulation, and
     the matmul precision of the CNN and the LSTMs (``config.conv_impl``,
     ``config.compute_dtype``).
@@ -111,7 +114,7 @@ _PLAN_GB = flags.DEFINE_float("plan_memory_gb", 0.0, "Plan clients per chunk for
                               "device's own limit).")
 _ALGORITHMS = flags.DEFINE_list(
     "algorithms", ["fedavg", "flow"],
-    "Methods to time (fedavg, flow); not --methods, which compare.py and reproduce.py define "
+    "Methods to time (fedavg, flow, flow_fused: Flow with FlowConfig.fuse_branches); not --methods, which compare.py and reproduce.py define "
     "in the same flag registry when tests import the launchers together.")
 _EPOCHS = flags.DEFINE_integer("epochs", 1, "Epochs per round (each of Flow's two phases).")
 _CONV_IMPL = flags.DEFINE_enum("conv_impl", "auto", ["auto", "xla", "im2col", "im2col_slices"],
@@ -165,7 +168,8 @@ def model_options(model_name: str) -> dict:
 def algorithms(model_name: str, example_x):
     unknown = set(_ALGORITHMS.value) - set(ALGORITHMS)
     if unknown or not _ALGORITHMS.value:
-        raise BadFlags(f"--algorithms={','.join(_ALGORITHMS.value)}: expected some of fedavg, flow")
+        raise BadFlags(f"--algorithms={','.join(_ALGORITHMS.value)}: expected some of "
+                       f"{', '.join(ALGORITHMS)}")
     model = get_model(model_name, **model_options(model_name))
     return model, {name: build_algorithm(model, name, example_x, _EPOCHS.value)
                    for name in _ALGORITHMS.value}
@@ -466,6 +470,15 @@ def print_ratios(timed: dict, out: dict) -> None:
     if {"flow", "fedavg"} <= set(best):
         out["flow_over_fedavg"] = rows[best["flow"]]["round_s"] / rows[best["fedavg"]]["round_s"]
         print(f"Flow round / FedAvg round (best mapping each): {out['flow_over_fedavg']:.2f}x")
+    if {"flow_fused", "fedavg"} <= set(best):
+        out["flow_fused_over_fedavg"] = (rows[best["flow_fused"]]["round_s"]
+                                         / rows[best["fedavg"]]["round_s"])
+        print(f"Flow round with fused branches / FedAvg round (best mapping each): "
+              f"{out['flow_fused_over_fedavg']:.2f}x")
+    if {"flow_fused", "flow"} <= set(best):
+        out["flow_over_flow_fused"] = (rows[best["flow"]]["round_s"]
+                                       / rows[best["flow_fused"]]["round_s"])
+        print(f"Flow round / Flow round with fused branches: {out['flow_over_flow_fused']:.2f}x")
     engine = [key for key in rows if "step_efficiency" in rows[key]]
     if not engine:
         return

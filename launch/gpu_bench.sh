@@ -70,7 +70,10 @@ except Exception as error:
 BENCH=(launch/benchmark.py --repeats=3)
 EMNIST=(--models=emnist_cnn --clients=100 --steps=10 --strategies=vmap --nopython_loop)
 step emnist_xla 100 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=xla --json_out="$RAW/emnist_xla.json"
-step emnist_slices 100 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --json_out="$RAW/emnist_slices.json"
+# flow_fused: Flow with each convolution's two branches in one product
+# (FlowConfig.fuse_branches: the patches read once and their gradient folded once for
+# both), beside FedAvg and plain Flow in the same process; the target is Flow / FedAvg <= 1.5x.
+step emnist_slices 120 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow,flow_fused --json_out="$RAW/emnist_slices.json"
 step emnist_slices_bf16 90 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --compute_dtype=bfloat16 --json_out="$RAW/emnist_slices_bf16.json"
 
 SO64=(--models=stackoverflow_lstm --skewed --clients=64)
@@ -93,7 +96,7 @@ XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" step so64_cmdbuf
 # idle time, op time by kind and by layer, and its top kernels (into the .txt and JSON).
 # The traces themselves stay in raw.tgz only while it fits what a device call returns.
 PROFILE=(--nopython_loop --nocentralized --nowarmup --repeats=1)
-step profile_emnist 90 "$NEW" launch/benchmark.py "${EMNIST[@]}" "${PROFILE[@]}" --conv_impl=im2col_slices --profile_dir="$RAW/profile_emnist" --json_out="$RAW/profile_emnist.json"
+step profile_emnist 100 "$NEW" launch/benchmark.py "${EMNIST[@]}" "${PROFILE[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow,flow_fused --profile_dir="$RAW/profile_emnist" --json_out="$RAW/profile_emnist.json"
 step profile_so64 100 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 "${PROFILE[@]}" --profile_dir="$RAW/profile_so64" --json_out="$RAW/profile_so64.json"
 find "$RAW" \( -name '*.xplane.pb' -o -name 'round.hlo.txt' \) -delete 2>/dev/null
 

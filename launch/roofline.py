@@ -9,7 +9,9 @@ For the EMNIST CNN (batch 20) and the Stack Overflow LSTM (batch 16, 20 tokens) 
    by formula, beside XLA's compiled cost analysis of the same layer on this backend
    (``jax.jit(f).lower(...).compile().cost_analysis()``);
 2. per method (FedAvg; Flow, whose client-step is half a local step and half a routing
-   step: the policy step and the global step through both branches), the client-step by
+   step: the policy step and the global step through both branches; ``flow_fused``, Flow
+   with each layer's two branches in one product where its input outweighs its weights),
+   the client-step by
    formula and XLA's cost of the whole client update (its loops count once: one step of
    each phase);
 3. the bound on an H100 and an H200 from the datasheets' peak bandwidth and tensor-core
@@ -111,13 +113,21 @@ def layer_formula(shapes: dict, in_shape: tuple, out_shape: tuple, *, input_grad
             patches = F32 * m * k
             extra = patches * (3 + (2 if input_grad else 0))
     update = 2 * n_params
+    # FlowConfig.fuse_branches (routing.routed.shares_input): where the input holds more
+    # values than the weights, each routing sub-step (policy, global) reads the input and
+    # the patches once for both branches and writes one input gradient, and copies both
+    # weights into a stack (read and written): per routing step, two such sub-steps.
+    fused_saving = 0
+    if n_params < math.prod(in_shape):
+        fused_saving = 2 * ((2 if input_grad else 1) * a_in - 4 * w + extra)
     bytes_fwd = w + a_in + a_out
     bytes_dx = (a_out + w + a_in) if input_grad else 0  # read dy and W, write dx
     bytes_dw = a_out + a_in + w  # read dy and x, write dW
     return {"params": n_params, "flops_fwd": fwd, "flops_bwd": dx + dw, "flops_dx": dx,
             "flops_dw": dw, "flops_update": update, "bytes_fwd": bytes_fwd,
             "bytes_bwd": bytes_dx + bytes_dw, "bytes_dx": bytes_dx, "bytes_dw": bytes_dw,
-            "bytes_update": 3 * w, "bytes_extra": extra, "bytes_weight_rereads": rereads}
+            "bytes_update": 3 * w, "bytes_extra": extra, "bytes_weight_rereads": rereads,
+            "bytes_fused_saving": fused_saving}
 
 
 def model_formulas(model, batch: int, im2col: bool) -> dict[str, dict]:
@@ -136,6 +146,7 @@ def step_totals(layers: dict[str, dict], policy_params: int, batch: int) -> dict
     through both, no weight gradient) + a global step (both branches forward, input
     gradients through both, weight gradients and update of the global branch); the
     policy (an MLP on the input) runs forward in both and backward in the first.
+    ``flow_fused`` is Flow with ``FlowConfig.fuse_branches`` (``layer_formula``'s saving).
     """
     def total(key):
         return sum(layer[key] for layer in layers.values())
@@ -155,7 +166,10 @@ def step_totals(layers: dict[str, dict], policy_params: int, batch: int) -> dict
                + 6 * F32 * policy_params,
                "bytes_rereads": 4 * rereads}
     flow_step = {k: (fedavg[k] + routing[k]) / 2 for k in fedavg}
-    return {"fedavg": fedavg, "flow": flow_step}
+    # flow_fused: the same FLOPs; the fused layers' routing passes move fewer bytes.
+    fused_routing = {**routing, "bytes": routing["bytes"] - total("bytes_fused_saving")}
+    flow_fused = {k: (fedavg[k] + fused_routing[k]) / 2 for k in fedavg}
+    return {"fedavg": fedavg, "flow": flow_step, "flow_fused": flow_fused}
 
 
 # ----------------------------------------------------------------------------- XLA
@@ -248,8 +262,9 @@ def model_report(name: str, conv_impl: str, xla: bool) -> dict:
     example = jnp.zeros(example_input(model, batch).shape, example_input(model, batch).dtype)
     sgd = SGDConfig(learning_rate=0.1, epochs=1, batch_size=batch)
     methods = {"fedavg": fedavg(model, FedAvgConfig(sgd=sgd)),
-               "flow": flow(model, FlowConfig(sgd=sgd, gamma=1e-3, policy_hidden=POLICY[name]),
-                            example)}
+               **{method: flow(model, FlowConfig(sgd=sgd, gamma=1e-3, policy_hidden=POLICY[name],
+                                                 fuse_branches=method == "flow_fused"), example)
+                  for method in ("flow", "flow_fused")}}
     flow_params = methods["flow"].init(jax.random.key(0))
     policy_params = sum(a.size for a in jax.tree.leaves(flow_params["policy"]))
     steps = step_totals(layers, policy_params, batch)
@@ -261,7 +276,8 @@ def model_report(name: str, conv_impl: str, xla: bool) -> dict:
         whole = {m: xla_client_update_cost(a, model, batch) for m, a in methods.items()}
         # FedAvg's update holds one step; Flow's one local and one routing step.
         report["xla_steps"] = {"fedavg": whole["fedavg"],
-                               "flow": {k: v / 2 for k, v in whole["flow"].items()}}
+                               **{m: {k: v / 2 for k, v in whole[m].items()}
+                                  for m in ("flow", "flow_fused")}}
     return report
 
 

@@ -17,6 +17,21 @@ from flowjax.models.base import RoutableModel
 from flowjax.models.layers import Dense, chain_model
 
 
+def products(fn, *args) -> int:
+    """``dot_general`` and convolution equations in ``fn``'s jaxpr, nested ones included:
+    how many matrix products a formulation runs, whatever the compiler does with them."""
+    import jax.extend.core
+
+    def count(jaxpr):
+        total = 0
+        for eqn in jaxpr.eqns:
+            total += eqn.primitive.name in ("dot_general", "conv_general_dilated")
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                total += count(sub)
+        return total
+    return count(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
 def default_xla_env() -> dict[str, str]:
     """This process's environment for a child that compiles as a user's default build
     does: without the suite's XLA flags (``conftest.TEST_XLA_FLAGS``) and without the

@@ -136,7 +136,8 @@ def test_what_their_procedure_does_not_run_is_refused_in_one_line(dataset, field
                        "procedure runs as one unit")
 
 
-@pytest.mark.parametrize("field, value", [("recurrence", "mixed_state"), ("policy_last", "dense")])
+@pytest.mark.parametrize("field, value", [("recurrence", "mixed_state"), ("policy_last", "dense"),
+                                          ("fuse_branches", True)])
 def test_options_of_the_papers_routed_model_are_refused_not_ignored(field, value, model):
     config = shakespeare.get_config("quick")
     config.methods.flow.semantics = "reference"

@@ -146,17 +146,18 @@ def test_flowjaxs_group_count_is_refused_not_ignored():
     validate_config(config)  # flowjax's resnet18_gn takes it
 
 
-def test_recurrence_is_refused_not_ignored(model):
+@pytest.mark.parametrize("field, value", [("recurrence", "mixed_state"), ("fuse_branches", True)])
+def test_options_of_the_papers_routed_model_are_refused_not_ignored(model, field, value):
     config = cifar.get_config("cifar10_0.1")
     config.methods.flow.semantics = "reference"
-    config.methods.flow.recurrence = "mixed_state"
+    config.methods.flow[field] = value
     with pytest.raises(ValueError) as error:
         validate_config(config)
     assert str(error.value) == (
-        "config.methods.flow.recurrence='mixed_state': expected None with semantics="
+        f"config.methods.flow.{field}={value!r}: expected None with semantics="
         "'reference' on resnet18_gn: the authors' CIFAR network has no such option")
-    with pytest.raises(ValueError, match="^recurrence='mixed_state': expected None"):
-        flow(model, FlowConfig(**CONFIG, recurrence="mixed_state"), jnp.zeros((2, 32, 32, 3)))
+    with pytest.raises(ValueError, match=f"^{field}={value!r}: expected None"):
+        flow(model, FlowConfig(**{**CONFIG, field: value}), jnp.zeros((2, 32, 32, 3)))
 
 
 def test_each_pass_flips_about_half_and_padding_changes_no_flip():

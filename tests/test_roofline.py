@@ -60,6 +60,22 @@ def test_flow_step_costs_about_twice_fedavg(emnist):
     assert 1.9 < steps["flow"]["flops"] / steps["fedavg"]["flops"] < 2.1
 
 
+def test_fused_branches_save_the_shared_input_passes_of_the_convolutions(emnist):
+    """flow_fused: per routing step (two sub-steps), the input read and its gradient
+    written once instead of twice, the patches' five passes once instead of twice, the
+    stacked weights copied; only where the input outweighs the weights (the convs)."""
+    layers = roofline.model_formulas(emnist, 20, im2col=True)
+    a_in, w, patches = 4 * 20 * 26 * 26 * 32, 4 * 18_496, 4 * 20 * 24 * 24 * 288 * 5
+    assert layers["conv2"]["bytes_fused_saving"] == 2 * (2 * a_in - 4 * w + patches)
+    conv1_in, conv1_w, conv1_patches = 4 * 20 * 28 * 28, 4 * 320, 4 * 20 * 26 * 26 * 9 * 3
+    assert layers["conv1"]["bytes_fused_saving"] == 2 * (conv1_in - 4 * conv1_w + conv1_patches)
+    assert layers["fc1"]["bytes_fused_saving"] == layers["fc2"]["bytes_fused_saving"] == 0
+    steps = roofline.step_totals(layers, 1000, 20)
+    assert steps["flow_fused"]["flops"] == steps["flow"]["flops"]
+    saved = sum(layer["bytes_fused_saving"] for layer in layers.values())
+    assert steps["flow"]["bytes"] - steps["flow_fused"]["bytes"] == pytest.approx(saved / 2)
+
+
 def test_achieved_fraction_is_the_rate_over_the_methods_bound(emnist, tmp_path, capsys):
     import json
     result = {"conv_impl": "xla", "compute_dtype": "float32", "models": {"emnist_cnn": {

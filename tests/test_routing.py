@@ -8,6 +8,7 @@ import pytest
 from flowjax.models import get_model
 from flowjax.models.base import forward
 from flowjax.routing import build_policy, routed_forward
+from tests.helpers import products
 
 
 def _inputs(model_name, key):
@@ -158,3 +159,59 @@ def test_unknown_recurrence_is_refused():
     with pytest.raises(ValueError, match="unknown recurrence 'mixed'"):
         routed_forward(model, params, params, jnp.ones((1, 20, 4)), jnp.ones((1, 20), jnp.int32),
                        recurrence="mixed")
+
+
+# ----------------------------------------------------------------- fuse_branches
+
+
+def _layer_inputs(model, params, x):
+    """Each routed layer's input for ``x`` (the plain model's, layer by layer)."""
+    h, inputs = model.embed_input(x), []
+    for j, name in enumerate(model.layer_names):
+        inputs.append(h)
+        h = model.glue_apply(j, model.layer_apply(j, params[name], h), False, jax.random.key(0))
+    return inputs
+
+
+def test_branches_fuse_where_the_input_outweighs_the_weights():
+    """The EMNIST CNN's convolutions (inputs 20x28x28 and 20x26x26x32 against 320 and
+    18,496 weights), none of its dense layers; of the Stack Overflow LSTM's, only dense1
+    (the LSTM's 16x20x670 outputs against 64,416 weights)."""
+    from flowjax.routing.routed import shares_input
+    for name, x, fused in (("emnist_cnn", jnp.zeros((20, 28, 28)), [True, True, False, False]),
+                           ("stackoverflow_lstm", jnp.zeros((16, 20), jnp.int32),
+                            [False, False, True, False])):
+        model = get_model(name)
+        params = jax.eval_shape(model.init, jax.random.key(0))
+        inputs = jax.eval_shape(lambda p: _layer_inputs(model, p, x), params)
+        assert [shares_input(params[layer], h)
+                for layer, h in zip(model.layer_names, inputs)] == fused, name
+
+
+@pytest.mark.parametrize("conv_impl", ["xla", "im2col_slices"])
+@pytest.mark.parametrize("hard", [False, True])
+def test_fused_branches_are_the_same_model_to_float32_rounding(conv_impl, hard):
+    """Logits and every gradient within 1e-5 of the largest entry (bit for bit under some
+    XLA flags); each convolution's forward product runs once for both branches instead of
+    once per branch."""
+    model = get_model("emnist_cnn", conv_impl=conv_impl)
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(11), 4)
+    global_params, local_params = model.init(k1), model.init(k2)
+    x = jax.random.uniform(k3, (20, 28, 28))
+    q0 = jax.random.uniform(k4, (20, model.num_layers))
+
+    def loss(g, l, q0, fuse):
+        logits = routed_forward(model, g, l, q0, x, hard=hard, fuse_branches=fuse)
+        return jnp.mean(jax.nn.log_softmax(logits)[:, 0]), logits
+
+    grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True),
+                    static_argnums=3)
+    (_, separate), separate_grads = grads(global_params, local_params, q0, False)
+    (_, fused), fused_grads = grads(global_params, local_params, q0, True)
+    for a, b in zip(jax.tree.leaves((separate, separate_grads)),
+                    jax.tree.leaves((fused, fused_grads)), strict=True):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(a))))
+    forward_products = [products(lambda g, l: routed_forward(model, g, l, q0, x, hard=hard,
+                                                               fuse_branches=fuse),
+                                  global_params, local_params) for fuse in (False, True)]
+    assert forward_products == [8, 6]  # conv1, conv2: one product each; fc1, fc2: two

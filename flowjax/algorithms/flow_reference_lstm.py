@@ -184,7 +184,7 @@ class OutputPolicy(nn.Module):
 
 # Fields of the paper's routed model that their networks have no use for: set, they are
 # refused rather than ignored (``check_unused``, on the config as given).
-UNUSED = ("recurrence", "policy_last")
+UNUSED = ("recurrence", "policy_last", "fuse_branches")
 
 
 def check_unused(config: Any, model_name: str) -> None:

@@ -96,7 +96,7 @@ FIXED = dict(halves="none", regularizer="reference", global_step="global_only",
              local_route="local", fixed_q0=None, policy_eval_dropout=False,
              policy_last="dense", policy_dropout=0.0)
 # Fields of the paper's routed model their network has no use for (``check_unused``).
-UNUSED = ("recurrence",)
+UNUSED = ("recurrence", "fuse_branches")
 
 
 # ----------------------------------------------------------------------------- network

@@ -14,11 +14,19 @@ application; the authors' code does this for its global branch, see their
 recurrence on its own state over the whole sequence and mixes only the per-step outputs:
 it gives exactly the global (local) model at ``q0 = 1`` (``0``) and keeps the LSTMs'
 hand-written VJP; ``"mixed_state"`` matches them to float32 rounding (``routed_lstm``).
+
+Both branches read the same input. ``fuse_branches`` runs them as one call of the layer,
+vmapped over their stacked weights, wherever the layer's input is larger than its weights
+(``shares_input``): an input-side product then runs once for both branches, reading the
+input (for an im2col convolution, its patches) once and forming the input's gradient once,
+at the cost of copying the (smaller) weights into the stack. The values are the same up to
+float32 rounding (another shape of the same products), so it is off by default.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from flowjax.models.base import Params, RoutableModel, layer_key, mix, select
 from flowjax.models.layers import lstm_weights, routed_lstm
@@ -26,9 +34,28 @@ from flowjax.models.layers import lstm_weights, routed_lstm
 RECURRENCES = ("mixed_state", "separate")
 
 
+def shares_input(layer_params: Params, h: jax.Array) -> bool:
+    """Whether a layer's input ``h`` holds more values than its weights: then both
+    branches in one product (``fuse_branches``) save more input traffic than the stacked
+    weights cost."""
+    return sum(leaf.size for leaf in jax.tree.leaves(layer_params)) < h.size
+
+
+def branch_outputs(model: RoutableModel, j: int, global_layer: Params, local_layer: Params,
+                   h: jax.Array, fuse: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Layer ``j``'s global and local outputs on the same input ``h``; with ``fuse`` (and
+    ``shares_input``), one call of the layer over the two branches' stacked weights."""
+    if fuse and shares_input(global_layer, h):
+        stacked = jax.tree.map(lambda g, l: jnp.stack([g, l]), global_layer, local_layer)
+        both = jax.vmap(lambda layer: model.layer_apply(j, layer, h))(stacked)
+        return both[0], both[1]
+    return model.layer_apply(j, global_layer, h), model.layer_apply(j, local_layer, h)
+
+
 def routed_forward(model: RoutableModel, global_params: Params, local_params: Params,
                    q0: jax.Array, x: jax.Array, *, hard: bool = False, train: bool = False,
-                   key: jax.Array | None = None, recurrence: str = "separate") -> jax.Array:
+                   key: jax.Array | None = None, recurrence: str = "separate",
+                   fuse_branches: bool = False) -> jax.Array:
     """Logits of the routed model.
 
     Args:
@@ -40,6 +67,8 @@ def routed_forward(model: RoutableModel, global_params: Params, local_params: Pa
       train: enables the model's dropout (same keys as the plain model).
       key: dropout key.
       recurrence: ``"mixed_state"`` or ``"separate"`` for LSTM layers (module docstring).
+      fuse_branches: both branches of a layer in one call where that reads less
+        (``branch_outputs``; module docstring).
 
     Returns:
       ``[*instance, num_classes]`` logits.
@@ -55,8 +84,8 @@ def routed_forward(model: RoutableModel, global_params: Params, local_params: Pa
             h = routed_lstm(h, cell_global, lstm_weights(local_params[name]), q0[..., j],
                             hard=hard)
         else:
-            out_global = model.layer_apply(j, global_params[name], h)
-            out_local = model.layer_apply(j, local_params[name], h)
+            out_global, out_local = branch_outputs(model, j, global_params[name],
+                                                   local_params[name], h, fuse_branches)
             if hard:
                 h = select(q0[..., j] >= 0.5, out_global, out_local)
             else:
