@@ -114,8 +114,9 @@ _PLAN_GB = flags.DEFINE_float("plan_memory_gb", 0.0, "Plan clients per chunk for
                               "device's own limit).")
 _ALGORITHMS = flags.DEFINE_list(
     "algorithms", ["fedavg", "flow"],
-    "Methods to time (fedavg, flow, flow_fused: Flow with FlowConfig.fuse_branches); not --methods, which compare.py and reproduce.py define "
-    "in the same flag registry when tests import the launchers together.")
+    "Methods to time (fedavg, flow, flow_fused: Flow with FlowConfig.fuse_branches); not "
+    "--methods, which compare.py and reproduce.py define in the same flag registry when "
+    "tests import the launchers together.")
 _EPOCHS = flags.DEFINE_integer("epochs", 1, "Epochs per round (each of Flow's two phases).")
 _CONV_IMPL = flags.DEFINE_enum("conv_impl", "auto", ["auto", "xla", "im2col", "im2col_slices"],
                                "EMNIST CNN convolution formulation (config.conv_impl).")

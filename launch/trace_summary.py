@@ -147,15 +147,21 @@ def summarize(events: list[dict[str, Any]], hlo_names: dict[str, str] | None = N
     timed = [e for e in events if e.get("ph") == "X"]
     devices = {e["pid"] for e in timed if process.get(e["pid"], "").startswith("/device:")
                and "hlo_op" in e.get("args", {})}
+    # A GPU's kernels and copies run on its stream lines (copies carry no hlo_op); a
+    # device without lines named so: its events that carry one.
+    streams = {(pid, tid) for (pid, tid), line in thread.items()
+               if pid in devices and line.startswith("Stream")}
+    with_streams = {pid for pid, _ in streams}
     groups = collections.defaultdict(list)
     for e in timed:
-        name = process.get(e["pid"], str(e["pid"]))
-        if devices:
-            # A GPU's kernels and copies run on its stream lines; copies carry no hlo_op.
-            if e["pid"] in devices and thread.get((e["pid"], e.get("tid")), "").startswith("Stream"):
-                groups[name].append(e)
-        elif "hlo_op" in e.get("args", {}):  # CPU: the host threads' XLA ops
-            groups[name].append(e)
+        if devices and e["pid"] not in devices:
+            continue  # the host's events, where a device ran the ops
+        if e["pid"] in with_streams:
+            keep = (e["pid"], e.get("tid")) in streams
+        else:
+            keep = "hlo_op" in e.get("args", {})
+        if keep:
+            groups[process.get(e["pid"], str(e["pid"]))].append(e)
     return {name: _summarize_process(leaf_events(group), hlo_names or {}, top)
             for name, group in sorted(groups.items())}
 

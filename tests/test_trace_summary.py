@@ -132,6 +132,10 @@ def test_device_streams_are_summarized_and_host_threads_left_out():
     assert [(e["op"], e["count"], e["time_us"]) for e in gpu["top"]] == [
         ("MemcpyD2D", 1, 10.0), ("dot.1", 2, 8.0), ("fusion.2", 1, 2.0)]
     assert "(idle 50.0%)" in trace_summary.format_summary(summaries)
+    # Without lines named "Stream...": the device's events that carry an hlo_op.
+    unnamed = [e for e in events if e.get("name") != "thread_name"]
+    gpu = trace_summary.summarize(unnamed)["/device:GPU:0"]
+    assert (gpu["events"], gpu["op_time_us"]) == (3, 10.0)
 
 
 def test_launcher_fails_in_one_line_without_a_trace(tmp_path, capsys):
