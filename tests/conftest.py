@@ -39,8 +39,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # Not only the last bits: at optimization level 0 a gradient that needs XLA to recompute
 # a value bit for bit alike can come out wrong. ``jnp.max``'s did, in the routed CNN's
 # max pool (up to 40% off, or infinite; level 1 and the default were exact), so the
-# models' max pool is written with selects, and test_layers checks that gradient here,
-# under these flags, against its closed form.
+# models' max pool finds its maxima by comparisons within each window (the same bits
+# where XLA is consistent), and test_layers checks that gradient here, under these
+# flags, against its closed form.
 # Speed is never measured here. FLOWJAX_TEST_XLA_O2=1 keeps XLA's default.
 TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
                   "--xla_cpu_use_fusion_emitters=false")

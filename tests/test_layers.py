@@ -114,7 +114,8 @@ def test_max_pool_gradient_of_a_routed_input_is_exact_under_the_suites_flags():
     With ``c = q a + (1 - q) b > 0`` the pool is ``c`` times the pool of ``x``, so the
     gradient has a closed form. ``max`` over the window axes had it infinite under the
     suite's XLA flags (``conftest.TEST_XLA_FLAGS``: its gradient needs XLA to recompute
-    the input bit for bit alike, ``layers.max_pool_2x2``); selects need no such match."""
+    the input bit for bit alike, ``layers.max_pool_2x2``); comparisons within each window
+    need no such match."""
     x = normal(0, (8, 26, 26, 4))
     q = jax.random.uniform(jax.random.key(1), (8, 1, 1, 1))
     a, b = jnp.float32(1.1), jnp.float32(0.7)
@@ -125,12 +126,19 @@ def test_max_pool_gradient_of_a_routed_input_is_exact_under_the_suites_flags():
     assert_close(grads, (jnp.sum(2 * c * q * pooled), jnp.sum(2 * c * (1 - q) * pooled)))
 
 
-def test_max_pool_gives_a_tie_to_the_first_maximum():
-    """As PyTorch's max pool does; the forward value is the maximum itself."""
-    h = jnp.asarray([[1.0, 3.0], [3.0, 2.0]]).reshape(1, 2, 2, 1)
-    np.testing.assert_array_equal(layers.max_pool_2x2(h), [[[[3.0]]]])
-    np.testing.assert_array_equal(jax.grad(lambda h: layers.max_pool_2x2(h).sum())(h)[0, ..., 0],
-                                  [[0.0, 1.0], [0.0, 0.0]])
+def test_max_pool_splits_a_tie_evenly_as_jnp_max_does():
+    """Tied maxima (a constant image region) share the gradient evenly, bit for bit as
+    ``jnp.max``'s gradient gives it; the forward value is the maximum itself."""
+    h = jnp.asarray([[1.0, 3.0, 0.5, 0.5], [3.0, 2.0, 0.5, 0.5], [3.0, 3.0, 0.0, 1.0],
+                     [3.0, 3.0, 2.0, 0.0]]).reshape(1, 4, 4, 1)
+    np.testing.assert_array_equal(layers.max_pool_2x2(h)[0, ..., 0], [[3.0, 0.5], [3.0, 2.0]])
+    grad = jax.grad(lambda h: layers.max_pool_2x2(h).sum())(h)[0, ..., 0]
+    np.testing.assert_array_equal(grad, [[0.0, 0.5, 0.25, 0.25], [0.5, 0.0, 0.25, 0.25],
+                                         [0.25, 0.25, 0.0, 0.0], [0.25, 0.25, 1.0, 0.0]])
+    n, height, width, c = h.shape
+    by_max = jax.grad(lambda h: h.reshape(n, height // 2, 2, width // 2, 2, c)
+                      .max(axis=(2, 4)).sum())(h)[0, ..., 0]
+    np.testing.assert_array_equal(grad, by_max)
 
 
 def test_dropout():

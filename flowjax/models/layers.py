@@ -298,29 +298,47 @@ class Conv2D(nn.Module):
         return y + self.param("bias", self.bias_init, (self.features,))
 
 
-def _larger(a: jax.Array, b: jax.Array) -> jax.Array:
-    """``max(a, b)`` as a select: its gradient goes to exactly one operand, ``a`` on a
-    tie."""
-    return jnp.where(a >= b, a, b)
+@jax.custom_vjp
+def _max_of_windows(windows: jax.Array) -> jax.Array:
+    """``max`` over axes 2 and 4 of ``[n, h, 2, w, 2, c]`` windows; its gradient is
+    ``jnp.max``'s, found without comparing the windows with the result (``max_pool_2x2``)."""
+    return windows.max(axis=(2, 4))
+
+
+def _max_of_windows_fwd(windows: jax.Array):
+    return _max_of_windows(windows), windows
+
+
+def _max_of_windows_bwd(windows: jax.Array, g: jax.Array):
+    # Each entry is a maximum if no entry of its window exceeds it; the cotangent is split
+    # evenly among a window's maxima, as jnp.max's transposed rule computes it. The
+    # comparisons only involve the window's own entries, so a window always has a maximum.
+    corners = [windows[:, :, i, :, j] for i in range(2) for j in range(2)]
+    is_max = [jnp.all(jnp.stack([a >= b for b in corners]), axis=0) for a in corners]
+    share = g / sum(m.astype(g.dtype) for m in is_max)
+    grads = [share * m.astype(g.dtype) for m in is_max]
+    rows = [jnp.stack(grads[2 * i: 2 * i + 2], axis=3) for i in range(2)]  # [n, h, w, 2, c]
+    return (jnp.stack(rows, axis=2),)
+
+
+_max_of_windows.defvjp(_max_of_windows_fwd, _max_of_windows_bwd)
 
 
 def max_pool_2x2(h: jax.Array) -> jax.Array:
     """2x2 max pooling with stride 2 on NHWC, dropping an odd last row or column.
 
-    Written as reshape + selects because the gradient of ``reduce_window`` max is slow on
-    CPU. Not as ``max`` over the window axes: that reduction's gradient finds the maximum
-    by comparing its input with its output and divides by the number of matches, which
-    needs XLA to compute the input bit for bit alike wherever it recomputes it. XLA CPU at
-    ``--xla_backend_optimization_level=0`` did not: the CNN's routed gradient came out
-    up to 40% off or infinite (``tests/test_layers.py``). Selects need no such match. A
-    tie's gradient goes to the window's first maximum, as in PyTorch's max pool.
+    Written as reshape + max because the gradient of ``reduce_window`` max is slow on CPU.
+    Its gradient is ``jnp.max``'s (an even split among tied maxima) but computed from
+    comparisons within each window: ``jnp.max``'s own rule compares the input with the
+    output and divides by the number of matches, which needs XLA to recompute the input
+    bit for bit alike wherever it recomputes it. XLA CPU at
+    ``--xla_backend_optimization_level=0`` did not: the CNN's routed gradient came out up
+    to 40% off or infinite (``tests/test_layers.py``). Where XLA is consistent the two
+    rules give the same bits.
     """
     n, height, width, c = h.shape
-    h = h[:, : height // 2 * 2, : width // 2 * 2].reshape(n, height // 2, 2, width // 2, 2, c)
-    # Within each row of a window first, then across its rows: a tie goes to the first
-    # maximum in row-major order.
-    in_rows = _larger(h[..., 0, :], h[..., 1, :])
-    return _larger(in_rows[:, :, 0], in_rows[:, :, 1])
+    h = h[:, : height // 2 * 2, : width // 2 * 2]
+    return _max_of_windows(h.reshape(n, height // 2, 2, width // 2, 2, c))
 
 
 def dropout(h: jax.Array, rate: float, train: bool, key: jax.Array) -> jax.Array:
