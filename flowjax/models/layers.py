@@ -12,6 +12,9 @@ Two ops carry a hand-written VJP because autodiff's version is slow on CPU insid
   Here the input projection is one matmul before the loop, the backward loop multiplies by
   ``W_h.T`` taken once outside it, and the weight gradients are one einsum after it.
 
+``max_pool_2x2`` carries one too, for correctness: its gradient finds each window's
+maxima by comparisons within the window, not against the output as ``jnp.max``'s does.
+
 ``chain_model`` turns a tuple of modules (one per routable layer) into a ``RoutableModel``.
 """
 
