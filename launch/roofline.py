@@ -42,6 +42,7 @@ from flowjax.algorithms.fedavg import FedAvgConfig, fedavg  # noqa: E402
 from flowjax.algorithms.flow import FlowConfig, flow  # noqa: E402
 from flowjax.core.cohort import ClientExamples  # noqa: E402
 from flowjax.models import get_model  # noqa: E402
+from flowjax.routing.routed import input_outweighs_weights  # noqa: E402
 
 F32 = 4  # bytes
 BATCH = {"emnist_cnn": 20, "stackoverflow_lstm": 16}
@@ -118,7 +119,7 @@ def layer_formula(shapes: dict, in_shape: tuple, out_shape: tuple, *, input_grad
     # the patches once for both branches and writes one input gradient, and copies both
     # weights into a stack (read and written): per routing step, two such sub-steps.
     fused_saving = 0
-    if n_params < math.prod(in_shape):
+    if input_outweighs_weights(n_params, math.prod(in_shape)):
         fused_saving = 2 * ((2 if input_grad else 1) * a_in - 4 * w + extra)
     bytes_fwd = w + a_in + a_out
     bytes_dx = (a_out + w + a_in) if input_grad else 0  # read dy and W, write dx

@@ -106,6 +106,11 @@ def source_key(op_name: str | None) -> str:
     return f"{scope}/{primitive}" if scope else primitive
 
 
+def _interval(event: dict[str, Any]) -> tuple[float, float]:
+    start = float(event["ts"])
+    return start, start + float(event.get("dur", 0.0))
+
+
 def leaf_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``events`` without those that enclose another event of their thread: on the CPU
     backend a loop's or call's own event spans its body's ops, which are counted already."""
@@ -114,11 +119,11 @@ def leaf_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         by_thread[(event["pid"], event.get("tid"))].append(event)
     leaves = []
     for group in by_thread.values():
-        group = sorted(group, key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0))))
+        group = sorted(group, key=lambda e: (_interval(e)[0], -_interval(e)[1]))
         for event, following in zip(group, group[1:] + [None]):
-            end = float(event["ts"]) + float(event.get("dur", 0.0))
-            if following is None or float(following["ts"]) >= end or (
-                    float(following["ts"]) + float(following.get("dur", 0.0)) > end):
+            end = _interval(event)[1]
+            # Kept unless the next event of the thread starts and ends inside it.
+            if following is None or _interval(following)[0] >= end or _interval(following)[1] > end:
                 leaves.append(event)
     return leaves
 
@@ -168,7 +173,7 @@ def summarize(events: list[dict[str, Any]], hlo_names: dict[str, str] | None = N
 
 def _summarize_process(events: list[dict[str, Any]], hlo_names: dict[str, str],
                        top: int) -> dict[str, Any]:
-    intervals = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events]
+    intervals = [_interval(e) for e in events]
     span = max(end for _, end in intervals) - min(start for start, _ in intervals)
     by_op: dict[str, dict[str, Any]] = {}
     by_kind, by_source = collections.Counter(), collections.Counter()

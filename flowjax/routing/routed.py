@@ -34,11 +34,17 @@ from flowjax.models.layers import lstm_weights, routed_lstm
 RECURRENCES = ("mixed_state", "separate")
 
 
+def input_outweighs_weights(num_weights: int, num_inputs: int) -> bool:
+    """The fusing rule on sizes alone (``launch/roofline.py`` counts its bytes by it)."""
+    return num_weights < num_inputs
+
+
 def shares_input(layer_params: Params, h: jax.Array) -> bool:
     """Whether a layer's input ``h`` holds more values than its weights: then both
     branches in one product (``fuse_branches``) save more input traffic than the stacked
     weights cost."""
-    return sum(leaf.size for leaf in jax.tree.leaves(layer_params)) < h.size
+    return input_outweighs_weights(sum(leaf.size for leaf in jax.tree.leaves(layer_params)),
+                                   h.size)
 
 
 def branch_outputs(model: RoutableModel, j: int, global_layer: Params, local_layer: Params,
