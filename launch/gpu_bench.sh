@@ -11,9 +11,9 @@
 #   BUDGET_S  seconds for all runs together (default 450); a run gets at most what is left
 #   PY        the Python with jax[cuda] (default: python3, the device image's)
 # The EMNIST runs come first (their targets are ratios within one run), then Stack Overflow
-# at 64 skewed clients (baseline, float32, bf16, command buffers over loops), profiles of
-# both (where the device's time goes), then a bf16 1,000-client Flow round, the roofline
-# and a determinism check.
+# at 64 skewed clients (baseline, float32, bf16, command buffers over loops), a determinism
+# check, profiles of both (where the device's time goes), then what earlier calls measured
+# once: cuDNN's convolutions, a bf16 1,000-client Flow round and the roofline.
 set -u
 OUT=${OUT:-/tmp/gpu_bench_out}
 NEW=$(cd "${NEW:-.}" && pwd)
@@ -64,32 +64,37 @@ except Exception as error:
 "
 
 # In priority order; a step that no longer fits the budget is skipped. Each target is a
-# ratio within this call: EMNIST's conv formulations side by side, then Stack Overflow at 64
-# skewed clients in float32 and bf16 (the LSTM's recurrent weight read as a bf16 copy at
-# every time step), against today's code when BASE is given.
+# ratio within this call: EMNIST at 100 clients under the GPU's conv formulation (float32,
+# then bf16), then Stack Overflow at 64 skewed clients against today's code when BASE is
+# given (float32, bf16 with the LSTM's recurrent weight read as a bf16 copy at every time
+# step, command buffers over loops), the determinism check, then the profiles (where the
+# device's time goes), and last the runs earlier calls already measured once.
 BENCH=(launch/benchmark.py --repeats=3)
 EMNIST=(--models=emnist_cnn --clients=100 --steps=10 --strategies=vmap --nopython_loop)
-step emnist_xla 100 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=xla --json_out="$RAW/emnist_xla.json"
 # flow_fused: Flow with each convolution's two branches in one product
 # (FlowConfig.fuse_branches: the patches read once and their gradient folded once for
 # both), beside FedAvg and plain Flow in the same process; the target is Flow / FedAvg <= 1.5x.
 step emnist_slices 120 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow,flow_fused --json_out="$RAW/emnist_slices.json"
-step emnist_slices_bf16 90 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --compute_dtype=bfloat16 --json_out="$RAW/emnist_slices_bf16.json"
+step emnist_slices_bf16 100 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --compute_dtype=bfloat16 --algorithms=fedavg,flow,flow_fused --json_out="$RAW/emnist_slices_bf16.json"
 
 SO64=(--models=stackoverflow_lstm --skewed --clients=64)
 if [[ -n "$BASE" ]]; then
-  step so64_baseline 100 "$BASE" launch/benchmark.py "${SO64[@]}" --strategies=chunked --chunk_size=4 --repeats=1 --json_out="$RAW/so64_baseline.json"
+  # Today's mapping (sorted chunks of 4) in today's code: the target's denominator.
+  step so64_baseline 80 "$BASE" launch/benchmark.py "${SO64[@]}" --strategies=chunked --chunk_size=4 --nopython_loop --nocentralized --repeats=2 --json_out="$RAW/so64_baseline.json"
 fi
 # chunked:19 is memory_plan.chunk_for_sizes's pick for these 64 sizes (call 4: chunks of 32
 # and 64 were slower).
 step so64 100 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --repeats=2 --json_out="$RAW/so64.json"
-step so64_bf16 100 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --nocentralized --repeats=2 --compute_dtype=bfloat16 --json_out="$RAW/so64_bf16.json"
+step so64_bf16 90 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --nocentralized --repeats=2 --compute_dtype=bfloat16 --json_out="$RAW/so64_bf16.json"
 # The fixed cost of a chunk-step (docs/benchmarks/roofline.md, launch/chunk_costs.py: ~1 ms
 # FedAvg, ~2.4 ms Flow) bounds any mapping at 1.83x / 1.89x over chunks of 4; XLA's command
 # buffers (CUDA graphs) extended to loops target that launch overhead. Chunks of 4 and 19,
 # so the fit can be redone from this call's rows (on the host, after the call):
 #   python launch/chunk_costs.py --results=so64_cmdbuf.json --algorithm=flow
 XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" step so64_cmdbuf 110 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:4,chunked:19 --nopython_loop --nocentralized --repeats=2 --json_out="$RAW/so64_cmdbuf.json"
+# Same seed, same numbers on the GPU? The same FedAvg and Flow rounds twice, compared bit
+# for bit (the CNN's convolutions and the LSTM's embedding gradient may sum with atomics).
+step determinism 80 "$NEW" launch/determinism_check.py --json_out="$RAW/determinism.json"
 
 # Where the time goes (launch/trace_summary.py): one more execution of each round above,
 # compiled ahead of time, traced by JAX's profiler; each row prints the device's busy and
@@ -100,12 +105,12 @@ step profile_emnist 100 "$NEW" launch/benchmark.py "${EMNIST[@]}" "${PROFILE[@]}
 step profile_so64 100 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 "${PROFILE[@]}" --profile_dir="$RAW/profile_so64" --json_out="$RAW/profile_so64.json"
 find "$RAW" \( -name '*.xplane.pb' -o -name 'round.hlo.txt' \) -delete 2>/dev/null
 
+# Measured once by earlier calls (docs/benchmarks/gpu-h100-2026-11-26.md): cuDNN's grouped
+# convolutions, a bf16 1,000-client Flow round, the device's ceilings.
+step emnist_xla 100 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=xla --json_out="$RAW/emnist_xla.json"
 SO1000=(launch/benchmark.py --models=stackoverflow_lstm --skewed --clients=1000 --epochs=3 --strategies=planned --nopython_loop --nocentralized --nowarmup --repeats=1 --project_rounds=2000)
 step so1000_flow_bf16 170 "$NEW" "${SO1000[@]}" --algorithms=flow --compute_dtype=bfloat16 --json_out="$RAW/so1000_flow_bf16.json"
 step roofline 70 "$NEW" launch/roofline.py --models=emnist_cnn,stackoverflow_lstm --json_out="$RAW/roofline_gpu.json"
-# Same seed, same numbers on the GPU? The same FedAvg and Flow rounds twice, compared bit
-# for bit (the CNN's convolutions and the LSTM's embedding gradient may sum with atomics).
-step determinism 80 "$NEW" launch/determinism_check.py --json_out="$RAW/determinism.json"
 
 echo "# done after $(($(date +%s) - START)) s" | tee -a "$LOG"
 tar czf "$OUT/raw.tgz" -C "$OUT" raw
