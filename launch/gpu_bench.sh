@@ -9,11 +9,14 @@
 #   BASE      today's code, the baseline rerun in the same call (default: .baseline, made
 #             on the host with `git archive <commit> flowjax launch | tar -x -C .baseline`)
 #   BUDGET_S  seconds for all runs together (default 450); a run gets at most what is left
-#   PY        the Python with jax[cuda] (default: python3, the device image's)
+#   PY        the Python with jax[cuda], one executable without arguments (default:
+#             python3, the device image's; that image lacks ml_collections, so the call
+#             carries its wheel: see docs/benchmarks/gpu-h100-2026-11-27.md for the command)
 # The EMNIST runs come first (their targets are ratios within one run), then Stack Overflow
-# at 64 skewed clients (baseline, float32, bf16, command buffers over loops), a determinism
-# check, profiles of both (where the device's time goes), then what earlier calls measured
-# once: cuDNN's convolutions, a bf16 1,000-client Flow round and the roofline.
+# at 64 skewed clients (baseline, float32), profiles of both (where the device's time
+# goes), bf16 Stack Overflow, a determinism check, then what earlier calls measured once:
+# command buffers over loops, cuDNN's convolutions, a bf16 1,000-client Flow round and the
+# roofline.
 set -u
 OUT=${OUT:-/tmp/gpu_bench_out}
 NEW=$(cd "${NEW:-.}" && pwd)
@@ -66,9 +69,9 @@ except Exception as error:
 # In priority order; a step that no longer fits the budget is skipped. Each target is a
 # ratio within this call: EMNIST at 100 clients under the GPU's conv formulation (float32,
 # then bf16), then Stack Overflow at 64 skewed clients against today's code when BASE is
-# given (float32, bf16 with the LSTM's recurrent weight read as a bf16 copy at every time
-# step, command buffers over loops), the determinism check, then the profiles (where the
-# device's time goes), and last the runs earlier calls already measured once.
+# given, then the profiles (where the device's time goes), Stack Overflow in bf16 (the
+# LSTM's recurrent weight read as a bf16 copy at every time step), the determinism check,
+# and last what earlier calls measured once.
 BENCH=(launch/benchmark.py --repeats=3)
 EMNIST=(--models=emnist_cnn --clients=100 --steps=10 --strategies=vmap --nopython_loop)
 # flow_fused: Flow with each convolution's two branches in one product
@@ -84,18 +87,7 @@ if [[ -n "$BASE" ]]; then
 fi
 # chunked:19 is memory_plan.chunk_for_sizes's pick for these 64 sizes (call 4: chunks of 32
 # and 64 were slower).
-step so64 100 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --repeats=2 --json_out="$RAW/so64.json"
-step so64_bf16 90 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --nocentralized --repeats=2 --compute_dtype=bfloat16 --json_out="$RAW/so64_bf16.json"
-# The fixed cost of a chunk-step (docs/benchmarks/roofline.md, launch/chunk_costs.py: ~1 ms
-# FedAvg, ~2.4 ms Flow) bounds any mapping at 1.83x / 1.89x over chunks of 4; XLA's command
-# buffers (CUDA graphs) extended to loops target that launch overhead. Chunks of 4 and 19,
-# so the fit can be redone from this call's rows (on the host, after the call):
-#   python launch/chunk_costs.py --results=so64_cmdbuf.json --algorithm=flow
-XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" step so64_cmdbuf 110 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:4,chunked:19 --nopython_loop --nocentralized --repeats=2 --json_out="$RAW/so64_cmdbuf.json"
-# Same seed, same numbers on the GPU? The same FedAvg and Flow rounds twice, compared bit
-# for bit (the CNN's convolutions and the LSTM's embedding gradient may sum with atomics).
-step determinism 80 "$NEW" launch/determinism_check.py --json_out="$RAW/determinism.json"
-
+step so64 120 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --repeats=2 --algorithms=fedavg,flow,flow_fused --json_out="$RAW/so64.json"
 # Where the time goes (launch/trace_summary.py): one more execution of each round above,
 # compiled ahead of time, traced by JAX's profiler; each row prints the device's busy and
 # idle time, op time by kind and by layer, and its top kernels (into the .txt and JSON).
@@ -105,8 +97,21 @@ step profile_emnist 100 "$NEW" launch/benchmark.py "${EMNIST[@]}" "${PROFILE[@]}
 step profile_so64 100 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 "${PROFILE[@]}" --profile_dir="$RAW/profile_so64" --json_out="$RAW/profile_so64.json"
 find "$RAW" \( -name '*.xplane.pb' -o -name 'round.hlo.txt' \) -delete 2>/dev/null
 
-# Measured once by earlier calls (docs/benchmarks/gpu-h100-2026-11-26.md): cuDNN's grouped
-# convolutions, a bf16 1,000-client Flow round, the device's ceilings.
+step so64_bf16 90 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --nocentralized --repeats=2 --compute_dtype=bfloat16 --json_out="$RAW/so64_bf16.json"
+# Same seed, same numbers on the GPU? The same FedAvg and Flow rounds twice, compared bit
+# for bit (the CNN's convolutions and the LSTM's embedding gradient may sum with atomics).
+step determinism 80 "$NEW" launch/determinism_check.py --json_out="$RAW/determinism.json"
+
+# Measured once by earlier calls (docs/benchmarks/gpu-h100-2026-11-2{6,7}.md): command
+# buffers over loops, cuDNN's grouped convolutions, the device's ceilings; and a bf16
+# 1,000-client Flow round (never reached so far).
+# The fixed cost of a chunk-step (docs/benchmarks/roofline.md, launch/chunk_costs.py: ~1 ms
+# FedAvg, ~2.4 ms Flow) bounds any mapping at 1.83x / 1.89x over chunks of 4; XLA's command
+# buffers (CUDA graphs) extended to loops target that launch overhead (2026-11-27: no gain,
+# chunks of 4 slower: FedAvg 0.618 s vs 0.586 s in today's code). Chunks of 4 and 19,
+# so the fit can be redone from this call's rows (on the host, after the call):
+#   python launch/chunk_costs.py --results=so64_cmdbuf.json --algorithm=flow
+XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" step so64_cmdbuf 110 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:4,chunked:19 --nopython_loop --nocentralized --repeats=2 --json_out="$RAW/so64_cmdbuf.json"
 step emnist_xla 100 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=xla --json_out="$RAW/emnist_xla.json"
 SO1000=(launch/benchmark.py --models=stackoverflow_lstm --skewed --clients=1000 --epochs=3 --strategies=planned --nopython_loop --nocentralized --nowarmup --repeats=1 --project_rounds=2000)
 step so1000_flow_bf16 170 "$NEW" "${SO1000[@]}" --algorithms=flow --compute_dtype=bfloat16 --json_out="$RAW/so1000_flow_bf16.json"

@@ -21,9 +21,12 @@ host's XLA threads, several at a time. For the ops of each such process it repor
 
 An op event that encloses others of its thread (a CPU loop's or call's own event) is
 left out: its body's ops are counted. Summed op time can exceed ``busy`` where ops overlap
-(CPU threads, GPU streams). Kernels
-that XLA runs inside a command buffer (a CUDA graph) carry the buffer's ``hlo_op``: their
-time is still classified by kernel name, but not traced back to a JAX operation.
+(CPU threads, GPU streams). Each distinct kernel of an op is a row of its own: kernels
+that XLA runs inside a command buffer (a CUDA graph; on a GPU the loop bodies' fusions by
+default) all carry the buffer's ``hlo_op`` (``command_buffer_23``), and are traced back
+by their own name instead, which is their fusion's HLO name with ``.`` and ``-`` spelled
+``_`` (``loop_multiply_fusion_3``). Library kernels (cuBLAS's ``nvjet_*``, cuDNN's) have
+names of their own; inside a buffer they keep its name only and are classified by kind.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ _TOP = flags.DEFINE_integer("top_ops", 15, "Ops to list per process.")
 # ("conv" alone would also match "convert").
 KINDS = (("convolution", ("convolution", "convolve", "conv_general", "cudnn", "fprop", "dgrad",
                          "wgrad")),
-         ("gemm", ("gemm", "xmma", "cublas", "cutlass", "matmul", "dot")),
+         # nvjet: cuBLAS's own GEMM kernels on Hopper ("nvjet_tst_128x64_64x8_...").
+         ("gemm", ("gemm", "xmma", "cublas", "cutlass", "matmul", "dot", "nvjet")),
          ("copy", ("memcpy", "memset", "copy", "transpose")))
 
 _OP_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name=\"([^\"]*)\"")
@@ -75,13 +79,22 @@ def load_events(path: str | pathlib.Path) -> list[dict[str, Any]]:
 
 
 def op_names(hlo_text: str) -> dict[str, str]:
-    """HLO instruction name -> the JAX operation it came from (``op_name`` metadata)."""
+    """HLO instruction name -> the JAX operation it came from (``op_name`` metadata), each
+    instruction also under its kernel's spelling (``kernel_name``)."""
     names = {}
     for line in hlo_text.splitlines():
         match = _OP_NAME.match(line)
         if match:
             names.setdefault(match.group(1), match.group(2))
+    for name, op_name in list(names.items()):
+        names.setdefault(kernel_name(name), op_name)
     return names
+
+
+def kernel_name(instruction: str) -> str:
+    """How XLA's GPU backend names the kernel of an HLO instruction: ``.`` and ``-`` are
+    not valid in a symbol, so ``loop_multiply_fusion.3`` runs as ``loop_multiply_fusion_3``."""
+    return re.sub(r"[.\-]", "_", instruction)
 
 
 def kind_of(name: str) -> str:
@@ -175,15 +188,20 @@ def _summarize_process(events: list[dict[str, Any]], hlo_names: dict[str, str],
                        top: int) -> dict[str, Any]:
     intervals = [_interval(e) for e in events]
     span = max(end for _, end in intervals) - min(start for start, _ in intervals)
-    by_op: dict[str, dict[str, Any]] = {}
+    by_op: dict[tuple[str, str], dict[str, Any]] = {}
     by_kind, by_source = collections.Counter(), collections.Counter()
     for event in events:
-        op = event.get("args", {}).get("hlo_op", event["name"])  # copies have none
+        kernel = event["name"]
+        op = event.get("args", {}).get("hlo_op", kernel)  # copies have none
         duration = float(event.get("dur", 0.0))
-        source = hlo_names.get(op)
-        entry = by_op.setdefault(op, {"op": op, "kernel": event["name"], "count": 0,
-                                      "time_us": 0.0, "source": source,
-                                      "kind": kind_of(f"{event['name']} {op} {source or ''}")})
+        # A kernel named after its own instruction first: inside a command buffer the
+        # hlo_op is the buffer's, and names no JAX operation.
+        source = hlo_names.get(kernel) or hlo_names.get(op)
+        entry = by_op.setdefault((op, kernel), {
+            "op": op, "kernel": kernel, "count": 0, "time_us": 0.0, "source": source,
+            # The source's primitive only: its scopes would make every backward op a
+            # "transpose(jvp(...))", a copy.
+            "kind": kind_of(f"{kernel} {op} {(source or '').rsplit('/', 1)[-1]}")})
         entry["count"] += 1
         entry["time_us"] += duration
         by_kind[entry["kind"]] += duration
@@ -193,7 +211,7 @@ def _summarize_process(events: list[dict[str, Any]], hlo_names: dict[str, str],
     return {"events": len(events), "span_us": span, "busy_us": busy_time(intervals),
             "op_time_us": total, "by_kind_us": dict(by_kind.most_common()),
             "by_source_us": dict(by_source.most_common(top)),
-            "distinct_ops": len(by_op), "top": ranked[:top]}
+            "distinct_kernels": len(by_op), "top": ranked[:top]}
 
 
 def format_summary(summaries: dict[str, Any]) -> str:
@@ -201,8 +219,8 @@ def format_summary(summaries: dict[str, Any]) -> str:
     lines = []
     for name, s in summaries.items():
         idle = 1.0 - s["busy_us"] / s["span_us"] if s["span_us"] else 0.0
-        lines.append(f"{name}: {s['events']} op events, {s['distinct_ops']} distinct ops; span "
-                     f"{s['span_us'] / 1e3:.2f} ms, busy {s['busy_us'] / 1e3:.2f} ms "
+        lines.append(f"{name}: {s['events']} op events, {s['distinct_kernels']} distinct "
+                     f"(op, kernel) pairs; span {s['span_us'] / 1e3:.2f} ms, busy {s['busy_us'] / 1e3:.2f} ms "
                      f"(idle {idle:.1%}); op time {s['op_time_us'] / 1e3:.2f} ms: "
                      + ", ".join(f"{kind} {time / s['op_time_us']:.1%}"
                                  for kind, time in s["by_kind_us"].items()))

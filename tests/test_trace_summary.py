@@ -32,6 +32,7 @@ def test_an_event_enclosing_others_of_its_thread_is_left_out():
 @pytest.mark.parametrize("name, kind", [
     ("sm90_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize128x128x32", "gemm"),
     ("gemm_fusion_dot.12", "gemm"),
+    ("nvjet_tst_128x64_64x8_1x1_v_bz_TNN", "gemm"),
     ("sm90_xmma_fprop_implicit_gemm_tf32f32_tf32f32_f32_nhwckrsc_nhwc", "convolution"),
     ("cudnn-conv-bias-activation.3", "convolution"),
     ("loop_convert_fusion.4", "other"),
@@ -70,7 +71,7 @@ def test_a_real_trace_is_summarized_per_process_with_its_ops_named(traced):
     summaries = trace_summary.summarize_dir(directory, hlo, top=50)
     assert list(summaries) == ["/host:CPU"]  # the CPU backend's ops run on host threads
     cpu = summaries["/host:CPU"]
-    assert cpu["events"] >= 2 and cpu["distinct_ops"] == len(cpu["top"])
+    assert cpu["events"] >= 2 and cpu["distinct_kernels"] == len(cpu["top"])
     assert 0 < cpu["busy_us"] <= cpu["span_us"]
     assert cpu["busy_us"] <= cpu["op_time_us"] + 1e-6  # the union never exceeds the sum
     assert sum(cpu["by_kind_us"].values()) == pytest.approx(cpu["op_time_us"])
@@ -90,8 +91,11 @@ def test_op_names_read_the_metadata_of_each_instruction():
             'metadata={op_name="jit(step)/first_layer/tanh" source_file="x.py"}\n'
             '  ROOT %dot.1 = f32[2,2]{1,0} dot(%a, %b), metadata={op_name="jit(step)/dot"}\n'
             '  %p = f32[2]{0} parameter(0)\n')
+    # Each also under its GPU kernel's spelling (a command buffer's kernels carry only that).
     assert trace_summary.op_names(text) == {"fusion.3": "jit(step)/first_layer/tanh",
-                                            "dot.1": "jit(step)/dot"}
+                                            "dot.1": "jit(step)/dot",
+                                            "fusion_3": "jit(step)/first_layer/tanh",
+                                            "dot_1": "jit(step)/dot"}
 
 
 def test_source_keys_keep_the_layer_and_primitive():
@@ -136,6 +140,41 @@ def test_device_streams_are_summarized_and_host_threads_left_out():
     unnamed = [e for e in events if e.get("name") != "thread_name"]
     gpu = trace_summary.summarize(unnamed)["/device:GPU:0"]
     assert (gpu["events"], gpu["op_time_us"]) == (3, 10.0)
+
+
+def test_kernels_inside_a_command_buffer_are_rows_of_their_own_named_by_their_fusion():
+    """As an H100 trace of the EMNIST round showed (docs/benchmarks/gpu-h100-2026-11-27):
+    every kernel of a loop body that XLA runs as a command buffer carries the buffer's
+    hlo_op, so one row per op had put the whole body under its first kernel's name. The
+    kernels are named after their fusions (``.`` spelled ``_``), which the HLO names."""
+    meta = [{"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name",
+             "args": {"name": "Stream #7(Compute)"}}]
+    kernel = lambda ts, dur, name: {"ph": "X", "pid": 2, "tid": 7, "ts": ts, "dur": dur,  # noqa: E731
+                                    "name": name, "args": {"hlo_op": "command_buffer_23"}}
+    events = meta + [kernel(0, 5, "loop_multiply_fusion_3"), kernel(5, 3, "input_fusion_1"),
+                     kernel(8, 2, "nvjet_tst_128x64_64x8_1x1_v_bz_TNN"),
+                     kernel(10, 5, "loop_multiply_fusion_3")]
+    hlo = ('  %loop_multiply_fusion.3 = f32[2]{0} fusion(f32[2]{0} %p), kind=kLoop, calls=%f, '
+           'metadata={op_name="jit(round)/jvp(Conv_0)/mul"}\n'
+           '  %input_fusion-1 = f32[2]{0} fusion(f32[2]{0} %p), kind=kInput, calls=%g, '
+           'metadata={op_name="jit(round)/transpose(jvp(Dense_0))/reduce_sum"}\n'
+           '  %command_buffer_23 = () call(f32[2]{0} %p), to_apply=%body\n')
+    names = trace_summary.op_names(hlo)
+    assert names["loop_multiply_fusion_3"] == names["loop_multiply_fusion.3"]
+    gpu = trace_summary.summarize(events, names)["/device:GPU:0"]
+    rows = {(e["op"], e["kernel"]): (e["count"], e["time_us"], e["source"], e["kind"])
+            for e in gpu["top"]}
+    assert rows == {
+        ("command_buffer_23", "loop_multiply_fusion_3"): (2, 10.0, "jit(round)/jvp(Conv_0)/mul",
+                                                         "other"),
+        ("command_buffer_23", "input_fusion_1"): (
+            1, 3.0, "jit(round)/transpose(jvp(Dense_0))/reduce_sum", "other"),
+        ("command_buffer_23", "nvjet_tst_128x64_64x8_1x1_v_bz_TNN"): (1, 2.0, None, "gemm")}
+    assert gpu["distinct_kernels"] == 3
+    assert gpu["by_source_us"] == {"jvp(Conv_0)/mul": 10.0,
+                                   "transpose(jvp(Dense_0))/reduce_sum": 3.0,
+                                   "(no op_name)": 2.0}
 
 
 def test_launcher_fails_in_one_line_without_a_trace(tmp_path, capsys):
