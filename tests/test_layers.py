@@ -126,6 +126,31 @@ def test_max_pool_gradient_of_a_routed_input_is_exact_under_the_suites_flags():
     assert_close(grads, (jnp.sum(2 * c * q * pooled), jnp.sum(2 * c * (1 - q) * pooled)))
 
 
+def test_routed_cnn_gradient_under_the_launchers_flags_matches_float64():
+    """The launchers compile with their own CPU flag (``launch/xla_env.CPU_FLAGS``, matmuls
+    through YNNPACK). Under it ``max`` over the window axes gave the routed CNN's gradient
+    54% off (``tests/routed_pool_gradient.py`` at 2bdc9b6, the last commit with that pool;
+    1e-6 under a default build): every CPU Flow run the launchers made on a CNN before the
+    fix trained on it. Checked in a child compiled with exactly those flags, against the
+    same gradient in float64."""
+    import os
+    import subprocess
+    import sys
+
+    from launch import xla_env
+    from tests.helpers import default_xla_env
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = default_xla_env()
+    env["XLA_FLAGS"] = " ".join([*env["XLA_FLAGS"].split(), *xla_env.CPU_FLAGS])
+    env["PYTHONPATH"] = root
+    done = subprocess.run([sys.executable, os.path.join(root, "tests", "routed_pool_gradient.py")],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    deviation = float(done.stdout.strip().rsplit(" ", 1)[-1])
+    assert deviation < 1e-4, done.stdout
+
+
 def test_max_pool_splits_a_tie_evenly_as_jnp_max_does():
     """Tied maxima (a constant image region) share the gradient evenly, bit for bit as
     ``jnp.max``'s gradient gives it; the forward value is the maximum itself."""
