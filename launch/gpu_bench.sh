@@ -66,6 +66,15 @@ except Exception as error:
     print('torch properties unavailable:', error)
 "
 
+# Did the H100 tables made before a1f04eb train Flow on a wrong gradient? On the CPU, under
+# the launchers' flag, the old max pool (BASE has it) gave the routed CNN's gradient 54% off
+# its float64 value; this code's pool 1e-6 (tests/test_layers.py). The same check on this
+# device, for both pools.
+step pool_gradient 60 "$NEW" "$NEW/tests/routed_pool_gradient.py"
+if [[ -n "$BASE" ]]; then
+  step pool_gradient_base 60 "$BASE" "$NEW/tests/routed_pool_gradient.py"
+fi
+
 # In priority order; a step that no longer fits the budget is skipped. Each target is a
 # ratio within this call: EMNIST at 100 clients under the GPU's conv formulation (float32,
 # then bf16), then Stack Overflow at 64 skewed clients against today's code when BASE is

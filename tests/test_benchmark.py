@@ -235,7 +235,7 @@ def test_every_step_of_the_device_script_parses_its_flags(tmp_path):
     log = (out / "gpu_bench.log").read_text()
     steps = dict(re.findall(r"^## (\S+): rc=(\d+)", log, re.M))
     assert done.returncode == 0, done.stderr[-2000:]
-    assert set(steps) == {"versions", "emnist_xla", "emnist_slices", "emnist_slices_bf16",
+    assert set(steps) == {"versions", "pool_gradient", "pool_gradient_base", "emnist_xla", "emnist_slices", "emnist_slices_bf16",
                           "so64_baseline", "so64", "so64_bf16", "so64_cmdbuf",
                           "profile_emnist", "profile_so64", "so1000_flow_bf16", "roofline",
                           "determinism"}, log[-3000:]
