@@ -468,18 +468,15 @@ def print_ratios(timed: dict, out: dict) -> None:
     rows = timed["rows"]
     best = {m: min((k for k in rows if k[0] == m), key=lambda k: rows[k]["round_s"])
             for m in timed["methods"]}
-    if {"flow", "fedavg"} <= set(best):
-        out["flow_over_fedavg"] = rows[best["flow"]]["round_s"] / rows[best["fedavg"]]["round_s"]
-        print(f"Flow round / FedAvg round (best mapping each): {out['flow_over_fedavg']:.2f}x")
-    if {"flow_fused", "fedavg"} <= set(best):
-        out["flow_fused_over_fedavg"] = (rows[best["flow_fused"]]["round_s"]
-                                         / rows[best["fedavg"]]["round_s"])
-        print(f"Flow round with fused branches / FedAvg round (best mapping each): "
-              f"{out['flow_fused_over_fedavg']:.2f}x")
-    if {"flow_fused", "flow"} <= set(best):
-        out["flow_over_flow_fused"] = (rows[best["flow"]]["round_s"]
-                                       / rows[best["flow_fused"]]["round_s"])
-        print(f"Flow round / Flow round with fused branches: {out['flow_over_flow_fused']:.2f}x")
+    labels = {"flow": "Flow round", "fedavg": "FedAvg round",
+              "flow_fused": "Flow round with fused branches"}
+    for slower, faster, suffix in (("flow", "fedavg", " (best mapping each)"),
+                                   ("flow_fused", "fedavg", " (best mapping each)"),
+                                   ("flow", "flow_fused", "")):
+        if {slower, faster} <= set(best):
+            ratio = rows[best[slower]]["round_s"] / rows[best[faster]]["round_s"]
+            out[f"{slower}_over_{faster}"] = ratio
+            print(f"{labels[slower]} / {labels[faster]}{suffix}: {ratio:.2f}x")
     engine = [key for key in rows if "step_efficiency" in rows[key]]
     if not engine:
         return
