@@ -334,10 +334,11 @@ def max_pool_2x2(h: jax.Array) -> jax.Array:
     Its gradient is ``jnp.max``'s (an even split among tied maxima) but computed from
     comparisons within each window: ``jnp.max``'s own rule compares the input with the
     output and divides by the number of matches, which needs XLA to recompute the input
-    bit for bit alike wherever it recomputes it. XLA CPU at
-    ``--xla_backend_optimization_level=0`` did not: the CNN's routed gradient came out up
-    to 40% off or infinite (``tests/test_layers.py``). Where XLA is consistent the two
-    rules give the same bits.
+    bit for bit alike wherever it recomputes it. XLA CPU did not, at
+    ``--xla_backend_optimization_level=0`` (the CNN's routed gradient up to 40% off or
+    infinite) and under the launchers' own flag (``launch/xla_env.CPU_FLAGS``: up to 54%
+    off, so their CPU Flow runs on the CNN before this rule trained on it); both are checked
+    in ``tests/test_layers.py``. Where XLA is consistent the two rules give the same bits.
     """
     n, height, width, c = h.shape
     h = h[:, : height // 2 * 2, : width // 2 * 2]
