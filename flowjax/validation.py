@@ -71,6 +71,12 @@ def _devices_visible(value: Any) -> str | None:
     return f"expected an integer in [1, {count}] (devices visible)"
 
 
+def _unroll(value: Any) -> str | None:
+    if value is None or (is_int(value) and value >= 1):
+        return None
+    return "expected None (a loop iteration per time step) or an integer >= 1"
+
+
 # The run's own fields (engine, data, evaluation). A method's fields (config.methods.<name>)
 # and the clients' SGD (config.sgd) are checked by their dataclasses (``method_config``).
 # Names first: an unknown algorithm or model makes every other message moot.
@@ -82,6 +88,7 @@ _RULES: tuple[tuple[str, Check], ...] = (
     ("mapping.strategy", one_of(("auto",) + STRATEGIES)),
     ("conv_impl", one_of(CONV_IMPLS)),
     ("compute_dtype", one_of(tuple(COMPUTE_DTYPES))),
+    ("lstm_unroll", _unroll),
     ("seed", _seed),
     ("num_rounds", integer(1)),
     ("clients_per_round", integer(1)),
@@ -128,12 +135,13 @@ def _fail(path: str, value: Any, expected: str) -> None:
 
 # Top-level fields passed to the model factory when set off their defaults (only models
 # whose layers implement them take them).
-_MODEL_FIELDS = {"conv_impl": "auto", "compute_dtype": "float32"}
+_MODEL_FIELDS = {"conv_impl": "auto", "compute_dtype": "float32", "lstm_unroll": None}
 
 
 def model_options(config: Any) -> dict[str, Any]:
     """The model factory's keyword arguments: ``config.model_options`` plus
-    ``conv_impl`` / ``compute_dtype`` where the config sets them off their defaults."""
+    ``conv_impl`` / ``compute_dtype`` / ``lstm_unroll`` where the config sets them off
+    their defaults."""
     options = dict(config.get("model_options", None) or {})
     for name, default in _MODEL_FIELDS.items():
         value = config.get(name, default)
@@ -204,11 +212,17 @@ def _check_model_fields(config: Any, method: Any, model: RoutableModel) -> None:
             _fail("model_options.groups", options["groups"],
                   "expected it unset with methods.flow.semantics='reference': the authors' "
                   "CIFAR network has its own GroupNorm (2 channels per group)")
-        dtype = config.get("compute_dtype", "float32")
-        if (dtype != "float32"
-                and flow_reference.resolve(method, model.name).recurrence == "mixed_state"):
-            _fail("compute_dtype", dtype, "expected 'float32' with methods.flow.recurrence="
-                  "'mixed_state': its routed recurrence (layers.routed_lstm) computes in float32")
+        if flow_reference.resolve(method, model.name).recurrence == "mixed_state":
+            # Its routed recurrence (layers.routed_lstm) has neither layer option yet.
+            dtype, unroll = config.get("compute_dtype", "float32"), config.get("lstm_unroll")
+            if dtype != "float32":
+                _fail("compute_dtype", dtype, "expected 'float32' with methods.flow.recurrence="
+                      "'mixed_state': its routed recurrence (layers.routed_lstm) computes in "
+                      "float32")
+            if unroll not in (None, 1):
+                _fail("lstm_unroll", unroll, "expected None with methods.flow.recurrence="
+                      "'mixed_state': its routed recurrence (layers.routed_lstm) runs a loop "
+                      "iteration per time step")
     if config.algorithm == "lg_fedavg":
         requested = method.global_layers
         try:

@@ -37,6 +37,7 @@ Options:
   --conv_impl=im2col, --compute_dtype=bfloat16: the EMNIST CNN's conv formulation, and
     the matmul precision of the CNN and the LSTMs (``config.conv_impl``,
     ``config.compute_dtype``).
+  --lstm_unroll=20: the LSTMs' time steps per loop iteration (``config.lstm_unroll``).
   --nopython_loop, --nocentralized: skip the sequential baseline / the centralized step
     (for cohorts where they take too long or, centralized, too much memory).
   --nowarmup: compile each round ahead of time (reported as ``compile s``) and time the
@@ -122,6 +123,8 @@ _CONV_IMPL = flags.DEFINE_enum("conv_impl", "auto", ["auto", "xla", "im2col", "i
                                "EMNIST CNN convolution formulation (config.conv_impl).")
 _COMPUTE_DTYPE = flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"],
                                    "Matmul dtype of the EMNIST CNN and the LSTMs (config.compute_dtype).")
+_LSTM_UNROLL = flags.DEFINE_integer("lstm_unroll", 1, "The LSTMs' time steps per loop "
+                                    "iteration (config.lstm_unroll).", lower_bound=1)
 _PYTHON_LOOP = flags.DEFINE_bool("python_loop", True, "Time the sequential Python loop.")
 _CENTRALIZED = flags.DEFINE_bool("centralized", True, "Time the centralized-equivalent step.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "A warm-up round before the timed ones; without "
@@ -152,13 +155,15 @@ class BadFlags(ValueError):
 
 def model_options(model_name: str) -> dict:
     """The model factory's options the flags set (only those off their defaults, so a
-    model without conv_impl / compute_dtype is built as before)."""
+    model without conv_impl / compute_dtype / lstm_unroll is built as before)."""
     options = {} if _CUSTOM_GRAD.value == "auto" else {"custom_grad": _CUSTOM_GRAD.value == "true"}
     if _CONV_IMPL.value != "auto":
         options["conv_impl"] = _CONV_IMPL.value
     if _COMPUTE_DTYPE.value != "float32":
         options["compute_dtype"] = _COMPUTE_DTYPE.value
-    for name in ("conv_impl", "compute_dtype"):
+    if _LSTM_UNROLL.value != 1:
+        options["lstm_unroll"] = _LSTM_UNROLL.value
+    for name in ("conv_impl", "compute_dtype", "lstm_unroll"):
         if name in options and not model_takes(model_name, name):
             takers = [m for m in MODELS if model_takes(m, name)]
             raise BadFlags(f"--{name}: {model_name} does not implement it "
@@ -596,7 +601,7 @@ def run(argv):
               "jax": jax.__version__, "clients": clients, "steps": steps,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "custom_grad": _CUSTOM_GRAD.value,
               "conv_impl": _CONV_IMPL.value, "compute_dtype": _COMPUTE_DTYPE.value,
-              "epochs": _EPOCHS.value, "skewed": _SKEWED.value, "models": {}}
+              "lstm_unroll": _LSTM_UNROLL.value, "epochs": _EPOCHS.value, "skewed": _SKEWED.value, "models": {}}
     print(f"backend={report['backend']} device={report['device']} jax={report['jax']} "
           f"XLA_FLAGS='{report['xla_flags']}' custom_grad={_CUSTOM_GRAD.value}")
     for model_name in _MODELS.value:

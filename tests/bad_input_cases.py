@@ -234,6 +234,13 @@ CASES: tuple[Case, ...] = (
     _config("compute_dtype", "bfloat16", "config.compute_dtype='bfloat16': expected 'float32' "
             "with methods.flow.recurrence='mixed_state': its routed recurrence "
             "(layers.routed_lstm) computes in float32", **{"methods.flow.recurrence": "mixed_state"}),
+    _config("lstm_unroll", 20, "config.lstm_unroll=20: expected None with methods.flow.recurrence="
+            "'mixed_state': its routed recurrence (layers.routed_lstm) runs a loop iteration "
+            "per time step", **{"methods.flow.recurrence": "mixed_state"}),
+    _config("lstm_unroll", 0, "config.lstm_unroll=0: expected None (a loop iteration per time "
+            "step) or an integer >= 1"),
+    _config("lstm_unroll", 4, "config.lstm_unroll=4: expected None: resnet18_gn does not "
+            "implement lstm_unroll", model="resnet18_gn"),
     _config("methods.flow.order", "random", "config.methods.flow.order='random': expected one "
             "of ['alternating', 'policy_first', 'global_first']"),
     _config("methods.flow.global_step", "local_only", "config.methods.flow.global_step="

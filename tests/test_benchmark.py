@@ -174,6 +174,19 @@ def test_scale_flags_end_to_end_at_a_tiny_size(tmp_path):
     assert [p["method"] for p in report["projection"]] == ["fedavg", "flow"]
 
 
+def test_lstm_unroll_flag_builds_the_lstm_models_with_it_and_refuses_the_cnn():
+    from absl import flags
+    from absl.testing import flagsaver
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    with flagsaver.flagsaver(lstm_unroll=20):
+        assert benchmark.model_options("stackoverflow_lstm") == {"lstm_unroll": 20}
+        with pytest.raises(benchmark.BadFlags, match=r"^--lstm_unroll: emnist_cnn does not "
+                           r"implement it \(only shakespeare_lstm, stackoverflow_lstm\)$"):
+            benchmark.model_options("emnist_cnn")
+    assert benchmark.model_options("stackoverflow_lstm") == {}
+
+
 def test_strategy_names_carry_their_own_chunk_size():
     from flowjax.core.mapping import ClientMapping
     assert benchmark.parse_strategy("chunked:19", 5, 1) == ClientMapping("chunked", 19)
@@ -235,8 +248,9 @@ def test_every_step_of_the_device_script_parses_its_flags(tmp_path):
     log = (out / "gpu_bench.log").read_text()
     steps = dict(re.findall(r"^## (\S+): rc=(\d+)", log, re.M))
     assert done.returncode == 0, done.stderr[-2000:]
-    assert set(steps) == {"versions", "pool_gradient", "pool_gradient_base", "emnist_xla", "emnist_slices", "emnist_slices_bf16",
-                          "so64_baseline", "so64", "so64_bf16", "so64_cmdbuf",
+    assert set(steps) == {"versions", "pool_gradient", "pool_gradient_base", "emnist_xla",
+                          "emnist_slices", "emnist_slices_bf16", "emnist_cmdbuf",
+                          "so64_baseline", "so64", "so64_unroll", "so64_bf16", "so64_cmdbuf",
                           "profile_emnist", "profile_so64", "so1000_flow_bf16", "roofline",
                           "determinism"}, log[-3000:]
     assert set(steps.values()) == {"0"}, log[-3000:]

@@ -186,6 +186,28 @@ def test_config_fields_reach_the_model_and_bad_values_fail_in_one_line():
         validate_config(config)
 
 
+@pytest.mark.parametrize("name, lstms, length", [("stackoverflow", 1, 20),
+                                                  ("shakespeare", 2, 80)])
+def test_config_lstm_unroll_reaches_every_lstm_of_the_model(name, lstms, length):
+    """``config.lstm_unroll`` at the sequence length leaves the model's training step no
+    time loop; unset, each LSTM keeps its forward and backward loops."""
+    import importlib
+    from flowjax.models.base import forward
+    from flowjax.validation import validate_config
+
+    def time_loops(unroll):
+        config = importlib.import_module(f"configs.{name}").get_config("paper")
+        config.model_options = {"vocab_size": 60, "embed_dim": 8, "hidden": 16}
+        config.lstm_unroll = unroll
+        model = validate_config(config)[1]
+        x = jax.random.randint(jax.random.key(1), (2, length), 1, model.num_classes)
+        loss = lambda p: jnp.sum(forward(model, p, x))  # noqa: E731
+        return jax.jit(jax.grad(loss)).lower(model.init(jax.random.key(0))).as_text().count(
+            "stablehlo.while")
+
+    assert (time_loops(None), time_loops(length)) == (2 * lstms, 0)
+
+
 @pytest.mark.parametrize("name, options, length", [
     ("stackoverflow_lstm", dict(vocab_size=60, embed_dim=8, hidden=16, dense=8), 20),
     ("shakespeare_lstm", dict(hidden=16), 80)])

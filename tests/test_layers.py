@@ -234,6 +234,25 @@ def test_lstm_module():
     assert_close(jax.grad(loss(fast))(params), jax.grad(loss(plain))(params))
 
 
+@pytest.mark.parametrize("custom_grad", [True, False])
+def test_lstm_unroll_keeps_the_values_and_takes_the_loops_away(custom_grad):
+    """``unroll`` time steps per loop iteration: the same outputs bit for bit (the cell's
+    arithmetic per step is unchanged), gradients equal to float32 rounding (an unrolled
+    backward body fuses differently), and at the full length no loop is left at all."""
+    x = normal(0, (3, 6, 5))
+    module = lambda unroll: layers.LSTM(7, custom_grad=custom_grad, unroll=unroll)  # noqa: E731
+    params = module(1).init(jax.random.key(0), x)
+    loss = lambda unroll: lambda p: jnp.sum(jnp.sin(module(unroll).apply(p, x)))  # noqa: E731
+    looped = jax.jit(module(1).apply)(params, x)
+    looped_grad = jax.jit(jax.grad(loss(1)))(params)
+    for unroll in (4, 6):  # 4 does not divide the 6 steps: a remainder outside the loop
+        np.testing.assert_array_equal(jax.jit(module(unroll).apply)(params, x), looped)
+        assert relative_error(jax.jit(jax.grad(loss(unroll)))(params), looped_grad) < 1e-6
+    whiles = lambda unroll: jax.jit(jax.grad(loss(unroll))).lower(params).as_text().count(  # noqa: E731
+        "stablehlo.while")
+    assert (whiles(1), whiles(6)) == (2, 0)  # forward and backward loops; none
+
+
 def relative_error(actual, expected) -> float:
     """The largest ``|a - e| / |e|`` (Frobenius norms) over the leaves."""
     return max(float(jnp.linalg.norm(a - e) / jnp.linalg.norm(e))

@@ -146,6 +146,20 @@ def test_a_run_folder_of_the_older_schema_is_named_as_such_and_kept(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text()) == old
 
 
+def test_a_run_stored_before_lstm_unroll_existed_still_resumes(tmp_path):
+    """A field added with a None default (``config.lstm_unroll``) does not make a run
+    stored without it a different config: it resumes instead of asking for --overwrite."""
+    from flowjax.runner import conflicting_fields
+    resolved = run_config.stored_config(small_config())
+    older = {key: value for key, value in resolved.items() if key != "lstm_unroll"}
+    assert resolved["lstm_unroll"] is None and "lstm_unroll" not in older
+    (tmp_path / "config.json").write_text(json.dumps(older))
+    (tmp_path / "metrics.jsonl").write_text('{"round": 1, "kind": "train"}\n')
+    assert conflicting_fields(str(tmp_path), resolved, "REMEDY") == []
+    assert conflicting_fields(str(tmp_path), {**resolved, "lstm_unroll": 20},
+                              "REMEDY") == ["lstm_unroll"]
+
+
 def test_dotted_overrides_set_existing_fields_only():
     config = small_config()
     run_config.set_fields(config, {"methods.flow.gamma": 0.0, "sgd.momentum": 0.9})

@@ -386,14 +386,15 @@ def _matmul(a: jax.Array, b: jax.Array, dtype: Any) -> jax.Array:
 
 
 def _lstm_scan(zx: jax.Array, w_h: jax.Array, compute_dtype: Any = None,
-               cast_once: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+               cast_once: bool = True, unroll: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Runs the recurrence on time-major input projections ``zx`` ``[T, B, 4H]``.
 
     Returns hidden states and cell states ``[T, B, H]`` and activated gates ``[T, B, 4H]``.
     With a ``compute_dtype`` and ``cast_once``, ``w_h`` is cast once before the loop, so
-    every time step reads the narrow copy (the recurrence is bound by those reads). Under
-    autodiff (``cast_once=False``) it is cast in the loop instead: the transposed loop
-    then sums ``w_h``'s gradient in float32, not in the copy's bf16. The cell stays float32.
+    every time step reads the narrow copy. Under autodiff (``cast_once=False``) it is cast
+    in the loop instead: the transposed loop then sums ``w_h``'s gradient in float32, not
+    in the copy's bf16. The cell stays float32. ``unroll``: time steps per loop iteration
+    (``lax.scan``'s; the same values).
     """
     hidden = w_h.shape[0]
     zeros = jnp.zeros(zx.shape[1:-1] + (hidden,), zx.dtype)
@@ -405,37 +406,40 @@ def _lstm_scan(zx: jax.Array, w_h: jax.Array, compute_dtype: Any = None,
         h, c, gates = lstm_cell(zx_t + _matmul(h, w_h_c, compute_dtype), c)
         return (h, c), (h, c, gates)
 
-    _, (hs, cs, gates) = lax.scan(step, (zeros, zeros), zx)
+    _, (hs, cs, gates) = lax.scan(step, (zeros, zeros), zx, unroll=unroll)
     return hs, cs, gates
 
 
 def _lstm_forward(x: jax.Array, w_x: jax.Array, w_h: jax.Array, b: jax.Array,
-                  compute_dtype: Any = None, cast_once: bool = True):
+                  compute_dtype: Any = None, cast_once: bool = True, unroll: int = 1):
     zx = _product("btf,fg->tbg", x, w_x, compute_dtype) + b
-    hs, cs, gates = _lstm_scan(zx, w_h, compute_dtype, cast_once)
+    hs, cs, gates = _lstm_scan(zx, w_h, compute_dtype, cast_once, unroll)
     return jnp.swapaxes(hs, 0, 1), (hs, cs, gates)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def lstm(x: jax.Array, w_x: jax.Array, w_h: jax.Array, b: jax.Array,
-         compute_dtype: Any = None) -> jax.Array:
+         compute_dtype: Any = None, unroll: int = 1) -> jax.Array:
     """LSTM over a whole sequence from a zero state: ``[B, T, F] -> [B, T, H]``.
 
     Gates are ordered ``i, f, g, o`` along the ``4H`` axis of ``w_x [F, 4H]``,
     ``w_h [H, 4H]`` and ``b [4H]``. ``compute_dtype`` (e.g. ``jnp.bfloat16``) runs every
     product, forward and backward, on operands cast to it with float32 accumulation; the
-    cell's elementwise math, the saved states and the gradients stay float32.
+    cell's elementwise math, the saved states and the gradients stay float32. ``unroll``:
+    time steps per iteration of the forward and the backward loop (1: a loop iteration
+    per step; ``T``: no loop). The forward values do not depend on it; the gradients
+    agree to float32 rounding (XLA fuses an unrolled body differently).
     """
-    return _lstm_forward(x, w_x, w_h, b, compute_dtype)[0]
+    return _lstm_forward(x, w_x, w_h, b, compute_dtype, unroll=unroll)[0]
 
 
 def _lstm_fwd(x: jax.Array, w_x: jax.Array, w_h: jax.Array, b: jax.Array,
-              compute_dtype: Any = None):
-    out, (hs, cs, gates) = _lstm_forward(x, w_x, w_h, b, compute_dtype)
+              compute_dtype: Any = None, unroll: int = 1):
+    out, (hs, cs, gates) = _lstm_forward(x, w_x, w_h, b, compute_dtype, unroll=unroll)
     return out, (x, w_x, w_h, hs, cs, gates)
 
 
-def _lstm_bwd(compute_dtype: Any, residuals, d_out: jax.Array):
+def _lstm_bwd(compute_dtype: Any, unroll: int, residuals, d_out: jax.Array):
     x, w_x, w_h, hs, cs, gates = residuals
     c_prev = jnp.concatenate([jnp.zeros_like(cs[:1]), cs[:-1]])
     h_prev = jnp.concatenate([jnp.zeros_like(hs[:1]), hs[:-1]])
@@ -455,7 +459,7 @@ def _lstm_bwd(compute_dtype: Any, residuals, d_out: jax.Array):
 
     zeros = jnp.zeros_like(hs[0])
     _, dz = lax.scan(step, (zeros, zeros), (jnp.swapaxes(d_out, 0, 1), gates, cs, c_prev),
-                     reverse=True)
+                     reverse=True, unroll=unroll)
     dx = _product("tbg,fg->btf", dz, w_x, compute_dtype)
     dw_x = _product("btf,tbg->fg", x, dz, compute_dtype)
     dw_h = _product("tbh,tbg->hg", h_prev, dz, compute_dtype)
@@ -485,11 +489,13 @@ class LSTM(nn.Module):
       compute_dtype: ``None`` (float32) or e.g. ``jnp.bfloat16``: the input projection
         and the recurrent product (and their backward products) run on operands cast to
         it with float32 accumulation; params and the cell state stay float32.
+      unroll: time steps per loop iteration, forward and backward (``lstm``).
     """
 
     features: int
     custom_grad: bool = True
     compute_dtype: Any = None
+    unroll: int = 1
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -499,8 +505,9 @@ class LSTM(nn.Module):
                          (self.features, gates))
         b = self.param("bias", _lstm_bias_init, (gates,))
         if self.custom_grad:
-            return lstm(x, w_x, w_h, b, self.compute_dtype)
-        return _lstm_forward(x, w_x, w_h, b, self.compute_dtype, cast_once=False)[0]
+            return lstm(x, w_x, w_h, b, self.compute_dtype, self.unroll)
+        return _lstm_forward(x, w_x, w_h, b, self.compute_dtype, cast_once=False,
+                             unroll=self.unroll)[0]
 
 
 def lstm_weights(layer_params: PyTree) -> tuple[jax.Array, jax.Array, jax.Array] | None:

@@ -27,7 +27,8 @@ def _label_weights(y: jax.Array) -> jax.Array:
 
 
 def shakespeare_lstm(vocab_size: int = 90, embed_dim: int = 8, hidden: int = 256,
-                     custom_grad: bool = True, compute_dtype: str = "float32") -> RoutableModel:
+                     custom_grad: bool = True, compute_dtype: str = "float32",
+                     lstm_unroll: int = 1) -> RoutableModel:
     """embedding(vocab_size, embed_dim), LSTM(hidden), LSTM(hidden), dense vocab_size.
 
     Args:
@@ -39,6 +40,8 @@ def shakespeare_lstm(vocab_size: int = 90, embed_dim: int = 8, hidden: int = 256
         ``"bfloat16"``: the LSTM's products (its recurrent weight cast once per sequence)
         and the dense layers multiply in bf16 with float32 accumulation; params,
         gradients, optimizer state and the LSTM cell stay float32.
+      lstm_unroll: the LSTMs' time steps per loop iteration (``layers.lstm``; 80 = no
+        loop): the same forward values, gradients equal to float32 rounding.
 
     Returns:
       A model taking int32 tokens ``[B, T]`` (``T = 80`` in the dataset) to logits
@@ -46,7 +49,8 @@ def shakespeare_lstm(vocab_size: int = 90, embed_dim: int = 8, hidden: int = 256
       step and causal. Padding labels get weight 0.
     """
     dtype = compute_dtype_of(compute_dtype)
-    lstm = lambda: LSTM(hidden, custom_grad=custom_grad, compute_dtype=dtype)  # noqa: E731
+    lstm = lambda: LSTM(hidden, custom_grad=custom_grad, compute_dtype=dtype,  # noqa: E731
+                        unroll=lstm_unroll)
     modules = (Embed(vocab_size, embed_dim), lstm(), lstm(), dense_layer(vocab_size, dtype))
     return chain_model(
         name="shakespeare_lstm", layer_names=("embedding", "lstm1", "lstm2", "dense"),

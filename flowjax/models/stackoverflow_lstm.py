@@ -52,7 +52,8 @@ def _label_weights_fn(vocab_size: int, exclude_special: bool) -> Callable[[jax.A
 
 def stackoverflow_lstm(vocab_size: int = 10004, embed_dim: int = 96, hidden: int = 670,
                        dense: int = 96, exclude_special: bool = False,
-                       custom_grad: bool = True, compute_dtype: str = "float32") -> RoutableModel:
+                       custom_grad: bool = True, compute_dtype: str = "float32",
+                       lstm_unroll: int = 1) -> RoutableModel:
     """embedding(vocab_size, embed_dim), LSTM(hidden), dense ``dense``, dense vocab_size
     (4,050,748 params with the defaults).
 
@@ -70,6 +71,8 @@ def stackoverflow_lstm(vocab_size: int = 10004, embed_dim: int = 96, hidden: int
         ``"bfloat16"``: the LSTM's products (its recurrent weight cast once per sequence)
         and the dense layers multiply in bf16 with float32 accumulation; params,
         gradients, optimizer state and the LSTM cell stay float32.
+      lstm_unroll: the LSTM's time steps per loop iteration (``layers.lstm``; 20 = no
+        loop): the same forward values, gradients equal to float32 rounding.
 
     Returns:
       A model taking int32 tokens ``[B, T]`` (``T = 20`` in the dataset) to logits
@@ -80,7 +83,7 @@ def stackoverflow_lstm(vocab_size: int = 10004, embed_dim: int = 96, hidden: int
         raise ValueError(f"vocab_size={vocab_size} leaves no room for words")
     dtype = compute_dtype_of(compute_dtype)
     modules = (Embed(vocab_size, embed_dim),
-               LSTM(hidden, custom_grad=custom_grad, compute_dtype=dtype),
+               LSTM(hidden, custom_grad=custom_grad, compute_dtype=dtype, unroll=lstm_unroll),
                dense_layer(dense, dtype), dense_layer(vocab_size, dtype))
     return chain_model(
         name="stackoverflow_lstm", layer_names=("embedding", "lstm", "dense1", "dense2"),
