@@ -12,11 +12,12 @@
 #   PY        the Python with jax[cuda], one executable without arguments (default:
 #             python3, the device image's; that image lacks ml_collections, so the call
 #             carries its wheel: see docs/benchmarks/gpu-h100-2026-11-27.md for the command)
-# The EMNIST runs come first (their targets are ratios within one run), then Stack Overflow
-# at 64 skewed clients (baseline, float32), profiles of both (where the device's time
-# goes), bf16 Stack Overflow, a determinism check, then what earlier calls measured once:
-# command buffers over loops, cuDNN's convolutions, a bf16 1,000-client Flow round and the
-# roofline.
+# The pool check, then EMNIST (its targets are ratios within one run; with loops as command
+# buffers beside it), then Stack Overflow at 64 skewed clients (baseline, float32, the
+# LSTM's time loops unrolled), its profile (where the device's time goes), bf16 EMNIST,
+# then what earlier calls measured once: EMNIST's profile, bf16 Stack Overflow, the
+# determinism check, command buffers over Stack Overflow's loops, cuDNN's convolutions, a
+# bf16 1,000-client Flow round and the roofline.
 set -u
 OUT=${OUT:-/tmp/gpu_bench_out}
 NEW=$(cd "${NEW:-.}" && pwd)
@@ -76,18 +77,20 @@ if [[ -n "$BASE" ]]; then
 fi
 
 # In priority order; a step that no longer fits the budget is skipped. Each target is a
-# ratio within this call: EMNIST at 100 clients under the GPU's conv formulation (float32,
-# then bf16), then Stack Overflow at 64 skewed clients against today's code when BASE is
-# given, then the profiles (where the device's time goes), Stack Overflow in bf16 (the
-# LSTM's recurrent weight read as a bf16 copy at every time step), the determinism check,
-# and last what earlier calls measured once.
+# ratio within this call: EMNIST at 100 clients under the GPU's conv formulation, then
+# Stack Overflow at 64 skewed clients against today's code when BASE is given.
 BENCH=(launch/benchmark.py --repeats=3)
 EMNIST=(--models=emnist_cnn --clients=100 --steps=10 --strategies=vmap --nopython_loop)
 # flow_fused: Flow with each convolution's two branches in one product
 # (FlowConfig.fuse_branches: the patches read once and their gradient folded once for
 # both), beside FedAvg and plain Flow in the same process; the target is Flow / FedAvg <= 1.5x.
 step emnist_slices 120 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow,flow_fused --json_out="$RAW/emnist_slices.json"
-step emnist_slices_bf16 100 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --compute_dtype=bfloat16 --algorithms=fedavg,flow,flow_fused --json_out="$RAW/emnist_slices_bf16.json"
+# The 2026-11-27 profile (call 3) found the device idle 9.5% of FedAvg's EMNIST round, with
+# one device-to-host copy per iteration of the local-step loop (11 per round): the host
+# reads each iteration's loop condition before launching the next. XLA's command buffers
+# over loops (CUDA graphs' conditional nodes) keep the loop on the device; on Stack
+# Overflow they lost (roofline.md), on EMNIST they were never timed.
+XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" step emnist_cmdbuf 110 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow_fused --json_out="$RAW/emnist_cmdbuf.json"
 
 SO64=(--models=stackoverflow_lstm --skewed --clients=64)
 if [[ -n "$BASE" ]]; then
@@ -97,23 +100,31 @@ fi
 # chunked:19 is memory_plan.chunk_for_sizes's pick for these 64 sizes (call 4: chunks of 32
 # and 64 were slower).
 step so64 120 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --repeats=2 --algorithms=fedavg,flow,flow_fused --json_out="$RAW/so64.json"
+# The LSTM's 20 time steps with no loop, forward and backward (config.lstm_unroll): each
+# loop iteration costs a launch of its body, 40 per step for FedAvg and 80 for Flow's two
+# LSTMs; the fitted fixed cost per chunk-step is ~1 ms / ~2.4 ms (roofline.md).
+step so64_unroll 100 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --nocentralized --repeats=2 --lstm_unroll=20 --json_out="$RAW/so64_unroll.json"
 # Where the time goes (launch/trace_summary.py): one more execution of each round above,
 # compiled ahead of time, traced by JAX's profiler; each row prints the device's busy and
 # idle time, op time by kind and by layer, and its top kernels (into the .txt and JSON).
+# Stack Overflow's was cut by the budget on 2026-11-27: what sets its per-slot cost (not
+# W_h's bytes: bf16 W_h gained nothing) is unknown.
 # The traces themselves stay in raw.tgz only while it fits what a device call returns.
 PROFILE=(--nopython_loop --nocentralized --nowarmup --repeats=1)
-step profile_emnist 100 "$NEW" launch/benchmark.py "${EMNIST[@]}" "${PROFILE[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow,flow_fused --profile_dir="$RAW/profile_emnist" --json_out="$RAW/profile_emnist.json"
 step profile_so64 100 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 "${PROFILE[@]}" --profile_dir="$RAW/profile_so64" --json_out="$RAW/profile_so64.json"
+step emnist_slices_bf16 100 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --compute_dtype=bfloat16 --algorithms=fedavg,flow,flow_fused --json_out="$RAW/emnist_slices_bf16.json"
+step profile_emnist 100 "$NEW" launch/benchmark.py "${EMNIST[@]}" "${PROFILE[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow,flow_fused --profile_dir="$RAW/profile_emnist" --json_out="$RAW/profile_emnist.json"
 find "$RAW" \( -name '*.xplane.pb' -o -name 'round.hlo.txt' \) -delete 2>/dev/null
 
+# Measured once by earlier calls (docs/benchmarks/gpu-h100-2026-11-2{6,7}.md): bf16 Stack
+# Overflow (no gain), the determinism check (bit for bit), command buffers over Stack
+# Overflow's loops, cuDNN's grouped convolutions, the device's ceilings; and a bf16
+# 1,000-client Flow round (never reached so far).
 step so64_bf16 90 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --nocentralized --repeats=2 --compute_dtype=bfloat16 --json_out="$RAW/so64_bf16.json"
 # Same seed, same numbers on the GPU? The same FedAvg and Flow rounds twice, compared bit
 # for bit (the CNN's convolutions and the LSTM's embedding gradient may sum with atomics).
 step determinism 80 "$NEW" launch/determinism_check.py --json_out="$RAW/determinism.json"
 
-# Measured once by earlier calls (docs/benchmarks/gpu-h100-2026-11-2{6,7}.md): command
-# buffers over loops, cuDNN's grouped convolutions, the device's ceilings; and a bf16
-# 1,000-client Flow round (never reached so far).
 # The fixed cost of a chunk-step (docs/benchmarks/roofline.md, launch/chunk_costs.py: ~1 ms
 # FedAvg, ~2.4 ms Flow) bounds any mapping at 1.83x / 1.89x over chunks of 4; XLA's command
 # buffers (CUDA graphs) extended to loops target that launch overhead (2026-11-27: no gain,
