@@ -20,8 +20,12 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
     config.clients_per_round = 10
     config.max_examples_per_client = config_dict.placeholder(int)
     # The clients' SGD, shared by every method; the dataset config sets the paper's values.
+    # steps_per_loop: how the steps run, not what they compute (None: one step per loop
+    # iteration; more: fewer loop conditions for a GPU's host to read, values equal to
+    # float32 rounding; algorithms.base.SGDConfig). Not a per-method field.
     config.sgd = ml_collections.ConfigDict(dict(
-        learning_rate=0.01, epochs=3, batch_size=20, momentum=0.0))
+        learning_rate=0.01, epochs=3, batch_size=20, momentum=0.0,
+        steps_per_loop=config_dict.placeholder(int)))
 
     # Each method's own fields (the paper's Appendix B; datasets override), passed straight
     # to its config dataclass (flowjax.algorithms.method_config). methods.<name>.sgd: the

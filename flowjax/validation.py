@@ -18,8 +18,8 @@ from flowjax.algorithms import METHODS, algorithm_names, method_config
 from flowjax.algorithms import flow_reference, flow_reference_resnet
 from flowjax.algorithms.flow_reference_networks import NETWORKS
 from flowjax.algorithms.lg_fedavg import global_layer_names
-from flowjax.core.checks import (FieldError, Interval, integer, is_int, one_of, optional_cap, plain,
-                                 positive)
+from flowjax.core.checks import (FieldError, Interval, integer, is_int, one_of, optional_cap,
+                                 optional_integer, plain, positive)
 from flowjax.core.mapping import STRATEGIES
 from flowjax.core.prng import SEED_LIMIT
 from flowjax.core.server_opt import SERVER_OPTIMIZERS
@@ -71,12 +71,6 @@ def _devices_visible(value: Any) -> str | None:
     return f"expected an integer in [1, {count}] (devices visible)"
 
 
-def _unroll(value: Any) -> str | None:
-    if value is None or (is_int(value) and value >= 1):
-        return None
-    return "expected None (a loop iteration per time step) or an integer >= 1"
-
-
 # The run's own fields (engine, data, evaluation). A method's fields (config.methods.<name>)
 # and the clients' SGD (config.sgd) are checked by their dataclasses (``method_config``).
 # Names first: an unknown algorithm or model makes every other message moot.
@@ -88,7 +82,7 @@ _RULES: tuple[tuple[str, Check], ...] = (
     ("mapping.strategy", one_of(("auto",) + STRATEGIES)),
     ("conv_impl", one_of(CONV_IMPLS)),
     ("compute_dtype", one_of(tuple(COMPUTE_DTYPES))),
-    ("lstm_unroll", _unroll),
+    ("lstm_unroll", optional_integer(1)),
     ("seed", _seed),
     ("num_rounds", integer(1)),
     ("clients_per_round", integer(1)),

@@ -53,11 +53,12 @@ def first_batch(task: FederatedTask, batch: int) -> jax.Array:
 
 
 def build_algorithm(model: RoutableModel, name: str, example_x: jax.Array,
-                    epochs: int = 1) -> FederatedAlgorithm:
+                    epochs: int = 1, steps_per_loop: int = 1) -> FederatedAlgorithm:
     """FedAvg, or Flow with gamma 1e-3 and the model's policy widths (``flow_fused``: and
-    ``fuse_branches``), at the model's batch size and learning rate."""
+    ``fuse_branches``), at the model's batch size and learning rate (``steps_per_loop``:
+    ``SGDConfig``'s)."""
     sgd = SGDConfig(learning_rate=LEARNING_RATE[model.name], epochs=epochs,
-                    batch_size=BATCH[model.name])
+                    batch_size=BATCH[model.name], steps_per_loop=steps_per_loop)
     if name == "fedavg":
         return fedavg(model, FedAvgConfig(sgd=sgd))
     if name in ("flow", "flow_fused"):

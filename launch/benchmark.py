@@ -37,7 +37,10 @@ Options:
   --conv_impl=im2col, --compute_dtype=bfloat16: the EMNIST CNN's conv formulation, and
     the matmul precision of the CNN and the LSTMs (``config.conv_impl``,
     ``config.compute_dtype``).
-  --lstm_unroll=20: the LSTMs' time steps per loop iteration (``config.lstm_unroll``).
+  --algorithms=fedavg,fedavg+lstm_unroll=20+steps_per_loop=10: a method with other loop
+    shapes (the LSTMs' time steps per loop iteration, ``config.lstm_unroll``; local SGD
+    steps per iteration of the step loop, ``config.sgd.steps_per_loop``), timed beside the
+    plain method in the same process, with a ratio line for each.
   --nopython_loop, --nocentralized: skip the sequential baseline / the centralized step
     (for cohorts where they take too long or, centralized, too much memory).
   --nowarmup: compile each round ahead of time (reported as ``compile s``) and time the
@@ -68,6 +71,7 @@ import json  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from typing import Any  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 import jax  # noqa: E402
@@ -115,16 +119,15 @@ _PLAN_GB = flags.DEFINE_float("plan_memory_gb", 0.0, "Plan clients per chunk for
                               "device's own limit).")
 _ALGORITHMS = flags.DEFINE_list(
     "algorithms", ["fedavg", "flow"],
-    "Methods to time (fedavg, flow, flow_fused: Flow with FlowConfig.fuse_branches); not "
-    "--methods, which compare.py and reproduce.py define in the same flag registry when "
-    "tests import the launchers together.")
+    "Methods to time (fedavg, flow, flow_fused: Flow with FlowConfig.fuse_branches), each "
+    "optionally with loop shapes, METHOD+OPTION=N (OPTION: lstm_unroll, steps_per_loop), "
+    "timed beside the plain METHOD in the same process; not --methods, which compare.py and "
+    "reproduce.py define in the same flag registry when tests import the launchers together.")
 _EPOCHS = flags.DEFINE_integer("epochs", 1, "Epochs per round (each of Flow's two phases).")
 _CONV_IMPL = flags.DEFINE_enum("conv_impl", "auto", ["auto", "xla", "im2col", "im2col_slices"],
                                "EMNIST CNN convolution formulation (config.conv_impl).")
 _COMPUTE_DTYPE = flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"],
                                    "Matmul dtype of the EMNIST CNN and the LSTMs (config.compute_dtype).")
-_LSTM_UNROLL = flags.DEFINE_integer("lstm_unroll", 1, "The LSTMs' time steps per loop "
-                                    "iteration (config.lstm_unroll).", lower_bound=1)
 _PYTHON_LOOP = flags.DEFINE_bool("python_loop", True, "Time the sequential Python loop.")
 _CENTRALIZED = flags.DEFINE_bool("centralized", True, "Time the centralized-equivalent step.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "A warm-up round before the timed ones; without "
@@ -155,30 +158,86 @@ class BadFlags(ValueError):
 
 def model_options(model_name: str) -> dict:
     """The model factory's options the flags set (only those off their defaults, so a
-    model without conv_impl / compute_dtype / lstm_unroll is built as before)."""
+    model without conv_impl / compute_dtype is built as before)."""
     options = {} if _CUSTOM_GRAD.value == "auto" else {"custom_grad": _CUSTOM_GRAD.value == "true"}
     if _CONV_IMPL.value != "auto":
         options["conv_impl"] = _CONV_IMPL.value
     if _COMPUTE_DTYPE.value != "float32":
         options["compute_dtype"] = _COMPUTE_DTYPE.value
-    if _LSTM_UNROLL.value != 1:
-        options["lstm_unroll"] = _LSTM_UNROLL.value
-    for name in ("conv_impl", "compute_dtype", "lstm_unroll"):
-        if name in options and not model_takes(model_name, name):
-            takers = [m for m in MODELS if model_takes(m, name)]
-            raise BadFlags(f"--{name}: {model_name} does not implement it "
-                           f"(only {', '.join(takers)})")
+    for name in ("conv_impl", "compute_dtype"):
+        if name in options:
+            require_option(model_name, name, f"--{name}")
     return options
 
 
-def algorithms(model_name: str, example_x):
-    unknown = set(_ALGORITHMS.value) - set(ALGORITHMS)
-    if unknown or not _ALGORITHMS.value:
-        raise BadFlags(f"--algorithms={','.join(_ALGORITHMS.value)}: expected some of "
-                       f"{', '.join(ALGORITHMS)}")
-    model = get_model(model_name, **model_options(model_name))
-    return model, {name: build_algorithm(model, name, example_x, _EPOCHS.value)
-                   for name in _ALGORITHMS.value}
+def require_option(model_name: str, option: str, where: str) -> None:
+    """Raises ``BadFlags`` naming ``where`` unless the model's factory takes ``option``."""
+    if not model_takes(model_name, option):
+        takers = [m for m in MODELS if model_takes(m, option)]
+        raise BadFlags(f"{where}: {model_name} does not implement {option} "
+                       f"(only {', '.join(takers)})")
+
+
+# A variant's loop shapes: the model's (config.lstm_unroll) and the clients' SGD's
+# (config.sgd.steps_per_loop).
+LOOP_OPTIONS = ("lstm_unroll", "steps_per_loop")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One ``--algorithms`` entry, ``METHOD[+OPTION=N...]``, built."""
+
+    method: str
+    algorithm: Any
+    steps_per_loop: int = 1
+
+
+def parse_variant(entry: str) -> tuple[str, dict[str, int]]:
+    """``"flow+lstm_unroll=20"`` -> ``("flow", {"lstm_unroll": 20})``."""
+    method, *options = entry.split("+")
+    if method not in ALGORITHMS:
+        raise BadFlags(f"{entry!r}: expected one of {', '.join(ALGORITHMS)}, optionally with "
+                       "+OPTION=N")
+    parsed = {}
+    for option in options:
+        name, _, value = option.partition("=")
+        if name not in LOOP_OPTIONS or not value.isdigit() or int(value) < 1:
+            raise BadFlags(f"{entry!r}: expected +OPTION=N with OPTION one of "
+                           f"{', '.join(LOOP_OPTIONS)} and N >= 1, not {option!r}")
+        parsed[name] = int(value)
+    return method, parsed
+
+
+def _check_variants(entries: list[str]) -> bool:
+    """``--algorithms``'s validator: a bad entry fails while the flags are parsed."""
+    for entry in entries:
+        try:
+            parse_variant(entry)
+        except BadFlags as error:
+            raise flags.ValidationError(str(error)) from None
+    return True
+
+
+flags.register_validator("algorithms", _check_variants)
+
+
+def algorithms(model_name: str, example_x) -> tuple[Any, dict[str, Variant]]:
+    """The plain model (the centralized step's) and each ``--algorithms`` entry built."""
+    if not _ALGORITHMS.value:
+        raise BadFlags(f"--algorithms=: expected some of {', '.join(ALGORITHMS)}")
+    options = model_options(model_name)
+    model = get_model(model_name, **options)
+    variants = {}
+    for entry in _ALGORITHMS.value:
+        method, loops = parse_variant(entry)
+        built = model
+        if "lstm_unroll" in loops:
+            require_option(model_name, "lstm_unroll", f"--algorithms: {entry!r}")
+            built = get_model(model_name, **options, lstm_unroll=loops["lstm_unroll"])
+        steps_per_loop = loops.get("steps_per_loop", 1)
+        variants[entry] = Variant(method, build_algorithm(built, method, example_x, _EPOCHS.value,
+                                                          steps_per_loop), steps_per_loop)
+    return model, variants
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -191,19 +250,20 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def mapping_padding(cohort, mapping: ClientMapping, batch: int,
-                    epochs: int = 1) -> dict[str, float]:
-    """Useful / executed client-steps of one round of ``epochs`` epochs under ``mapping``,
-    and useful examples / the example slots those executed steps hold."""
+def mapping_padding(cohort, mapping: ClientMapping, batch: int, epochs: int = 1,
+                    steps_per_loop: int = 1) -> dict[str, float]:
+    """Useful / executed client-steps of one round of ``epochs`` epochs under ``mapping``
+    (``steps_per_loop``: ``run_epochs``'s), and useful examples / the example slots those
+    executed steps hold."""
     steps = -(-np.asarray(cohort.num_examples) // batch)
-    executed = executed_steps(steps, mapping) * epochs
+    executed = executed_steps(steps, mapping, steps_per_loop) * epochs
     return {"useful_steps": int(np.sum(steps)) * epochs, "executed_steps": executed,
             "step_efficiency": float(np.sum(steps)) * epochs / executed,
             "example_efficiency": float(np.sum(cohort.num_examples)) * epochs / (executed * batch)}
 
 
 def time_engine_round(algorithm, task, mapping: ClientMapping, repeats: int,
-                      profile_dir: str | None = None) -> dict:
+                      profile_dir: str | None = None, steps_per_loop: int = 1) -> dict:
     batch = BATCH[algorithm.model.name]
     settings = RunSettings(seed=0, num_rounds=1, clients_per_round=len(task.train.client_ids),
                            batch_size=batch, eval_held_out=False)
@@ -223,7 +283,8 @@ def time_engine_round(algorithm, task, mapping: ClientMapping, repeats: int,
     else:
         timing = time_compiled_round(simulation, state, cohort, repeats, profile_dir)
     return {**timing, "compilations": simulation.trace_counts["round"],
-            **mapping_padding(jax.device_get(host_cohort), mapping, batch, _EPOCHS.value)}
+            **mapping_padding(jax.device_get(host_cohort), mapping, batch, _EPOCHS.value,
+                              steps_per_loop)}
 
 
 def parse_strategy(strategy: str, chunk_size: int, devices: int) -> ClientMapping:
@@ -375,7 +436,8 @@ def time_model(model_name: str, clients: int, steps: int, repeats: int) -> dict:
     useful = int(np.sum(client_steps(task, batch))) * _EPOCHS.value
     model, methods = algorithms(model_name, first_batch(task, batch))
     rows = {}
-    for method, algorithm in methods.items():
+    for method, variant in methods.items():
+        algorithm = variant.algorithm
         if _PYTHON_LOOP.value:
             rows[(method, "python loop (sequential)")] = {
                 "round_s": time_sequential_loop(algorithm, task, repeats), "compilations": 1,
@@ -394,7 +456,8 @@ def time_model(model_name: str, clients: int, steps: int, repeats: int) -> dict:
                     mapping, label = parse_strategy(strategy, _CHUNK.value, devices), ""
                 key = (method, mapping_label(mapping) + (f" ({label})" if label else ""))
                 rows[key] = time_engine_round(algorithm, task, mapping, repeats,
-                                              profile_folder(model_name, *key))
+                                              profile_folder(model_name, *key),
+                                              variant.steps_per_loop)
                 print(f"timed {key[0]}, {key[1]}: {rows[key]['round_s']:.3f} s per round",
                       flush=True)  # before the table: a run cut short still reports it
     torch_row = time_torch(model_name, task, steps, repeats) if _COMPARE_TORCH.value else None
@@ -482,6 +545,12 @@ def print_ratios(timed: dict, out: dict) -> None:
             ratio = rows[best[slower]]["round_s"] / rows[best[faster]]["round_s"]
             out[f"{slower}_over_{faster}"] = ratio
             print(f"{labels[slower]} / {labels[faster]}{suffix}: {ratio:.2f}x")
+    for entry in best:  # each variant beside its plain method, when that was timed too
+        method = entry.split("+")[0]
+        if entry != method and method in best:
+            ratio = rows[best[method]]["round_s"] / rows[best[entry]]["round_s"]
+            out[f"{method}_over_{entry}"] = ratio
+            print(f"{method} round / {entry} round (best mapping each): {ratio:.2f}x")
     engine = [key for key in rows if "step_efficiency" in rows[key]]
     if not engine:
         return
@@ -515,8 +584,8 @@ def memory_plans(model_name: str, steps: int, gigabytes: float) -> dict:
     padded = int(np.max(task.train.num_examples("train")))
     padded = -(-padded // batch) * batch
     out = {}
-    for method, algorithm in methods.items():
-        plan = plan_chunk_size(algorithm, task.train.example_spec, padded_examples=padded,
+    for method, variant in methods.items():
+        plan = plan_chunk_size(variant.algorithm, task.train.example_spec, padded_examples=padded,
                                batch_size=batch, device_bytes=int(gigabytes * 2**30))
         print(f"memory plan, {model_name} {method}, {padded} examples per client, "
               f"{gigabytes:g} GiB: {plan.describe()}")
@@ -560,7 +629,8 @@ def scaling(model_name: str, steps: int, max_clients: int, repeats: int) -> dict
     for n in cohort_sizes(max_clients):
         task = synthetic_task(model_name, client_sizes(n, steps * batch, False))
         model, methods = algorithms(model_name, first_batch(task, batch))
-        seconds = time_engine_round(methods["fedavg"], task, mapping, repeats)["round_s"]
+        seconds = time_engine_round(methods["fedavg"].algorithm, task, mapping,
+                                    repeats)["round_s"]
         peak = peak_device_bytes()
         rows.append({"clients": n, "round_s": seconds, "client_steps_per_s": n * steps / seconds,
                      "device_peak_bytes": peak})
@@ -601,7 +671,7 @@ def run(argv):
               "jax": jax.__version__, "clients": clients, "steps": steps,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "custom_grad": _CUSTOM_GRAD.value,
               "conv_impl": _CONV_IMPL.value, "compute_dtype": _COMPUTE_DTYPE.value,
-              "lstm_unroll": _LSTM_UNROLL.value, "epochs": _EPOCHS.value, "skewed": _SKEWED.value, "models": {}}
+              "epochs": _EPOCHS.value, "skewed": _SKEWED.value, "models": {}}
     print(f"backend={report['backend']} device={report['device']} jax={report['jax']} "
           f"XLA_FLAGS='{report['xla_flags']}' custom_grad={_CUSTOM_GRAD.value}")
     for model_name in _MODELS.value:
@@ -631,4 +701,4 @@ def normalize_flag_spelling(argv: list[str]) -> list[str]:
 
 if __name__ == "__main__":
     sys.argv = normalize_flag_spelling(sys.argv)
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -12,9 +12,9 @@
 #   PY        the Python with jax[cuda], one executable without arguments (default:
 #             python3, the device image's; that image lacks ml_collections, so the call
 #             carries its wheel: see docs/benchmarks/gpu-h100-2026-11-27.md for the command)
-# The pool check, then EMNIST (its targets are ratios within one run; with loops as command
-# buffers beside it), then Stack Overflow at 64 skewed clients (baseline, float32, the
-# LSTM's time loops unrolled), its profile (where the device's time goes), bf16 EMNIST,
+# The pool check, then EMNIST (its targets are ratios within one run; with 10 local steps
+# per loop iteration, and with loops as command buffers), then Stack Overflow at 64 skewed
+# clients (baseline, float32, the LSTM's time loops unrolled), its profile (where the device's time goes), bf16 EMNIST,
 # then what earlier calls measured once: EMNIST's profile, bf16 Stack Overflow, the
 # determinism check, command buffers over Stack Overflow's loops, cuDNN's convolutions, a
 # bf16 1,000-client Flow round and the roofline.
@@ -84,12 +84,13 @@ EMNIST=(--models=emnist_cnn --clients=100 --steps=10 --strategies=vmap --nopytho
 # flow_fused: Flow with each convolution's two branches in one product
 # (FlowConfig.fuse_branches: the patches read once and their gradient folded once for
 # both), beside FedAvg and plain Flow in the same process; the target is Flow / FedAvg <= 1.5x.
-step emnist_slices 120 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow,flow_fused --json_out="$RAW/emnist_slices.json"
 # The 2026-11-27 profile (call 3) found the device idle 9.5% of FedAvg's EMNIST round, with
 # one device-to-host copy per iteration of the local-step loop (11 per round): the host
-# reads each iteration's loop condition before launching the next. XLA's command buffers
-# over loops (CUDA graphs' conditional nodes) keep the loop on the device; on Stack
-# Overflow they lost (roofline.md), on EMNIST they were never timed.
+# reads each iteration's loop condition before launching the next. +steps_per_loop=10
+# (config.sgd.steps_per_loop) runs each phase's 10 steps in one iteration, timed beside.
+step emnist_slices 170 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow,flow_fused,fedavg+steps_per_loop=10,flow_fused+steps_per_loop=10 --json_out="$RAW/emnist_slices.json"
+# The same loop kept on the device instead: XLA's command buffers over loops (CUDA graphs'
+# conditional nodes); on Stack Overflow they lost (roofline.md), on EMNIST never timed.
 XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" step emnist_cmdbuf 110 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow_fused --json_out="$RAW/emnist_cmdbuf.json"
 
 SO64=(--models=stackoverflow_lstm --skewed --clients=64)
@@ -99,11 +100,11 @@ if [[ -n "$BASE" ]]; then
 fi
 # chunked:19 is memory_plan.chunk_for_sizes's pick for these 64 sizes (call 4: chunks of 32
 # and 64 were slower).
-step so64 120 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --repeats=2 --algorithms=fedavg,flow,flow_fused --json_out="$RAW/so64.json"
-# The LSTM's 20 time steps with no loop, forward and backward (config.lstm_unroll): each
-# loop iteration costs a launch of its body, 40 per step for FedAvg and 80 for Flow's two
-# LSTMs; the fitted fixed cost per chunk-step is ~1 ms / ~2.4 ms (roofline.md).
-step so64_unroll 100 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --nocentralized --repeats=2 --lstm_unroll=20 --json_out="$RAW/so64_unroll.json"
+# +lstm_unroll=20: the LSTM's 20 time steps with no loop, forward and backward
+# (config.lstm_unroll): each loop iteration costs a launch of its body, 40 per step for
+# FedAvg and 80 for Flow's two LSTMs, and the fitted fixed cost per chunk-step is ~1 ms /
+# ~2.4 ms (roofline.md); +steps_per_loop=4 then also runs 4 local steps per iteration.
+step so64 200 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --repeats=2 --algorithms=fedavg,flow,flow_fused,fedavg+lstm_unroll=20,flow+lstm_unroll=20,fedavg+lstm_unroll=20+steps_per_loop=4 --json_out="$RAW/so64.json"
 # Where the time goes (launch/trace_summary.py): one more execution of each round above,
 # compiled ahead of time, traced by JAX's profiler; each row prints the device's busy and
 # idle time, op time by kind and by layer, and its top kernels (into the .txt and JSON).

@@ -189,6 +189,8 @@ CASES: tuple[Case, ...] = (
     _config("clients_per_round", -1, "config.clients_per_round=-1: expected an integer >= 1"),
     _config("sgd.epochs", 0, "config.sgd.epochs=0: expected an integer >= 1"),
     _config("sgd.batch_size", 0, "config.sgd.batch_size=0: expected an integer >= 1"),
+    _config("sgd.steps_per_loop", 0, "config.sgd.steps_per_loop=0: expected None or an "
+            "integer >= 1"),
     _config("eval.chunk", 0, "config.eval.chunk=0: expected an integer >= 1"),
     _config("eval.every", -1, "config.eval.every=-1: expected an integer >= 0"),
     _config("log_every", 0, "config.log_every=0: expected an integer >= 1"),
@@ -237,8 +239,7 @@ CASES: tuple[Case, ...] = (
     _config("lstm_unroll", 20, "config.lstm_unroll=20: expected None with methods.flow.recurrence="
             "'mixed_state': its routed recurrence (layers.routed_lstm) runs a loop iteration "
             "per time step", **{"methods.flow.recurrence": "mixed_state"}),
-    _config("lstm_unroll", 0, "config.lstm_unroll=0: expected None (a loop iteration per time "
-            "step) or an integer >= 1"),
+    _config("lstm_unroll", 0, "config.lstm_unroll=0: expected None or an integer >= 1"),
     _config("lstm_unroll", 4, "config.lstm_unroll=4: expected None: resnet18_gn does not "
             "implement lstm_unroll", model="resnet18_gn"),
     _config("methods.flow.order", "random", "config.methods.flow.order='random': expected one "

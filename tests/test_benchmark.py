@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -38,6 +39,12 @@ def test_padding_counts_what_each_mapping_executes():
     assert vmap["executed_steps"] == 16 and vmap["step_efficiency"] == 0.5
     chunked = benchmark.mapping_padding(cohort, ClientMapping("chunked", 2), 10)
     assert chunked["executed_steps"] == 4 + 4 + 1 + 1  # [4, 2] and [1, 1]
+    # 3 steps per loop iteration: a vmapped group runs whole iterations ([6, 6], [3, 3]);
+    # a loop's cond skips the steps past each client's count.
+    three = benchmark.mapping_padding(cohort, ClientMapping("chunked", 2), 10, steps_per_loop=3)
+    assert three["executed_steps"] == 6 + 6 + 3 + 3
+    assert benchmark.mapping_padding(cohort, ClientMapping("loop"), 10,
+                                     steps_per_loop=3)["executed_steps"] == 8
 
 
 def test_cohort_sizes_double_up_to_the_maximum():
@@ -147,7 +154,7 @@ def test_flags_for_another_model_fail_in_one_line():
                           timeout=300)
     assert done.returncode == 2
     assert done.stderr.strip() == ("error: --conv_impl: shakespeare_lstm does not implement "
-                                   "it (only emnist_cnn)")
+                                   "conv_impl (only emnist_cnn)")
 
 
 @pytest.mark.slow
@@ -174,17 +181,47 @@ def test_scale_flags_end_to_end_at_a_tiny_size(tmp_path):
     assert [p["method"] for p in report["projection"]] == ["fedavg", "flow"]
 
 
-def test_lstm_unroll_flag_builds_the_lstm_models_with_it_and_refuses_the_cnn():
+def test_variants_carry_their_loop_shapes_and_bad_ones_fail_in_one_line():
     from absl import flags
     from absl.testing import flagsaver
+    from flowjax.models.base import forward
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
-    with flagsaver.flagsaver(lstm_unroll=20):
-        assert benchmark.model_options("stackoverflow_lstm") == {"lstm_unroll": 20}
-        with pytest.raises(benchmark.BadFlags, match=r"^--lstm_unroll: emnist_cnn does not "
-                           r"implement it \(only shakespeare_lstm, stackoverflow_lstm\)$"):
-            benchmark.model_options("emnist_cnn")
-    assert benchmark.model_options("stackoverflow_lstm") == {}
+    assert benchmark.parse_variant("flow") == ("flow", {})
+    assert benchmark.parse_variant("flow_fused+lstm_unroll=20+steps_per_loop=4") == (
+        "flow_fused", {"lstm_unroll": 20, "steps_per_loop": 4})
+    for entry, message in (
+            ("flwo+lstm_unroll=2", r"^'flwo\+lstm_unroll=2': expected one of "
+                                   r"fedavg, flow, flow_fused, optionally with \+OPTION=N$"),
+            ("flow+unroll=2", r"^'flow\+unroll=2': expected \+OPTION=N with "
+                              r"OPTION one of lstm_unroll, steps_per_loop and N >= 1, not "
+                              r"'unroll=2'$"),
+            ("fedavg+steps_per_loop=0", r"N >= 1, not 'steps_per_loop=0'$")):
+        with pytest.raises(benchmark.BadFlags, match=message):
+            benchmark.parse_variant(entry)
+    # The flag's validator: a bad entry fails while the command line is parsed (so the
+    # device script's check, test_every_step_of_the_device_script_parses_its_flags, sees it).
+    with flagsaver.flagsaver():
+        with pytest.raises(flags.IllegalFlagValueError, match=r"'flow\+unroll=2': expected"):
+            flags.FLAGS.algorithms = ["fedavg", "flow+unroll=2"]
+    x = np.zeros((2, 20), np.int32)
+    with flagsaver.flagsaver(algorithms=["fedavg", "fedavg+lstm_unroll=20+steps_per_loop=3"]):
+        model, variants = benchmark.algorithms("stackoverflow_lstm", x)
+        with pytest.raises(benchmark.BadFlags, match=r"^--algorithms: 'fedavg\+lstm_unroll=20"
+                           r"\+steps_per_loop=3': emnist_cnn does not implement lstm_unroll "
+                           r"\(only shakespeare_lstm, stackoverflow_lstm\)$"):
+            benchmark.algorithms("emnist_cnn", np.zeros((2, 28, 28, 1), np.float32))
+    plain, unrolled = variants["fedavg"], variants["fedavg+lstm_unroll=20+steps_per_loop=3"]
+    assert (plain.method, plain.steps_per_loop) == ("fedavg", 1)
+    assert (unrolled.method, unrolled.steps_per_loop) == ("fedavg", 3)
+    assert plain.algorithm.model is model and unrolled.algorithm.model is not model
+
+    def time_loops(routable):  # the LSTM's: none left at 20 steps per iteration
+        params = routable.init(jax.random.key(0))
+        return jax.jit(lambda p: forward(routable, p, x)).lower(params).as_text().count(
+            "stablehlo.while")
+
+    assert (time_loops(plain.algorithm.model), time_loops(unrolled.algorithm.model)) == (1, 0)
 
 
 def test_strategy_names_carry_their_own_chunk_size():
@@ -250,7 +287,7 @@ def test_every_step_of_the_device_script_parses_its_flags(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert set(steps) == {"versions", "pool_gradient", "pool_gradient_base", "emnist_xla",
                           "emnist_slices", "emnist_slices_bf16", "emnist_cmdbuf",
-                          "so64_baseline", "so64", "so64_unroll", "so64_bf16", "so64_cmdbuf",
+                          "so64_baseline", "so64", "so64_bf16", "so64_cmdbuf",
                           "profile_emnist", "profile_so64", "so1000_flow_bf16", "roofline",
                           "determinism"}, log[-3000:]
     assert set(steps.values()) == {"0"}, log[-3000:]

@@ -115,6 +115,37 @@ def test_run_epochs_skips_padded_steps():
     assert float(sums[1]) == 15
 
 
+@pytest.mark.parametrize("steps_per_loop", [2, 3, 7])
+def test_steps_per_loop_runs_the_same_steps_and_drops_those_past_the_count(steps_per_loop):
+    """Clients of 5, 2 and 0 members in batches of 2 (3, 1, 0 steps per epoch) under
+    ``vmap``: a step that would add 1,000 on a padded batch shows that the steps an
+    iteration computes past a client's count change nothing, with 7 per loop (more than
+    any client has) too."""
+    def step(total, batch, key):
+        x, _, w = batch
+        padded = 1000.0 * (jnp.sum(w) == 0)
+        return total + jnp.sum(x * w) + padded, jnp.stack([jnp.sum(w), jnp.sum(w)])
+
+    x = jnp.arange(10.0)
+    members = jnp.stack([x < 5, x < 2, x < 0])
+    keys = jax.random.split(jax.random.key(1), 3)
+
+    def run(per_loop):
+        return jax.jit(jax.vmap(lambda member, key: run_epochs(
+            step, jnp.zeros(()), x, x, member, num_epochs=3, batch_size=2, key=key,
+            steps_per_loop=per_loop)))(members, keys)
+
+    totals, sums = run(steps_per_loop)
+    np.testing.assert_array_equal(totals, [3 * 10.0, 3 * 1.0, 0.0])
+    np.testing.assert_array_equal(sums[:, 1], [15, 6, 0])
+    expected = run(1)
+    np.testing.assert_array_equal(totals, expected[0])
+    np.testing.assert_array_equal(sums, expected[1])
+    with pytest.raises(ValueError, match=r"^steps_per_loop=0: expected an integer >= 1$"):
+        run_epochs(step, jnp.zeros(()), x, x, x < 5, num_epochs=1, batch_size=2,
+                   key=keys[0], steps_per_loop=0)
+
+
 @pytest.mark.parametrize("strategy,chunk", [("loop", 1), ("vmap", 1), ("chunked", 2)])
 def test_mapping_strategies_agree(strategy, chunk):
     w = jax.random.normal(jax.random.key(0), (5, 3, 3))

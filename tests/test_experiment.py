@@ -328,3 +328,24 @@ def test_a_capped_evaluation_draws_among_clients_with_test_examples():
             settings, eval_clients=cap), optax.sgd(1.0))
         with pytest.raises(ValueError, match="client has a test instance; cannot summarize"):
             simulation.evaluate(simulation.init_state().params, 0)
+
+
+@pytest.mark.parametrize("algorithm", ["flow", "fedavg"])
+def test_steps_per_loop_trains_the_same_model(algorithm):
+    """``config.sgd.steps_per_loop`` changes how the local steps run (3 per loop iteration,
+    past a client's count dropped), not what they compute: the same server params and
+    losses to float32 rounding, and the same evaluation counts."""
+    import jax
+
+    def final(steps_per_loop):
+        config = small_config(algorithm=algorithm, num_rounds=2, **{
+            "sgd.steps_per_loop": steps_per_loop, "eval.every": 2})
+        return run(config)[1]
+
+    looped, unrolled = final(None), final(3)
+    for a, b in zip(jax.tree.leaves(unrolled.final_state.params),
+                    jax.tree.leaves(looped.final_state.params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    losses = lambda result: [h["loss"] for h in result.history if h["kind"] == "train"]  # noqa: E731
+    np.testing.assert_allclose(losses(unrolled), losses(looped), rtol=1e-6)
+    assert unrolled.results_dict()["num_eval_clients"] == looped.results_dict()["num_eval_clients"]

@@ -146,13 +146,16 @@ def test_a_run_folder_of_the_older_schema_is_named_as_such_and_kept(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text()) == old
 
 
-def test_a_run_stored_before_lstm_unroll_existed_still_resumes(tmp_path):
-    """A field added with a None default (``config.lstm_unroll``) does not make a run
-    stored without it a different config: it resumes instead of asking for --overwrite."""
+def test_a_run_stored_before_the_loop_fields_existed_still_resumes(tmp_path):
+    """Fields added with a None default (``config.lstm_unroll``,
+    ``config.sgd.steps_per_loop``) do not make a run stored without them a different
+    config: it resumes instead of asking for --overwrite."""
     from flowjax.runner import conflicting_fields
     resolved = run_config.stored_config(small_config())
     older = {key: value for key, value in resolved.items() if key != "lstm_unroll"}
-    assert resolved["lstm_unroll"] is None and "lstm_unroll" not in older
+    older["sgd"] = {key: value for key, value in resolved["sgd"].items()
+                    if key != "steps_per_loop"}
+    assert resolved["lstm_unroll"] is None and resolved["sgd"]["steps_per_loop"] is None
     (tmp_path / "config.json").write_text(json.dumps(older))
     (tmp_path / "metrics.jsonl").write_text('{"round": 1, "kind": "train"}\n')
     assert conflicting_fields(str(tmp_path), resolved, "REMEDY") == []

@@ -122,7 +122,7 @@ def apfl(model: RoutableModel, config: APFLConfig) -> FederatedAlgorithm:
         step = functools.partial(apfl_step, personal_trains=personal_trains)
         ((w, _), (v, _), personal_sums), sums = run_epochs(
             step, carry, x, y, valid, num_epochs=config.sgd.epochs,
-            batch_size=config.sgd.batch_size, key=key)
+            batch_size=config.sgd.batch_size, key=key, **config.sgd.loop)
         return w, v, sums, personal_sums
 
     def starting_point(params, client_state):

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from flowjax.core.checks import Interval, check_fields, integer, positive
+from flowjax.core.checks import Interval, check_fields, integer, optional_integer, positive
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
 from flowjax.core.losses import mean_from_sums, weighted_cross_entropy
@@ -113,16 +113,26 @@ class SGDConfig:
       epochs: local epochs E per round.
       batch_size: client batch size.
       momentum: client SGD momentum (0 = plain SGD; 0.9 is the authors' code).
+      steps_per_loop: how the steps run, not what they compute: steps per iteration of
+        the step loop (``local_training.run_epochs``; None = 1). Equal values to float32
+        rounding.
     """
 
     learning_rate: float
     epochs: int
     batch_size: int
     momentum: float = 0.0
+    steps_per_loop: int | None = None
 
     def __post_init__(self):
         check_fields(self, {"learning_rate": positive, "epochs": integer(1),
-                            "batch_size": integer(1), "momentum": Interval(0, 1)})
+                            "batch_size": integer(1), "momentum": Interval(0, 1),
+                            "steps_per_loop": optional_integer(1)})
+
+    @property
+    def loop(self) -> dict[str, int]:
+        """``run_epochs``'s keyword for the step loop's shape (``steps_per_loop``)."""
+        return {"steps_per_loop": self.steps_per_loop or 1}
 
     def optimizer(self) -> optax.GradientTransformation:
         return client_optimizer(self.learning_rate, self.momentum)
@@ -174,8 +184,10 @@ def sgd_step(loss_sums: Callable[[PyTree, Any, jax.Array], jax.Array],
 
 def train_plain(model: RoutableModel, params: Params, optimizer: optax.GradientTransformation,
                 examples: ClientExamples, member: jax.Array, *, epochs: int, batch_size: int,
-                key: jax.Array, max_members: int | None = None) -> tuple[Params, jax.Array]:
-    """``epochs`` of minibatch SGD of the plain model on the member examples.
+                key: jax.Array, max_members: int | None = None,
+                steps_per_loop: int = 1) -> tuple[Params, jax.Array]:
+    """``epochs`` of minibatch SGD of the plain model on the member examples
+    (``steps_per_loop``: ``run_epochs``'s).
 
     Returns the trained params and ``[loss_sum, weight_sum]`` over the steps.
     """
@@ -183,7 +195,7 @@ def train_plain(model: RoutableModel, params: Params, optimizer: optax.GradientT
     step = sgd_step(lambda p, batch, k: plain_loss_sums(model, p, batch, k), optimizer)
     (params, _), sums = run_epochs(step, (params, optimizer.init(params)), x, y, member,
                                    num_epochs=epochs, batch_size=batch_size, key=key,
-                                   max_members=max_members)
+                                   max_members=max_members, steps_per_loop=steps_per_loop)
     return params, sums
 
 

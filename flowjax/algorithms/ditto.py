@@ -92,7 +92,8 @@ def ditto(model: RoutableModel, config: DittoConfig) -> FederatedAlgorithm:
 
     def train_global(params, examples: ClientExamples, key):
         return train_plain(model, params, optimizer, examples, valid_examples(examples),
-                           epochs=config.sgd.epochs, batch_size=config.sgd.batch_size, key=key)
+                           epochs=config.sgd.epochs, batch_size=config.sgd.batch_size, key=key,
+                           **config.sgd.loop)
 
     def train_personal(personal, anchor, examples: ClientExamples, key):
         """E epochs of proximal SGD on ``v`` towards the fixed ``anchor = w_t``."""
@@ -104,7 +105,8 @@ def ditto(model: RoutableModel, config: DittoConfig) -> FederatedAlgorithm:
         x, y, valid = examples.flat()
         (personal, _), sums = run_epochs(step, (personal, optimizer.init(personal)), x, y, valid,
                                          num_epochs=config.sgd.epochs,
-                                         batch_size=config.sgd.batch_size, key=key)
+                                         batch_size=config.sgd.batch_size, key=key,
+                                         **config.sgd.loop)
         return personal, sums
 
     def starting_point(params, client_state):

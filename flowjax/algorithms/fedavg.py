@@ -38,7 +38,8 @@ def fedavg(model: RoutableModel, config: FedAvgConfig) -> FederatedAlgorithm:
 
     def local_train(params, examples: ClientExamples, key):
         return train_plain(model, params, optimizer, examples, valid_examples(examples),
-                           epochs=config.sgd.epochs, batch_size=config.sgd.batch_size, key=key)
+                           epochs=config.sgd.epochs, batch_size=config.sgd.batch_size, key=key,
+                           **config.sgd.loop)
 
     def client_update(params, examples: ClientExamples, key, client_state=None) -> ClientResult:
         del client_state  # stateless

@@ -120,7 +120,7 @@ def split_layers(params: Params, names: Sequence[str]) -> tuple[Params, Params]:
 def train_part(model: RoutableModel, trainable: Params, frozen: Params,
                optimizer: optax.GradientTransformation, examples: ClientExamples,
                member: jax.Array, *, epochs: int, batch_size: int,
-               key: jax.Array) -> tuple[Params, jax.Array]:
+               key: jax.Array, steps_per_loop: int = 1) -> tuple[Params, jax.Array]:
     """``epochs`` of minibatch SGD on the ``trainable`` layers, the ``frozen`` ones fixed.
 
     The frozen layers are constants of the loss, so they come out exactly as they went in.
@@ -132,7 +132,8 @@ def train_part(model: RoutableModel, trainable: Params, frozen: Params,
     step = sgd_step(lambda part, batch, k: plain_loss_sums(model, {**frozen, **part}, batch, k),
                     optimizer)
     (trainable, _), sums = run_epochs(step, (trainable, optimizer.init(trainable)), x, y,
-                                      member, num_epochs=epochs, batch_size=batch_size, key=key)
+                                      member, num_epochs=epochs, batch_size=batch_size, key=key,
+                                      steps_per_loop=steps_per_loop)
     return trainable, sums
 
 
@@ -154,7 +155,7 @@ def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
     """FedRep for ``model`` with its ``head_layers`` as the personal head."""
     head_names = head_layer_names(model)
     optimizer = config.sgd.optimizer()
-    train = dict(batch_size=config.sgd.batch_size)
+    train = dict(batch_size=config.sgd.batch_size, **config.sgd.loop)
 
     def init(key) -> Params:
         head, body = split_layers(model.init(key), head_names)

@@ -304,7 +304,7 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
         start_local = params["local"] if server_local else params["global"]
         groups = {"global": params["global"], "local": start_local, "policy": params["policy"]}
         state = (groups, {group: optimizer.init(p) for group, p in groups.items()})
-        common = dict(batch_size=config.sgd.batch_size)
+        common = dict(batch_size=config.sgd.batch_size, **config.sgd.loop)
 
         local_stats = jnp.zeros((2,), jnp.float32)
         if config.local_route != "global":  # pi-Flow: the second route is the global model

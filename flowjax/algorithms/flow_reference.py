@@ -228,14 +228,14 @@ def instance_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
 
 
 def run_planned(step: Callable, state: Any, x: jax.Array, y: jax.Array, batches: Any,
-                batch_size: int, key: jax.Array) -> tuple[Any, jax.Array]:
+                batch_size: int, key: jax.Array, steps_per_loop: int = 1) -> tuple[Any, jax.Array]:
     """``run_epochs`` of ``step`` over batches planned up front, ``(indices [E, S, B],
     mask [E, S, B])`` into ``x`` and ``y``: one epoch per leading entry."""
     indices, mask = batches
     member = jnp.ones(x.shape[:1], bool)  # unused: the batches are planned
     return run_epochs(step, state, x, y, member, num_epochs=indices.shape[0],
                       batch_size=batch_size, key=key,
-                      batches_fn=lambda _, e: (indices[e], mask[e]))
+                      batches_fn=lambda _, e: (indices[e], mask[e]), steps_per_loop=steps_per_loop)
 
 
 def epochs_with_snapshot(run: Callable, step: Callable, state: Any, x: jax.Array,

@@ -438,7 +438,7 @@ def build(model: RoutableModel, config: Any) -> FederatedAlgorithm:
         return groups, {name: optimizer.init(p) for name, p in groups.items()}
 
     def run(step, state, x, y, batches, epoch_key):
-        return run_planned(step, state, x, y, batches, batch_size, epoch_key)
+        return run_planned(step, state, x, y, batches, batch_size, epoch_key, **config.sgd.loop)
 
     def one_pass(batches):
         return jax.tree.map(lambda a: a[None], batches)

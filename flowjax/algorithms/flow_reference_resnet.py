@@ -401,7 +401,7 @@ def build(model: RoutableModel, config: Any) -> FederatedAlgorithm:
     def run(step, state, images, y, batches, epoch_key):
         """Epochs of ``step`` over planned ``batches`` of ``with_flips`` images."""
         return run_planned(step, state, images, jnp.concatenate([y, y]), batches, batch_size,
-                           epoch_key)
+                           epoch_key, **config.sgd.loop)
 
     def local_phase(params, examples: ClientExamples, key):
         """A fresh SGD and their local epochs, the start of both their client functions:

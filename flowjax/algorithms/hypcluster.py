@@ -164,7 +164,7 @@ def hypcluster(model: RoutableModel, config: HypClusterConfig,
         chosen, start = choose(params, examples)
         trained, sums = train_plain(model, start, optimizer, examples, valid_examples(examples),
                                     epochs=config.sgd.epochs, batch_size=config.sgd.batch_size,
-                                    key=key)
+                                    key=key, **config.sgd.loop)
         n = examples.num_examples.astype(jnp.float32)
         real = (n > 0).astype(jnp.float32)
         metrics = {"loss_sum": sums[0], "loss_count": sums[1]}

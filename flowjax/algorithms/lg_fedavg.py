@@ -118,7 +118,8 @@ def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorith
     def local_train(global_part, local_part, examples: ClientExamples, key):
         trained, sums = train_plain(model, {**local_part, **global_part}, optimizer, examples,
                                     valid_examples(examples), epochs=config.sgd.epochs,
-                                    batch_size=config.sgd.batch_size, key=key)
+                                    batch_size=config.sgd.batch_size, key=key,
+                                    **config.sgd.loop)
         global_part, local_part = split_layers(trained, global_names)
         return global_part, local_part, sums
 
@@ -137,7 +138,7 @@ def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorith
     def personalize(params, examples: ClientExamples, key, client_state) -> Params:
         local_part, _ = train_part(model, client_state, params["global"], optimizer, examples,
                                    valid_examples(examples), epochs=config.sgd.epochs,
-                                   batch_size=config.sgd.batch_size, key=key)
+                                   batch_size=config.sgd.batch_size, key=key, **config.sgd.loop)
         return {**local_part, **params["global"]}
 
     def predict(params, personal, x) -> Predictions:

@@ -53,7 +53,8 @@ def local(model: RoutableModel, config: LocalConfig) -> FederatedAlgorithm:
     def personalize(params, examples: ClientExamples, key, client_state=None) -> Params:
         del client_state  # stateless
         return train_plain(model, params, optimizer, examples, valid_examples(examples),
-                           epochs=config.sgd.epochs, batch_size=config.sgd.batch_size, key=key)[0]
+                           epochs=config.sgd.epochs, batch_size=config.sgd.batch_size, key=key,
+                           **config.sgd.loop)[0]
 
     return FederatedAlgorithm(name="local", model=model, init=model.init,
                               client_update=client_update, personalize=personalize,

@@ -195,7 +195,7 @@ def partialfed(model: RoutableModel, config: PartialFedConfig) -> FederatedAlgor
         # The shuffles use the client key itself, as FedAvg's local training does.
         carry, sums = run_epochs(alternating_step, carry, x, y, valid_examples(examples),
                                  num_epochs=config.sgd.epochs, batch_size=config.sgd.batch_size,
-                                 key=key)
+                                 key=key, **config.sgd.loop)
         (copies, _), (logits, _) = carry
         use_global = final_use_global(logits)
         trained = load_layers(model, copies["global"], copies["previous"], use_global)

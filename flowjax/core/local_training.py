@@ -60,8 +60,8 @@ def epoch_batches(key: jax.Array, member: jax.Array, batch_size: int,
 def run_epochs(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array, member: jax.Array, *,
                num_epochs: int, batch_size: int, key: jax.Array,
                max_members: int | None = None,
-               batches_fn: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None
-               ) -> tuple[Carry, jax.Array]:
+               batches_fn: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None,
+               steps_per_loop: int = 1) -> tuple[Carry, jax.Array]:
     """Runs ``num_epochs`` shuffled epochs of ``step_fn`` over the member examples.
 
     Args:
@@ -74,11 +74,19 @@ def run_epochs(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array, member
       batches_fn: optional ``batches_fn(epoch_key, epoch_index) -> (indices [S, B], mask
         [S, B])`` replacing ``epoch_batches`` (non-empty batches first), for a caller that
         builds its own epochs (e.g. Flow's reference halves); ``member`` is then unused.
+      steps_per_loop: steps per iteration of the step loop. Each step after an
+        iteration's first runs under ``lax.cond`` on the client's step count, so steps past
+        it change nothing (under ``vmap`` the cond is a select: they are computed and
+        dropped); fewer iterations mean fewer loop conditions for a GPU's host to read.
+        The same steps and keys; values equal to float32 rounding (XLA fuses a longer
+        body differently).
 
     Returns:
       The final carry and the summed ``[loss_sum, weight_sum]`` over executed steps.
     """
     max_members = x.shape[0] if max_members is None else max_members
+    if steps_per_loop < 1:
+        raise ValueError(f"steps_per_loop={steps_per_loop}: expected an integer >= 1")
 
     def epoch(carry, epoch_index):
         epoch_key = jax.random.fold_in(key, epoch_index)
@@ -97,8 +105,17 @@ def run_epochs(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array, member
             carry, step_stats = step_fn(carry, batch, step_key)
             return step_index + 1, carry, stats + step_stats.astype(stats.dtype)
 
+        def remaining(state):
+            return state[0] < num_steps
+
+        def steps(state):
+            state = step(state)  # the loop's condition holds for the first
+            for _ in range(steps_per_loop - 1):
+                state = jax.lax.cond(remaining(state), step, lambda unchanged: unchanged, state)
+            return state
+
         start = (jnp.zeros((), jnp.int32), carry, jnp.zeros((2,), jnp.float32))
-        _, carry, stats = jax.lax.while_loop(lambda state: state[0] < num_steps, step, start)
+        _, carry, stats = jax.lax.while_loop(remaining, steps, start)
         return carry, stats
 
     carry, stats = jax.lax.scan(epoch, carry, jnp.arange(num_epochs))

@@ -115,18 +115,24 @@ def longest_first(cost: jax.Array) -> jax.Array:
     return jnp.argsort(-cost, stable=True)
 
 
-def executed_steps(steps: np.ndarray, mapping: ClientMapping) -> int:
+def executed_steps(steps: np.ndarray, mapping: ClientMapping, steps_per_loop: int = 1) -> int:
     """Client-step slots a mapping executes for clients of ``steps`` local steps each.
 
     A loop runs each client's own steps; a vmapped group of clients runs as long as its
     longest member (chunks of clients sorted longest first; the whole cohort for
-    ``vmap``); with several devices each device maps its own contiguous share.
+    ``vmap``), rounded up to whole loop iterations of ``steps_per_loop`` steps
+    (``run_epochs``'s: the steps past a client's count are computed and dropped); with
+    several devices each device maps its own contiguous share.
 
     Example:
       >>> executed_steps(np.array([8, 1, 1, 8]), ClientMapping("chunked", chunk_size=2))
       18
+      >>> executed_steps(np.array([8, 1, 1, 8]), ClientMapping("chunked", chunk_size=2), 3)
+      24
     """
     total = 0
+    if mapping.strategy != "loop":  # each group's longest member, in whole iterations
+        steps = -(-np.asarray(steps) // steps_per_loop) * steps_per_loop
     for shard in np.split(np.asarray(steps), mapping.num_devices):
         if mapping.strategy == "loop":
             total += int(np.sum(shard))
