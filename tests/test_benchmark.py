@@ -39,10 +39,10 @@ def test_padding_counts_what_each_mapping_executes():
     assert vmap["executed_steps"] == 16 and vmap["step_efficiency"] == 0.5
     chunked = benchmark.mapping_padding(cohort, ClientMapping("chunked", 2), 10)
     assert chunked["executed_steps"] == 4 + 4 + 1 + 1  # [4, 2] and [1, 1]
-    # 3 steps per loop iteration: a vmapped group runs whole iterations ([6, 6], [3, 3]);
-    # a loop's cond skips the steps past each client's count.
+    # 3 steps per loop iteration: [4, 2] runs one loop of 3 steps (the client of 2 waits),
+    # then 2 single steps (its rest); [1, 1] one single step. A loop runs each client's own.
     three = benchmark.mapping_padding(cohort, ClientMapping("chunked", 2), 10, steps_per_loop=3)
-    assert three["executed_steps"] == 6 + 6 + 3 + 3
+    assert three["executed_steps"] == 5 + 5 + 1 + 1
     assert benchmark.mapping_padding(cohort, ClientMapping("loop"), 10,
                                      steps_per_loop=3)["executed_steps"] == 8
 

@@ -116,11 +116,10 @@ def test_run_epochs_skips_padded_steps():
 
 
 @pytest.mark.parametrize("steps_per_loop", [2, 3, 7])
-def test_steps_per_loop_runs_the_same_steps_and_drops_those_past_the_count(steps_per_loop):
+def test_steps_per_loop_runs_the_same_steps_and_none_past_the_count(steps_per_loop):
     """Clients of 5, 2 and 0 members in batches of 2 (3, 1, 0 steps per epoch) under
-    ``vmap``: a step that would add 1,000 on a padded batch shows that the steps an
-    iteration computes past a client's count change nothing, with 7 per loop (more than
-    any client has) too."""
+    ``vmap``: a step that would add 1,000 on a padded batch shows that no client runs a
+    step past its count, with 7 per loop (more than any client has) too."""
     def step(total, batch, key):
         x, _, w = batch
         padded = 1000.0 * (jnp.sum(w) == 0)
@@ -144,6 +143,12 @@ def test_steps_per_loop_runs_the_same_steps_and_drops_those_past_the_count(steps
     with pytest.raises(ValueError, match=r"^steps_per_loop=0: expected an integer >= 1$"):
         run_epochs(step, jnp.zeros(()), x, x, x < 5, num_epochs=1, batch_size=2,
                    key=keys[0], steps_per_loop=0)
+
+
+def test_the_mapping_modules_examples_hold():
+    import doctest
+    from flowjax.core import mapping
+    assert doctest.testmod(mapping).failed == 0
 
 
 @pytest.mark.parametrize("strategy,chunk", [("loop", 1), ("vmap", 1), ("chunked", 2)])

@@ -74,12 +74,12 @@ def run_epochs(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array, member
       batches_fn: optional ``batches_fn(epoch_key, epoch_index) -> (indices [S, B], mask
         [S, B])`` replacing ``epoch_batches`` (non-empty batches first), for a caller that
         builds its own epochs (e.g. Flow's reference halves); ``member`` is then unused.
-      steps_per_loop: steps per iteration of the step loop. Each step after an
-        iteration's first runs under ``lax.cond`` on the client's step count, so steps past
-        it change nothing (under ``vmap`` the cond is a select: they are computed and
-        dropped); fewer iterations mean fewer loop conditions for a GPU's host to read.
-        The same steps and keys; values equal to float32 rounding (XLA fuses a longer
-        body differently).
+      steps_per_loop: steps per iteration of the step loop: a loop of that many steps
+        runs while that many remain, then a loop of single steps runs the rest. Fewer
+        iterations mean fewer loop conditions for a GPU's host to read (under ``vmap`` a
+        group of clients runs each loop as long as its longest member, at most
+        ``steps_per_loop - 1`` more steps than one loop). The same steps and keys; values
+        equal to float32 rounding (XLA fuses a longer body differently).
 
     Returns:
       The final carry and the summed ``[loss_sum, weight_sum]`` over executed steps.
@@ -105,17 +105,16 @@ def run_epochs(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array, member
             carry, step_stats = step_fn(carry, batch, step_key)
             return step_index + 1, carry, stats + step_stats.astype(stats.dtype)
 
-        def remaining(state):
-            return state[0] < num_steps
-
         def steps(state):
-            state = step(state)  # the loop's condition holds for the first
-            for _ in range(steps_per_loop - 1):
-                state = jax.lax.cond(remaining(state), step, lambda unchanged: unchanged, state)
+            for _ in range(steps_per_loop):
+                state = step(state)
             return state
 
-        start = (jnp.zeros((), jnp.int32), carry, jnp.zeros((2,), jnp.float32))
-        _, carry, stats = jax.lax.while_loop(remaining, steps, start)
+        state = (jnp.zeros((), jnp.int32), carry, jnp.zeros((2,), jnp.float32))
+        if steps_per_loop > 1:  # unguarded: no per-step select over the whole carry
+            state = jax.lax.while_loop(lambda s: s[0] + steps_per_loop <= num_steps, steps,
+                                       state)
+        _, carry, stats = jax.lax.while_loop(lambda s: s[0] < num_steps, step, state)
         return carry, stats
 
     carry, stats = jax.lax.scan(epoch, carry, jnp.arange(num_epochs))

@@ -120,38 +120,44 @@ def executed_steps(steps: np.ndarray, mapping: ClientMapping, steps_per_loop: in
 
     A loop runs each client's own steps; a vmapped group of clients runs as long as its
     longest member (chunks of clients sorted longest first; the whole cohort for
-    ``vmap``), rounded up to whole loop iterations of ``steps_per_loop`` steps
-    (``run_epochs``'s: the steps past a client's count are computed and dropped); with
+    ``vmap``; ``chunk_step_counts``, with ``run_epochs``'s ``steps_per_loop``); with
     several devices each device maps its own contiguous share.
 
     Example:
       >>> executed_steps(np.array([8, 1, 1, 8]), ClientMapping("chunked", chunk_size=2))
       18
-      >>> executed_steps(np.array([8, 1, 1, 8]), ClientMapping("chunked", chunk_size=2), 3)
-      24
+      >>> executed_steps(np.array([7, 1, 1, 5]), ClientMapping("chunked", chunk_size=2), 3)
+      18
     """
     total = 0
-    if mapping.strategy != "loop":  # each group's longest member, in whole iterations
-        steps = -(-np.asarray(steps) // steps_per_loop) * steps_per_loop
     for shard in np.split(np.asarray(steps), mapping.num_devices):
         if mapping.strategy == "loop":
             total += int(np.sum(shard))
             continue
         size = len(shard) if mapping.strategy == "vmap" else mapping.chunk_size
-        total += chunk_step_counts(shard, size)[1]
+        total += chunk_step_counts(shard, size, steps_per_loop)[1]
     return total
 
 
-def chunk_step_counts(steps: np.ndarray, chunk: int) -> tuple[int, int]:
+def chunk_step_counts(steps: np.ndarray, chunk: int,
+                      steps_per_loop: int = 1) -> tuple[int, int]:
     """``(chunk-steps, client-step slots)`` of clients with ``steps`` local steps each,
     sorted longest first and run ``chunk`` at a time (the last chunk holds the rest): each
-    chunk runs as long as its longest client, for ``size`` slots per step.
+    chunk runs as long as its longest client, for ``size`` slots per step. With
+    ``steps_per_loop`` (``run_epochs``'s), a chunk runs its loop of that many steps as
+    long as its longest member's whole iterations, then single steps as long as its
+    largest rest.
 
     Example:
       >>> chunk_step_counts(np.array([1, 9, 4]), 2)  # chunks (9, 4) and (1)
       (10, 19)
+      >>> chunk_step_counts(np.array([1, 7, 5]), 2, 3)  # (7, 5): 3 + 3, then 2 more; (1)
+      (9, 17)
     """
     ordered = np.sort(np.asarray(steps))[::-1]
     starts = np.arange(0, len(ordered), chunk)
     sizes = np.minimum(chunk, len(ordered) - starts)
-    return int(np.sum(ordered[starts])), int(np.sum(ordered[starts] * sizes))
+    runs = np.array([steps_per_loop * np.max(group // steps_per_loop)
+                     + np.max(group % steps_per_loop)
+                     for group in np.split(ordered, starts[1:])], np.int64)
+    return int(np.sum(runs)), int(np.sum(runs * sizes))
