@@ -105,6 +105,10 @@ fi
 # FedAvg and 80 for Flow's two LSTMs, and the fitted fixed cost per chunk-step is ~1 ms /
 # ~2.4 ms (roofline.md); +steps_per_loop=4 then also runs 4 local steps per iteration.
 step so64 200 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --repeats=2 --algorithms=fedavg,flow,flow_fused,fedavg+lstm_unroll=20,flow+lstm_unroll=20,fedavg+lstm_unroll=20+steps_per_loop=4 --json_out="$RAW/so64.json"
+# What one vmapped step of 19 clients costs part by part, each part its own program with
+# no loop (layers' forward and backward, the loss, the update, the recurrence's products
+# alone), float32 and bf16: the per-slot cost without a profiler.
+step so_parts 90 "$NEW" launch/step_parts.py --model=stackoverflow_lstm --clients=19 --compute_dtypes=float32,bfloat16 --json_out="$RAW/so_parts.json"
 # Where the time goes (launch/trace_summary.py): one more execution of each round above,
 # compiled ahead of time, traced by JAX's profiler; each row prints the device's busy and
 # idle time, op time by kind and by layer, and its top kernels (into the .txt and JSON).
@@ -115,6 +119,7 @@ PROFILE=(--nopython_loop --nocentralized --nowarmup --repeats=1)
 step profile_so64 100 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 "${PROFILE[@]}" --profile_dir="$RAW/profile_so64" --json_out="$RAW/profile_so64.json"
 step emnist_slices_bf16 100 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --compute_dtype=bfloat16 --algorithms=fedavg,flow,flow_fused --json_out="$RAW/emnist_slices_bf16.json"
 step profile_emnist 100 "$NEW" launch/benchmark.py "${EMNIST[@]}" "${PROFILE[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow,flow_fused --profile_dir="$RAW/profile_emnist" --json_out="$RAW/profile_emnist.json"
+step emnist_parts 80 "$NEW" launch/step_parts.py --model=emnist_cnn --clients=100 --compute_dtypes=float32,bfloat16 --json_out="$RAW/emnist_parts.json"
 find "$RAW" \( -name '*.xplane.pb' -o -name 'round.hlo.txt' \) -delete 2>/dev/null
 
 # Measured once by earlier calls (docs/benchmarks/gpu-h100-2026-11-2{6,7}.md): bf16 Stack

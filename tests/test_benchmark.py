@@ -2,6 +2,7 @@
 device script's command lines."""
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -287,7 +288,31 @@ def test_every_step_of_the_device_script_parses_its_flags(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert set(steps) == {"versions", "pool_gradient", "pool_gradient_base", "emnist_xla",
                           "emnist_slices", "emnist_slices_bf16", "emnist_cmdbuf",
+                          "so_parts", "emnist_parts",
                           "so64_baseline", "so64", "so64_bf16", "so64_cmdbuf",
                           "profile_emnist", "profile_so64", "so1000_flow_bf16", "roofline",
                           "determinism"}, log[-3000:]
     assert set(steps.values()) == {"0"}, log[-3000:]
+
+
+def test_step_parts_times_every_part_of_a_small_lstm_step(tmp_path):
+    """``launch/step_parts.py`` (run on GPUs by launch/gpu_bench.sh) at a CPU size: a row
+    per routable layer, the recurrence's chained products, the loss and the update, each
+    timed, and their sum against the whole step."""
+    from launch import step_parts
+    out = tmp_path / "parts.json"
+    report = step_parts.main(["--clients=2", "--repeats=1", "--compute_dtypes=float32,bfloat16",
+                              '--model_options={"hidden": 16, "embed_dim": 8, "dense": 8}',
+                              f"--json_out={out}"])
+    assert json.loads(out.read_text()) == report
+    assert [t["compute_dtype"] for t in report["tables"]] == ["float32", "bfloat16"]
+    for table in report["tables"]:
+        assert list(table["ms"]) == [
+            "step", "layer embedding", "layer lstm", "recurrent products x 40, chained",
+            "layer dense1", "layer dense2", "loss", "update"]
+        assert all(ms > 0 for ms in table["ms"].values())
+        parts = [ms for name, ms in table["ms"].items() if name.startswith("layer ")]
+        assert table["parts_sum_ms"] == pytest.approx(
+            sum(parts) + table["ms"]["loss"] + table["ms"]["update"])
+    with pytest.raises(SystemExit):
+        step_parts.parse_args(["--clients=0"])
