@@ -13,10 +13,10 @@
 #             python3, the device image's; that image lacks ml_collections, so the call
 #             carries its wheel: see docs/benchmarks/gpu-h100-2026-11-27.md for the command)
 # The pool check, then EMNIST (its targets are ratios within one run; with 10 local steps
-# per loop iteration, and with loops as command buffers), then Stack Overflow at 64 skewed
-# clients (baseline, float32, the LSTM's time loops unrolled), its profile (where the device's time goes), bf16 EMNIST,
-# then what earlier calls measured once: EMNIST's profile, bf16 Stack Overflow, the
-# determinism check, command buffers over Stack Overflow's loops, cuDNN's convolutions, a
+# per loop iteration), then Stack Overflow at 64 skewed clients (baseline, float32, the
+# LSTM's time loops unrolled), its step's parts and its profile (where the device's time
+# goes), EMNIST with loops as command buffers, bf16 EMNIST, EMNIST's profile and step
+# parts, then what earlier calls measured once: bf16 Stack Overflow, the determinism check, command buffers over Stack Overflow's loops, cuDNN's convolutions, a
 # bf16 1,000-client Flow round and the roofline.
 set -u
 OUT=${OUT:-/tmp/gpu_bench_out}
@@ -89,9 +89,6 @@ EMNIST=(--models=emnist_cnn --clients=100 --steps=10 --strategies=vmap --nopytho
 # reads each iteration's loop condition before launching the next. +steps_per_loop=10
 # (config.sgd.steps_per_loop) runs each phase's 10 steps in one iteration, timed beside.
 step emnist_slices 170 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow,flow_fused,fedavg+steps_per_loop=10,flow_fused+steps_per_loop=10 --json_out="$RAW/emnist_slices.json"
-# The same loop kept on the device instead: XLA's command buffers over loops (CUDA graphs'
-# conditional nodes); on Stack Overflow they lost (roofline.md), on EMNIST never timed.
-XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" step emnist_cmdbuf 110 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow_fused --json_out="$RAW/emnist_cmdbuf.json"
 
 SO64=(--models=stackoverflow_lstm --skewed --clients=64)
 if [[ -n "$BASE" ]]; then
@@ -117,7 +114,10 @@ step so_parts 90 "$NEW" launch/step_parts.py --model=stackoverflow_lstm --client
 # The traces themselves stay in raw.tgz only while it fits what a device call returns.
 PROFILE=(--nopython_loop --nocentralized --nowarmup --repeats=1)
 step profile_so64 100 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 "${PROFILE[@]}" --profile_dir="$RAW/profile_so64" --json_out="$RAW/profile_so64.json"
-step emnist_slices_bf16 100 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --compute_dtype=bfloat16 --algorithms=fedavg,flow,flow_fused --json_out="$RAW/emnist_slices_bf16.json"
+# The same loop kept on the device instead: XLA's command buffers over loops (CUDA graphs'
+# conditional nodes); on Stack Overflow they lost (roofline.md), on EMNIST never timed.
+XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" step emnist_cmdbuf 110 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow_fused --json_out="$RAW/emnist_cmdbuf.json"
+step emnist_slices_bf16 150 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --compute_dtype=bfloat16 --algorithms=fedavg,flow,flow_fused,fedavg+steps_per_loop=10,flow_fused+steps_per_loop=10 --json_out="$RAW/emnist_slices_bf16.json"
 step profile_emnist 100 "$NEW" launch/benchmark.py "${EMNIST[@]}" "${PROFILE[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow,flow_fused --profile_dir="$RAW/profile_emnist" --json_out="$RAW/profile_emnist.json"
 step emnist_parts 80 "$NEW" launch/step_parts.py --model=emnist_cnn --clients=100 --compute_dtypes=float32,bfloat16 --json_out="$RAW/emnist_parts.json"
 find "$RAW" \( -name '*.xplane.pb' -o -name 'round.hlo.txt' \) -delete 2>/dev/null
