@@ -546,7 +546,7 @@ def print_ratios(timed: dict, out: dict) -> None:
             out[f"{slower}_over_{faster}"] = ratio
             print(f"{labels[slower]} / {labels[faster]}{suffix}: {ratio:.2f}x")
     for entry in best:  # each variant beside its plain method, when that was timed too
-        method = entry.split("+")[0]
+        method = parse_variant(entry)[0]
         if entry != method and method in best:
             ratio = rows[best[method]]["round_s"] / rows[best[entry]]["round_s"]
             out[f"{method}_over_{entry}"] = ratio

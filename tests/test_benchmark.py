@@ -225,6 +225,17 @@ def test_variants_carry_their_loop_shapes_and_bad_ones_fail_in_one_line():
     assert (time_loops(plain.algorithm.model), time_loops(unrolled.algorithm.model)) == (1, 0)
 
 
+def test_each_variant_gets_a_ratio_line_beside_its_plain_method(capsys):
+    rows = {("fedavg", "vmap"): {"round_s": 1.2}, ("fedavg+steps_per_loop=10", "vmap"):
+            {"round_s": 1.0}, ("flow+lstm_unroll=20", "vmap"): {"round_s": 3.0}}
+    out = {}
+    benchmark.print_ratios({"rows": rows, "torch": None, "methods": tuple(
+        key[0] for key in rows)}, out)
+    assert out == {"fedavg_over_fedavg+steps_per_loop=10": pytest.approx(1.2)}  # no plain flow
+    assert capsys.readouterr().out == ("fedavg round / fedavg+steps_per_loop=10 round (best "
+                                       "mapping each): 1.20x\n")
+
+
 def test_strategy_names_carry_their_own_chunk_size():
     from flowjax.core.mapping import ClientMapping
     assert benchmark.parse_strategy("chunked:19", 5, 1) == ClientMapping("chunked", 19)
