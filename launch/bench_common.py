@@ -1,8 +1,13 @@
 """The synthetic clients and the FedAvg / Flow setups that launch/benchmark.py times and
 launch/determinism_check.py runs twice: random examples shaped like each model's dataset,
-the paper's batch sizes and learning rates, Flow's policy widths."""
+the paper's batch sizes and learning rates, Flow's policy widths; and the timer the
+benchmarks share."""
 
 from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +30,18 @@ TOKENS = {"shakespeare_lstm": (87, 81), "stackoverflow_lstm": (10004, 21)}  # (v
 # flow_fused: Flow with each layer's two branches in one product where its input outweighs
 # its weights (FlowConfig.fuse_branches), timed beside flow in the same run.
 ALGORITHMS = ("fedavg", "flow", "flow_fused")
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``fn()`` to a ready result over ``repeats`` calls, after one
+    call that compiles and warms up."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def synthetic_examples(model_name: str, n: int, rng: np.random.Generator):

@@ -91,7 +91,8 @@ from flowjax.experiment import RunSettings, Simulation  # noqa: E402
 from flowjax.models import MODELS, get_model, model_takes  # noqa: E402
 from launch import trace_summary  # noqa: E402
 from launch.bench_common import (ALGORITHMS, BATCH, LEARNING_RATE, build_algorithm,  # noqa: E402
-                                 first_batch, synthetic_examples, synthetic_task)
+                                 first_batch, median_seconds, synthetic_examples,
+                                 synthetic_task)
 
 _MODELS = flags.DEFINE_list("models", ["emnist_cnn", "shakespeare_lstm"], "Models to time.")
 _STRATEGIES = flags.DEFINE_list("strategies", ["loop", "chunked", "vmap"], "Client mappings: "
@@ -238,16 +239,6 @@ def algorithms(model_name: str, example_x) -> tuple[Any, dict[str, Variant]]:
         variants[entry] = Variant(method, build_algorithm(built, method, example_x, _EPOCHS.value,
                                                           steps_per_loop), steps_per_loop)
     return model, variants
-
-
-def median_seconds(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def mapping_padding(cohort, mapping: ClientMapping, batch: int, epochs: int = 1,

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from typing import Callable
 
 import jax
@@ -42,7 +40,7 @@ from flowjax.core.losses import mean_from_sums, weighted_cross_entropy
 from flowjax.models import get_model, model_takes
 from flowjax.models.base import RoutableModel
 from flowjax.models.layers import lstm_weights
-from launch.bench_common import BATCH, LEARNING_RATE, synthetic_examples
+from launch.bench_common import BATCH, LEARNING_RATE, median_seconds, synthetic_examples
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,14 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time of ``fn()`` to a ready result, after one compiling call."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    """``median_seconds`` in milliseconds."""
+    return 1e3 * median_seconds(fn, repeats)
 
 
 def stacked(tree, clients: int):
