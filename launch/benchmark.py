@@ -188,7 +188,6 @@ LOOP_OPTIONS = ("lstm_unroll", "steps_per_loop")
 class Variant:
     """One ``--algorithms`` entry, ``METHOD[+OPTION=N...]``, built."""
 
-    method: str
     algorithm: Any
     steps_per_loop: int = 1
 
@@ -236,8 +235,8 @@ def algorithms(model_name: str, example_x) -> tuple[Any, dict[str, Variant]]:
             require_option(model_name, "lstm_unroll", f"--algorithms: {entry!r}")
             built = get_model(model_name, **options, lstm_unroll=loops["lstm_unroll"])
         steps_per_loop = loops.get("steps_per_loop", 1)
-        variants[entry] = Variant(method, build_algorithm(built, method, example_x, _EPOCHS.value,
-                                                          steps_per_loop), steps_per_loop)
+        variants[entry] = Variant(build_algorithm(built, method, example_x, _EPOCHS.value,
+                                                  steps_per_loop), steps_per_loop)
     return model, variants
 
 

@@ -213,8 +213,8 @@ def test_variants_carry_their_loop_shapes_and_bad_ones_fail_in_one_line():
                            r"\(only shakespeare_lstm, stackoverflow_lstm\)$"):
             benchmark.algorithms("emnist_cnn", np.zeros((2, 28, 28, 1), np.float32))
     plain, unrolled = variants["fedavg"], variants["fedavg+lstm_unroll=20+steps_per_loop=3"]
-    assert (plain.method, plain.steps_per_loop) == ("fedavg", 1)
-    assert (unrolled.method, unrolled.steps_per_loop) == ("fedavg", 3)
+    assert (plain.algorithm.name, plain.steps_per_loop) == ("fedavg", 1)
+    assert (unrolled.algorithm.name, unrolled.steps_per_loop) == ("fedavg", 3)
     assert plain.algorithm.model is model and unrolled.algorithm.model is not model
 
     def time_loops(routable):  # the LSTM's: none left at 20 steps per iteration
