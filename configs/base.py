@@ -84,8 +84,8 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
     config.conv_impl = "auto"
     config.compute_dtype = "float32"
     # The LSTMs' time steps per loop iteration, forward and backward (None: one, a loop
-    # iteration per time step; the sequence length: no loop). Same forward values;
-    # gradients equal to float32 rounding. What it saves on a GPU is not measured yet.
+    # iteration per time step; the sequence length: no loop). Values equal to float32
+    # rounding. What it saves on a GPU is not measured yet.
     # (None rather than 1 so that runs stored before the field existed still resume.)
     config.lstm_unroll = config_dict.placeholder(int)
     config.log_every = 10

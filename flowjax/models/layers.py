@@ -394,7 +394,7 @@ def _lstm_scan(zx: jax.Array, w_h: jax.Array, compute_dtype: Any = None,
     every time step reads the narrow copy. Under autodiff (``cast_once=False``) it is cast
     in the loop instead: the transposed loop then sums ``w_h``'s gradient in float32, not
     in the copy's bf16. The cell stays float32. ``unroll``: time steps per loop iteration
-    (``lax.scan``'s; the same values).
+    (``lax.scan``'s; ``lstm``).
     """
     hidden = w_h.shape[0]
     zeros = jnp.zeros(zx.shape[1:-1] + (hidden,), zx.dtype)
@@ -427,8 +427,8 @@ def lstm(x: jax.Array, w_x: jax.Array, w_h: jax.Array, b: jax.Array,
     product, forward and backward, on operands cast to it with float32 accumulation; the
     cell's elementwise math, the saved states and the gradients stay float32. ``unroll``:
     time steps per iteration of the forward and the backward loop (1: a loop iteration
-    per step; ``T``: no loop). The forward values do not depend on it; the gradients
-    agree to float32 rounding (XLA fuses an unrolled body differently).
+    per step; ``T``: no loop). Values equal to float32 rounding (XLA may fuse an unrolled
+    body differently; on the CPU the forward is bit for bit the same, tested).
     """
     return _lstm_forward(x, w_x, w_h, b, compute_dtype, unroll=unroll)[0]
 

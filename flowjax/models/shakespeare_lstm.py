@@ -41,7 +41,7 @@ def shakespeare_lstm(vocab_size: int = 90, embed_dim: int = 8, hidden: int = 256
         and the dense layers multiply in bf16 with float32 accumulation; params,
         gradients, optimizer state and the LSTM cell stay float32.
       lstm_unroll: the LSTMs' time steps per loop iteration (``layers.lstm``; 80 = no
-        loop): the same forward values, gradients equal to float32 rounding.
+        loop): values equal to float32 rounding.
 
     Returns:
       A model taking int32 tokens ``[B, T]`` (``T = 80`` in the dataset) to logits

@@ -72,7 +72,7 @@ def stackoverflow_lstm(vocab_size: int = 10004, embed_dim: int = 96, hidden: int
         and the dense layers multiply in bf16 with float32 accumulation; params,
         gradients, optimizer state and the LSTM cell stay float32.
       lstm_unroll: the LSTM's time steps per loop iteration (``layers.lstm``; 20 = no
-        loop): the same forward values, gradients equal to float32 rounding.
+        loop): values equal to float32 rounding.
 
     Returns:
       A model taking int32 tokens ``[B, T]`` (``T = 20`` in the dataset) to logits
