@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from flowjax.algorithms.base import plain_loss_sums, sgd_step
+from flowjax.algorithms.base import instance_weights, plain_loss_sums, sgd_step
 from flowjax.core.losses import mean_from_sums, weighted_cross_entropy
 from flowjax.models import get_model, model_takes
 from flowjax.models.base import RoutableModel
@@ -127,9 +127,7 @@ def time_parts(model: RoutableModel, clients: int, repeats: int, dtype: str = "f
                 lambda chain=chain, h=h, w_h=w_h: chain(h, w_h), repeats)
 
     def loss(logits, y, w):
-        sums = weighted_cross_entropy(logits, y, model.label_weights(y) * w.reshape(
-            w.shape + (1,) * (y.ndim - w.ndim)))
-        return mean_from_sums(*sums)
+        return mean_from_sums(*weighted_cross_entropy(logits, y, instance_weights(model, y, w)))
     loss_grad = jax.jit(jax.vmap(jax.grad(loss)))
     parts["loss"] = median_ms(lambda: loss_grad(inputs[-1], ys, weights), repeats)
 

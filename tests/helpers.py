@@ -32,6 +32,13 @@ def products(fn, *args) -> int:
     return count(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
+def loops(fn, *args) -> int:
+    """``while`` loops in ``jax.jit(fn)``'s lowered program (before XLA's passes): how many
+    loops a formulation asks for, e.g. none for a fully unrolled scan."""
+    import jax
+    return jax.jit(fn).lower(*args).as_text().count("stablehlo.while")
+
+
 def default_xla_env() -> dict[str, str]:
     """This process's environment for a child that compiles as a user's default build
     does: without the suite's XLA flags (``conftest.TEST_XLA_FLAGS``) and without the
