@@ -35,13 +35,20 @@ ALGORITHMS = ("fedavg", "flow", "flow_fused")
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     """Median wall time of ``fn()`` to a ready result over ``repeats`` calls, after one
     call that compiles and warms up."""
+    return first_and_median_seconds(fn, repeats)[1]
+
+
+def first_and_median_seconds(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """The first call's wall time (compiling included) and the median of ``repeats`` more."""
+    start = time.perf_counter()
     jax.block_until_ready(fn())
+    first = time.perf_counter() - start
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return first, statistics.median(times)
 
 
 def synthetic_examples(model_name: str, n: int, rng: np.random.Generator):

@@ -91,7 +91,8 @@ from flowjax.experiment import RunSettings, Simulation  # noqa: E402
 from flowjax.models import MODELS, get_model, model_takes  # noqa: E402
 from launch import trace_summary  # noqa: E402
 from launch.bench_common import (ALGORITHMS, BATCH, LEARNING_RATE, build_algorithm,  # noqa: E402
-                                 first_batch, median_seconds, synthetic_examples,
+                                 first_and_median_seconds, first_batch, median_seconds,
+                                 synthetic_examples,
                                  synthetic_task)
 
 _MODELS = flags.DEFINE_list("models", ["emnist_cnn", "shakespeare_lstm"], "Models to time.")
@@ -267,9 +268,12 @@ def time_engine_round(algorithm, task, mapping: ClientMapping, repeats: int,
         fresh = jax.tree.map(jnp.copy, state)
         return simulation.run_round(fresh, 0, cohort)[0]
 
-    timing = {}
     if _WARMUP.value:
-        timing["round_s"] = median_seconds(one_round, repeats)
+        # The first round's time, compiling included: what a variant costs before its
+        # first step (an unrolled loop compiles for longer), and what a device script's
+        # timeouts must leave room for.
+        first, median = first_and_median_seconds(one_round, repeats)
+        timing = {"round_s": median, "first_round_s": first}
     else:
         timing = time_compiled_round(simulation, state, cohort, repeats, profile_dir)
     return {**timing, "compilations": simulation.trace_counts["round"],
@@ -425,6 +429,19 @@ def time_model(model_name: str, clients: int, steps: int, repeats: int) -> dict:
     task = synthetic_task(model_name, client_sizes(clients, steps * batch, _SKEWED.value))
     useful = int(np.sum(client_steps(task, batch))) * _EPOCHS.value
     model, methods = algorithms(model_name, first_batch(task, batch))
+    # The centralized equivalent of the round's useful work: steps on batches of
+    # clients x batch examples, timed for a whole number of steps and scaled to exactly
+    # ``useful`` client-steps. Timed first and printed, so a run cut short by its
+    # timeout still gives the rows it reached a denominator.
+    central = None
+    if _CENTRALIZED.value:
+        central_steps = max(1, round(useful / clients))
+        plain = (get_model(model_name, **{**model_options(model_name), "conv_impl": "xla"})
+                 if model_name == "emnist_cnn" else model)  # the CNN's fastest: cuDNN's own
+        central = (time_centralized(plain, clients, central_steps, repeats)
+                   * (useful / (central_steps * clients)))
+        print(f"timed the centralized-equivalent step: {useful / central:.1f} client-steps/s "
+              f"({central:.3f} s)", flush=True)
     rows = {}
     for method, variant in methods.items():
         algorithm = variant.algorithm
@@ -448,17 +465,12 @@ def time_model(model_name: str, clients: int, steps: int, repeats: int) -> dict:
                 rows[key] = time_engine_round(algorithm, task, mapping, repeats,
                                               profile_folder(model_name, *key),
                                               variant.steps_per_loop)
-                print(f"timed {key[0]}, {key[1]}: {rows[key]['round_s']:.3f} s per round",
+                row = rows[key]
+                cost = (f"first round, compiling included: {row['first_round_s']:.1f} s"
+                        if "first_round_s" in row else f"compiled in {row['compile_s']:.1f} s")
+                print(f"timed {key[0]}, {key[1]}: {row['round_s']:.3f} s per round ({cost})",
                       flush=True)  # before the table: a run cut short still reports it
     torch_row = time_torch(model_name, task, steps, repeats) if _COMPARE_TORCH.value else None
-    # The centralized equivalent of the round's useful work: steps on batches of
-    # clients x batch examples, timed for a whole number of steps and scaled to exactly
-    # ``useful`` client-steps.
-    central_steps = max(1, round(useful / clients))
-    if model_name == "emnist_cnn":  # the plain model's fastest conv: cuDNN's / XLA's own
-        model = get_model(model_name, **{**model_options(model_name), "conv_impl": "xla"})
-    central = (time_centralized(model, clients, central_steps, repeats)
-               * (useful / (central_steps * clients)) if _CENTRALIZED.value else None)
     return {"rows": rows, "torch": torch_row, "methods": tuple(methods), "useful_steps": useful,
             "centralized_s": central}
 

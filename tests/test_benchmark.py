@@ -224,6 +224,26 @@ def test_variants_carry_their_loop_shapes_and_bad_ones_fail_in_one_line():
     assert (time_loops(plain.algorithm.model), time_loops(unrolled.algorithm.model)) == (1, 0)
 
 
+def test_a_cut_run_already_printed_its_denominator_and_each_rows_compile_cost(capsys):
+    """A device call's ``timeout`` can cut a run before its table: the centralized step is
+    timed and printed before any row, and each row's line carries its first round's
+    seconds (compiling included), the cost a script's timeouts must leave room for."""
+    from absl import flags
+    from absl.testing import flagsaver
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    with flagsaver.flagsaver(algorithms=["fedavg"], strategies=["vmap"], python_loop=False):
+        timed = benchmark.time_model("emnist_cnn", clients=2, steps=1, repeats=1)
+    lines = capsys.readouterr().out.splitlines()
+    central = timed["centralized_s"]
+    row = timed["rows"][("fedavg", "vmap")]
+    assert lines == [f"timed the centralized-equivalent step: {2 / central:.1f} client-steps/s "
+                     f"({central:.3f} s)",
+                     f"timed fedavg, vmap: {row['round_s']:.3f} s per round (first round, "
+                     f"compiling included: {row['first_round_s']:.1f} s)"]
+    assert row["first_round_s"] > row["round_s"] > 0  # the first one compiled
+
+
 def test_each_variant_gets_a_ratio_line_beside_its_plain_method(capsys):
     rows = {("fedavg", "vmap"): {"round_s": 1.2}, ("fedavg+steps_per_loop=10", "vmap"):
             {"round_s": 1.0}, ("flow+lstm_unroll=20", "vmap"): {"round_s": 3.0}}
@@ -296,10 +316,10 @@ def test_every_step_of_the_device_script_parses_its_flags(tmp_path):
     log = (out / "gpu_bench.log").read_text()
     steps = dict(re.findall(r"^## (\S+): rc=(\d+)", log, re.M))
     assert done.returncode == 0, done.stderr[-2000:]
-    assert set(steps) == {"versions", "pool_gradient", "pool_gradient_base", "emnist_xla",
+    assert set(steps) == {"versions", "pool_gradient", "emnist_xla",
                           "emnist_slices", "emnist_slices_bf16", "emnist_cmdbuf",
-                          "so_parts", "emnist_parts",
-                          "so64_baseline", "so64", "so64_bf16", "so64_cmdbuf",
+                          "so_parts", "emnist_parts", "so64_baseline", "so64_unroll",
+                          "so64_unroll_chunks", "so64_bf16", "so64_cmdbuf",
                           "profile_emnist", "profile_so64", "so1000_flow_bf16", "roofline",
                           "determinism"}, log[-3000:]
     assert set(steps.values()) == {"0"}, log[-3000:]
