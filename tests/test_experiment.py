@@ -342,10 +342,10 @@ def test_steps_per_loop_trains_the_same_model(algorithm):
             "sgd.steps_per_loop": steps_per_loop, "eval.every": 2})
         return run(config)[1]
 
-    looped, unrolled = final(None), final(3)
-    for a, b in zip(jax.tree.leaves(unrolled.final_state.params),
+    looped, grouped = final(None), final(3)
+    for a, b in zip(jax.tree.leaves(grouped.final_state.params),
                     jax.tree.leaves(looped.final_state.params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     losses = lambda result: [h["loss"] for h in result.history if h["kind"] == "train"]  # noqa: E731
-    np.testing.assert_allclose(losses(unrolled), losses(looped), rtol=1e-6)
-    assert unrolled.results_dict()["num_eval_clients"] == looped.results_dict()["num_eval_clients"]
+    np.testing.assert_allclose(losses(grouped), losses(looped), rtol=1e-6)
+    assert grouped.results_dict()["num_eval_clients"] == looped.results_dict()["num_eval_clients"]

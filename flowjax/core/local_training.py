@@ -74,12 +74,13 @@ def run_epochs(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array, member
       batches_fn: optional ``batches_fn(epoch_key, epoch_index) -> (indices [S, B], mask
         [S, B])`` replacing ``epoch_batches`` (non-empty batches first), for a caller that
         builds its own epochs (e.g. Flow's reference halves); ``member`` is then unused.
-      steps_per_loop: steps per iteration of the step loop: a loop of that many steps
-        runs while that many remain, then a loop of single steps runs the rest. Fewer
-        iterations mean fewer loop conditions for a GPU's host to read (under ``vmap`` a
+      steps_per_loop: steps per iteration of the step loop: while that many remain, an
+        inner loop of exactly that many steps runs (a trip count XLA knows), then a loop
+        of single steps runs the rest. Fewer iterations of a data-dependent loop mean
+        fewer loop conditions for a GPU's host to read and wait for (under ``vmap`` a
         group of clients runs each loop as long as its longest member, at most
         ``steps_per_loop - 1`` more steps than one loop). The same steps and keys; values
-        equal to float32 rounding (XLA fuses a longer body differently).
+        equal to float32 rounding (XLA may fuse the nested body differently).
 
     Returns:
       The final carry and the summed ``[loss_sum, weight_sum]`` over executed steps.
@@ -106,9 +107,10 @@ def run_epochs(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array, member
             return step_index + 1, carry, stats + step_stats.astype(stats.dtype)
 
         def steps(state):
-            for _ in range(steps_per_loop):
-                state = step(state)
-            return state
+            # An inner loop with a fixed trip count, not steps_per_loop copies of the
+            # step: it compiles as one step does, and a GPU runs a loop of known trip
+            # count without reading its condition back to the host (XLA's WhileThunk).
+            return jax.lax.fori_loop(0, steps_per_loop, lambda _, s: step(s), state)
 
         state = (jnp.zeros((), jnp.int32), carry, jnp.zeros((2,), jnp.float32))
         if steps_per_loop > 1:  # unguarded: no per-step select over the whole carry
