@@ -41,7 +41,8 @@ def shakespeare_lstm(vocab_size: int = 90, embed_dim: int = 8, hidden: int = 256
         and the dense layers multiply in bf16 with float32 accumulation; params,
         gradients, optimizer state and the LSTM cell stay float32.
       lstm_unroll: the LSTMs' time steps per loop iteration (``layers.lstm``; 80 = no
-        loop): values equal to float32 rounding.
+        loop): values equal to float32 rounding. All 80 compiled 35x longer and ran 6.8x
+        slower on a 2-core CPU (docs/benchmarks/cpu-2core.md).
 
     Returns:
       A model taking int32 tokens ``[B, T]`` (``T = 80`` in the dataset) to logits
