@@ -154,20 +154,23 @@ def plan_chunk_size(algorithm: FederatedAlgorithm, example_spec: Mapping[str, tu
 OVERHEAD_CLIENTS = 10.0
 
 
-def chunk_cost(steps: np.ndarray, chunk: int, overhead_clients: float = OVERHEAD_CLIENTS) -> float:
-    """Modeled time (in client-step units) of ``chunk_step_counts``: each chunk-step costs
-    ``overhead_clients`` slots beyond its own."""
-    chunk_steps, slots = chunk_step_counts(steps, chunk)
+def chunk_cost(steps: np.ndarray, chunk: int, overhead_clients: float = OVERHEAD_CLIENTS,
+               steps_per_loop: int = 1) -> float:
+    """Modeled time (in client-step units) of ``chunk_step_counts`` (with the step loop's
+    ``steps_per_loop``): each chunk-step costs ``overhead_clients`` slots beyond its own."""
+    chunk_steps, slots = chunk_step_counts(steps, chunk, steps_per_loop)
     return float(overhead_clients * chunk_steps + slots)
 
 
 def chunk_for_sizes(steps: np.ndarray, max_chunk: int,
-                    overhead_clients: float = OVERHEAD_CLIENTS) -> int:
+                    overhead_clients: float = OVERHEAD_CLIENTS, steps_per_loop: int = 1) -> int:
     """The chunk size in ``[1, max_chunk]`` of least ``chunk_cost`` (the smallest on ties).
 
     Larger chunks fill the device (the fixed cost of a step is shared by more clients)
     but pad more on skewed sizes (each chunk lasts as long as its longest client);
-    ``max_chunk`` is what fits in memory (``plan_chunk_size``).
+    ``max_chunk`` is what fits in memory (``plan_chunk_size``). With ``steps_per_loop``
+    (``SGDConfig.steps_per_loop``) a chunk runs its steps in groups, and up to that many
+    minus one more steps than its longest client (``chunk_step_counts``).
 
     Example:
       >>> chunk_for_sizes(np.full(64, 10), 64)  # equal sizes: one chunk, no padding
@@ -179,4 +182,5 @@ def chunk_for_sizes(steps: np.ndarray, max_chunk: int,
         raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
     steps = np.asarray(steps)
     candidates = range(1, min(max_chunk, len(steps)) + 1)
-    return min(candidates, key=lambda k: (chunk_cost(steps, k, overhead_clients), k))
+    return min(candidates,
+               key=lambda k: (chunk_cost(steps, k, overhead_clients, steps_per_loop), k))

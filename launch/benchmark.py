@@ -328,15 +328,18 @@ def profile_execution(execute, hlo_text: str, directory: str) -> dict:
     return {"directory": directory, "round_s_traced": seconds, "processes": summary}
 
 
-def planned_mapping(algorithm, task, batch: int, device_bytes: int) -> ClientMapping:
-    """Sorted chunks of the size ``chunk_for_sizes`` picks under the memory plan's cap."""
+def planned_mapping(algorithm, task, batch: int, device_bytes: int,
+                    steps_per_loop: int = 1) -> ClientMapping:
+    """Sorted chunks of the size ``chunk_for_sizes`` picks under the memory plan's cap
+    (for the variant's ``steps_per_loop``)."""
     padded = -(-int(np.max(task.train.num_examples("train"))) // batch) * batch
     plan = plan_chunk_size(algorithm, task.train.example_spec, padded_examples=padded,
                            batch_size=batch, device_bytes=device_bytes,
                            max_clients=len(task.train.client_ids))
     if plan.clients_per_chunk < 1:
         raise BadFlags(f"memory plan: not one client fits ({plan.describe()})")
-    chunk = chunk_for_sizes(client_steps(task, batch), plan.clients_per_chunk)
+    chunk = chunk_for_sizes(client_steps(task, batch), plan.clients_per_chunk,
+                            steps_per_loop=steps_per_loop)
     print(f"memory plan, {algorithm.model.name} {algorithm.name}: {plan.describe()}; "
           f"chunk_for_sizes picks {chunk}")
     return ClientMapping("chunked", chunk)
@@ -457,7 +460,8 @@ def time_model(model_name: str, clients: int, steps: int, repeats: int) -> dict:
                                              "use --devices=1")
                     memory = (int(_PLAN_GB.value * 2**30) if _PLAN_GB.value > 0
                               else device_memory_limit())
-                    mapping = planned_mapping(algorithm, task, batch, memory)
+                    mapping = planned_mapping(algorithm, task, batch, memory,
+                                              variant.steps_per_loop)
                     label = "planned"
                 else:
                     mapping, label = parse_strategy(strategy, _CHUNK.value, devices), ""

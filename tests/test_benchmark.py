@@ -119,6 +119,10 @@ def test_planned_mapping_is_the_cost_models_choice_under_the_memory_cap(skewed_f
                                                      plan.clients_per_chunk)
         assert 1 <= mapping.chunk_size <= plan.clients_per_chunk
         assert f"chunk_for_sizes picks {mapping.chunk_size}" in capsys.readouterr().out
+        grouped = benchmark.planned_mapping(algorithm, task, 4, budget, steps_per_loop=3)
+        assert grouped.chunk_size == chunk_for_sizes(benchmark.client_steps(task, 4),
+                                                     plan.clients_per_chunk, steps_per_loop=3)
+        capsys.readouterr()
     with pytest.raises(benchmark.BadFlags, match="not one client fits"):
         benchmark.planned_mapping(algorithm, task, 4, 1000)
 

@@ -86,3 +86,17 @@ def test_chunk_for_sizes_trades_padding_for_filling_the_device():
     assert all(chunk_cost(skewed, best) <= chunk_cost(skewed, k) for k in (1, 8, 64, 500, 1000))
     with pytest.raises(ValueError, match="max_chunk must be >= 1, got 0"):
         chunk_for_sizes(skewed, 0)
+
+
+def test_chunk_for_sizes_counts_the_steps_a_loop_of_several_steps_runs():
+    """With ``steps_per_loop=2`` clients of 1 and 2 steps in one chunk run a group of two
+    (the 2-step client's) and then a single step (the other's): 3 chunk-steps and 6 slots
+    instead of 2 and 4, so at an overhead of 2 slots per chunk-step, one client per chunk
+    (1 + 2 chunk-steps, 3 slots: cost 9) beats two (cost 12, against 8 with single steps)."""
+    from flowjax.memory_plan import chunk_cost, chunk_for_sizes
+    steps = np.array([1, 2])
+    assert (chunk_cost(steps, 2, 2.0), chunk_cost(steps, 1, 2.0)) == (8.0, 9.0)
+    assert (chunk_cost(steps, 2, 2.0, steps_per_loop=2),
+            chunk_cost(steps, 1, 2.0, steps_per_loop=2)) == (12.0, 9.0)
+    assert chunk_for_sizes(steps, 2, 2.0) == 2
+    assert chunk_for_sizes(steps, 2, 2.0, steps_per_loop=2) == 1
