@@ -14,8 +14,9 @@
 #             carries its wheel: see docs/benchmarks/gpu-h100-2026-11-27.md for the command)
 # Stack Overflow at 64 skewed clients (the baseline, then the LSTM with no time loop), EMNIST
 # (the centralized step, FedAvg and fused Flow, with and without 10 local steps per loop
-# iteration), Stack Overflow's step parts, its unrolled rows at more chunk sizes, the pool
-# check at the highest matmul precision, Stack Overflow's profile; then EMNIST with loops
+# iteration), Stack Overflow's profile, its rows with 4 steps per loop iteration, its step
+# parts, its unrolled rows at more chunk sizes, the pool check at the highest matmul
+# precision; then EMNIST with loops
 # as command buffers, bf16 EMNIST, EMNIST's profile and step parts; then what earlier calls
 # measured once: bf16 Stack Overflow, the determinism check, command buffers over Stack
 # Overflow's loops, cuDNN's convolutions, a bf16 1,000-client Flow round and the roofline.
@@ -89,9 +90,22 @@ EMNIST=(--models=emnist_cnn --clients=100 --steps=10 --strategies=vmap --nopytho
 # The centralized step first (the target's denominator, printed before the rows), then
 # FedAvg and Flow with fused branches (FlowConfig.fuse_branches; Flow / FedAvg <= 1.5x is
 # the target), each also with its 10 local steps in one loop iteration
-# (config.sgd.steps_per_loop: 2026-11-27b, FedAvg 1.05x; the 2026-11-27 trace had the
-# device idle 9.5% of the round while the host read each iteration's condition).
+# (config.sgd.steps_per_loop, now an inner loop of known trip count; its first form, ten
+# unrolled steps, gained FedAvg 1.05x on 2026-11-27b and did not compile for fused Flow in
+# time; the 2026-11-27 trace had the device idle 9.5% of the round while the host read
+# each iteration's condition).
 step emnist_slices 200 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow_fused,fedavg+steps_per_loop=10,flow_fused+steps_per_loop=10 --json_out="$RAW/emnist_slices.json"
+# Where the time goes (launch/trace_summary.py): one more execution of a round,
+# compiled ahead of time, traced by JAX's profiler; each row prints the device's busy and
+# idle time, op time by kind and by layer, and its top kernels (into the .txt and JSON).
+# Stack Overflow's never traced so far: FedAvg's round with no time loop, today's best.
+# The traces themselves stay in raw.tgz only while it fits what a device call returns.
+PROFILE=(--nopython_loop --nocentralized --nowarmup --repeats=1)
+step profile_so64 100 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 "${PROFILE[@]}" --algorithms=fedavg+lstm_unroll=20 --profile_dir="$RAW/profile_so64" --json_out="$RAW/profile_so64.json"
+# With steps_per_loop=4 each chunk's data-dependent step loop runs a quarter as many
+# iterations (the inner loop of 4 has a trip count XLA knows: no condition read, no wait);
+# the fitted fixed cost per chunk-step is ~1 ms (FedAvg) / ~2.4 ms (Flow).
+step so64_grouped 150 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --nocentralized --repeats=2 --algorithms=fedavg+lstm_unroll=20+steps_per_loop=4,flow+lstm_unroll=20+steps_per_loop=4 --json_out="$RAW/so64_grouped.json"
 # What one vmapped step of 19 clients costs part by part, each part its own program with
 # no loop (layers' forward and backward, the loss, the update, the recurrence's products
 # alone), float32 and bf16: the per-slot cost without a profiler.
@@ -105,13 +119,6 @@ step so64_unroll_chunks 160 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies
 # on the CPU under the launchers' flag): the pool is not it. At the highest matmul
 # precision (no TF32 products), does the deviation go?
 step pool_gradient 60 "$NEW" "$NEW/tests/routed_pool_gradient.py" highest
-# Where the time goes (launch/trace_summary.py): one more execution of each round above,
-# compiled ahead of time, traced by JAX's profiler; each row prints the device's busy and
-# idle time, op time by kind and by layer, and its top kernels (into the .txt and JSON).
-# Stack Overflow's, with no time loop, never traced so far.
-# The traces themselves stay in raw.tgz only while it fits what a device call returns.
-PROFILE=(--nopython_loop --nocentralized --nowarmup --repeats=1)
-step profile_so64 120 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 "${PROFILE[@]}" --algorithms=fedavg+lstm_unroll=20,flow+lstm_unroll=20 --profile_dir="$RAW/profile_so64" --json_out="$RAW/profile_so64.json"
 # The same loop kept on the device instead: XLA's command buffers over loops (CUDA graphs'
 # conditional nodes); on Stack Overflow they lost (roofline.md), on EMNIST never timed.
 XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" step emnist_cmdbuf 110 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow_fused --json_out="$RAW/emnist_cmdbuf.json"

@@ -323,7 +323,7 @@ def test_every_step_of_the_device_script_parses_its_flags(tmp_path):
     assert set(steps) == {"versions", "pool_gradient", "emnist_xla",
                           "emnist_slices", "emnist_slices_bf16", "emnist_cmdbuf",
                           "so_parts", "emnist_parts", "so64_baseline", "so64_unroll",
-                          "so64_unroll_chunks", "so64_bf16", "so64_cmdbuf",
+                          "so64_unroll_chunks", "so64_grouped", "so64_bf16", "so64_cmdbuf",
                           "profile_emnist", "profile_so64", "so1000_flow_bf16", "roofline",
                           "determinism"}, log[-3000:]
     assert set(steps.values()) == {"0"}, log[-3000:]
