@@ -92,8 +92,7 @@ from flowjax.models import MODELS, get_model, model_takes  # noqa: E402
 from launch import trace_summary  # noqa: E402
 from launch.bench_common import (ALGORITHMS, BATCH, LEARNING_RATE, build_algorithm,  # noqa: E402
                                  first_and_median_seconds, first_batch, median_seconds,
-                                 synthetic_examples,
-                                 synthetic_task)
+                                 synthetic_examples, synthetic_task)
 
 _MODELS = flags.DEFINE_list("models", ["emnist_cnn", "shakespeare_lstm"], "Models to time.")
 _STRATEGIES = flags.DEFINE_list("strategies", ["loop", "chunked", "vmap"], "Client mappings: "
