@@ -166,8 +166,9 @@ def test_a_loop_of_steps_is_an_inner_loop_of_known_trip_count():
             key=jax.random.key(1), steps_per_loop=per_loop))).lower(members).compile().as_text()
         whiles = [line for line in program.splitlines()
                   if re.search(r"^\s*(ROOT )?%\S+ = .* while\(", line)]
+        trip_count = r'"known_trip_count":\{"n":"(\d+)"\}'
         known = collections.Counter(int(n) for line in whiles
-                                    for n in re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', line))
+                                    for n in re.findall(trip_count, line))
         return known, len(whiles) - sum(known.values())
 
     (one_known, one_unknown), (six_known, six_unknown) = loops(1), loops(6)
