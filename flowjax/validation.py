@@ -206,17 +206,6 @@ def _check_model_fields(config: Any, method: Any, model: RoutableModel) -> None:
             _fail("model_options.groups", options["groups"],
                   "expected it unset with methods.flow.semantics='reference': the authors' "
                   "CIFAR network has its own GroupNorm (2 channels per group)")
-        if flow_reference.resolve(method, model.name).recurrence == "mixed_state":
-            # Its routed recurrence (layers.routed_lstm) has neither layer option yet.
-            dtype, unroll = config.get("compute_dtype", "float32"), config.get("lstm_unroll")
-            if dtype != "float32":
-                _fail("compute_dtype", dtype, "expected 'float32' with methods.flow.recurrence="
-                      "'mixed_state': its routed recurrence (layers.routed_lstm) computes in "
-                      "float32")
-            if unroll not in (None, 1):
-                _fail("lstm_unroll", unroll, "expected None with methods.flow.recurrence="
-                      "'mixed_state': its routed recurrence (layers.routed_lstm) runs a loop "
-                      "iteration per time step")
     if config.algorithm == "lg_fedavg":
         requested = method.global_layers
         try:

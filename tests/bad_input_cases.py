@@ -233,12 +233,6 @@ CASES: tuple[Case, ...] = (
             "with methods.flow.semantics='reference': the authors' CIFAR network has its own "
             "GroupNorm (2 channels per group)", model="resnet18_gn",
             **{"methods.flow.semantics": "reference", "methods.flow.policy_hidden": (8,) * 6}),
-    _config("compute_dtype", "bfloat16", "config.compute_dtype='bfloat16': expected 'float32' "
-            "with methods.flow.recurrence='mixed_state': its routed recurrence "
-            "(layers.routed_lstm) computes in float32", **{"methods.flow.recurrence": "mixed_state"}),
-    _config("lstm_unroll", 20, "config.lstm_unroll=20: expected None with methods.flow.recurrence="
-            "'mixed_state': its routed recurrence (layers.routed_lstm) runs a loop iteration "
-            "per time step", **{"methods.flow.recurrence": "mixed_state"}),
     _config("lstm_unroll", 0, "config.lstm_unroll=0: expected None or an integer >= 1"),
     _config("lstm_unroll", 4, "config.lstm_unroll=4: expected None: resnet18_gn does not "
             "implement lstm_unroll", model="resnet18_gn"),

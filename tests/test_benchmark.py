@@ -187,12 +187,19 @@ def test_scale_flags_end_to_end_at_a_tiny_size(tmp_path):
     assert [p["method"] for p in report["projection"]] == ["fedavg", "flow"]
 
 
-def test_variants_carry_their_loop_shapes_and_bad_ones_fail_in_one_line():
+@pytest.fixture
+def parsed_flags():
+    """absl's flags marked parsed: the benchmark's functions read them outside ``main``."""
+    from absl import flags
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    return flags.FLAGS
+
+
+def test_variants_carry_their_loop_shapes_and_bad_ones_fail_in_one_line(parsed_flags):
     from absl import flags
     from absl.testing import flagsaver
     from flowjax.models.base import forward
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
     assert benchmark.parse_variant("flow") == ("flow", {})
     assert benchmark.parse_variant("flow_fused+lstm_unroll=20+steps_per_loop=4") == (
         "flow_fused", {"lstm_unroll": 20, "steps_per_loop": 4})
@@ -228,14 +235,12 @@ def test_variants_carry_their_loop_shapes_and_bad_ones_fail_in_one_line():
     assert (time_loops(plain.algorithm.model), time_loops(unrolled.algorithm.model)) == (1, 0)
 
 
-def test_a_cut_run_already_printed_its_denominator_and_each_rows_compile_cost(capsys):
+def test_a_cut_run_already_printed_its_denominator_and_each_rows_compile_cost(capsys,
+                                                                             parsed_flags):
     """A device call's ``timeout`` can cut a run before its table: the centralized step is
     timed and printed before any row, and each row's line carries its first round's
     seconds (compiling included), the cost a script's timeouts must leave room for."""
-    from absl import flags
     from absl.testing import flagsaver
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
     with flagsaver.flagsaver(algorithms=["fedavg"], strategies=["vmap"], python_loop=False):
         timed = benchmark.time_model("emnist_cnn", clients=2, steps=1, repeats=1)
     lines = capsys.readouterr().out.splitlines()

@@ -208,6 +208,40 @@ def test_config_lstm_unroll_reaches_every_lstm_of_the_model(name, lstms, length)
     assert (time_loops(None), time_loops(length)) == (2 * lstms, 0)
 
 
+@pytest.mark.parametrize("unroll, compute_dtype, time_loops", [
+    (None, "float32", 1), (20, "float32", 0), (20, "bfloat16", 0)])
+def test_config_lstm_options_reach_flows_mixed_state_recurrence(unroll, compute_dtype,
+                                                                  time_loops):
+    """With ``methods.flow.recurrence='mixed_state'`` the config's ``lstm_unroll`` and
+    ``compute_dtype`` validate and reach the routed recurrence: the Flow built from the
+    config predicts with the time loop unrolled, and in bf16 unlike in float32."""
+    from configs import stackoverflow
+    from flowjax.algorithms import build_algorithm
+    from flowjax.validation import validate_config
+
+    def personal_predictions(compute_dtype, unroll):
+        config = stackoverflow.get_config("paper")
+        config.model_options = {"vocab_size": 60, "embed_dim": 8, "hidden": 16, "dense": 8}
+        config.methods.flow.recurrence = "mixed_state"
+        config.methods.flow.policy_hidden = (8, 8, 8, 8)
+        config.lstm_unroll, config.compute_dtype = unroll, compute_dtype
+        model = validate_config(config)[1]
+        x = jax.random.randint(jax.random.key(1), (2, 20), 1, model.num_classes)
+        flow = build_algorithm("flow", model, config, x)
+        params = flow.init(jax.random.key(0))
+        personal = {**params, "local": model.init(jax.random.key(2))}
+        predict = lambda p: flow.predict(params, p, x).personal_soft  # noqa: E731
+        return predict(personal), loops(predict, personal)
+
+    predictions, loop_count = personal_predictions(compute_dtype, unroll)
+    assert loop_count == time_loops
+    float32 = personal_predictions("float32", None)[0]
+    if compute_dtype == "float32":
+        np.testing.assert_allclose(predictions, float32, rtol=1e-5, atol=1e-6)
+    else:
+        assert not np.allclose(predictions, float32, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name, options, length", [
     ("stackoverflow_lstm", dict(vocab_size=60, embed_dim=8, hidden=16, dense=8), 20),
     ("shakespeare_lstm", dict(hidden=16), 80)])

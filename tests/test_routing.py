@@ -8,7 +8,7 @@ import pytest
 from flowjax.models import get_model
 from flowjax.models.base import forward
 from flowjax.routing import build_policy, routed_forward
-from tests.helpers import products
+from tests.helpers import loops, products
 
 
 def _inputs(model_name, key):
@@ -215,3 +215,54 @@ def test_fused_branches_are_the_same_model_to_float32_rounding(conv_impl, hard):
                                                                fuse_branches=fuse),
                                   global_params, local_params) for fuse in (False, True)]
     assert forward_products == [8, 6]  # conv1, conv2: one product each; fc1, fc2: two
+
+
+def _relative_error(actual, expected) -> float:
+    return max(float(jnp.linalg.norm(a - e) / jnp.linalg.norm(e))
+               for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True))
+
+
+def _mixed_state_setup(**model_options):
+    model = get_model("stackoverflow_lstm", vocab_size=60, embed_dim=8, hidden=16, dense=8,
+                      **model_options)
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(5), 4)
+    x = jax.random.randint(k3, (3, 20), 1, 60)
+    q0 = jax.random.uniform(k4, (3, 20, model.num_layers))
+    return model, model.init(k1), model.init(k2), x, q0
+
+
+def _mixed_state_pass(model, x):
+    """Jitted logits and their gradient in both params and ``q0``, under ``mixed_state``."""
+    logits = lambda g, l, q0: routed_forward(model, g, l, q0, x,  # noqa: E731
+                                             recurrence="mixed_state")
+    loss = lambda g, l, q0: jnp.sum(jnp.sin(logits(g, l, q0)))  # noqa: E731
+    return jax.jit(logits), jax.jit(jax.grad(loss, argnums=(0, 1, 2))), loss
+
+
+def test_mixed_state_takes_the_lstm_layers_unroll():
+    """``lstm_unroll`` reaches the routed recurrence (the model's ``routed_recurrence``):
+    the same logits and gradients to float32 rounding (XLA fuses the unrolled body
+    differently, ``routed_lstm``), and no time loop left."""
+    _, g, l, x, q0 = _mixed_state_setup()
+    looped = _mixed_state_pass(_mixed_state_setup()[0], x)
+    unrolled = _mixed_state_pass(_mixed_state_setup(lstm_unroll=20)[0], x)
+    assert _relative_error(unrolled[0](g, l, q0), looped[0](g, l, q0)) < 1e-6
+    assert _relative_error(unrolled[1](g, l, q0), looped[1](g, l, q0)) < 1e-6
+    # forward and backward loops of the recurrence; none
+    assert (loops(jax.grad(looped[2]), g, l, q0), loops(jax.grad(unrolled[2]), g, l, q0)) == (2, 0)
+
+
+def test_mixed_state_takes_the_lstm_layers_compute_dtype():
+    """``compute_dtype='bfloat16'`` reaches the routed recurrence: at q0 = 1 it is the plain
+    bf16 model to float32 rounding (the same bf16 operands), not the float32 one, and its
+    gradients stay float32 and close to the float32 model's."""
+    bf16, g, l, x, q0 = _mixed_state_setup(compute_dtype="bfloat16")
+    float32 = _mixed_state_setup()[0]
+    ones = jnp.ones_like(q0)
+    logits, grad, _ = _mixed_state_pass(bf16, x)
+    plain = lambda model: jax.jit(lambda params: forward(model, params, x))  # noqa: E731
+    np.testing.assert_allclose(logits(g, l, ones), plain(bf16)(g), rtol=0, atol=1e-6)
+    assert _relative_error(logits(g, l, ones), plain(float32)(g)) > 1e-4
+    grads, expected = grad(g, l, q0), _mixed_state_pass(float32, x)[1](g, l, q0)
+    assert {leaf.dtype for leaf in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+    assert _relative_error(grads, expected) < 3e-2

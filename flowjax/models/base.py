@@ -53,6 +53,9 @@ class RoutableModel:
         features: ``"flat"`` (flattened example) or ``"tokens"`` (causal token features).
       vocab_size: number of token ids when ``policy_input == "tokens"``.
       head_layers: trailing layers treated as the classifier head by head/body methods.
+      routed_recurrence: ``routed_recurrence(j, global_layer, local_layer, h, q0, hard)``:
+        recurrent layer ``j`` routed at every time step on the mixed state (``flowjax.routing``'s
+        ``"mixed_state"``), with the layer's own options; None for a model without one.
     """
 
     name: str
@@ -68,6 +71,8 @@ class RoutableModel:
     vocab_size: int = 0
     head_layers: tuple[str, ...] = ()
     metric_weights: Callable[[jax.Array], jax.Array] | None = None
+    routed_recurrence: Callable[[int, PyTree, PyTree, jax.Array, jax.Array, bool],
+                                jax.Array] | None = None
 
     @property
     def num_layers(self) -> int:

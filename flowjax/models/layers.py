@@ -520,7 +520,7 @@ def lstm_weights(layer_params: PyTree) -> tuple[jax.Array, jax.Array, jax.Array]
 
 def routed_lstm(x: jax.Array, global_weights: tuple[jax.Array, jax.Array, jax.Array],
                 local_weights: tuple[jax.Array, jax.Array, jax.Array], q0: jax.Array, *,
-                hard: bool = False) -> jax.Array:
+                hard: bool = False, compute_dtype: Any = None, unroll: int = 1) -> jax.Array:
     """A routed LSTM layer whose recurrence runs on the routed state: ``[B, T, F] ->
     [B, T, H]``.
 
@@ -533,17 +533,24 @@ def routed_lstm(x: jax.Array, global_weights: tuple[jax.Array, jax.Array, jax.Ar
     ``LSTM`` to float32 rounding, not bit for bit: XLA fuses this loop body differently
     from ``lstm``'s and its vectorized ``tanh`` rounds differently across fusions
     (measured: at most 1.8e-7 on a 256-unit layer over 80 steps).
+
+    ``compute_dtype`` and ``unroll`` are ``lstm``'s: the products on operands cast to the
+    dtype with float32 accumulation (the recurrent weights cast inside the loop, so that
+    autodiff sums their gradient in float32, as ``LSTM`` without ``custom_grad``), and time
+    steps per loop iteration. Their defaults give the float32 loop above, unchanged.
     """
     (w_x_g, w_h_g, b_g), (w_x_l, w_h_l, b_l) = global_weights, local_weights
-    zx_g = jnp.einsum("btf,fg->tbg", x, w_x_g) + b_g
-    zx_l = jnp.einsum("btf,fg->tbg", x, w_x_l) + b_l
+    zx_g = _product("btf,fg->tbg", x, w_x_g, compute_dtype) + b_g
+    zx_l = _product("btf,fg->tbg", x, w_x_l, compute_dtype) + b_l
     zeros = jnp.zeros(zx_g.shape[1:-1] + (w_h_g.shape[0],), zx_g.dtype)
 
     def step(carry, inputs):
         h, c = carry
         zx_g_t, zx_l_t, q0_t = inputs
-        h_g, c_g, _ = lstm_cell(zx_g_t + h @ w_h_g, c)
-        h_l, c_l, _ = lstm_cell(zx_l_t + h @ w_h_l, c)
+        h_g, c_g, _ = lstm_cell(zx_g_t + _matmul(h, _operand(compute_dtype, w_h_g),
+                                                 compute_dtype), c)
+        h_l, c_l, _ = lstm_cell(zx_l_t + _matmul(h, _operand(compute_dtype, w_h_l),
+                                                 compute_dtype), c)
         if hard:
             use_global = (q0_t >= 0.5)[:, None]
             h, c = jnp.where(use_global, h_g, h_l), jnp.where(use_global, c_g, c_l)
@@ -552,7 +559,8 @@ def routed_lstm(x: jax.Array, global_weights: tuple[jax.Array, jax.Array, jax.Ar
             h, c = q * h_g + (1.0 - q) * h_l, q * c_g + (1.0 - q) * c_l
         return (h, c), h
 
-    _, hs = lax.scan(step, (zeros, zeros), (zx_g, zx_l, jnp.swapaxes(q0, 0, 1)))
+    _, hs = lax.scan(step, (zeros, zeros), (zx_g, zx_l, jnp.swapaxes(q0, 0, 1)),
+                     unroll=unroll)
     return jnp.swapaxes(hs, 0, 1)
 
 
@@ -594,6 +602,15 @@ def chain_model(*, name: str, layer_names: Sequence[str], modules: Sequence[nn.M
                 params[layer], h)
         return params
 
+    def routed_recurrence(j: int, global_layer: PyTree, local_layer: PyTree, h: jax.Array,
+                          q0: jax.Array, hard: bool) -> jax.Array:
+        module = modules[j]
+        if not isinstance(module, LSTM):
+            raise ValueError(f"layer {layer_names[j]!r} is a {type(module).__name__}: only an "
+                             "LSTM layer routes a recurrence")
+        return routed_lstm(h, lstm_weights(global_layer), lstm_weights(local_layer), q0,
+                           hard=hard, compute_dtype=module.compute_dtype, unroll=module.unroll)
+
     return RoutableModel(name=name, layer_names=tuple(layer_names), init=init,
                          embed_input=embed_input, layer_apply=layer_apply,
-                         glue_apply=glue_apply, **fields)
+                         glue_apply=glue_apply, routed_recurrence=routed_recurrence, **fields)

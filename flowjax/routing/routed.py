@@ -13,7 +13,9 @@ application; the authors' code does this for its global branch, see their
 ``models/shakespeare_rnn_dynamic_v4.py``). ``"separate"`` (the default, for now) runs each branch's
 recurrence on its own state over the whole sequence and mixes only the per-step outputs:
 it gives exactly the global (local) model at ``q0 = 1`` (``0``) and keeps the LSTMs'
-hand-written VJP; ``"mixed_state"`` matches them to float32 rounding (``routed_lstm``).
+hand-written VJP; ``"mixed_state"`` matches them to float32 rounding (the model's
+``routed_recurrence``: ``layers.routed_lstm`` with the LSTM layer's compute dtype and
+unroll).
 
 Both branches read the same input. ``fuse_branches`` runs them as one call of the layer,
 vmapped over their stacked weights, wherever the layer's input is larger than its weights
@@ -29,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.models.base import Params, RoutableModel, layer_key, mix, select
-from flowjax.models.layers import lstm_weights, routed_lstm
+from flowjax.models.layers import lstm_weights
 
 RECURRENCES = ("mixed_state", "separate")
 
@@ -85,10 +87,12 @@ def routed_forward(model: RoutableModel, global_params: Params, local_params: Pa
         key = jax.random.key(0)
     h = model.embed_input(x)
     for j, name in enumerate(model.layer_names):
-        cell_global = lstm_weights(global_params[name])
-        if recurrence == "mixed_state" and cell_global is not None:
-            h = routed_lstm(h, cell_global, lstm_weights(local_params[name]), q0[..., j],
-                            hard=hard)
+        if recurrence == "mixed_state" and lstm_weights(global_params[name]) is not None:
+            if model.routed_recurrence is None:
+                raise ValueError(f"recurrence='mixed_state' needs the model's "
+                                 f"routed_recurrence; {model.name} has none")
+            h = model.routed_recurrence(j, global_params[name], local_params[name], h,
+                                        q0[..., j], hard)
         else:
             out_global, out_local = branch_outputs(model, j, global_params[name],
                                                    local_params[name], h, fuse_branches)
