@@ -67,9 +67,11 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
     config.methods = ml_collections.ConfigDict(
         {name: dict(fields, sgd=sgd_override()) for name, fields in methods.items()})
 
+    # bias_correction False: Reddi et al.'s Algorithm 2 as published (v_{-1} = tau^2, no
+    # correction); True: Adam's own correction of both moments (core/server_opt.py).
     config.server = ml_collections.ConfigDict(dict(
         optimizer="sgd", learning_rate=1.0, momentum=0.0, b1=0.9, b2=0.99, eps=1e-3,
-        bias_correction=True))
+        bias_correction=False))
     config.eval = ml_collections.ConfigDict(dict(
         every=100, clients=config_dict.placeholder(int), held_out=True,
         held_out_clients=config_dict.placeholder(int), chunk=16,

@@ -49,8 +49,10 @@ def by_hand(kind: str, bias_correction: bool) -> list[np.ndarray]:
     return out
 
 
-def by_code(kind: str, bias_correction: bool, params_of=lambda x: {"w": x}):
-    optimizer = server_optimizer(kind, LR, b1=B1, b2=B2, eps=TAU, bias_correction=bias_correction)
+def by_code(kind: str, bias_correction: bool, params_of=lambda x: {"w": x}, optimizer=None):
+    if optimizer is None:
+        optimizer = server_optimizer(kind, LR, b1=B1, b2=B2, eps=TAU,
+                                     bias_correction=bias_correction)
     params = params_of(jnp.asarray(X0, jnp.float32))
     state = optimizer.init(params)
     out = []
@@ -66,6 +68,20 @@ def by_code(kind: str, bias_correction: bool, params_of=lambda x: {"w": x}):
 def test_two_steps_match_algorithm_2_by_hand(kind, bias_correction):
     got, _ = by_code(kind, bias_correction)
     for step, (params, want) in enumerate(zip(got, by_hand(kind, bias_correction))):
+        np.testing.assert_allclose(params["w"], want, rtol=2e-6, atol=1e-6,
+                                   err_msg=f"{kind} step {step + 1}")
+
+
+@pytest.mark.parametrize("kind", ["adam", "yogi", "adagrad"])
+def test_a_configs_adaptive_server_is_algorithm_2_as_published(kind):
+    """``config.server`` left at its defaults but for the optimizer (and the test's
+    constants) runs the paper's recursion, without Adam's bias correction."""
+    from configs import emnist
+    from flowjax.config import build_server_optimizer
+    config = emnist.get_config("paper")
+    config.server.update(optimizer=kind, learning_rate=LR, b1=B1, b2=B2, eps=TAU)
+    got, _ = by_code(kind, None, optimizer=build_server_optimizer(config))
+    for step, (params, want) in enumerate(zip(got, by_hand(kind, bias_correction=False))):
         np.testing.assert_allclose(params["w"], want, rtol=2e-6, atol=1e-6,
                                    err_msg=f"{kind} step {step + 1}")
 

@@ -143,7 +143,7 @@ def per_group(inner: optax.GradientTransformation) -> optax.GradientTransformati
 
 def server_optimizer(name: str, learning_rate: float, *, momentum: float = 0.0, b1: float = 0.9,
                      b2: float = 0.99, eps: float = 1e-3,
-                     bias_correction: bool = True) -> optax.GradientTransformation:
+                     bias_correction: bool = False) -> optax.GradientTransformation:
     """An optax transformation to apply to the pseudo-gradient, one state per group.
 
     Args:
