@@ -76,7 +76,7 @@ def test_strategy_pinned_to_global_loads_the_received_model_and_trains_as_fedavg
     assert_trees_equal(load_layers(cnn, received, previous, use_global), received)
 
     client = _client(images_small, 1, padded_examples=32)
-    state = {"layers": previous, "logits": pinned}
+    state = {"layers": previous, "logits": pinned, "visited": jnp.asarray(True)}
     result = update(received, client, jax.random.key(1), state)
     expected = jax.jit(reference.client_update)(received, client, jax.random.key(1))
     assert_trees_equal(result.params, expected.params)
@@ -87,7 +87,8 @@ def test_strategy_pinned_to_global_loads_the_received_model_and_trains_as_fedavg
 
 def test_strategy_pinned_to_previous_ignores_the_received_model(cnn, update, images_small):
     previous = cnn.init(jax.random.key(7))
-    state = {"layers": previous, "logits": _pinned(cnn.num_layers, use_global=False)}
+    state = {"layers": previous, "logits": _pinned(cnn.num_layers, use_global=False),
+             "visited": jnp.asarray(True)}
     client = _client(images_small, 1, padded_examples=32)
     a = update(cnn.init(jax.random.key(0)), client, jax.random.key(1), state)
     b = update(cnn.init(jax.random.key(5)), client, jax.random.key(1), state)
@@ -102,13 +103,38 @@ def test_a_round_moves_the_strategy_and_stores_the_sent_model(cnn, algorithm, up
     assert_trees_equal(state["layers"], params)
     np.testing.assert_array_equal(state["logits"], np.zeros((cnn.num_layers, 2)))
     # A previous model unlike the global one, so the two choices differ in loss.
-    state = {**state, "layers": cnn.init(jax.random.key(7))}
+    state = {**state, "layers": cnn.init(jax.random.key(7)), "visited": jnp.asarray(True)}
     client = _client(images_small, 2, padded_examples=32)
     result = update(params, client, jax.random.key(1), state)
     assert np.all(np.abs(np.asarray(result.client_state["logits"])) > 0)
     assert_trees_equal(result.client_state["layers"], result.params)
     assert float(result.weight) == float(client.num_examples)
     assert np.isfinite(float(result.metrics["loss_sum"]))
+
+
+def test_a_first_time_client_has_the_received_model_as_its_previous_one(
+        cnn, algorithm, update, images_small):
+    """Before its first round a client has no model of its own: both copies start at the
+    received params (not the template ``init_client_state`` holds), so no untrained layer
+    can be loaded and sent; an empty client keeps its state bit for bit."""
+    received = algorithm.init(jax.random.key(0))
+    fresh = algorithm.init_client_state(cnn.init(jax.random.key(7)))  # a template unlike it
+    assert not bool(fresh["visited"])
+    client = _client(images_small, 2, padded_examples=32)
+    first = update(received, client, jax.random.key(1), fresh)
+    as_if_received = update(received, client, jax.random.key(1),
+                            {**fresh, "layers": received, "visited": jnp.asarray(True)})
+    assert_trees_equal(first.params, as_if_received.params)
+    assert_trees_equal(first.client_state["layers"], first.params)
+    assert bool(first.client_state["visited"])
+    # Against the template as the previous model, the same client trains otherwise.
+    templated = update(received, client, jax.random.key(1), {**fresh, "visited": jnp.asarray(True)})
+    assert differs(templated.params, first.params)
+    empty = client.replace(mask=jnp.zeros_like(client.mask),
+                           num_examples=jnp.zeros_like(client.num_examples))
+    for state in (fresh, first.client_state):
+        kept = update(received, empty, jax.random.key(1), state).client_state
+        assert_trees_equal(kept, state)
 
 
 def test_strategy_step_is_sgd_on_the_straight_through_routed_loss(mlp, images_small):
@@ -120,7 +146,8 @@ def test_strategy_step_is_sgd_on_the_straight_through_routed_loss(mlp, images_sm
     params = algorithm.init(jax.random.key(0))
     previous = mlp.init(jax.random.key(7))
     a0 = jax.random.normal(jax.random.key(3), (mlp.num_layers, 2))
-    state = {**algorithm.init_client_state(params), "layers": previous, "logits": a0}
+    state = {**algorithm.init_client_state(params), "layers": previous, "logits": a0,
+             "visited": jnp.asarray(True)}
     client = _client(images_small, 2, padded_examples=4)
     key = jax.random.key(1)
     result = jax.jit(algorithm.client_update)(params, client, key, state)
@@ -142,7 +169,8 @@ def test_strategy_step_is_sgd_on_the_straight_through_routed_loss(mlp, images_sm
 def test_personal_model_is_the_argmax_mix_of_the_trained_copies(cnn, algorithm, update,
                                                                 images_small):
     params = algorithm.init(jax.random.key(0))
-    state = {**algorithm.init_client_state(params), "layers": cnn.init(jax.random.key(7))}
+    state = {**algorithm.init_client_state(params), "layers": cnn.init(jax.random.key(7)),
+             "visited": jnp.asarray(True)}
     client = _client(images_small, 2, padded_examples=32)
     personal = jax.jit(algorithm.personalize)(params, client, jax.random.key(2), state)
     trained = update(params, client, jax.random.key(2), state)

@@ -2,12 +2,15 @@
 
 Sun et al., "PartialFed: Cross-Domain Personalized Federated Learning via Partial
 Initialization", NeurIPS 2021, adaptive variant. Client ``k`` keeps, between the rounds in
-which it is sampled, its own model ``v_k`` (the model it trained and sent last time; the
-server's initial params before its first round) and a loading strategy: logits
-``a_k [L, 2]`` over (global, previous) per routable layer (zeros, i.e. 50/50, before its
-first round). In a round, from the received global params ``w``:
+which it is sampled, its own model ``v_k`` (the model it trained and sent last time) and a
+loading strategy: logits ``a_k [L, 2]`` over (global, previous) per routable layer (zeros,
+i.e. 50/50, before its first round). In a round, from the received global params ``w``:
 
-1. both copies of every layer are live: ``G <- w`` and ``P <- v_k``;
+1. both copies of every layer are live: ``G <- w`` and ``P <- v_k``, or ``P <- w`` for a
+   client that has not trained yet (it has no model of its own; the paper's clients all
+   train from the first round on, when ``w`` is the initial model, so this is its rule
+   there; the initial params instead would offer a first-time client untrained layers,
+   which it may load and send to the server's mean);
 2. for E epochs, on each minibatch, alternately (strategy first):
 
    a. strategy step: Gumbel noise ``g`` gives the straight-through choice
@@ -28,7 +31,7 @@ first round). In a round, from the received global params ``w``:
    mean, as FedAvg) and is stored with ``a`` for the client's next round.
 
 Evaluation: the same training on the client's train split, from the current server params
-and the client's stored state (the initial state for a client that never trained); the
+and the client's stored state (``P <- w`` and zero logits for a client that never trained); the
 personalized model is ``load(G, P, argmax a)``. PartialFed personalizes per client, not
 per instance, so ``personal_soft = personal_hard`` and ``q0`` is the 0/1 choice per layer,
 the same for every instance.
@@ -57,6 +60,7 @@ from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictio
 from flowjax.core.checks import check_fields, positive
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
+from flowjax.core.tree import select_tree
 from flowjax.core.losses import mean_from_sums, weighted_cross_entropy
 from flowjax.models.base import Params, RoutableModel, forward
 from flowjax.routing.routed import routed_forward
@@ -143,7 +147,9 @@ def partialfed(model: RoutableModel, config: PartialFedConfig) -> FederatedAlgor
     num_layers = model.num_layers
 
     def init_client_state(params):
-        return {"layers": params, "logits": jnp.zeros((num_layers, len(CHOICES)), jnp.float32)}
+        # ``layers`` is only a shape template until the first participation stores v_k.
+        return {"layers": params, "logits": jnp.zeros((num_layers, len(CHOICES)), jnp.float32),
+                "visited": jnp.asarray(False)}
 
     def strategy_loss(logits, copies, batch, key):
         x, y, w = batch
@@ -187,7 +193,9 @@ def partialfed(model: RoutableModel, config: PartialFedConfig) -> FederatedAlgor
 
     def train_client(params, examples: ClientExamples, key, client_state):
         """Steps 1-3: ``(trained model, strategy logits, final use_global, loss sums)``."""
-        copies = {"global": params, "previous": client_state["layers"]}
+        copies = {"global": params,
+                  "previous": select_tree(client_state["visited"], client_state["layers"],
+                                          params)}
         logits = client_state["logits"]
         carry = ((copies, weight_optimizer.init(copies)),
                  (logits, strategy_optimizer.init(logits)))
@@ -207,9 +215,12 @@ def partialfed(model: RoutableModel, config: PartialFedConfig) -> FederatedAlgor
         metrics = {"loss_sum": sums[0], "loss_count": sums[1],
                    "global_layer_share_sum": has_data * jnp.sum(use_global),
                    "global_layer_share_count": has_data * num_layers}
+        # A client without examples keeps its state bit for bit (template included).
+        state = select_tree(has_data > 0, {"layers": trained, "logits": logits},
+                            {"layers": client_state["layers"], "logits": client_state["logits"]})
+        state["visited"] = client_state["visited"] | (has_data > 0)
         return ClientResult(params=trained, weight=examples.num_examples.astype(jnp.float32),
-                            metrics=metrics,
-                            client_state={"layers": trained, "logits": logits})
+                            metrics=metrics, client_state=state)
 
     def personalize(params, examples: ClientExamples, key, client_state):
         trained, _, use_global, _ = train_client(params, examples, key, client_state)
