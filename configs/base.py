@@ -48,7 +48,8 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
             policy_eval_dropout=config_dict.placeholder(bool),
             evaluation=config_dict.placeholder(str),  # reference / paper
             policy_last=config_dict.placeholder(str),  # dense / exit
-            # LSTM routing: "mixed_state" (Eq. 3 per time step) or "separate" (None).
+            # LSTM routing, Eq. 3 with the LSTM layer as layer j ("separate", None) or
+            # with each cell application as the layer ("mixed_state"; routing/routed.py).
             recurrence=config_dict.placeholder(str),
             # True: a layer's two branches in one product where its input outweighs its
             # weights (the same model to float32 rounding; routing/routed.py). None: off.

@@ -108,8 +108,9 @@ class FlowConfig:
       evaluation: ``paper``, or the authors' ``*_generalized_test``: ``reference`` (their
         EMNIST code) or ``reference_policy`` (their CIFAR code).
       policy_last: ``exit`` or ``dense`` (the authors' EMNIST/CIFAR policy head).
-      recurrence: LSTM layers' routing, ``separate`` or ``mixed_state`` (Eq. 3 per time
-        step; ``flowjax.routing.routed``).
+      recurrence: LSTM layers' routing: Eq. 3 with the whole LSTM layer as layer j
+        (``separate``) or with each cell application as the layer (``mixed_state``);
+        ``flowjax.routing.routed``.
       fuse_branches: ``True`` runs a layer's two branches as one product over their
         stacked weights where its input outweighs its weights (the EMNIST CNN's
         convolutions): the same model to float32 rounding, with less memory traffic

@@ -280,7 +280,9 @@ def refuse_other_values(config: Any, fixed: dict[str, Any], model_name: str,
 # ----------------------------------------------------------------------------- config
 
 # Each departure field of ``FlowConfig``: its choices, and the paper's value (what a field
-# left None takes under ``semantics="paper"``).
+# left None takes under ``semantics="paper"``). The paper says nothing of LSTMs: its
+# ``recurrence`` is this project's reading of Eq. 3 with the whole LSTM layer as layer j
+# (``routing.routed``'s docstring gives both readings).
 DEPARTURES: dict[str, tuple[Any, ...]] = {
     "halves": HALVES, "frozen_momentum": FROZEN_MOMENTUM, "regularizer": REGULARIZERS,
     "local_init": LOCAL_INITS, "policy_eval_dropout": (False, True),

@@ -10,7 +10,9 @@ as plain arrays and dataclasses, the data of
   correct / global only / personalized only / neither, mean over seeds);
 * ``routing_q0_<dataset>_<method>.png``: the paper's routing analysis, one panel per
   instance group with a box per routed layer, for methods that route (Flow and its
-  variants).
+  variants), over the instances of every evaluated client and seed (the paper's,
+  Appendix E, shows the one client with the highest loss difference between its global
+  and personalized models).
 
 A run without ``results.json`` (still training, or killed) contributes its learning
 curve up to its last evaluation, but no bar and no box: those need the final evaluation.

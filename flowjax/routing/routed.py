@@ -5,15 +5,16 @@ instance exactly one branch (``q0_j >= 1/2`` picks global) for hard routing. Har
 is computed with ``jnp.where`` over both branches: under jit on any backend both branches
 run, which costs compute but keeps the pass one static, vmappable graph.
 
-Recurrent layers (``recurrence``): an LSTM layer is a cell applied at every time step, so
-Eq. 3 applied per step mixes the cells' new states ``(h, c)`` and feeds the mixed state
-back into both cells at the next step (``"mixed_state"``: the routed model is then one
-recurrent network whose every cell application is routed, as Eq. 3 routes every layer
-application; the authors' code does this for its global branch, see their
-``models/shakespeare_rnn_dynamic_v4.py``). ``"separate"`` (the default, for now) runs each branch's
-recurrence on its own state over the whole sequence and mixes only the per-step outputs:
-it gives exactly the global (local) model at ``q0 = 1`` (``0``) and keeps the LSTMs'
-hand-written VJP; ``"mixed_state"`` matches them to float32 rounding (the model's
+Recurrent layers (``recurrence``): the paper's Eq. 3 mixes layer outputs and says nothing
+of LSTMs, so it reads two ways. ``"separate"`` (the default) takes the whole LSTM layer,
+the recurrence over the sequence, as layer ``j``: each branch runs its recurrence on its
+own state and the per-step outputs are mixed. ``"mixed_state"`` takes each cell
+application as the layer: at every step both cells step from the mixed state ``(h, c)``
+and their new states are mixed and fed back (the routed model is then one recurrent
+network whose every cell application is routed; the authors' code does this for its
+global branch, see their ``models/shakespeare_rnn_dynamic_v4.py``). ``"separate"`` gives
+exactly the global (local) model at ``q0 = 1`` (``0``) and keeps the LSTMs' hand-written
+VJP; ``"mixed_state"`` matches them to float32 rounding (the model's
 ``routed_recurrence``: ``layers.routed_lstm`` with the LSTM layer's compute dtype and
 unroll).
 
