@@ -159,16 +159,17 @@ def test_policy_first_trains_the_policy_before_the_global_branch_moves(mlp, imag
     assert not any(same(a, b) for i, a in enumerate(orders) for b in orders[i + 1:])
 
 
+@pytest.mark.parametrize("fixed_q0", [0.3, 0.1])
 def test_soft_prediction_mixes_at_q0_and_hard_takes_the_local_branch_below_one_half(
-        mlp, images_small):
-    algorithm = _algorithm(mlp, images_small, fixed_q0=0.3)
+        mlp, images_small, fixed_q0):
+    algorithm = _algorithm(mlp, images_small, fixed_q0=fixed_q0)
     params = algorithm.init(jax.random.key(0))
     client = _client(images_small, 1, 32)
     personal = jax.jit(algorithm.personalize)(params, client, jax.random.key(1))
     x = client.x[0]
     predictions = jax.jit(algorithm.predict)(params, personal, x)
-    # The q0 it routed with is the constant's exp(log(0.3)), 0.3 to float32 rounding.
-    np.testing.assert_allclose(predictions.q0, 0.3, rtol=1e-6)
+    # The q0 it routes with is the constant itself (float32 exp(log(0.1)) is 0.09999999).
+    np.testing.assert_array_equal(predictions.q0, np.float32(fixed_q0))
     soft = jax.jit(lambda g, l, q0, x: routed_forward(mlp, g, l, q0, x))(
         personal["global"], personal["local"], predictions.q0, x)
     np.testing.assert_array_equal(predictions.personal_soft, soft)

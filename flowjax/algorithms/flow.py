@@ -227,13 +227,20 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
             return jnp.broadcast_to(jnp.log(fixed), instances + (num_layers, 2))
         return policy.log_probs(policy_params, x, train=train, key=key)
 
+    def route_q0(log_q):
+        """``q0 [*instance, L]`` from ``log q``; the fixed-policy constant exactly, since
+        ``exp(log q0)`` rounds some values off in float32 (0.1 -> 0.09999999)."""
+        if config.fixed_q0 is not None:
+            return jnp.full(log_q.shape[:-1], config.fixed_q0, jnp.float32)
+        return jnp.exp(log_q[..., 0])
+
     def routed_sums(params, batch, key, *, regularize: bool):
         """``[objective_sum, weight_sum]``: weighted CE (+ regularizer) of the routed model."""
         x, y, w = batch
         policy_key, model_key = jax.random.split(key)
         log_q = route_log_probs(params["policy"], x, train=True, key=policy_key)
         log_q0 = log_q[..., 0]
-        logits = routed_forward(model, params["global"], params["local"], jnp.exp(log_q0), x,
+        logits = routed_forward(model, params["global"], params["local"], route_q0(log_q), x,
                                 train=True, key=model_key, recurrence=config.recurrence,
                                 fuse_branches=bool(config.fuse_branches))
         weights = instance_weights(model, y, w)
@@ -366,10 +373,10 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
     def predict(params, personal, x) -> Predictions:
         route_key = personal.get("route_key")
         if route_key is not None:  # the authors' LSTM policies keep dropout on
-            q0 = jnp.exp(route_log_probs(personal["policy"], x, train=True,
-                                         key=jax.random.wrap_key_data(route_key))[..., 0])
+            q0 = route_q0(route_log_probs(personal["policy"], x, train=True,
+                                          key=jax.random.wrap_key_data(route_key)))
         else:
-            q0 = jnp.exp(route_log_probs(personal["policy"], x, train=False)[..., 0])
+            q0 = route_q0(route_log_probs(personal["policy"], x, train=False))
         route = dict(model=model, global_params=personal["global"],
                      local_params=personal["local"], q0=q0, x=x,
                      recurrence=config.recurrence, fuse_branches=bool(config.fuse_branches))
