@@ -135,11 +135,11 @@ def resolve(config, task: FederatedTask | None = None) -> ResolvedRun:
 
 def warm_up(run: ResolvedRun) -> Any:
     """HypCluster's warm-up stage: the server params after
-    ``methods.hypcluster.warmup_rounds`` rounds of FedAvg with this run's SGD, seed,
-    client sampling, server optimizer and mapping (no evaluation); these rounds come
-    before, and in addition to, ``num_rounds``, and HypCluster's own rounds continue the
-    sampling and training streams after them (``simulation_for``). None for other
-    methods or 0 rounds.
+    ``methods.hypcluster.warmup_rounds`` rounds W of FedAvg with this run's SGD, seed,
+    client sampling, server optimizer and mapping (no evaluation). They are the run's
+    rounds 1 to W of ``num_rounds``, so HypCluster trains on as many cohorts as every
+    other method; its own rounds are W + 1 to ``num_rounds`` (``simulation_for``). None
+    for other methods or 0 rounds.
     """
     rounds = warmup_rounds(run)
     if not rounds:
@@ -162,8 +162,9 @@ def warmup_rounds(run: ResolvedRun) -> int:
 def simulation_for(run: ResolvedRun, warm_start: Any = None) -> Simulation:
     """The run's simulation; ``warm_start``: HypCluster's warm-up params (``warm_up``).
 
-    After a warm-up of W rounds, round r samples and draws its training keys as round
-    W + r of the seed's streams: the warm-up's cohorts and keys are not drawn again.
+    After a warm-up of W rounds the simulation runs rounds W to ``num_rounds - 1`` of the
+    seed's streams (``Settings.first_round``): the warm-up's cohorts and keys are not
+    drawn again, and rounds are logged, evaluated and checkpointed by their run index.
     """
     options, settings = {}, run.settings
     if warm_start is not None:

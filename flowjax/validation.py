@@ -206,6 +206,10 @@ def _check_model_fields(config: Any, method: Any, model: RoutableModel) -> None:
             _fail("model_options.groups", options["groups"],
                   "expected it unset with methods.flow.semantics='reference': the authors' "
                   "CIFAR network has its own GroupNorm (2 channels per group)")
+    if config.algorithm == "hypcluster" and method.warmup_rounds >= config.num_rounds:
+        _fail("methods.hypcluster.warmup_rounds", method.warmup_rounds,
+              f"expected fewer than num_rounds={config.num_rounds}: the warm-up's FedAvg "
+              "rounds are the run's first rounds, before HypCluster's own")
     if config.algorithm == "lg_fedavg":
         requested = method.global_layers
         try:

@@ -270,6 +270,9 @@ CASES: tuple[Case, ...] = (
             "an integer >= 1"),
     _config("methods.hypcluster.warmup_rounds", -1, "config.methods.hypcluster.warmup_rounds=-1: "
             "expected an integer >= 0"),
+    _config("methods.hypcluster.warmup_rounds", 2, "config.methods.hypcluster.warmup_rounds=2: "
+            "expected fewer than num_rounds=2: the warm-up's FedAvg rounds are the run's "
+            "first rounds, before HypCluster's own", algorithm="hypcluster"),
     _config("methods.fedrep.head_epochs", 0, "config.methods.fedrep.body_epochs=0: expected "
             "head_epochs + body_epochs >= 1 (head_epochs=0)", **{"methods.fedrep.body_epochs": 0}),
     _config("methods.local.sgd.epochs", 0, "config.methods.local.sgd.epochs=0: expected an "

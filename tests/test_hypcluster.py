@@ -92,20 +92,21 @@ predictions = one_cluster.predict(states["hypcluster"], personal, client.x[0])
 expected = forward(cnn, states["fedavg"], client.x[0])
 np.testing.assert_array_equal(predictions.global_logits, expected)
 np.testing.assert_array_equal(predictions.personal_hard, expected)
-# A warm-up of W FedAvg rounds, then HypCluster's rounds continuing the seed's sampling and
-# training streams from round W: with k = 1 and no perturbation, W + R rounds of FedAvg.
+# A warm-up of W FedAvg rounds, then HypCluster's rounds W .. R - 1 of the seed's sampling and
+# training streams: with k = 1 and no perturbation, R rounds of FedAvg.
 from flowjax import config as run_config
 from tests.helpers import small_config
 warm_then_one = run_config.build_simulation(small_config(
-    algorithm="hypcluster", num_rounds=1, **{"methods.hypcluster.warmup_rounds": 2,
+    algorithm="hypcluster", num_rounds=3, **{"methods.hypcluster.warmup_rounds": 2,
                                              "methods.hypcluster.clusters": 1,
                                              "methods.hypcluster.perturbation": 0.0}))
 plain = run_config.build_simulation(small_config(algorithm="fedavg", num_rounds=3))
 assert not np.array_equal(plain.host_cohort(0).client_id, plain.host_cohort(2).client_id)
-np.testing.assert_array_equal(warm_then_one.host_cohort(0).client_id,
+np.testing.assert_array_equal(warm_then_one.host_cohort(2).client_id,
                               plain.host_cohort(2).client_id)
+assert warm_then_one.settings.first_round == 2
 state = warm_then_one.init_state()
-state, _ = warm_then_one.run_round(state, 0)
+state, _ = warm_then_one.run_round(state, 2)
 reference = plain.init_state()
 for round_index in range(3):
     reference, _ = plain.run_round(reference, round_index)
@@ -240,13 +241,17 @@ def test_bad_config_and_warm_start_raise_one_line_errors(cnn):
 
 
 def test_warm_started_run_trains_and_evaluates():
-    config = small_config(algorithm="hypcluster", num_rounds=2)
+    """The warm-up's rounds count within ``num_rounds``: after 1 FedAvg round, HypCluster
+    trains rounds 2 and 3 of 3, logged and evaluated by their run index."""
+    config = small_config(algorithm="hypcluster", num_rounds=3)
     config.model_options = ml_collections.ConfigDict({"hidden": 32})
     config.methods.hypcluster.warmup_rounds = 1
     simulation = run_config.build_simulation(config)
     result = experiment.run(simulation)
     train = [h for h in result.history if h["kind"] == "train"]
-    assert len(train) == 2 and all(np.isfinite(h["loss"]) for h in train)
+    assert [h["round"] for h in train] == [2, 3]
+    assert all(np.isfinite(h["loss"]) for h in train)
+    assert {h["round"] for h in result.history if h["kind"] == "eval"} == {3}
     for record in train:
         assert record["clients_in_cluster0"] + record["clients_in_cluster1"] == pytest.approx(1.0)
     summary = result.summaries["train_clients"]

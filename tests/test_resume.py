@@ -74,12 +74,12 @@ def test_ctrl_c_mid_checkpoint_is_one_line_and_resumes_exactly(uninterrupted, tm
         assert (tmp_path / name).read_bytes() == (uninterrupted / name).read_bytes(), name
 
 
-def killed_at_round_3_resumes_exactly(tmp_path, *extra):
-    """Runs ``extra`` clean into ``clean/`` and killed at round 3 then resumed into
-    ``killed/``; both leave the same results and metrics, byte for byte."""
+def killed_at_round_3_resumes_exactly(tmp_path, *extra, killed_at=3):
+    """Runs ``extra`` clean into ``clean/`` and killed at round ``killed_at`` then resumed
+    into ``killed/``; both leave the same results and metrics, byte for byte."""
     clean = train(tmp_path / "clean", *extra)
     assert clean.returncode == 0, clean.stderr[-3000:]
-    killed = train(tmp_path / "killed", *extra, fault="round:3")
+    killed = train(tmp_path / "killed", *extra, fault=f"round:{killed_at}")
     assert killed.returncode == -signal.SIGKILL
     resumed = train(tmp_path / "killed", *extra)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -100,10 +100,14 @@ def test_stateful_method_resumes_its_client_states_exactly(tmp_path):
 
 
 def test_hypcluster_resumes_after_its_warm_up_exactly(tmp_path):
-    # A resumed attempt runs the FedAvg warm-up again, then continues HypCluster's rounds
-    # in the streams after it (config.simulation_for), as the uninterrupted run did.
+    # A resumed attempt runs the FedAvg warm-up (rounds 1-2) again, then continues
+    # HypCluster's rounds from the checkpoint of round 4 (config.simulation_for), as the
+    # uninterrupted run did.
     killed_at_round_3_resumes_exactly(tmp_path, "--config.algorithm=hypcluster",
-                                      "--config.methods.hypcluster.warmup_rounds=2")
+                                      "--config.methods.hypcluster.warmup_rounds=2",
+                                      killed_at=5)
+    resumed = json.loads((tmp_path / "killed" / "run.json").read_text())
+    assert resumed["resumed_from_round"] == 4
 
 
 @pytest.mark.slow  # in-process equivalent: test_experiment.py's same-seed test

@@ -34,9 +34,10 @@ Choices where the paper is silent:
   ``w + perturbation * N(0, I)`` with noise drawn from ``fold_in(key, i)`` (an absolute
   standard deviation, on every parameter). The run launcher (``flowjax.config``) obtains
   ``w`` from a FedAvg run of the same config for ``config.methods.hypcluster.warmup_rounds``
-  rounds W, and HypCluster's round r then samples and trains as round W + r of the
-  seed's streams (no cohort of the warm-up is drawn again); with ``perturbation = 0``
-  all clusters are equal and every client picks cluster 0.
+  rounds W, the run's first W of its ``num_rounds`` (so HypCluster trains on as many
+  cohorts as every other method), and HypCluster's rounds are then rounds W + 1 to
+  ``num_rounds`` of the seed's streams (no cohort of the warm-up is drawn again); with
+  ``perturbation = 0`` all clusters are equal and every client picks cluster 0.
 * Metrics: ``clients_in_cluster{i}``, the share of the round's real clients that chose
   cluster i (collapse shows as a share of 1).
 """
@@ -67,8 +68,8 @@ class HypClusterConfig:
       clusters: k, the number of cluster models (the paper's experiments use 2).
       perturbation: std of the Gaussian noise added to the warm start per cluster.
       warmup_rounds: FedAvg rounds run before HypCluster's own to warm-start every
-        cluster (0: random init); a stage of the run (``flowjax.config.warm_up``), in
-        addition to ``num_rounds``.
+        cluster (0: random init); a stage of the run (``flowjax.config.warm_up``), its
+        first rounds, counted within ``num_rounds``.
     """
 
     sgd: SGDConfig

@@ -69,7 +69,9 @@ def run(simulation: Simulation, callbacks: Sequence[Callback] = ()) -> RunResult
     happens.
     """
     settings = simulation.settings
-    run_state = RunState(simulation=simulation, state=simulation.init_state())
+    # A later stage starts after its earlier stage's rounds (``Settings.first_round``).
+    run_state = RunState(simulation=simulation, state=simulation.init_state(),
+                         rounds_done=settings.first_round)
     pending: list[tuple[int, dict[str, jax.Array]]] = []
 
     def emit(record: Record) -> None:

@@ -45,9 +45,10 @@ class RunSettings:
       eval_held_out: also evaluate the held-out ("newly joined") clients.
       eval_chunk: clients per evaluation call.
       log_every: rounds between host syncs for training metrics.
-      first_round: the index of round 0 in the training streams (client sampling and
-        training keys); a stage that follows other rounds of the same seed (HypCluster
-        after its FedAvg warm-up) continues their streams instead of replaying them.
+      first_round: the stage's first round: rounds ``0 .. first_round - 1`` belong to an
+        earlier stage of the same seed (HypCluster's FedAvg warm-up), so this stage runs
+        rounds ``first_round .. num_rounds - 1``, with their clients and training keys,
+        continuing that stage's streams instead of replaying them.
     """
 
     seed: int
@@ -70,8 +71,9 @@ class RunSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
-        if self.first_round < 0:
-            raise ValueError(f"first_round must be >= 0, got {self.first_round}")
+        if not 0 <= self.first_round < self.num_rounds:
+            raise ValueError(f"first_round must be in [0, num_rounds={self.num_rounds}), "
+                             f"got {self.first_round}")
         for name in ("eval_clients", "eval_held_out_clients"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None (all), got {getattr(self, name)}")
@@ -140,8 +142,9 @@ class Simulation:
 
     # ----------------------------------------------------------------- training
     def _stream_round(self, round_index: int) -> int:
-        """Where round ``round_index`` of this stage draws its clients and training keys."""
-        return self.settings.first_round + round_index
+        """Where round ``round_index`` draws its clients and training keys: the same index
+        (a later stage's rounds are numbered after the earlier stage's, ``first_round``)."""
+        return round_index
 
     def host_cohort(self, round_index: int) -> ClientExamples:
         """The padded, stacked training cohort of a round (host numpy arrays)."""
