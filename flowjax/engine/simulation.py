@@ -141,14 +141,9 @@ class Simulation:
         return state
 
     # ----------------------------------------------------------------- training
-    def _stream_round(self, round_index: int) -> int:
-        """Where round ``round_index`` draws its clients and training keys: the same index
-        (a later stage's rounds are numbered after the earlier stage's, ``first_round``)."""
-        return round_index
-
     def host_cohort(self, round_index: int) -> ClientExamples:
         """The padded, stacked training cohort of a round (host numpy arrays)."""
-        clients = self.sampler.sample(self._stream_round(round_index))
+        clients = self.sampler.sample(round_index)
         return assemble_cohort(self.task.train, "train", clients,
                                num_clients=self.cohort_clients,
                                padded_examples=self.train_examples,
@@ -174,7 +169,7 @@ class Simulation:
         states = self._client_states_for(client_ids)
         # A numpy scalar, not a device array: every host passes the same host value.
         state, metrics, new_states = self._round_fn(
-            state, cohort, np.int32(self._stream_round(round_index)), states, self.seed_words)
+            state, cohort, np.int32(round_index), states, self.seed_words)
         if self.client_states is not None:
             self.client_states.scatter(client_ids, distributed.fetch(new_states))
         return state, metrics
