@@ -60,8 +60,8 @@ from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictio
 from flowjax.core.checks import check_fields, positive
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
-from flowjax.core.tree import select_tree
 from flowjax.core.losses import mean_from_sums, weighted_cross_entropy
+from flowjax.core.tree import select_tree
 from flowjax.models.base import Params, RoutableModel, forward
 from flowjax.routing.routed import routed_forward
 
