@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import optax
 
-from flowjax.algorithms import make_algorithm
+from flowjax.algorithms import make_algorithm, method_revision
 from flowjax.algorithms.base import SGDConfig
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.core.mapping import ClientMapping, default_mapping
@@ -188,8 +188,11 @@ def build_simulation(config, task: FederatedTask | None = None) -> Simulation:
 
 def stored_config(config) -> dict[str, Any]:
     """The run config as a run folder's ``config.json`` stores it: as given (what each
-    method trains with follows from it alone, ``method_config``), as plain JSON."""
-    return json.loads(config.to_json_best_effort())
+    method trains with follows from it alone, ``method_config``), as plain JSON, with
+    the method's code revision as ``method_revision`` (``algorithms.Method.revision``):
+    the same config run by another revision gives other numbers."""
+    return {**json.loads(config.to_json_best_effort()),
+            "method_revision": method_revision(config.get("algorithm"))}
 
 
 def set_fields(config, fields: dict[str, Any]) -> Any:

@@ -109,6 +109,27 @@ def read_json(file: str, remedy: str) -> Any:
             raise ValueError(f"{file} is not valid JSON (truncated?); {remedy}") from None
 
 
+def differing_fields(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted paths where two stored configs differ; an absent field reads as None, so a
+    field added with a None default leaves the configs stored before it equal."""
+    fields = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            fields += differing_fields(a, b, f"{prefix}{key}.")
+        elif a != b:
+            fields.append(f"{prefix}{key}")
+    return fields
+
+
+def named_fields(differing: list[str]) -> str:
+    """The first differing fields for a message, saying why ``method_revision`` matters."""
+    named = ", ".join(differing[:6]) + (", ..." if len(differing) > 6 else "")
+    if "method_revision" in differing:
+        named += " (the method's code has changed its results since that run)"
+    return named
+
+
 def read_config(workdir: str, remedy: str) -> dict[str, Any] | None:
     """The ``config.json`` a run left in ``workdir`` (None if there is none)."""
     return read_json(path(workdir, CONFIG), remedy)

@@ -25,18 +25,6 @@ def resolved_config(config) -> dict[str, Any]:
     return run_config.stored_config(config)
 
 
-def differing_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """Dotted paths where two resolved configs differ."""
-    fields = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            fields += differing_fields(a, b, f"{prefix}{key}.")
-        elif a != b:
-            fields.append(f"{prefix}{key}")
-    return fields
-
-
 def conflicting_fields(workdir: str, resolved: dict, remedy: str) -> list[str]:
     """Dotted fields in which the started run in ``workdir`` differs from ``resolved``.
 
@@ -55,7 +43,7 @@ def conflicting_fields(workdir: str, resolved: dict, remedy: str) -> list[str]:
         raise ValueError(f"{workdir} holds a run written by an older flowjax config schema "
                          f"(top-level learning_rate/gamma, no config.sgd), so it cannot be "
                          f"resumed or compared; nothing was deleted; {remedy}")
-    return differing_fields(previous, resolved)
+    return run_folder.differing_fields(previous, resolved)
 
 
 def older_schema(stored: dict) -> bool:
@@ -106,8 +94,8 @@ def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> 
             workdir, resolved, "use --overwrite to replace the run or another --workdir")
         if differing:
             raise ValueError(f"--workdir={workdir} holds a run with a different config "
-                             f"(differs in: {', '.join(differing[:6])}); use --overwrite to "
-                             f"replace it or another --workdir")
+                             f"(differs in: {run_folder.named_fields(differing)}); use "
+                             f"--overwrite to replace it or another --workdir")
         if run_folder.finished(workdir):  # every host sees it: the workdir is shared
             distributed.barrier("workdir prepared")
             return True

@@ -69,7 +69,7 @@ def method_configs(base: Any, workdir: str, methods: list[str]) -> dict[str, Any
         differing = conflicting_fields(run_dir, resolved_config(config), remedy)
         if differing:
             raise ValueError(f"{run_dir} holds a run of another config (differs in: "
-                             f"{', '.join(differing[:6])}); use another --workdir, the "
+                             f"{run_folder.named_fields(differing)}); use another --workdir, the "
                              f"flags of that run, or {remedy}")
         configs[name] = config
     return configs

@@ -26,7 +26,6 @@ from flowjax import run_folder  # noqa: E402
 from flowjax.paper.aggregate import load_results, metric_by_seed, paired_differences  # noqa: E402
 from flowjax.paper.plan import Cell, cell_name  # noqa: E402
 from flowjax.paper.stats import seed_stats  # noqa: E402
-from flowjax.runner import differing_fields  # noqa: E402
 
 METRICS = ("acc_g", "acc_p", "acc_p_soft")
 POPULATION = "train_clients"
@@ -123,7 +122,7 @@ def check_pairs(float32_workdir: str, bfloat16_workdir: str, cells: Sequence[Cel
                 found = None if config is None else config.get("compute_dtype")
                 raise ValueError(f"{path}: compute_dtype={found!r}; expected {dtype!r} "
                                  "(are the two workdirs given the right way round?)")
-        others = [f for f in differing_fields(*configs) if f != "compute_dtype"]
+        others = [f for f in run_folder.differing_fields(*configs) if f != "compute_dtype"]
         if others:
             raise ValueError(f"{paths[1]} differs from {paths[0]} in {', '.join(others[:6])}; "
                              "expected the same run but for compute_dtype")

@@ -234,8 +234,8 @@ def check_cells(request: Request, load: ConfigLoader = load_dataset_config) -> d
         config, differing = checked_cell(cell, request, load)
         if differing:
             raise ValueError(f"{cell.path(request.workdir)} holds a run of another config "
-                             f"(differs in: {', '.join(differing[:6])}); use another --workdir "
-                             "or the same --scale and --override as before")
+                             f"(differs in: {run_folder.named_fields(differing)}); use another "
+                             "--workdir or the same --scale and --override as before")
         configs[cell] = config
     return configs
 
@@ -299,7 +299,7 @@ def describe_plan(request: Request, load: ConfigLoader = load_dataset_config) ->
         path = cell.path(request.workdir)
         _, differing = checked_cell(cell, request, load)
         state = "conflict" if differing else cell_state(path)
-        notes = ([f"holds another config, differs in: {', '.join(differing[:6])}"]
+        notes = ([f"holds another config, differs in: {run_folder.named_fields(differing)}"]
                  if differing else [])
         code = _ran_code(path)
         if code:

@@ -672,6 +672,22 @@ def finished_method(method: str, results: bytes, **changed: Any) -> Callable[[st
     return setup
 
 
+def older_revision_run(workdir: str) -> None:
+    """A PartialFed run folder finished by its code's first revision: the config
+    ``_TRAIN`` resolves with ``--config.algorithm=partialfed``, stored without
+    ``method_revision``, and a results.json."""
+    import json
+
+    from flowjax.runner import resolved_config
+    config = shakespeare.get_config("quick")
+    config.algorithm = "partialfed"
+    stored = {k: v for k, v in resolved_config(config).items() if k != "method_revision"}
+    with open(os.path.join(workdir, "config.json"), "w") as handle:
+        json.dump(stored, handle)
+    with open(os.path.join(workdir, "results.json"), "w") as handle:
+        handle.write('{"acc_g": 0.5}')
+
+
 def older_schema_run(workdir: str) -> None:
     """A run folder as flowjax wrote it before ``config.sgd``: its config.json with the
     client SGD and Flow fields at the top level, and one logged round."""
@@ -745,6 +761,13 @@ COMMAND_CASES += (
                 "config.sgd), so it cannot be resumed or compared; nothing was deleted; use "
                 "--overwrite to replace the run or another --workdir", _TRAIN_WHERE,
                 setup=lambda workdir: older_schema_run(workdir)),
+    CommandCase("`train.py` over a PartialFed run finished by older code (its first "
+                "revision: before first-time clients kept the received model)",
+                _TRAIN + ("--config.algorithm=partialfed",), "error: --workdir=WORKDIR holds "
+                "a run with a different config (differs in: method_revision (the method's "
+                "code has changed its results since that run)); use --overwrite to replace "
+                "it or another --workdir", _TRAIN_WHERE,
+                setup=lambda workdir: older_revision_run(workdir)),
     CommandCase("`compare.py` over a truncated `results.json`", _COMPARE + ("--methods=flow",),
                 "error: WORKDIR/flow/results.json is not valid JSON (truncated?); delete "
                 "WORKDIR/flow to run flow again", _COMPARE_WHERE,

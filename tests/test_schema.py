@@ -163,6 +163,65 @@ def test_a_run_stored_before_the_loop_fields_existed_still_resumes(tmp_path):
                               "REMEDY") == ["lstm_unroll"]
 
 
+def _checkpointed(config, workdir, fingerprint):
+    """``config`` run into ``workdir`` with a checkpoint per round under ``fingerprint``."""
+    from flowjax import experiment
+    return experiment.run(run_config.build_simulation(config), workdir=str(workdir),
+                          checkpoint_every=1, run_fingerprint=fingerprint)
+
+
+def _without(stored: dict, *paths: str) -> dict:
+    """``stored`` (a config.json) less the dotted ``paths``: as an older flowjax wrote it."""
+    out = json.loads(json.dumps(stored))
+    for path in paths:
+        *parents, leaf = path.split(".")
+        node = out
+        for part in parents:
+            node = node[part]
+        del node[leaf]
+    return out
+
+
+def test_a_checkpoint_stored_before_the_none_default_fields_existed_resumes(tmp_path):
+    import shutil
+    config = small_config(num_rounds=2, **{"eval.held_out": False})
+    resolved = run_config.stored_config(config)
+    older = _without(resolved, "lstm_unroll", "sgd.steps_per_loop", "method_revision")
+    clean = _checkpointed(config, tmp_path, older)
+    # Round 2's checkpoint gone: the run resumes from round 1's, written by "older code".
+    shutil.rmtree(tmp_path / "checkpoints" / "2")
+    resumed = _checkpointed(config, tmp_path, resolved)
+    assert resumed.resumed_from == 1
+    assert_trees_equal(resumed.final_state.params, clean.final_state.params)
+
+
+def test_a_checkpoint_of_an_older_method_revision_is_refused_in_one_line(tmp_path):
+    config = small_config(algorithm="partialfed", num_rounds=1, **{"eval.held_out": False})
+    resolved = run_config.stored_config(config)
+    assert resolved["method_revision"] == algorithms.METHODS["partialfed"].revision == 2
+    assert run_config.stored_config(small_config())["method_revision"] is None  # flow
+    _checkpointed(config, tmp_path, _without(resolved, "method_revision"))
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    with pytest.raises(ValueError, match=r"^checkpoint .*/checkpoints/1 was written by a "
+                       r"different config \(differs in: method_revision \(the method's code "
+                       r"has changed its results since that run\)\); use another --workdir "
+                       r"or --overwrite$"):
+        _checkpointed(config, tmp_path, resolved)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == saved
+
+
+def test_client_states_that_do_not_fit_the_method_are_refused_in_one_line(tmp_path):
+    # Ditto's client state (the personal model) in a checkpoint that PartialFed resumes:
+    # both servers hold the plain model, so only the client rows tell them apart.
+    config = small_config(algorithm="ditto", num_rounds=1, **{"eval.held_out": False})
+    _checkpointed(config, tmp_path, None)
+    config.algorithm = "partialfed"
+    with pytest.raises(ValueError, match=r"^checkpoint .*/checkpoints/1: client states of "
+                       r"\d+ leaves; expected \d+, the leaves of this method's client "
+                       r"state; use another --workdir or --overwrite$"):
+        _checkpointed(config, tmp_path, None)
+
+
 def test_dotted_overrides_set_existing_fields_only():
     config = small_config()
     run_config.set_fields(config, {"methods.flow.gamma": 0.0, "sgd.momentum": 0.9})

@@ -42,11 +42,16 @@ class Method:
       config_class: its config dataclass, called as ``config_class(**fields, sgd=sgd)``.
       takes_example: the factory's third argument is one input batch (Flow's policy
         shapes).
+      revision: None until a change to the method's code alters its results beyond
+        float32 rounding or the meaning of its checkpoints; then 2, 3, ... A run folder
+        stores it in ``config.json`` (``flowjax.config.stored_config``), so a run made by
+        an older revision is neither reused as finished nor resumed.
     """
 
     factory: Callable[..., FederatedAlgorithm]
     config_class: Callable[..., Any]
     takes_example: bool = False
+    revision: int | None = None
 
 
 METHODS: dict[str, Method] = {
@@ -57,10 +62,13 @@ METHODS: dict[str, Method] = {
     "ditto": Method(ditto, DittoConfig),
     "fedrep": Method(fedrep, FedRepConfig),
     "lg_fedavg": Method(lg_fedavg, LGFedAvgConfig),
-    "hypcluster": Method(hypcluster, HypClusterConfig),
+    # 2: the FedAvg warm-up counts within num_rounds (it was added on top).
+    "hypcluster": Method(hypcluster, HypClusterConfig, revision=2),
     "knn_per": Method(knn_per, KnnPerConfig),
     "local": Method(local, LocalConfig),
-    "partialfed": Method(partialfed, PartialFedConfig),
+    # 2: a first-time client's previous model is the received one (it was the run's
+    # initial params), and its state records whether it has trained.
+    "partialfed": Method(partialfed, PartialFedConfig, revision=2),
 }
 ALGORITHMS = tuple(sorted(METHODS))  # the built-in methods
 
@@ -73,6 +81,13 @@ def register(name: str, method: Method) -> None:
 def algorithm_names() -> tuple[str, ...]:
     """Every registered method, ``register``-ed ones included."""
     return tuple(sorted(METHODS))
+
+
+def method_revision(name: str) -> int | None:
+    """``Method.revision`` of a registered method (None for an unknown name, which the
+    config's validation refuses)."""
+    method = METHODS.get(name)
+    return None if method is None else method.revision
 
 
 def _method(name: str) -> Method:

@@ -88,6 +88,21 @@ class ClientStateStore:
         return {"ids": ids, "leaves": [a[: len(ids)].copy() for a in self._arrays]}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Replaces the rows by ``saved`` (what ``state_dict`` returned).
+
+        Raises:
+          ValueError: ``saved`` does not hold one row per id of every leaf of the
+            template, in its shape and dtype (state of another method or version).
+        """
         ids = np.asarray(saved["ids"])
+        arrays = [np.asarray(a) for a in saved["leaves"]]
+        if len(arrays) != len(self._leaves):
+            raise ValueError(f"client states of {len(arrays)} leaves; expected "
+                             f"{len(self._leaves)}, the leaves of this method's client state")
+        for index, (array, leaf) in enumerate(zip(arrays, self._leaves)):
+            if array.shape != (len(ids),) + leaf.shape or array.dtype != leaf.dtype:
+                raise ValueError(f"client state leaf {index} is {array.dtype} "
+                                 f"{array.shape}; expected {leaf.dtype} "
+                                 f"{(len(ids),) + leaf.shape} (one row per stored client)")
         self._rows = {int(c): r for r, c in enumerate(ids)}
-        self._arrays = [np.asarray(a).copy() for a in saved["leaves"]]
+        self._arrays = [array.copy() for array in arrays]

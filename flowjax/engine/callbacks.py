@@ -109,7 +109,8 @@ class Checkpoints(Callback):
     Args:
       workdir: the run folder.
       every: rounds between checkpoints (>= 1).
-      fingerprint: JSON metadata a resumed checkpoint must match (the config).
+      fingerprint: JSON metadata a resumed checkpoint must match (the config; fields
+        compared as ``run_folder.differing_fields`` does).
     """
 
     def __init__(self, workdir: str, every: int, fingerprint: dict[str, Any] | None = None):
@@ -125,11 +126,21 @@ class Checkpoints(Callback):
             return
         simulation = run.simulation
         state, rows, meta = checkpointer.restore(latest, run.state, simulation.algorithm.stateful)
-        if self.fingerprint is not None and meta.get("fingerprint") != self.fingerprint:
-            raise ValueError(f"checkpoint {checkpointer.directory}/{latest} was written by "
-                             f"a different config; use another --workdir or --overwrite")
+        if self.fingerprint is not None:
+            stored = meta.get("fingerprint")
+            differing = (["(no config recorded)"] if not isinstance(stored, dict)
+                         else run_folder.differing_fields(stored, self.fingerprint))
+            if differing:
+                raise ValueError(f"checkpoint {checkpointer.directory}/{latest} was written "
+                                 f"by a different config (differs in: "
+                                 f"{run_folder.named_fields(differing)}); use another --workdir or "
+                                 f"--overwrite")
         if rows is not None:
-            simulation.client_states.load_state_dict(rows)
+            try:
+                simulation.client_states.load_state_dict(rows)
+            except ValueError as error:
+                raise ValueError(f"checkpoint {checkpointer.directory}/{latest}: {error}; "
+                                 f"use another --workdir or --overwrite") from None
         run.state, run.rounds_done, run.history = state, latest, list(meta["history"])
         run.summaries = {name: EvalSummary(**s) for name, s in meta.get("summaries", {}).items()}
         run.last_checkpoint = run.resumed_from = latest
