@@ -17,6 +17,7 @@ from flowjax.algorithms.base import SGDConfig
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.algorithms.hypcluster import HypClusterConfig, hypcluster, mean_train_loss
 from flowjax.core.cohort import assemble_cohort, client_at
+from flowjax.engine.callbacks import Callback, ProgressBar
 from flowjax.core.server_opt import server_optimizer
 from flowjax.core.losses import masked_mean_loss
 from flowjax.experiment import RunSettings, Simulation
@@ -247,7 +248,15 @@ def test_warm_started_run_trains_and_evaluates():
     config.model_options = ml_collections.ConfigDict({"hidden": 32})
     config.methods.hypcluster.warmup_rounds = 1
     simulation = run_config.build_simulation(config)
-    result = experiment.run(simulation)
+    bar = ProgressBar(3, "hypcluster")  # drawn on stderr, which pytest captures
+    shown = []
+
+    class ShownAtStart(Callback):
+        def on_run_start(self, run):
+            shown.append(bar.rounds_shown)
+
+    result = experiment.run(simulation, callbacks=[bar, ShownAtStart()])
+    assert (shown, bar.rounds_shown) == ([1], 3)  # the bar starts after the warm-up
     train = [h for h in result.history if h["kind"] == "train"]
     assert [h["round"] for h in train] == [2, 3]
     assert all(np.isfinite(h["loss"]) for h in train)

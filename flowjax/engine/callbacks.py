@@ -353,8 +353,19 @@ class ProgressBar(Callback):
         self._bar = tqdm.tqdm(total=total, unit="round", dynamic_ncols=True,
                               disable=not enabled, desc=desc)
 
+    @property
+    def rounds_shown(self) -> int:
+        """The rounds the bar counts as done."""
+        return self._bar.n
+
     def write(self, line: str) -> None:
         self._bar.write(line, file=sys.stderr)
+
+    def on_run_start(self, run: RunState) -> None:
+        # A resumed run, or a stage starting after a warm-up (HypCluster), starts at its
+        # rounds done; as tqdm's initial count, so the rate counts this attempt's rounds.
+        self._bar.initial = self._bar.n = self._bar.last_print_n = run.rounds_done
+        self._bar.refresh()
 
     def on_round_end(self, run: RunState) -> None:
         self._bar.update(run.rounds_done - self._bar.n)
