@@ -122,6 +122,23 @@ def _cell(x_t, h, c, weights):
     return jax.nn.sigmoid(o) * jnp.tanh(c), c
 
 
+@pytest.mark.parametrize("name", ["emnist_cnn", "shakespeare_lstm", "stackoverflow_lstm"])
+def test_the_models_recurrent_layers_are_its_lstms(name):
+    """``mixed_state`` routes a layer's recurrence where the model says it is an LSTM:
+    exactly the layers whose params are an LSTM's, and no other layer takes it."""
+    model = get_model(name)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    lstm_shaped = tuple(layer for layer in model.layer_names
+                        if set(params[layer]) == {"kernel", "recurrent_kernel", "bias"})
+    assert model.recurrent_layers == lstm_shaped
+    assert bool(lstm_shaped) == (name != "emnist_cnn")
+    other = next(j for j, layer in enumerate(model.layer_names)
+                 if layer not in model.recurrent_layers)
+    with pytest.raises(ValueError, match=f"^layer '{model.layer_names[other]}' is a "
+                                         r"\w+: only an LSTM layer routes a recurrence$"):
+        model.routed_recurrence(other, None, None, None, None, False)
+
+
 def test_mixed_state_recurrence_feeds_the_mixed_state_back_at_every_step():
     """Eq. 3 per time step, written as a loop: both cells step from the mixed (h, c)."""
     model = _model("stackoverflow_lstm_small")

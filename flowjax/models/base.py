@@ -56,6 +56,7 @@ class RoutableModel:
       routed_recurrence: ``routed_recurrence(j, global_layer, local_layer, h, q0, hard)``:
         recurrent layer ``j`` routed at every time step on the mixed state (``flowjax.routing``'s
         ``"mixed_state"``), with the layer's own options; None for a model without one.
+      recurrent_layers: the layers ``routed_recurrence`` takes (the model's LSTMs).
     """
 
     name: str
@@ -73,6 +74,7 @@ class RoutableModel:
     metric_weights: Callable[[jax.Array], jax.Array] | None = None
     routed_recurrence: Callable[[int, PyTree, PyTree, jax.Array, jax.Array, bool],
                                 jax.Array] | None = None
+    recurrent_layers: tuple[str, ...] = ()
 
     @property
     def num_layers(self) -> int:

@@ -602,10 +602,13 @@ def chain_model(*, name: str, layer_names: Sequence[str], modules: Sequence[nn.M
                 params[layer], h)
         return params
 
+    recurrent_layers = tuple(layer for layer, module in zip(layer_names, modules)
+                             if isinstance(module, LSTM))
+
     def routed_recurrence(j: int, global_layer: PyTree, local_layer: PyTree, h: jax.Array,
                           q0: jax.Array, hard: bool) -> jax.Array:
         module = modules[j]
-        if not isinstance(module, LSTM):
+        if layer_names[j] not in recurrent_layers:
             raise ValueError(f"layer {layer_names[j]!r} is a {type(module).__name__}: only an "
                              "LSTM layer routes a recurrence")
         return routed_lstm(h, lstm_weights(global_layer), lstm_weights(local_layer), q0,
@@ -613,4 +616,5 @@ def chain_model(*, name: str, layer_names: Sequence[str], modules: Sequence[nn.M
 
     return RoutableModel(name=name, layer_names=tuple(layer_names), init=init,
                          embed_input=embed_input, layer_apply=layer_apply,
-                         glue_apply=glue_apply, routed_recurrence=routed_recurrence, **fields)
+                         glue_apply=glue_apply, routed_recurrence=routed_recurrence,
+                         recurrent_layers=recurrent_layers, **fields)

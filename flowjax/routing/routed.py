@@ -32,7 +32,6 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.models.base import Params, RoutableModel, layer_key, mix, select
-from flowjax.models.layers import lstm_weights
 
 RECURRENCES = ("mixed_state", "separate")
 
@@ -88,10 +87,7 @@ def routed_forward(model: RoutableModel, global_params: Params, local_params: Pa
         key = jax.random.key(0)
     h = model.embed_input(x)
     for j, name in enumerate(model.layer_names):
-        if recurrence == "mixed_state" and lstm_weights(global_params[name]) is not None:
-            if model.routed_recurrence is None:
-                raise ValueError(f"recurrence='mixed_state' needs the model's "
-                                 f"routed_recurrence; {model.name} has none")
+        if recurrence == "mixed_state" and name in model.recurrent_layers:
             h = model.routed_recurrence(j, global_params[name], local_params[name], h,
                                         q0[..., j], hard)
         else:
