@@ -12,7 +12,11 @@ run at ``--workdir`` itself) and by seed (``config.json``). Per dataset it write
 
 * ``learning_curves_<dataset>.png``: Acc_g and Acc_p per round (mean over seeds, +-std);
 * ``breakdown_<dataset>.png``: the instance breakdown of the paper's Figure 3;
-* ``routing_q0_<dataset>_<method>.png``: q0 per layer and instance group (routed methods).
+* ``routing_q0_<dataset>_<method>.png``: q0 per layer and instance group (routed methods),
+  over every evaluated client and seed;
+* ``routing_q0_one_client_<dataset>_<method>.png``: the same for the one client the
+  paper's Appendix E draws, the one with the largest test-loss gap between its global and
+  personalized models (over the seeds).
 
 Unfinished runs (no ``results.json``) are drawn in the learning curves only. Needs
 matplotlib (``pip install -e '.[plot]'``).

@@ -30,7 +30,8 @@ def _counts(groups: np.ndarray) -> ClientCounts:
         correct_personal_soft=groups[:, 0] + groups[:, 2], groups=groups,
         q0_sums=np.zeros((clients, 4, 0), np.float32),
         q0_histogram=np.zeros((clients, 4, 0, 20), np.float32),
-        correct_global_snapshot=zeros, snapshot_instances=zeros)
+        correct_global_snapshot=zeros, snapshot_instances=zeros, loss_global=zeros,
+        loss_personal=zeros)
 
 
 def test_breakdown_and_accuracies_agree_under_each_average():
@@ -112,6 +113,7 @@ def test_evaluation_counts_equal_a_client_by_client_computation(method, mlp, ima
 
     stream = jax.random.fold_in(prng.base_key(5, prng.Purpose.EVAL), 0)  # population 0
     accuracies = {"g": [], "p": [], "soft": []}
+    gaps = []
     for index in range(len(images_small.train.client_ids)):
         train = one_client(images_small, index, simulation.eval_train_examples)
         key = prng.client_key(prng.round_key(stream, 7), train.client_id)
@@ -122,8 +124,28 @@ def test_evaluation_counts_equal_a_client_by_client_computation(method, mlp, ima
         for name, logits in (("g", predictions.global_logits), ("p", predictions.personal_hard),
                              ("soft", predictions.personal_soft)):
             accuracies[name].append(np.mean(np.argmax(np.asarray(logits), -1) == y))
+        losses = [float(np.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y)))
+                  for logits in (predictions.global_logits, predictions.personal_hard)]
+        gaps.append((losses[0] - losses[1], index, losses, len(y)))
     got = (summary.acc_g, summary.acc_p, summary.acc_p_soft)
     want = tuple(float(np.mean(accuracies[name])) for name in ("g", "p", "soft"))
     np.testing.assert_allclose(got, want, rtol=1e-12)
-    if method != "fedavg_ft":  # soft and hard routing differ at q0 = 0.3
-        assert summary.acc_p_soft != summary.acc_p
+    if method == "fedavg_ft":
+        assert summary.routing_client is None  # no routing
+        return
+    assert summary.acc_p_soft != summary.acc_p  # soft and hard routing differ at q0 = 0.3
+    # The routing figure's client: the largest loss gap, with its own instances only.
+    gap, index, losses, instances = max(gaps, key=lambda g: g[0])
+    assert sorted(g[0] for g in gaps)[-2] < gap  # one client, not a tie
+    chosen = summary.routing_client
+    assert chosen["client_id"] == images_small.train.client_ids[index]
+    np.testing.assert_allclose([chosen["loss_g"], chosen["loss_p"]], losses, rtol=1e-5)
+    assert chosen["instances"] == instances
+    assert sum(chosen["groups"].values()) == instances
+    layers = algorithm.model.num_layers
+    for group in GROUPS:  # q0 = 0.3 everywhere: bin 6 of 20 holds each group whole
+        want = np.zeros((layers, 20))
+        want[:, 6] = chosen["groups"][group]
+        assert np.array_equal(chosen["q0_histogram"][group], want)
+        assert chosen["q0_by_group"][group] == ([pytest.approx(0.3)] * layers
+                                                if chosen["groups"][group] else [None] * layers)

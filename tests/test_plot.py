@@ -154,6 +154,35 @@ def test_single_run_dir(tmp_path):
     assert pytest.approx(0.5) in medians  # the uniform layer
 
 
+def test_the_one_client_figure_draws_the_client_with_the_largest_loss_gap(tmp_path):
+    """Appendix E's figure: over the seeds, the evaluated client whose personalized model
+    lowers its test loss most, drawn from that client's histograms alone."""
+    for seed, (client, loss_g, loss_p, q0) in enumerate([
+            ("c7", 2.0, 1.5, Q0),  # gap 0.5
+            ("c3", 3.0, 1.0, {**Q0, "both_correct": histogram([{9: 4}, {9: 4}, {9: 4}])})]):
+        folder = tmp_path / "toy" / "flow" / f"seed_{seed}"
+        write_run(folder, dataset="toy", algorithm="flow", seed=seed,
+                  evals={1: (0.1, 0.2)}, breakdown=BREAKDOWN_A, q0=Q0)
+        results = json.loads((folder / "results.json").read_text())
+        own = summary(BREAKDOWN_A, q0)
+        results["populations"]["train_clients"]["routing_client"] = {
+            "client_id": client, "loss_g": loss_g, "loss_p": loss_p, "instances": 20.0,
+            "groups": {}, "q0_by_group": own["q0_by_group"], "q0_histogram": q0}
+        (folder / "results.json").write_text(json.dumps(results))
+    figures = plot_draw.workdir_figures(plot_data.load_runs(str(tmp_path)))
+    assert sorted(figures) == ["breakdown_toy.png", "learning_curves_toy.png",
+                               "routing_q0_one_client_toy_flow.png", "routing_q0_toy_flow.png"]
+    one = figures["routing_q0_one_client_toy_flow.png"]
+    assert one.texts[0].get_text().endswith(
+        "(train_clients: client c3, seed 1, test loss 3 global vs 1 personalized)")
+    # Seed 1's client alone: both_correct all in bin 9 of every layer, so every level
+    # line (caps at the 5th / 95th percentile, median) lies within that bin.
+    levels = [l.get_ydata()[0] for l in one.axes[0].lines
+              if len(l.get_xdata()) == 2 and l.get_ydata()[0] == l.get_ydata()[1]]
+    assert sorted(levels) == pytest.approx(
+        [(9 + p) / Q0_BINS for p in (0.05, 0.5, 0.95) for _ in range(LAYERS)])
+
+
 def test_compare_dir_draws_every_method_and_routes_only_flow(tmp_path):
     write_run(tmp_path / "flow", dataset="toy", algorithm="flow", seed=0,
               evals={1: (0.1, 0.2), 2: (0.3, 0.4)}, breakdown=BREAKDOWN_A, q0=Q0, held_out=True)

@@ -224,7 +224,7 @@ class Simulation:
             indices = self.eval_client_indices(name)
             if not len(indices):  # a capped draw among no client with test examples
                 raise ValueError(f"no {name} client has a test instance; cannot summarize")
-            chunks = []
+            chunks, rows = [], []
             for start in range(0, len(indices), self.eval_cohort_clients):
                 chunk = indices[start: start + self.eval_cohort_clients]
                 args = dict(num_clients=self.eval_cohort_clients,
@@ -234,11 +234,13 @@ class Simulation:
                                         padded_examples=self.eval_train_examples, **args)
                 test = assemble_cohort(data, "test", chunk,
                                        padded_examples=self.eval_test_examples, **args)
-                states = self._client_states_for(np.asarray(train.client_id), name)
+                rows.append(np.asarray(train.client_id))  # -1: a padding client
+                states = self._client_states_for(rows[-1], name)
                 chunks.append(self._eval_fn(params, self._place(train), self._place(test),
                                             np.int32(round_index), np.int32(population_index),
                                             states, self.seed_words))
             chunks = distributed.fetch(chunks)
             counts = jax.tree.map(lambda *a: np.concatenate(a), *chunks)
-            summaries[name] = summarize(counts)
+            names = [data.client_ids[i] if i >= 0 else "" for i in np.concatenate(rows)]
+            summaries[name] = summarize(counts, names)
         return summaries

@@ -21,7 +21,7 @@ pooled one, beside the client-mean ``acc_g`` / ``acc_p``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import flax.struct
 import jax
@@ -30,7 +30,7 @@ import numpy as np
 
 from flowjax.algorithms.base import FederatedAlgorithm, instance_weights
 from flowjax.core.cohort import ClientExamples
-from flowjax.core.losses import correct
+from flowjax.core.losses import correct, weighted_cross_entropy
 
 GROUPS = ("both_correct", "global_only", "personalized_only", "neither")
 # Equal-width bins of q0 on [0, 1]: a histogram sums over clients (quantiles do not), so the
@@ -51,6 +51,9 @@ class ClientCounts:
       correct_global_snapshot, snapshot_instances: correct and counted instances of the
         method's client-side global snapshot (``Predictions.global_snapshot``); both 0
         for methods without one.
+      loss_global, loss_personal: summed cross-entropy of the global and the (hard-routed)
+        personalized model; they pick the client of the paper's single-client routing
+        figure (``routing_client``).
     """
 
     instances: jax.Array
@@ -62,6 +65,8 @@ class ClientCounts:
     q0_histogram: jax.Array
     correct_global_snapshot: jax.Array
     snapshot_instances: jax.Array
+    loss_global: jax.Array
+    loss_personal: jax.Array
 
 
 def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: jax.Array,
@@ -93,7 +98,9 @@ def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: j
         correct_personal_soft=jnp.sum(soft_ok * weights),
         groups=jnp.sum(group_weights.reshape(4, -1), axis=1),
         q0_sums=q0_sums, q0_histogram=q0_histogram,
-        correct_global_snapshot=snapshot_correct, snapshot_instances=snapshot_instances)
+        correct_global_snapshot=snapshot_correct, snapshot_instances=snapshot_instances,
+        loss_global=weighted_cross_entropy(predictions.global_logits, y, weights)[0],
+        loss_personal=weighted_cross_entropy(predictions.personal_hard, y, weights)[0])
 
 
 def evaluate_client(algorithm: FederatedAlgorithm, params: Any, train: ClientExamples,
@@ -147,18 +154,63 @@ class EvalSummary:
     # acc_g / acc_p; ``breakdown`` pools instances and pairs with acc_*_weighted). Empty
     # in summaries saved before it existed.
     breakdown_client_mean: dict[str, float] = dataclasses.field(default_factory=dict)
+    # Routing methods only: the one client of the paper's routing figure (Appendix E),
+    # ``routing_client``'s dict; None without routing and in summaries saved before it.
+    routing_client: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def summarize(counts: ClientCounts) -> EvalSummary:
+def routing_client(counts: ClientCounts, client_ids: Sequence[str]) -> dict[str, Any] | None:
+    """The client of the paper's routing figure (Appendix E: "the client which had the
+    highest loss difference between its global and personalized models"), with its own
+    q0 statistics per group and layer.
+
+    The difference is read as the global model's mean test loss minus the personalized
+    model's, so the client personalization helped most (the lowest position on a tie).
+    None for methods without routing.
+
+    Args:
+      counts: stacked per-client counts (numpy), one row per evaluated client.
+      client_ids: the evaluated clients' names, in the rows' order.
+
+    Returns:
+      ``client_id``, ``loss_g`` and ``loss_p`` (mean per instance), ``instances``,
+      ``groups`` (instances per group), ``q0_by_group`` (``{group: [L]}``, None for an
+      empty group) and ``q0_histogram`` (``{group: [L][bins]}``), as JSON values.
+    """
+    counts = jax.tree.map(np.asarray, counts)
+    if counts.q0_sums.shape[-1] == 0:
+        return None
+    n = counts.instances.astype(np.float64)
+    keep = n > 0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        gap = (counts.loss_global - counts.loss_personal) / n
+    c = int(np.argmax(np.where(keep, gap, -np.inf)))
+    groups = counts.groups[c].astype(np.float64)
+    return {
+        "client_id": str(client_ids[c]),
+        "loss_g": float(counts.loss_global[c] / n[c]),
+        "loss_p": float(counts.loss_personal[c] / n[c]),
+        "instances": float(n[c]),
+        "groups": {group: float(groups[g]) for g, group in enumerate(GROUPS)},
+        "q0_by_group": {group: (counts.q0_sums[c, g] / groups[g]).tolist() if groups[g] > 0
+                        else [None] * counts.q0_sums.shape[-1]
+                        for g, group in enumerate(GROUPS)},
+        "q0_histogram": {group: counts.q0_histogram[c, g].tolist()
+                         for g, group in enumerate(GROUPS)},
+    }
+
+
+def summarize(counts: ClientCounts, client_ids: Sequence[str] | None = None) -> EvalSummary:
     """The paper's aggregates from stacked per-client counts (numpy on the host).
 
     Per-client accuracy is averaged over clients with at least one counted instance (the
     paper's formula), and so is ``breakdown_client_mean``; ``*_weighted`` and
     ``breakdown`` pool instances. A client benefits when ``Acc_p > Acc_g`` strictly; ties
-    are reported separately.
+    are reported separately. With ``client_ids`` (the rows' clients) a routing method's
+    summary also holds ``routing_client``.
     """
     counts = jax.tree.map(np.asarray, counts)
     keep = counts.instances > 0
@@ -205,4 +257,5 @@ def summarize(counts: ClientCounts) -> EvalSummary:
         acc_p_p90=float(np.percentile(acc["personal"], 90)),
         q0_histogram={group: counts.q0_histogram[keep].sum(axis=0)[g].tolist()
                       for g, group in enumerate(GROUPS)},
+        routing_client=None if client_ids is None else routing_client(counts, client_ids),
         **snapshot)

@@ -10,9 +10,11 @@ as plain arrays and dataclasses, the data of
   correct / global only / personalized only / neither, mean over seeds);
 * ``routing_q0_<dataset>_<method>.png``: the paper's routing analysis, one panel per
   instance group with a box per routed layer, for methods that route (Flow and its
-  variants), over the instances of every evaluated client and seed (the paper's,
-  Appendix E, shows the one client with the highest loss difference between its global
-  and personalized models).
+  variants), over the instances of every evaluated client and seed;
+* ``routing_q0_one_client_<dataset>_<method>.png``: the same for one client, as the
+  paper's Appendix E draws it: the client with the highest loss difference between its
+  global and personalized models (``evaluation.metrics.routing_client``), the highest
+  over the seeds.
 
 A run without ``results.json`` (still training, or killed) contributes its learning
 curve up to its last evaluation, but no bar and no box: those need the final evaluation.
@@ -336,6 +338,49 @@ def pooled_routing(runs: Sequence[Run]) -> dict[str, Routing]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class ClientRouting:
+    """One client's routing data (``routing_client`` of a results.json population).
+
+    Attributes:
+      routing: its histograms and exact means, as ``pooled_routing`` gives a population's.
+      client_id: the client.
+      seed: the run's seed (None if unknown).
+      loss_g, loss_p: its mean test loss under the global and the personalized model.
+    """
+
+    routing: Routing
+    client_id: str
+    seed: int | None
+    loss_g: float
+    loss_p: float
+
+
+def one_client_routing(runs: Sequence[Run]) -> dict[str, ClientRouting]:
+    """``{population: ClientRouting}``: per population, the ``routing_client`` of one
+    method's finished seeds with the highest ``loss_g - loss_p`` (the first on a tie).
+    Runs written before ``routing_client`` existed are skipped."""
+    out: dict[str, ClientRouting] = {}
+    best: dict[str, float] = {}
+    for run in runs:
+        for population, summary in ((run.results or {}).get("populations") or {}).items():
+            client = summary.get("routing_client")
+            if not client:
+                continue
+            gap = client["loss_g"] - client["loss_p"]
+            if population in best and gap <= best[population]:
+                continue
+            best[population] = gap
+            means = {group: np.asarray([np.nan if m is None else m for m in layers], float)
+                     for group, layers in client["q0_by_group"].items()}
+            histograms = {group: np.asarray(h, float)
+                          for group, h in client["q0_histogram"].items()}
+            out[population] = ClientRouting(
+                Routing(histograms=histograms, means=means), str(client["client_id"]),
+                run.seed, float(client["loss_g"]), float(client["loss_p"]))
+    return {p: out[p] for p in _populations_in_order(out)}
+
+
 def _pooled_mean(counts: Sequence[np.ndarray], means: Sequence[np.ndarray]) -> np.ndarray:
     """Per-layer mean of several seeds' means, weighted by their instance counts."""
     layers = counts[0].shape[0]
@@ -463,4 +508,15 @@ def workdir_plots(runs: Sequence[Run]) -> dict[str, Plot]:
                 plots[f"routing_q0_{stem}_{file_stem(method)}.png"] = Plot(
                     "routing", f"{dataset} / {method}: q0 per layer by instance group"
                                + (f" ({seeds} seeds pooled)" if seeds > 1 else ""), routing)
+            clients = one_client_routing(finished)
+            if clients:
+                named = "; ".join(
+                    f"{population}: client {c.client_id}"
+                    + (f", seed {c.seed}" if c.seed is not None else "")
+                    + f", test loss {c.loss_g:.3g} global vs {c.loss_p:.3g} personalized"
+                    for population, c in clients.items())
+                plots[f"routing_q0_one_client_{stem}_{file_stem(method)}.png"] = Plot(
+                    "routing", f"{dataset} / {method}: q0 per layer by instance group, the "
+                               f"client with the largest loss gap ({named})",
+                    {population: c.routing for population, c in clients.items()})
     return plots
