@@ -53,7 +53,7 @@ class ClientCounts:
         for methods without one.
       loss_global, loss_personal: summed cross-entropy of the global and the (hard-routed)
         personalized model; they pick the client of the paper's single-client routing
-        figure (``routing_client``).
+        figure (``routing_client``). Both 0 for methods without routing.
     """
 
     instances: jax.Array
@@ -86,6 +86,11 @@ def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: j
     bins = jnp.clip(jnp.floor(q0 * Q0_BINS).astype(jnp.int32), 0, Q0_BINS - 1)
     q0_histogram = jnp.einsum("g...,...lb->glb", group_weights,
                               jax.nn.one_hot(bins, Q0_BINS, dtype=jnp.float32))
+    if q0.shape[-1]:  # only routing methods have a routing figure to pick a client for
+        loss_global = weighted_cross_entropy(predictions.global_logits, y, weights)[0]
+        loss_personal = weighted_cross_entropy(predictions.personal_hard, y, weights)[0]
+    else:
+        loss_global = loss_personal = jnp.zeros((), jnp.float32)
     if predictions.global_snapshot is None:
         snapshot_correct = snapshot_instances = jnp.zeros((), jnp.float32)
     else:
@@ -99,8 +104,7 @@ def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: j
         groups=jnp.sum(group_weights.reshape(4, -1), axis=1),
         q0_sums=q0_sums, q0_histogram=q0_histogram,
         correct_global_snapshot=snapshot_correct, snapshot_instances=snapshot_instances,
-        loss_global=weighted_cross_entropy(predictions.global_logits, y, weights)[0],
-        loss_personal=weighted_cross_entropy(predictions.personal_hard, y, weights)[0])
+        loss_global=loss_global, loss_personal=loss_personal)
 
 
 def evaluate_client(algorithm: FederatedAlgorithm, params: Any, train: ClientExamples,
