@@ -517,6 +517,6 @@ def workdir_plots(runs: Sequence[Run]) -> dict[str, Plot]:
                     for population, c in clients.items())
                 plots[f"routing_q0_one_client_{stem}_{file_stem(method)}.png"] = Plot(
                     "routing", f"{dataset} / {method}: q0 per layer by instance group, the "
-                               f"client with the largest loss gap ({named})",
+                               f"client with the largest loss gap\n({named})",
                     {population: c.routing for population, c in clients.items()})
     return plots
