@@ -17,6 +17,7 @@ import numpy as np
 from flowjax.algorithms import METHODS, algorithm_names, method_config
 from flowjax.algorithms import flow_reference, flow_reference_resnet
 from flowjax.algorithms.flow_reference_networks import NETWORKS
+from flowjax.algorithms.ditto import unstable_lam
 from flowjax.algorithms.lg_fedavg import global_layer_names
 from flowjax.core.checks import (FieldError, Interval, integer, is_int, one_of, optional_cap,
                                  optional_integer, plain, positive)
@@ -210,6 +211,8 @@ def _check_model_fields(config: Any, method: Any, model: RoutableModel) -> None:
         _fail("methods.hypcluster.warmup_rounds", method.warmup_rounds,
               f"expected fewer than num_rounds={config.num_rounds}: the warm-up's FedAvg "
               "rounds are the run's first rounds, before HypCluster's own")
+    if config.algorithm == "ditto" and unstable_lam(method) is not None:
+        _fail("methods.ditto.lam", method.lam, unstable_lam(method))
     if config.algorithm == "lg_fedavg":
         requested = method.global_layers
         try:

@@ -260,6 +260,8 @@ CASES: tuple[Case, ...] = (
             "in [0, 1]"),
     _config("methods.ditto.lam", -0.1, "config.methods.ditto.lam=-0.1: expected a finite "
             "number >= 0"),
+    _config("methods.ditto.lam", 40.0, "config.methods.ditto.lam=40.0: expected lam < 2 / "
+            "learning_rate (", algorithm="ditto"),
     _config("methods.knn_per.neighbours", 0, "config.methods.knn_per.neighbours=0: expected an "
             "integer >= 1"),
     _config("methods.knn_per.lam", 2.0, "config.methods.knn_per.lam=2.0: expected a number "

@@ -1,4 +1,5 @@
-"""Ditto's proximal personal update, its first participation, and its state through the engine."""
+"""Ditto's personal update (the paper's step and the proximal one), its first
+participation, and its state through the engine."""
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,9 @@ from flowjax.core import prng
 from flowjax.core.cohort import client_at
 from flowjax.core.losses import mean_from_sums
 from flowjax.experiment import RunSettings, Simulation
-from tests.helpers import assert_trees_equal, check_state_round_trip, one_client
+from flowjax.validation import validate_config
+from tests.helpers import (assert_trees_equal, check_state_round_trip, one_client,
+                           small_config)
 
 SGD = dict(learning_rate=0.05, epochs=2, batch_size=4)
 CONFIG = dict(sgd=SGDConfig(**SGD))
@@ -34,10 +37,13 @@ def test_proximal_pull_is_exact_at_both_ends():
     np.testing.assert_allclose(proximal_pull(z, anchor, 3.0)["a"], expected, rtol=1e-6)
 
 
-def test_one_minibatch_is_the_exact_proximal_step(mlp, images_small):
+@pytest.mark.parametrize("step", ["gradient", "proximal"])
+def test_one_minibatch_is_the_configured_step(step, mlp, images_small):
+    """The paper's step ``v - lr (grad f(v) + lam (v - w_t))`` by default; the exact
+    proximal step ``(v - lr grad f(v) + lr lam w_t) / (1 + lr lam)`` on request."""
     lr, lam = 0.05, 0.1
     algorithm = ditto(mlp, DittoConfig(sgd=SGDConfig(learning_rate=lr, epochs=1, batch_size=32),
-                                       lam=lam))
+                                       lam=lam, step=step))
     w_t = mlp.init(jax.random.key(0))
     v = mlp.init(jax.random.key(1))
     client = one_client(images_small, 1, padded_examples=32, batch_size=32)  # one minibatch
@@ -48,16 +54,24 @@ def test_one_minibatch_is_the_exact_proximal_step(mlp, images_small):
         return mean_from_sums(sums[0], sums[1])
 
     expected_w = jax.tree.map(lambda p, g: p - lr * g, w_t, jax.grad(loss)(w_t))
-    expected_v = jax.tree.map(lambda p, g, a: (p - lr * g + lr * lam * a) / (1 + lr * lam),
-                              v, jax.grad(loss)(v), w_t)
+    paper = jax.tree.map(lambda p, g, a: p - lr * (g + lam * (p - a)), v, jax.grad(loss)(v), w_t)
+    proximal = jax.tree.map(lambda p, g, a: (p - lr * g + lr * lam * a) / (1 + lr * lam),
+                            v, jax.grad(loss)(v), w_t)
+    expected_v = paper if step == "gradient" else proximal
     for got, want in ((result.params, expected_w), (result.client_state["v"], expected_v)):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    # The two steps differ beyond that tolerance (second order in lr * lam), so the
+    # check above tells them apart.
+    other = proximal if step == "gradient" else paper
+    assert any(not np.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in
+               zip(jax.tree.leaves(result.client_state["v"]), jax.tree.leaves(other)))
 
 
 def test_huge_lam_keeps_the_personal_model_at_the_received_global_model(mlp, images_small):
-    # lr * lam = 5e10: a plain gradient step on the penalty would diverge (> 2).
-    algorithm = ditto(mlp, DittoConfig(**CONFIG, lam=1e12))
+    # lr * lam = 5e10: the paper's gradient step would diverge (> 2); the proximal one
+    # holds v at w_t.
+    algorithm = ditto(mlp, DittoConfig(**CONFIG, lam=1e12, step="proximal"))
     w_t = algorithm.init(jax.random.key(0))
     client = one_client(images_small, 1, padded_examples=32)
     update = jax.jit(algorithm.client_update)
@@ -75,8 +89,9 @@ def test_huge_lam_keeps_the_personal_model_at_the_received_global_model(mlp, ima
     np.testing.assert_allclose(predictions.personal_hard, predictions.global_logits, atol=1e-6)
 
 
-def test_lam_zero_is_plain_local_training_of_v(cnn, images_small):
-    algorithm = ditto(cnn, DittoConfig(**CONFIG, lam=0.0))
+@pytest.mark.parametrize("step", ["gradient", "proximal"])
+def test_lam_zero_is_plain_local_training_of_v(step, cnn, images_small):
+    algorithm = ditto(cnn, DittoConfig(**CONFIG, lam=0.0, step=step))
     fedavg_update = jax.jit(fedavg(cnn, FedAvgConfig(**CONFIG)).client_update)
     update = jax.jit(algorithm.client_update)
     w_t = algorithm.init(jax.random.key(0))
@@ -138,6 +153,27 @@ def test_a_client_without_examples_stays_unvisited(mlp, images_small):
 def test_bad_config_values_name_the_field():
     with pytest.raises(ValueError, match=r"^lam=-0.1: expected a finite number >= 0$"):
         DittoConfig(**CONFIG, lam=-0.1)
+    with pytest.raises(ValueError, match=r"^step='prox': expected one of \['gradient', "
+                                         r"'proximal'\]$"):
+        DittoConfig(**CONFIG, lam=0.1, step="prox")
+
+def test_a_lam_the_papers_step_diverges_with_is_refused_for_a_ditto_run(mlp):
+    # lr 0.05: the paper's step diverges from lam = 40 on; the proximal step takes it.
+    with pytest.raises(ValueError, match=r"^lam=40.0: expected lam < 2 / learning_rate \(40\) "
+                                         r"with step='gradient', where the penalty's gradient "
+                                         r"step diverges beyond; step='proximal' is stable for "
+                                         r"any lam$"):
+        ditto(mlp, DittoConfig(**CONFIG, lam=40.0))
+    ditto(mlp, DittoConfig(**CONFIG, lam=39.9))
+    ditto(mlp, DittoConfig(**CONFIG, lam=40.0, step="proximal"))
+    # Through a run config: refused for Ditto's run, not for another method's, whose
+    # learning rate Ditto never trains with.
+    config = small_config(algorithm="ditto", **{"methods.ditto.lam": 2.5})  # lr 1.0
+    with pytest.raises(ValueError, match=r"^config.methods.ditto.lam=2.5: expected lam < 2 / "
+                                         r"learning_rate \(2\) with step='gradient'"):
+        validate_config(config)
+    config.algorithm = "fedavg"
+    validate_config(config)
     with pytest.raises(ValueError, match=r"^batch_size=0: expected an integer >= 1$"):
         SGDConfig(**{**SGD, "batch_size": 0})
 

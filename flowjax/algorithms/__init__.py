@@ -59,7 +59,8 @@ METHODS: dict[str, Method] = {
     "fedavg_ft": Method(fedavg, functools.partial(FedAvgConfig, finetune=True)),
     "flow": Method(flow, FlowConfig, takes_example=True),
     "apfl": Method(apfl, APFLConfig),
-    "ditto": Method(ditto, DittoConfig),
+    # 2: the paper's gradient step on v by default (it was the exact proximal step).
+    "ditto": Method(ditto, DittoConfig, revision=2),
     "fedrep": Method(fedrep, FedRepConfig),
     "lg_fedavg": Method(lg_fedavg, LGFedAvgConfig),
     # 2: the FedAvg warm-up counts within num_rounds (it was added on top).

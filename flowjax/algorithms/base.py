@@ -166,8 +166,11 @@ def plain_loss_sums(model: RoutableModel, params: Params, batch, key: jax.Array,
 
 
 def sgd_step(loss_sums: Callable[[PyTree, Any, jax.Array], jax.Array],
-             optimizer: optax.GradientTransformation):
-    """A ``run_epochs`` step: one optimizer step on the batch mean of ``loss_sums``."""
+             optimizer: optax.GradientTransformation,
+             penalty_gradient: Callable[[PyTree], PyTree] | None = None):
+    """A ``run_epochs`` step: one optimizer step on the batch mean of ``loss_sums``, plus
+    ``penalty_gradient(params)`` added to its gradient where given (a penalty the
+    reported loss leaves out, e.g. Ditto's ``lam / 2 ||v - w_t||^2``)."""
 
     def mean_loss(params, batch, key):
         sums = loss_sums(params, batch, key)
@@ -176,6 +179,8 @@ def sgd_step(loss_sums: Callable[[PyTree, Any, jax.Array], jax.Array],
     def step(carry, batch, key):
         params, opt_state = carry
         grads, sums = jax.grad(mean_loss, has_aux=True)(params, batch, key)
+        if penalty_gradient is not None:
+            grads = jax.tree.map(jnp.add, grads, penalty_gradient(params))
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), sums
 
