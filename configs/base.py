@@ -55,9 +55,9 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
             # weights (the same model to float32 rounding; routing/routed.py). None: off.
             fuse_branches=config_dict.placeholder(bool)),
         apfl=dict(alpha=0.25),
-        # step: the paper's gradient step on the penalized objective, or "proximal" (its
-        # exact proximal form, stable for any lr * lam; algorithms/ditto.py).
-        ditto=dict(lam=0.1, step="gradient"),
+        # step: None (or "gradient"), the paper's gradient step on the penalized objective;
+        # "proximal", its exact proximal form, stable for any lr * lam (algorithms/ditto.py).
+        ditto=dict(lam=0.1, step=config_dict.placeholder(str)),
         # None: derived from E, (E - 1) head + 1 body epochs (E = 1: 0 + 1; algorithms/fedrep.py).
         fedrep=dict(head_epochs=config_dict.placeholder(int),
                     body_epochs=config_dict.placeholder(int)),

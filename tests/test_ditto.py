@@ -37,7 +37,7 @@ def test_proximal_pull_is_exact_at_both_ends():
     np.testing.assert_allclose(proximal_pull(z, anchor, 3.0)["a"], expected, rtol=1e-6)
 
 
-@pytest.mark.parametrize("step", ["gradient", "proximal"])
+@pytest.mark.parametrize("step", [None, "gradient", "proximal"])
 def test_one_minibatch_is_the_configured_step(step, mlp, images_small):
     """The paper's step ``v - lr (grad f(v) + lam (v - w_t))`` by default; the exact
     proximal step ``(v - lr grad f(v) + lr lam w_t) / (1 + lr lam)`` on request."""
@@ -57,13 +57,13 @@ def test_one_minibatch_is_the_configured_step(step, mlp, images_small):
     paper = jax.tree.map(lambda p, g, a: p - lr * (g + lam * (p - a)), v, jax.grad(loss)(v), w_t)
     proximal = jax.tree.map(lambda p, g, a: (p - lr * g + lr * lam * a) / (1 + lr * lam),
                             v, jax.grad(loss)(v), w_t)
-    expected_v = paper if step == "gradient" else proximal
+    expected_v = proximal if step == "proximal" else paper
     for got, want in ((result.params, expected_w), (result.client_state["v"], expected_v)):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     # The two steps differ beyond that tolerance (second order in lr * lam), so the
     # check above tells them apart.
-    other = proximal if step == "gradient" else paper
+    other = paper if step == "proximal" else proximal
     assert any(not np.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in
                zip(jax.tree.leaves(result.client_state["v"]), jax.tree.leaves(other)))
 
@@ -153,16 +153,15 @@ def test_a_client_without_examples_stays_unvisited(mlp, images_small):
 def test_bad_config_values_name_the_field():
     with pytest.raises(ValueError, match=r"^lam=-0.1: expected a finite number >= 0$"):
         DittoConfig(**CONFIG, lam=-0.1)
-    with pytest.raises(ValueError, match=r"^step='prox': expected one of \['gradient', "
+    with pytest.raises(ValueError, match=r"^step='prox': expected one of \[None, 'gradient', "
                                          r"'proximal'\]$"):
         DittoConfig(**CONFIG, lam=0.1, step="prox")
 
 def test_a_lam_the_papers_step_diverges_with_is_refused_for_a_ditto_run(mlp):
     # lr 0.05: the paper's step diverges from lam = 40 on; the proximal step takes it.
-    with pytest.raises(ValueError, match=r"^lam=40.0: expected lam < 2 / learning_rate \(40\) "
-                                         r"with step='gradient', where the penalty's gradient "
-                                         r"step diverges beyond; step='proximal' is stable for "
-                                         r"any lam$"):
+    with pytest.raises(ValueError, match=r"^lam=40.0: expected lam < 2 / learning_rate \(40\), "
+                                         r"beyond which the paper's gradient step diverges; "
+                                         r"step='proximal' is stable for any lam$"):
         ditto(mlp, DittoConfig(**CONFIG, lam=40.0))
     ditto(mlp, DittoConfig(**CONFIG, lam=39.9))
     ditto(mlp, DittoConfig(**CONFIG, lam=40.0, step="proximal"))
@@ -170,7 +169,7 @@ def test_a_lam_the_papers_step_diverges_with_is_refused_for_a_ditto_run(mlp):
     # learning rate Ditto never trains with.
     config = small_config(algorithm="ditto", **{"methods.ditto.lam": 2.5})  # lr 1.0
     with pytest.raises(ValueError, match=r"^config.methods.ditto.lam=2.5: expected lam < 2 / "
-                                         r"learning_rate \(2\) with step='gradient'"):
+                                         r"learning_rate \(2\), beyond which"):
         validate_config(config)
     config.algorithm = "fedavg"
     validate_config(config)

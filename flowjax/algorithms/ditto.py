@@ -12,7 +12,7 @@ client receives the global params ``w_t`` and
    params *received this round*, fixed during the whole update (not the moving local
    ``w``, and the squared norm, not the norm: the pitfalls of the public reference).
 
-Each personal step is the paper's (Algorithm 1; ``step="gradient"``, the default):
+Each personal step is the paper's (Algorithm 1; ``step`` None or ``"gradient"``):
 
     v <- v - lr * (grad f(v; xi) + lam * (v - w_t))
 
@@ -61,7 +61,7 @@ from flowjax.core.tree import select_tree
 from flowjax.models.base import Params, RoutableModel
 
 
-STEPS = ("gradient", "proximal")
+STEPS = (None, "gradient", "proximal")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,16 +71,20 @@ class DittoConfig:
     Attributes:
       sgd: the clients' SGD for ``w`` and ``v`` (epochs E of each of the two updates).
       lam: weight ``lam`` of the penalty ``lam / 2 * ||v - w_t||^2`` (>= 0).
-      step: ``"gradient"`` (the paper's personal step) or ``"proximal"`` (its exact
-        proximal form, stable for any ``lr * lam``); see the module docstring.
+      step: ``"gradient"`` or None (the paper's personal step) or ``"proximal"`` (its
+        exact proximal form, stable for any ``lr * lam``); see the module docstring.
     """
 
     sgd: SGDConfig
     lam: float
-    step: str = "gradient"
+    step: str | None = None
 
     def __post_init__(self):
         check_fields(self, {"lam": non_negative, "step": one_of(STEPS)})
+
+    @property
+    def proximal(self) -> bool:
+        return self.step == "proximal"
 
 
 def unstable_lam(config: DittoConfig) -> str | None:
@@ -89,10 +93,10 @@ def unstable_lam(config: DittoConfig) -> str | None:
     Checked for a Ditto run only (``ditto`` and ``flowjax.validation``): the other methods'
     runs validate Ditto's fields too, with a learning rate Ditto never uses.
     """
-    if config.step == "gradient" and config.sgd.learning_rate * config.lam >= 2:
-        return (f"expected lam < 2 / learning_rate ({2 / config.sgd.learning_rate:g}) with "
-                f"step='gradient', where the penalty's gradient step diverges beyond; "
-                f"step='proximal' is stable for any lam")
+    if not config.proximal and config.sgd.learning_rate * config.lam >= 2:
+        return (f"expected lam < 2 / learning_rate ({2 / config.sgd.learning_rate:g}), beyond "
+                f"which the paper's gradient step diverges; step='proximal' is stable for "
+                f"any lam")
     return None
 
 
@@ -128,7 +132,7 @@ def ditto(model: RoutableModel, config: DittoConfig) -> FederatedAlgorithm:
 
     def train_personal(personal, anchor, examples: ClientExamples, key):
         """E epochs of ``config.step`` steps on ``v`` towards the fixed ``anchor = w_t``."""
-        if config.step == "gradient":
+        if not config.proximal:
             step = sgd_step(loss_sums, optimizer, lambda v: jax.tree.map(
                 lambda p, a: config.lam * (p - a), v, anchor))
         else:
