@@ -78,11 +78,13 @@ if os.environ.get("FLOWJAX_TEST_XLA_O2") != "1":
 # leave one worker running alone at the end. Remeasure a file when its tests change much;
 # a file not listed runs last. (test_hypcluster: 22 s measured, plus 15 s since its exact
 # k = 1 check moved into a child process; test_resume, test_conformance, test_mnist_family
-# and test_global_model: plus their formerly slow tests, measured alone.)
+# and test_global_model: plus their formerly slow tests, measured alone. test_parity:
+# 336 s of its module fixture on 2026-11-28 (the four default-build flowjax sides in one
+# child), which started late and left one worker alone for minutes: 940 s of pytest.)
 FILE_SECONDS = {
     "tests/test_resume.py": 91, "tests/test_validation.py": 69,
     "tests/test_conformance.py": 82, "tests/test_flow_reference.py": 53,
-    "tests/test_experiment.py": 52, "tests/test_launch.py": 50, "tests/test_parity.py": 42,
+    "tests/test_experiment.py": 52, "tests/test_launch.py": 50, "tests/test_parity.py": 340,
     "tests/test_conv_impl.py": 41, "tests/test_sharding.py": 33, "tests/test_knn_per.py": 32,
     "tests/test_routing.py": 32, "tests/test_flow.py": 31, "tests/test_models_large.py": 31,
     "tests/test_multihost.py": 28, "tests/test_tff_loaders.py": 27,
@@ -91,7 +93,7 @@ FILE_SECONDS = {
     "tests/test_partialfed.py": 21, "tests/test_memory_plan.py": 20,
     "tests/test_layers.py": 19, "tests/test_models.py": 18, "tests/test_global_model.py": 23,
     "tests/test_plot.py": 15, "tests/test_bucketing.py": 11, "tests/test_reproduce.py": 10,
-    "tests/test_schema.py": 7, "tests/test_local.py": 7, "tests/test_convert_safety.py": 6,
+    "tests/test_schema.py": 30, "tests/test_local.py": 7, "tests/test_convert_safety.py": 6,
     "tests/test_mnist_family.py": 31, "tests/test_benchmark.py": 5,
 }
 
