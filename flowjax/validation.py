@@ -211,8 +211,9 @@ def _check_model_fields(config: Any, method: Any, model: RoutableModel) -> None:
         _fail("methods.hypcluster.warmup_rounds", method.warmup_rounds,
               f"expected fewer than num_rounds={config.num_rounds}: the warm-up's FedAvg "
               "rounds are the run's first rounds, before HypCluster's own")
-    if config.algorithm == "ditto" and unstable_lam(method) is not None:
-        _fail("methods.ditto.lam", method.lam, unstable_lam(method))
+    expected = unstable_lam(method) if config.algorithm == "ditto" else None
+    if expected is not None:
+        _fail("methods.ditto.lam", method.lam, expected)
     if config.algorithm == "lg_fedavg":
         requested = method.global_layers
         try:
