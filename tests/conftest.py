@@ -34,8 +34,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # programs are the ones users run, but the generated code may sum in another order, so
 # results can differ from a default build in the last bits: tests compare runs made within
 # the suite, or references with tolerances; the checks that two different programs agree
-# bit for bit, and test_parity (whose fixture was made by a default build, checked to
-# 1e-4), run their child processes without these flags (``helpers.default_xla_env``).
+# bit for bit, and test_parity's float64 CIFAR check (whose fixture a default build made),
+# run their child processes without these flags (``helpers.default_xla_env``).
 # Not only the last bits: at optimization level 0 a gradient that needs XLA to recompute
 # a value bit for bit alike can come out wrong. ``jnp.max``'s did, in the routed CNN's
 # max pool (up to 40% off, or infinite; level 1 and the default were exact), so the

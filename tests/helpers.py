@@ -45,11 +45,21 @@ def default_xla_env() -> dict[str, str]:
     launchers' CPU tuning (``launch/xla_env.py``), whose flags cannot be unset in a
     process where JAX has started."""
     from conftest import TEST_XLA_FLAGS
+    return _env_without(TEST_XLA_FLAGS)
+
+
+def untuned_xla_env() -> dict[str, str]:
+    """This process's environment for a child that compiles with the suite's XLA flags
+    but without the launchers' CPU tuning (``launch/xla_env.py``)."""
+    return _env_without(())
+
+
+def _env_without(flags: tuple[str, ...]) -> dict[str, str]:
     from launch import xla_env
     env = dict(os.environ, FLOWJAX_XLA_TUNING="0")
-    tuned = {flag.split("=")[0] for flag in (*xla_env.CPU_FLAGS, *TEST_XLA_FLAGS)}
+    dropped = {flag.split("=")[0] for flag in (*xla_env.CPU_FLAGS, *flags)}
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if f.split("=")[0] not in tuned)
+                                if f.split("=")[0] not in dropped)
     return env
 
 
