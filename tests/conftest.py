@@ -71,30 +71,32 @@ if os.environ.get("FLOWJAX_TEST_XLA_O2") != "1":
     os.environ["XLA_FLAGS"] = " ".join(_flags + (_defined_by_jaxlib(_missing) if _missing else []))
 
 
-# Seconds of each test file's CI tests (``-m "not slow"``, pytest --durations: setup, call
-# and teardown, subprocesses included), measured with TEST_XLA_FLAGS on the 2-core machine
-# (two workers; files under 4 s left out). CI runs two xdist workers with ``--dist
-# loadfile``: each takes one file at a time, and the heaviest files started last would
-# leave one worker running alone at the end. Remeasure a file when its tests change much;
-# a file not listed runs last. (test_hypcluster: 22 s measured, plus 15 s since its exact
-# k = 1 check moved into a child process; test_resume, test_conformance, test_mnist_family
-# and test_global_model: plus their formerly slow tests, measured alone. test_parity:
-# 336 s of its module fixture on 2026-11-28 (the four default-build flowjax sides in one
-# child), which started late and left one worker alone for minutes: 940 s of pytest.)
+# Seconds of each test file's CI tests (``-m "not slow"``, pytest --durations=0: setup,
+# call and teardown, subprocesses included), measured in one run of the whole suite with
+# TEST_XLA_FLAGS on the 2-core machine (two workers; files under 4 s left out; 2026-11-28,
+# then test_flow_reference_resnet and test_hypcluster less what their later cuts saved).
+# CI runs two xdist workers with ``--dist loadfile``: each takes one file at a time, and
+# the heaviest files started last would leave one worker running alone at the end.
+# Remeasure a file when its tests change much; a file not listed runs last (the two
+# reference-network files once were, at 167 s and 117 s).
 FILE_SECONDS = {
-    "tests/test_resume.py": 91, "tests/test_validation.py": 69,
-    "tests/test_conformance.py": 82, "tests/test_flow_reference.py": 53,
-    "tests/test_experiment.py": 52, "tests/test_launch.py": 50, "tests/test_parity.py": 340,
-    "tests/test_conv_impl.py": 41, "tests/test_sharding.py": 33, "tests/test_knn_per.py": 32,
-    "tests/test_routing.py": 32, "tests/test_flow.py": 31, "tests/test_models_large.py": 31,
-    "tests/test_multihost.py": 28, "tests/test_tff_loaders.py": 27,
-    "tests/test_fedrep.py": 27, "tests/test_leaf_synthetic.py": 25, "tests/test_apfl.py": 24,
-    "tests/test_lg_fedavg.py": 23, "tests/test_hypcluster.py": 37, "tests/test_ditto.py": 22,
-    "tests/test_partialfed.py": 21, "tests/test_memory_plan.py": 20,
-    "tests/test_layers.py": 19, "tests/test_models.py": 18, "tests/test_global_model.py": 23,
-    "tests/test_plot.py": 15, "tests/test_bucketing.py": 11, "tests/test_reproduce.py": 10,
-    "tests/test_schema.py": 30, "tests/test_local.py": 7, "tests/test_convert_safety.py": 6,
-    "tests/test_mnist_family.py": 31, "tests/test_benchmark.py": 5,
+    "tests/test_flow_reference_lstm.py": 167, "tests/test_resume.py": 92,
+    "tests/test_flow_reference_resnet.py": 82, "tests/test_parity.py": 76,
+    "tests/test_experiment.py": 74, "tests/test_validation.py": 68,
+    "tests/test_conformance.py": 67, "tests/test_benchmark.py": 55,
+    "tests/test_flow.py": 53, "tests/test_conv_impl.py": 46, "tests/test_launch.py": 44,
+    "tests/test_hypcluster.py": 44, "tests/test_flow_reference.py": 44,
+    "tests/test_routing.py": 40, "tests/test_schema.py": 40, "tests/test_layers.py": 37,
+    "tests/test_tff_loaders.py": 27, "tests/test_models_large.py": 25,
+    "tests/test_ditto.py": 24, "tests/test_mnist_family.py": 24,
+    "tests/test_memory_plan.py": 24, "tests/test_fedrep.py": 23,
+    "tests/test_lg_fedavg.py": 23, "tests/test_partialfed.py": 23,
+    "tests/test_global_model.py": 23, "tests/test_knn_per.py": 22,
+    "tests/test_sharding.py": 22, "tests/test_apfl.py": 21, "tests/test_multihost.py": 21,
+    "tests/test_metrics.py": 19, "tests/test_models.py": 16, "tests/test_plot.py": 16,
+    "tests/test_bucketing.py": 11, "tests/test_reproduce.py": 11,
+    "tests/test_leaf_synthetic.py": 10, "tests/test_convert_safety.py": 6,
+    "tests/test_local.py": 6, "tests/test_core.py": 6,
 }
 
 
