@@ -50,7 +50,8 @@ per step, in float64 too), so float32, or many steps, compare rounding, not proc
 
 The ``*flowjax_side`` functions need no PyTorch: ``tests/test_parity.py``
 recomputes them and compares them with the committed figures of the PyTorch side
-(``tests/fixtures/parity_{emnist,shakespeare,stackoverflow,cifar}.json``).
+(``tests/fixtures/parity_{emnist,shakespeare,stackoverflow,cifar}.json``; CIFAR's with
+``-m slow``).
 """
 
 from __future__ import annotations
