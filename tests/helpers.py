@@ -91,6 +91,18 @@ def small_config(**overrides):
     return apply_overrides(config, overrides)
 
 
+def small_synthetic_config(**overrides):
+    """The synthetic MLP config on 12 clients (43 to 320 training examples each), 4 per
+    round: for engine behaviour that does not depend on the model, at a fraction of the
+    LSTM's compile time."""
+    from configs import synthetic
+    config = synthetic.get_config("quick")
+    config.data.num_clients = 12
+    config.clients_per_round = 4
+    config.eval.clients = 6
+    return apply_overrides(config, overrides)
+
+
 def tiny_mlp() -> RoutableModel:
     """A dropout-free model on 28x28 inputs, so a step can be recomputed by hand."""
     return chain_model(

@@ -337,18 +337,15 @@ def test_steps_per_loop_trains_the_same_model(algorithm):
     losses to float32 rounding, and the same evaluation counts."""
     import jax
 
-    from configs import synthetic
-    from tests.helpers import apply_overrides
+    from tests.helpers import small_synthetic_config
 
     # The synthetic MLP (the loop's behaviour does not depend on the model; Shakespeare's
-    # LSTM took a minute here): its first 12 clients hold 43 to 320 training examples, 3 to
-    # 16 steps an epoch at batch 20, 8 of them no multiple of 3. With momentum, a step run
-    # past a client's count (an empty batch) would still move the params.
+    # LSTM took a minute here): its 12 clients take 3 to 16 steps an epoch at batch 20, 8
+    # of them no multiple of 3. With momentum, a step run past a client's count (an empty
+    # batch) would still move the params.
     def final(steps_per_loop):
-        config = apply_overrides(synthetic.get_config("quick"), {
-            "algorithm": algorithm, "data.num_clients": 12, "num_rounds": 2,
-            "clients_per_round": 4, "sgd.momentum": 0.9, "sgd.steps_per_loop": steps_per_loop,
-            "eval.every": 2, "eval.clients": 6})
+        config = small_synthetic_config(algorithm=algorithm, num_rounds=2, **{
+            "sgd.momentum": 0.9, "sgd.steps_per_loop": steps_per_loop, "eval.every": 2})
         return run(config)[1]
 
     looped, grouped = final(None), final(3)

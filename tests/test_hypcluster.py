@@ -95,17 +95,13 @@ np.testing.assert_array_equal(predictions.global_logits, expected)
 np.testing.assert_array_equal(predictions.personal_hard, expected)
 # A warm-up of W FedAvg rounds, then HypCluster's rounds W .. R - 1 of the seed's sampling and
 # training streams: with k = 1 and no perturbation, R rounds of FedAvg.
-from configs import synthetic
 from flowjax import config as run_config
-from tests.helpers import apply_overrides
-def synthetic_config(**overrides):  # the MLP: with the LSTM this child took 23 s, now 19
-    return apply_overrides(synthetic.get_config("quick"), {
-        "data.num_clients": 12, "num_rounds": 3, "clients_per_round": 4, **overrides})
-warm_then_one = run_config.build_simulation(synthetic_config(
-    algorithm="hypcluster", **{"methods.hypcluster.warmup_rounds": 2,
-                               "methods.hypcluster.clusters": 1,
-                               "methods.hypcluster.perturbation": 0.0}))
-plain = run_config.build_simulation(synthetic_config(algorithm="fedavg"))
+from tests.helpers import small_synthetic_config  # the MLP: the LSTM took 23 s here, it 19
+warm_then_one = run_config.build_simulation(small_synthetic_config(
+    algorithm="hypcluster", num_rounds=3, **{"methods.hypcluster.warmup_rounds": 2,
+                                             "methods.hypcluster.clusters": 1,
+                                             "methods.hypcluster.perturbation": 0.0}))
+plain = run_config.build_simulation(small_synthetic_config(algorithm="fedavg", num_rounds=3))
 assert not np.array_equal(plain.host_cohort(0).client_id, plain.host_cohort(2).client_id)
 np.testing.assert_array_equal(warm_then_one.host_cohort(2).client_id,
                               plain.host_cohort(2).client_id)

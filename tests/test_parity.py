@@ -77,6 +77,8 @@ def _flowjax_sides_in_a_child(out: str, models: list[str]) -> dict:
     instead of 100 s. CIFAR's child runs as a default build: its check computes in
     float64, and its fixture was made by one.
     """
+    # One child for the selection: with CIFAR in it (-m slow, or -m ""), all as a default
+    # build, which the other figures meet too.
     env = default_xla_env() if any(m in SLOW_MODELS for m in models) else untuned_xla_env()
     subprocess.run([sys.executable, "-c", _CHILD, out, *models], env=env,
                    check=True, cwd=parity.ROOT)
@@ -91,7 +93,7 @@ def flowjax_sides(request, tmp_path_factory):
     models = sorted({item.callspec.params["model"] for item in request.session.items
                      if item.module is request.module and "flowjax_sides" in item.fixturenames})
     return _flowjax_sides_in_a_child(str(tmp_path_factory.mktemp("parity") / "ours.pkl"),
-                                           models)
+                                     models)
 
 
 @pytest.mark.parametrize("model", MODELS)
