@@ -10,7 +10,7 @@ SCRIPT = r'''
 import jax, numpy as np
 from flowjax import config as run_config, experiment
 from flowjax.core.mapping import ClientMapping
-from configs import synthetic
+from tests.helpers import small_synthetic_config
 
 assert jax.device_count() == 2, jax.devices()
 results = {}
@@ -18,10 +18,8 @@ for algorithm in ("flow", "ditto"):
     for devices in (1, 2):
         # The synthetic MLP task (the clients axis is sharded the same whatever the model
         # is): its four programs compile in a fraction of the Shakespeare LSTM's time.
-        config = synthetic.get_config("quick")
-        config.update(algorithm=algorithm, num_rounds=2, clients_per_round=4)
-        config.data.num_clients = 12
-        config.eval.clients = 4
+        config = small_synthetic_config(algorithm=algorithm, num_rounds=2,
+                                        **{"eval.clients": 4})
         assert not config.eval.held_out
         simulation = run_config.build_simulation(config)
         simulation = experiment.Simulation(simulation.algorithm, simulation.task,
