@@ -45,7 +45,7 @@ def test_fixture_was_written_for_the_settings_the_script_uses(model):
 
 
 # Their resnet18 in float64 takes about 100 s of the child's 200 alone (2-core AMD EPYC,
-# jax 0.11.2); CI checks the other three networks, `-m slow` this one.
+# jax 0.10.2); CI checks the other three networks, `-m slow` this one.
 SLOW_MODELS = ("cifar",)
 MODELS = [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_MODELS else name
           for name in sorted(parity.CHECKS)]
