@@ -16,6 +16,8 @@ from flowjax.core.cohort import ClientExamples, assemble_cohort, client_at
 from flowjax.models.base import RoutableModel
 from flowjax.models.layers import Dense, chain_model
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def products(fn, *args) -> int:
     """``dot_general`` and convolution equations in ``fn``'s jaxpr, nested ones included:
@@ -37,6 +39,39 @@ def loops(fn, *args) -> int:
     loops a formulation asks for, e.g. none for a fully unrolled scan."""
     import jax
     return jax.jit(fn).lower(*args).as_text().count("stablehlo.while")
+
+
+_CIFAR_ROUND_CHILD = """
+import json, sys
+import tensorflow_datasets as tfds
+from configs import cifar
+from flowjax import config as run_config
+from flowjax import experiment
+config = cifar.get_config("cifar10_0.1")
+config.data.update(num_clients=4, train_per_client=4, test_per_client=2)
+config.update(num_rounds=1, clients_per_round=2, batch_size=2, epochs=1)
+config.eval.clients = 2
+config.methods.flow.semantics = sys.argv[1]
+with tfds.testing.mock_data(num_examples=64):
+    result = experiment.run(run_config.build_simulation(config))
+summary = result.summaries["train_clients"]
+print(json.dumps(dict(acc_p=summary.acc_p, snapshot=summary.acc_g_client_snapshot)))
+"""
+
+
+def cifar_round_in_child(semantics: str) -> dict:
+    """One round of ``configs/cifar.py``'s Flow (2 of 4 clients) on TFDS's mock CIFAR-10,
+    in a child compiled as a default build: under the suite's XLA flags the routed
+    ResNet-18 runs about 12x slower (this round took 35 min on the 2-core machine against
+    2.5 min, jax 0.10.2). Returns the train clients' ``acc_p`` and client-snapshot Acc_g."""
+    import json
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", _CIFAR_ROUND_CHILD, semantics],
+                          env=default_xla_env(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def default_xla_env() -> dict[str, str]:

@@ -6,6 +6,7 @@ import tensorflow_datasets as tfds
 
 from flowjax.data import load_task
 from flowjax.data.cifar import dirichlet_partition, label_skew
+from tests.helpers import cifar_round_in_child
 
 
 def test_partition_sizes_disjointness_and_renormalization():
@@ -52,16 +53,6 @@ def test_config_partition_seed_is_data_seed():
     assert labels(0) == labels(0) != labels(1)
 
 
-@pytest.mark.slow  # compiles the routed ResNet-18 (about a minute on 2 cores)
+@pytest.mark.slow  # a child process, about 2.5 min on 2 cores (tests/helpers.py)
 def test_cifar_config_trains_a_round_on_mock_data():
-    from configs import cifar
-    from flowjax import config as run_config
-    from flowjax import experiment
-
-    config = cifar.get_config("cifar10_0.1")
-    config.data.update(num_clients=4, train_per_client=4, test_per_client=2)
-    config.update(num_rounds=1, clients_per_round=2, batch_size=2, epochs=1)
-    config.eval.clients = 2
-    with tfds.testing.mock_data(num_examples=64):
-        result = experiment.run(run_config.build_simulation(config))
-    assert 0 <= result.summaries["train_clients"].acc_p <= 1
+    assert 0 <= cifar_round_in_child("paper")["acc_p"] <= 1

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tensorflow_datasets as tfds
 
 from configs import cifar
 from flowjax.algorithms import build_algorithm, flow_reference_resnet as reference
@@ -16,6 +15,7 @@ from flowjax.algorithms.flow import FlowConfig, flow
 from flowjax.models import get_model
 from flowjax.validation import validate_config
 from launch.parity import _examples, image_client_data
+from tests.helpers import cifar_round_in_child
 
 CONFIG = dict(sgd=SGDConfig(learning_rate=0.05, epochs=2, batch_size=4, momentum=0.9),
               gamma=0.1, policy_hidden=(1000, 750, 350, 150, 50, 2), semantics="reference")
@@ -242,18 +242,8 @@ def test_client_update_trains_what_their_phases_train(algorithm, params, client,
                                               jax.tree.leaves(personal["snapshot"]["policy"])))
 
 
-@pytest.mark.slow  # about 4.5 minutes on 2 cores, compiling their network's phases
+@pytest.mark.slow  # a child process compiling their network's phases (tests/helpers.py)
 def test_a_reference_run_reports_their_snapshot_beside_acc_g():
     """Through the config and the experiment on mock CIFAR (TFDS's mock_data)."""
-    from flowjax import config as run_config
-    from flowjax import experiment
-
-    config = cifar.get_config("cifar10_0.1")
-    config.data.update(num_clients=4, train_per_client=4, test_per_client=2)
-    config.update(num_rounds=1, clients_per_round=2, batch_size=2, epochs=1)
-    config.eval.clients = 2
-    config.methods.flow.semantics = "reference"
-    with tfds.testing.mock_data(num_examples=64):
-        result = experiment.run(run_config.build_simulation(config))
-    summary = result.summaries["train_clients"]
-    assert 0 <= summary.acc_p <= 1 and summary.acc_g_client_snapshot is not None
+    summary = cifar_round_in_child("reference")
+    assert 0 <= summary["acc_p"] <= 1 and summary["snapshot"] is not None
