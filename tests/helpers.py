@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -64,9 +67,6 @@ def cifar_round_in_child(semantics: str) -> dict:
     in a child compiled as a default build: under the suite's XLA flags the routed
     ResNet-18 runs about 12x slower (this round took 35 min on the 2-core machine against
     2.5 min, jax 0.10.2). Returns the train clients' ``acc_p`` and client-snapshot Acc_g."""
-    import json
-    import subprocess
-    import sys
     done = subprocess.run([sys.executable, "-c", _CIFAR_ROUND_CHILD, semantics],
                           env=default_xla_env(), cwd=ROOT, capture_output=True, text=True,
                           timeout=1800)

@@ -73,7 +73,7 @@ def _flowjax_sides_in_a_child(out: str, models: list[str]) -> dict:
     level 0 (``layers.max_pool_2x2``). Since the pool's gradient compares within each
     window, the suite's flags alone leave EMNIST within 2.3e-5 of the fixture, Shakespeare
     within 9.6e-7 and Stack Overflow within 2.4e-7 (a default build: 1.7e-5, 9.6e-7,
-    2.4e-7; measured 2026-11-28, jax 0.11.2), so the child keeps them: it then takes 61 s
+    2.4e-7; measured 2026-11-28, jax 0.10.2), so the child keeps them: it then takes 61 s
     instead of 100 s. CIFAR's child runs as a default build: its check computes in
     float64, and its fixture was made by one.
     """
