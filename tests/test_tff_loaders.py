@@ -305,6 +305,23 @@ def test_msgpack_codec_reads_payloads_packed_without_bin_types():
     assert list(back["tokens"]) == list(tokens)
 
 
+def test_h5_clients_are_in_tffs_sorted_order_whatever_the_files_creation_order(tmp_path):
+    """TFF's HDF5ClientData sorts the ids of ``examples``; h5py lists a group written with
+    ``track_order=True`` in creation order instead, so the reader must sort too."""
+    for split in ("train", "test"):
+        with h5py.File(tmp_path / f"fed_emnist_{split}.h5", "w") as f:
+            examples = f.create_group("examples", track_order=True)
+            for client_id in ("f0003_22", "f0001_00", "f0002_11"):
+                _emnist_client(examples.create_group(client_id),
+                               EMNIST["train"].get(client_id, EMNIST["train"]["f0001_00"]))
+        with h5py.File(tmp_path / f"fed_emnist_{split}.h5", "r") as f:
+            assert list(f["examples"]) == ["f0003_22", "f0001_00", "f0002_11"]  # as written
+    out = convert("emnist", tmp_path, tmp_path / "store", "tff_h5")
+    task = load_task("emnist_tff", {"store_dir": str(out)})
+    assert list(task.train.client_ids) == ["f0001_00", "f0002_11", "f0003_22"]
+    np.testing.assert_array_equal(task.train.num_examples("train"), [3, 0, 2])
+
+
 def test_convert_cli(tff_dir, tmp_path):
     script = os.path.join(ROOT, "launch", "convert.py")
     out = tmp_path / "emnist"

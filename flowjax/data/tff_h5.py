@@ -92,8 +92,10 @@ class H5Source:
         self._features = tuple(features)
 
     def client_ids(self) -> Iterator[str]:
-        # h5py lists a group's members by name without touching their data.
-        yield from self._examples.keys()
+        # Sorted, as TFF's HDF5ClientData sorts them: a file written with creation-order
+        # tracking lists its groups in that order. h5py lists the names without touching
+        # the data.
+        yield from sorted(self._examples.keys())
 
     def __contains__(self, client_id: str) -> bool:
         return client_id in self._examples
