@@ -287,6 +287,23 @@ def test_msgpack_codec_round_trip():
         np.testing.assert_array_equal(back[name], value)
 
 
+@pytest.mark.parametrize("array", [np.array([b"ab", b"c"]), np.array(["ab", "c"])],
+                         ids=["S2", "U2"])
+def test_msgpack_codec_refuses_fixed_width_strings_it_could_not_read_back(array, tmp_path):
+    """Their dtype name (``bytes16``) is no name ``np.dtype`` reads, in FedJAX's reader
+    (``serialization._dtype_from_name``) as in ours: refused in one line, so no client is
+    stored that could not be read."""
+    with pytest.raises(TypeError, match="not understood"):
+        np.dtype(array.dtype.name)
+    with pytest.raises(ValueError) as error:
+        encode_client({"tokens": array})
+    message = str(error.value)
+    assert len(message.splitlines()) == 1
+    assert f"a {array.dtype} array" in message and "object array of bytes" in message
+    with pytest.raises(ValueError, match="cannot FedJAX-encode"):
+        write_sqlite(tmp_path / "x.sqlite", {"c": {"tokens": np.array([b"ab"])}})
+
+
 def test_msgpack_codec_reads_payloads_packed_without_bin_types():
     """msgpack before 1.0 packed bytes as its str type unless told otherwise; FedJAX's
     reader (serialization.py) unpacks the array payloads with raw=True, and so do we."""

@@ -19,14 +19,17 @@ clients give the same store. File names: ``federated_emnist_{train,test}.sqlite`
 
 The msgpack ndarray encoding implemented here (FedJAX follows flax's):
 
-* a numeric or fixed-width bytes array ``a`` is ``ExtType(1, packb((a.shape,
-  a.dtype.name, a.tobytes('C'))))``, ``use_bin_type=True``;
+* a numeric array ``a`` is ``ExtType(1, packb((a.shape, a.dtype.name,
+  a.tobytes('C'))))``, ``use_bin_type=True``;
 * an object array of byte strings (text features such as ``tokens``) is
   ``ExtType(4, packb((a.shape, [bytes, ...])))``, items in C order; ``str`` items are
   stored as UTF-8 bytes;
 * a numpy scalar is ``ExtType(3, ...)``, same payload as code 1, zero-dimensional;
 * dict keys are ``str``.
 
+A fixed-width string array (numpy ``S``/``U``) is refused: its ``dtype.name``
+(``bytes48``) is no name ``np.dtype`` reads back, in FedJAX's reader as in ours, so a file
+holding one could be written but never read; text goes in an object array of bytes.
 :func:`encode_client` and :func:`decode_client` are inverses; ``decode_client`` also
 reads dict keys stored as bytes.
 """
@@ -65,6 +68,10 @@ def _default(obj: Any) -> msgpack.ExtType:
         items = [x.encode("utf-8") if isinstance(x, str) else bytes(x) for x in obj.reshape(-1)]
         return msgpack.ExtType(EXT_OBJECT_NDARRAY,
                                msgpack.packb((list(obj.shape), items), use_bin_type=True))
+    if isinstance(obj, np.ndarray) and obj.dtype.kind in "SU":
+        raise ValueError(f"cannot FedJAX-encode a {obj.dtype} array: its dtype name "
+                         f"{obj.dtype.name!r} does not read back; expected a numeric array, "
+                         "or text as an object array of bytes")
     if isinstance(obj, np.ndarray):
         return msgpack.ExtType(EXT_NDARRAY, _pack_ndarray(obj))
     if isinstance(obj, np.generic):
