@@ -7,8 +7,10 @@ starts from one pool of labelled examples (CIFAR, the MNIST family):
   2019; the paper's CIFAR 0.1 / 0.6 splits). Smaller ``alpha`` means more skewed clients.
 * ``shards``: the train pool is sorted by label and cut into ``num_clients x
   shards_per_client`` equal shards, each client getting ``shards_per_client`` of them at
-  random (McMahan et al. 2017's pathological non-IID split), so a client sees at most
-  ``shards_per_client`` classes.
+  random (McMahan et al. 2017's pathological non-IID split), so a client sees few
+  classes: ``shards_per_client`` when no shard straddles two labels, and one more for
+  each of its shards that does (a class whose count is not a multiple of the shard size
+  ends inside a shard).
 
 Every client's test examples follow the same class distribution as its train examples
 (Dirichlet: its ``p``; shards: its train label histogram), drawn without replacement
