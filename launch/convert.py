@@ -20,6 +20,7 @@ task directory this tool wrote (its ``task.json`` marker, nothing else inside), 
 source folder, a folder holding it or one inside it.
 """
 
+import json
 import os
 import pathlib
 import sqlite3
@@ -182,6 +183,10 @@ def main(argv: list[str]) -> None:
         print(f"interrupted (Ctrl-C); --out={_OUT.value} was left as it was; the same "
               "command converts again", file=sys.stderr, flush=True)
         sys.exit(cli.INTERRUPTED)
+    test_only = json.loads((pathlib.Path(out) / "task.json").read_text()).get("test_only_clients")
+    if test_only:
+        print(f"test clients left out: {test_only}, with no train rows (a client's test "
+              "rows are kept with its train rows; task.json: test_only_clients)", flush=True)
     print(f"wrote {out} in {time.perf_counter() - start:.1f}s; load it with "
           f"load_task('{_DATASET.value}_tff', {{'store_dir': '{out}'}})")
 

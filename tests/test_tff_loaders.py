@@ -339,6 +339,22 @@ def test_h5_clients_are_in_tffs_sorted_order_whatever_the_files_creation_order(t
     np.testing.assert_array_equal(task.train.num_examples("train"), [3, 0, 2])
 
 
+def test_test_split_of_other_clients_is_refused_and_nothing_is_written(tmp_path):
+    """A test file sharing no client with the train file (another download, or ids written
+    differently) would leave every client without test rows: one line, no task directory."""
+    _write_h5(tmp_path / "fed_emnist_train.h5", EMNIST["train"], _emnist_client)
+    _write_h5(tmp_path / "fed_emnist_test.h5", {"g0001_00": EMNIST["test"]["f0001_00"]},
+              _emnist_client)
+    with pytest.raises(ValueError) as error:
+        convert("emnist", tmp_path, tmp_path / "store", "tff_h5")
+    message = str(error.value)
+    assert len(message.splitlines()) == 1
+    assert message.startswith(f"{tmp_path / 'fed_emnist_test.h5'}: none of its 1 clients is a "
+                              f"client of {tmp_path / 'fed_emnist_train.h5'}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fed_emnist_test.h5",
+                                                          "fed_emnist_train.h5"]
+
+
 def test_convert_cli(tff_dir, tmp_path):
     script = os.path.join(ROOT, "launch", "convert.py")
     out = tmp_path / "emnist"
@@ -346,6 +362,8 @@ def test_convert_cli(tff_dir, tmp_path):
                            f"--out={out}"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert len(load_task("emnist_tff", {"store_dir": str(out)}).train.client_ids) == 3
+    # f9999_99 is in the test file only: said, not silently dropped.
+    assert "test clients left out: 1, with no train rows" in done.stdout
     failed = subprocess.run([sys.executable, script, "--dataset=emnist", f"--source={tmp_path}",
                              f"--out={tmp_path / 'x'}"], capture_output=True, text=True,
                             timeout=60)

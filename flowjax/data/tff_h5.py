@@ -269,13 +269,25 @@ def _encoded(source: ClientSource, client_id: str,
 def _paired_clients(train: ClientSource, test: ClientSource,
                     encode: Callable[[RawClient], dict[str, np.ndarray]],
                     train_cap: int | None, dropped: dict[str, int]) -> Iterator[ClientRecord]:
-    """Every client of ``train`` with its test rows from ``test`` (none when absent)."""
+    """Every client of ``train`` with its test rows from ``test`` (none when absent).
+
+    Counts into ``dropped`` the test clients with no train rows (they cannot be kept: a
+    client's test rows belong to its train rows). When no train client has test rows,
+    raises: the two files cannot be splits of one download.
+    """
+    paired = 0
     for client_id in train.client_ids():
         record = {"train": _cap(_encoded(train, client_id, encode), train_cap)}
         if client_id in test:
             record["test"] = _encoded(test, client_id, encode)
+            paired += 1
         yield client_id, record
-    dropped["test_only_clients"] = sum(1 for c in test.client_ids() if c not in train)
+    test_clients = sum(1 for _ in test.client_ids())
+    if not paired:
+        raise ValueError(f"{test.name}: none of its {test_clients} clients is a client of "
+                         f"{train.name}: expected the test split of the same clients (are "
+                         "both files from one download?)")
+    dropped["test_only_clients"] = test_clients - paired
 
 
 def _split_clients(source: ClientSource, encode: Callable[[RawClient], dict[str, np.ndarray]],
