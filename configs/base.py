@@ -116,4 +116,7 @@ def store_data() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(
         store_dir=config_dict.placeholder(str),
         max_train_examples=config_dict.placeholder(int),
-        max_test_examples=config_dict.placeholder(int)))
+        max_test_examples=config_dict.placeholder(int),
+        # None / "all": every train client; "with_test": only those with test rows (the
+        # authors' Stack Overflow population; flowjax/data/tff_tasks.py).
+        train_clients=config_dict.placeholder(str)))

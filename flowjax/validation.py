@@ -26,6 +26,7 @@ from flowjax.core.prng import SEED_LIMIT
 from flowjax.core.server_opt import SERVER_OPTIMIZERS
 from flowjax.data import DATASETS
 from flowjax.data.federated import FederatedTask
+from flowjax.data.tff_tasks import TRAIN_CLIENTS
 from flowjax.paper.plan import ABLATIONS, variant_overrides
 from flowjax.models import MODELS, get_model, model_takes
 from flowjax.models.base import RoutableModel
@@ -104,6 +105,7 @@ _RULES: tuple[tuple[str, Check], ...] = (
     ("data.seed", integer(0)),
     ("data.max_train_examples", optional_cap),
     ("data.max_test_examples", optional_cap),
+    ("data.train_clients", one_of((None,) + TRAIN_CLIENTS)),
     ("server.learning_rate", positive),
     ("server.momentum", Interval(0, 1)),
     ("server.b1", Interval(0, 1)),

@@ -251,6 +251,8 @@ CASES: tuple[Case, ...] = (
     _config("data.min_sequences", 1, "config.data.min_sequences=1: expected an integer >= 2"),
     _config("data.max_train_examples", 0, "config.data.max_train_examples=0: expected None "
             "(no cap) or an integer >= 1"),
+    _config("data.train_clients", "paired", "config.data.train_clients='paired': expected "
+            "one of [None, 'all', 'with_test']"),
     _config("max_examples_per_client", -1, "config.max_examples_per_client=-1: expected None "
             "(no cap) or an integer >= 1"),
     _config("eval.clients", 0, "config.eval.clients=0: expected None (no cap) or an integer >= 1"),

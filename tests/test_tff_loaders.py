@@ -215,6 +215,43 @@ def test_stackoverflow_vocabulary_truncation_and_cap(converted):
 
 # --- the store ---------------------------------------------------------------------
 
+def test_train_clients_with_test_keeps_the_authors_population(converted):
+    """``train_clients="with_test"``: only the train clients with test rows, the population
+    the authors' code trains Stack Overflow on (train ids that are also test ids); the
+    default keeps every train client, as the paper counts them."""
+    so_dir = str(converted["stackoverflow"])
+    every = load_task("stackoverflow_tff", {"store_dir": so_dir})
+    for option in ("all", None):
+        same = load_task("stackoverflow_tff", {"store_dir": so_dir, "train_clients": option})
+        assert list(same.train.client_ids) == list(every.train.client_ids)
+    paired = load_task("stackoverflow_tff", {"store_dir": so_dir, "train_clients": "with_test"})
+    assert list(paired.train.client_ids) == ["00001"]  # 00002's test split is empty
+    np.testing.assert_array_equal(paired.train.num_examples("train"), [3])
+    np.testing.assert_array_equal(paired.train.client(0, "train")["x"],
+                                  _client(every.train, "00001", "train")["x"])
+    assert list(paired.held_out.client_ids) == ["00010"]  # another population: unchanged
+    # EMNIST: f0002_11 has no test rows; held-out clients are drawn among those kept.
+    emnist = load_task("emnist_tff", {"store_dir": str(converted["emnist"]),
+                                      "train_clients": "with_test"})
+    assert list(emnist.train.client_ids) == ["f0001_00", "f0003_22"]
+    held = load_task("emnist_tff", {"store_dir": str(converted["emnist"]),
+                                    "train_clients": "with_test", "held_out_fraction": 0.5})
+    assert sorted([*held.train.client_ids, *held.held_out.client_ids]) == ["f0001_00",
+                                                                           "f0003_22"]
+    # From the paper config, as a run loads it (`--config.data.train_clients=with_test`).
+    import importlib
+
+    from flowjax import config as run_config
+    config = importlib.import_module("configs.stackoverflow").get_config("paper")
+    config.data.store_dir = so_dir
+    assert list(run_config.build_task(config).train.client_ids) == ["00001", "00002", "00003"]
+    config.data.train_clients = "with_test"
+    assert list(run_config.build_task(config).train.client_ids) == ["00001"]
+    with pytest.raises(ValueError, match=r"^train_clients='paired': expected one of "
+                       r"\['all', 'with_test'\]$"):
+        load_task("stackoverflow_tff", {"store_dir": so_dir, "train_clients": "paired"})
+
+
 def test_store_opens_from_headers_and_offsets_only(converted, monkeypatch):
     calls = []
     real_load = np.load

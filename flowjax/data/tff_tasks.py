@@ -48,6 +48,23 @@ def open_task_dir(dataset: str, store_dir: Any) -> tuple[dict[str, Any], dict[st
     return task, stores
 
 
+# Which of a store's train clients a task keeps: every one (the paper's counts, e.g.
+# Stack Overflow's 342,477), or those with test rows (the authors' code trains and
+# evaluates Stack Overflow's 195,303 users present in both splits: their
+# dataloaders/stackoverflow/pick_clients.py writes available_clients.txt, which
+# trainers/client_*.py sample from).
+TRAIN_CLIENTS = ("all", "with_test")
+
+
+def _kept_clients(store: ClientStore, train_clients: str | None) -> np.ndarray:
+    """Store indices of the clients ``train_clients`` keeps (None: all), in store order."""
+    if train_clients not in (None,) + TRAIN_CLIENTS:
+        raise ValueError(f"train_clients={train_clients!r}: expected one of {list(TRAIN_CLIENTS)}")
+    if train_clients == "with_test":
+        return np.flatnonzero(store.num_examples("test") > 0)
+    return np.arange(len(store), dtype=np.int64)
+
+
 def _check_cap(name: str, cap: int | None) -> None:
     if cap is not None and cap < 1:
         raise ValueError(f"{name} must be a positive integer or None, got {cap}")
@@ -66,15 +83,17 @@ def _held_out_split(num_clients: int, fraction: float, seed: int) -> np.ndarray:
 
 def _load_paired(dataset: str, store_dir: Any, *, held_out_fraction: float = 0.0,
                  seed: int = 0, max_train_examples: int | None = None,
-                 max_test_examples: int | None = None) -> FederatedTask:
+                 max_test_examples: int | None = None,
+                 train_clients: str | None = None) -> FederatedTask:
     _check_cap("max_train_examples", max_train_examples)
     _check_cap("max_test_examples", max_test_examples)
     _, stores = open_task_dir(dataset, store_dir)
     store = stores["train"]
+    kept = _kept_clients(store, train_clients)
     caps = {"train": max_train_examples, "test": max_test_examples}
-    held = _held_out_split(len(store), held_out_fraction, seed)
-    train = StoreView(store, np.flatnonzero(~held), caps)
-    held_out = StoreView(store, np.flatnonzero(held), caps) if held.any() else None
+    held = _held_out_split(len(kept), held_out_fraction, seed)
+    train = StoreView(store, kept[~held], caps)
+    held_out = StoreView(store, kept[held], caps) if held.any() else None
     return FederatedTask(train=train, held_out=held_out, name=f"{dataset}_tff")
 
 
@@ -84,7 +103,9 @@ def load_emnist_tff(*, store_dir: Any = None, **options: Any) -> FederatedTask:
     Args:
       store_dir: the directory written by ``launch/convert.py --dataset=emnist``.
       **options: ``held_out_fraction`` (default 0: evaluate the training clients' test
-        splits, as in the paper), ``seed``, ``max_train_examples``, ``max_test_examples``.
+        splits, as in the paper), ``seed``, ``max_train_examples``, ``max_test_examples``,
+        ``train_clients`` (``"all"``, the default, or ``"with_test"``: only the clients
+        with test rows, held-out ones included).
     """
     return _load_paired("emnist", store_dir, **options)
 
@@ -97,7 +118,7 @@ def load_shakespeare_tff(*, store_dir: Any = None, **options: Any) -> FederatedT
 def load_stackoverflow_tff(*, store_dir: Any = None, max_train_examples: int | None = None,
                            max_test_examples: int | None = None, held_out: bool = True,
                            max_held_out_clients: int | None = None,
-                           seed: int = 0) -> FederatedTask:
+                           seed: int = 0, train_clients: str | None = None) -> FederatedTask:
     """Stack Overflow next-word prediction from a converted store.
 
     Args:
@@ -108,6 +129,9 @@ def load_stackoverflow_tff(*, store_dir: Any = None, max_train_examples: int | N
       held_out: include the held-out users as the held-out population.
       max_held_out_clients: evaluate a seeded subset of that many held-out users.
       seed: seed of that subset.
+      train_clients: ``"all"`` (None; the paper's 342,477 train users, about 147k of them
+        without test rows, which train but are never evaluated) or ``"with_test"``: the
+        users with test rows only (the authors' code: 195,303).
     """
     _check_cap("max_train_examples", max_train_examples)
     _check_cap("max_test_examples", max_test_examples)
@@ -115,7 +139,7 @@ def load_stackoverflow_tff(*, store_dir: Any = None, max_train_examples: int | N
     _, stores = open_task_dir("stackoverflow", store_dir)
     token_ids = _token_ids(pathlib.Path(store_dir))
     caps = {"train": max_train_examples, "test": max_test_examples}
-    train = StoreView(stores["train"], None, caps)
+    train = StoreView(stores["train"], _kept_clients(stores["train"], train_clients), caps)
     population = None
     if held_out and "held_out" in stores and len(stores["held_out"]):
         store = stores["held_out"]
