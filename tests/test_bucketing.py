@@ -111,3 +111,23 @@ def test_executed_steps_per_mapping():
     assert executed_steps(steps, ClientMapping("chunked", chunk_size=2)) == 26
     # Chunks of 4: [10, 10, 2, 2] and the remainder [1, 1].
     assert executed_steps(steps, ClientMapping("chunked", chunk_size=4)) == 42
+
+
+@pytest.mark.parametrize("method", ["fedavg", "ditto"])
+def test_methods_without_routing_evaluate_under_sorted_chunks(method):
+    """Their ``q0`` has no elements, which ``lax.map(batch_size=...)`` could not reshape:
+    the evaluation after training crashed whenever chunks were smaller than its own."""
+    from configs import synthetic
+    from flowjax import config as run_config
+    from flowjax import experiment
+
+    config = synthetic.get_config("quick")
+    config.update(algorithm=method, num_rounds=1)
+    config.mapping.update(strategy="chunked", chunk_size=2)
+    config.eval.chunk = 16
+    result = experiment.run(run_config.build_simulation(config))
+    config.mapping.update(strategy="loop", chunk_size=1)
+    looped = experiment.run(run_config.build_simulation(config))
+    chunked, expected = result.summaries["train_clients"], looped.summaries["train_clients"]
+    assert chunked.num_clients == expected.num_clients > 0
+    np.testing.assert_allclose(chunked.acc_p, expected.acc_p, rtol=1e-5)

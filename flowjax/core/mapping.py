@@ -95,10 +95,10 @@ def map_clients(fn: Callable[..., Any], mapping: ClientMapping,
         if mapping.strategy == "loop":
             return jax.lax.map(lambda args: fn(*args), stacked)
         if cost is None:
-            return jax.lax.map(lambda args: fn(*args), stacked, batch_size=mapping.chunk_size)
+            return map_chunks(fn, mapping.chunk_size)(*stacked)
         order = longest_first(cost(*stacked))
         ordered = jax.tree.map(lambda a: a[order], stacked)
-        outputs = jax.lax.map(lambda args: fn(*args), ordered, batch_size=mapping.chunk_size)
+        outputs = map_chunks(fn, mapping.chunk_size)(*ordered)
         return jax.tree.map(lambda a: a[jnp.argsort(order)], outputs)
 
     if mapping.num_devices == 1:
@@ -108,6 +108,33 @@ def map_clients(fn: Callable[..., Any], mapping: ClientMapping,
     # of the mesh (zero-initialized scan carries would otherwise need pcast to "varying").
     return jax.shard_map(local_map, mesh=mapping.mesh(), in_specs=spec, out_specs=spec,
                          check_vma=False)
+
+
+def map_chunks(fn: Callable[..., Any], chunk_size: int) -> Callable[..., Any]:
+    """``fn`` over the clients axis in consecutive chunks of ``chunk_size``: ``lax.map``
+    over the whole chunks with ``vmap`` inside, then the rest in one ``vmap``.
+
+    What ``lax.map(..., batch_size=chunk_size)`` computes, written out because that one
+    cannot reshape outputs with no elements (the empty ``q0`` of methods without routing:
+    their evaluation under ``chunked`` crashed).
+    """
+    def run(*stacked):
+        num_clients = jax.tree.leaves(stacked)[0].shape[0]
+        whole = num_clients // chunk_size * chunk_size
+        parts = []
+        if whole:
+            chunks = jax.tree.map(
+                lambda a: a[:whole].reshape((whole // chunk_size, chunk_size) + a.shape[1:]),
+                stacked)
+            outputs = jax.lax.map(lambda chunk: jax.vmap(fn)(*chunk), chunks)
+            parts.append(jax.tree.map(lambda a: a.reshape((whole,) + a.shape[2:]), outputs))
+        if whole < num_clients:
+            parts.append(jax.vmap(fn)(*jax.tree.map(lambda a: a[whole:], stacked)))
+        if len(parts) == 1:
+            return parts[0]
+        return jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
+
+    return run
 
 
 def longest_first(cost: jax.Array) -> jax.Array:
