@@ -228,3 +228,17 @@ def test_server_optimizer_rejects_unknown_names_and_bad_rates():
         server_optimizer("lamb", 1.0)
     with pytest.raises(ValueError, match="server learning rate must be > 0, got 0"):
         server_optimizer("sgd", 0)
+
+
+def test_the_engine_and_the_evaluation_import_no_method():
+    """The engine runs whatever ``FederatedAlgorithm`` it is given (``engine.protocol``);
+    importing ``flowjax.algorithms`` would load every method for its registry."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import flowjax.engine.loop, flowjax.engine.simulation, "
+            "flowjax.evaluation.metrics; "
+            "print(sorted(m for m in sys.modules if m.startswith('flowjax.algorithms')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.strip() == "[]"

@@ -1,5 +1,6 @@
-"""The algorithm protocol (the one seam between the engine and the methods) and the
-client-side building blocks several methods share.
+"""The algorithm protocol (the one seam between the engine and the methods, defined in
+``engine.protocol`` and re-exported here for the methods) and the client-side building
+blocks several methods share.
 
 An algorithm is a frozen dataclass of pure functions, in the spirit of FedJAX's
 ``FederatedAlgorithm`` and optax's ``GradientTransformation``:
@@ -30,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
@@ -39,68 +39,13 @@ from flowjax.core.checks import Interval, check_fields, integer, optional_intege
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
 from flowjax.core.losses import mean_from_sums, weighted_cross_entropy
-from flowjax.models.base import Params, RoutableModel, forward
+from flowjax.engine.protocol import ClientResult, FederatedAlgorithm, Predictions
+from flowjax.models.base import Params, RoutableModel, forward, instance_weights
+
+# Re-exported: the methods import the protocol and the instance weights from here.
+__all__ = ["ClientResult", "FederatedAlgorithm", "Predictions", "instance_weights"]
 
 PyTree = Any
-
-
-@flax.struct.dataclass
-class ClientResult:
-    """What one client sends back.
-
-    Attributes:
-      params: the pytree the server averages (same structure as the server params).
-      weight: aggregation weight (examples the update was trained on), or a dict of
-        weights per top-level params key.
-      metrics: sums over the client's steps, e.g. ``loss_sum`` and ``loss_count``;
-        the engine sums them over clients and divides ``*_sum`` by ``*_count``.
-      client_state: the client's new state (stateful methods), else None.
-    """
-
-    params: PyTree
-    weight: Any
-    metrics: dict[str, jax.Array]
-    client_state: PyTree = None
-
-
-@flax.struct.dataclass
-class Predictions:
-    """Logits of one batch for the evaluation.
-
-    Attributes:
-      global_logits: the server's global model.
-      personal_hard: the personalized model (hard routing where routing applies).
-      personal_soft: the personalized model with soft routing (= hard without routing).
-      q0: per-instance, per-layer probability of the global branch, ``[*instance, L]``;
-        zeros with ``L = 0`` for methods without routing.
-      global_snapshot: logits of a client-side copy of the global model, where a method's
-        evaluation defines one (Flow's reference evaluation: the global branch after the
-        client's first routing epoch); None elsewhere. Reported beside, never instead of,
-        the server model's ``global_logits``.
-    """
-
-    global_logits: jax.Array
-    personal_hard: jax.Array
-    personal_soft: jax.Array
-    q0: jax.Array
-    global_snapshot: jax.Array | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class FederatedAlgorithm:
-    """A federated method as pure functions (see the module docstring)."""
-
-    name: str
-    model: RoutableModel
-    init: Callable[[jax.Array], PyTree]
-    client_update: Callable[[PyTree, ClientExamples, jax.Array, PyTree], ClientResult]
-    personalize: Callable[[PyTree, ClientExamples, jax.Array, PyTree], PyTree]
-    predict: Callable[[PyTree, PyTree, jax.Array], Predictions]
-    init_client_state: Callable[[PyTree], PyTree] | None = None
-
-    @property
-    def stateful(self) -> bool:
-        return self.init_client_state is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,16 +90,6 @@ def client_optimizer(learning_rate: float, momentum: float = 0.0) -> optax.Gradi
     strategy rate), the one place they are checked.
     """
     return optax.sgd(learning_rate, momentum=momentum or None)
-
-
-def instance_weights(model: RoutableModel, y: jax.Array, example_weights: jax.Array,
-                     for_metrics: bool = False) -> jax.Array:
-    """Per-instance loss weights: the example mask times the model's label weights
-    (``for_metrics``: its metric weights, where it has its own)."""
-    extra = y.ndim - example_weights.ndim
-    weights = (model.metric_weights if for_metrics and model.metric_weights is not None
-               else model.label_weights)
-    return weights(y) * example_weights.reshape(example_weights.shape + (1,) * extra)
 
 
 def plain_loss_sums(model: RoutableModel, params: Params, batch, key: jax.Array,

@@ -21,12 +21,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from flowjax.algorithms.base import FederatedAlgorithm
 from flowjax.core import prng
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.mapping import ClientMapping, map_clients
 from flowjax.core.server_opt import apply_server_update
 from flowjax.core.tree import select_tree, tree_all_finite, weighted_mean
+from flowjax.engine.protocol import FederatedAlgorithm
 from flowjax.evaluation.metrics import ClientCounts, evaluate_client
 
 PyTree = Any

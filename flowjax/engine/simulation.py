@@ -15,7 +15,6 @@ import numpy as np
 import optax
 
 from flowjax import distributed
-from flowjax.algorithms.base import FederatedAlgorithm
 from flowjax.core import prng
 from flowjax.core.client_state import ClientStateStore
 from flowjax.core.cohort import ClientExamples, assemble_cohort, examples_per_client
@@ -23,6 +22,7 @@ from flowjax.core.mapping import ClientMapping
 from flowjax.core.sampler import ClientSampler
 from flowjax.data.federated import ArrayFederatedData, FederatedTask
 from flowjax.engine.round import ServerState, make_eval_chunk, make_round
+from flowjax.engine.protocol import FederatedAlgorithm
 from flowjax.evaluation.metrics import EvalSummary, summarize
 
 PyTree = Any

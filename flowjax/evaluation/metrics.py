@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flowjax.algorithms.base import FederatedAlgorithm, instance_weights
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.losses import correct, weighted_cross_entropy
+from flowjax.engine.protocol import FederatedAlgorithm
+from flowjax.models.base import instance_weights
 
 GROUPS = ("both_correct", "global_only", "personalized_only", "neither")
 # Equal-width bins of q0 on [0, 1]: a histogram sums over clients (quantiles do not), so the

@@ -117,3 +117,13 @@ def select(use_global: jax.Array, global_out: jax.Array, local_out: jax.Array) -
     """Hard routing: per instance, one branch's output exactly."""
     use_global = use_global.reshape(use_global.shape + (1,) * (global_out.ndim - use_global.ndim))
     return jnp.where(use_global, global_out, local_out)
+
+
+def instance_weights(model: RoutableModel, y: jax.Array, example_weights: jax.Array,
+                     for_metrics: bool = False) -> jax.Array:
+    """Per-instance loss weights: the example mask times the model's label weights
+    (``for_metrics``: its metric weights, where it has its own)."""
+    extra = y.ndim - example_weights.ndim
+    weights = (model.metric_weights if for_metrics and model.metric_weights is not None
+               else model.label_weights)
+    return weights(y) * example_weights.reshape(example_weights.shape + (1,) * extra)
