@@ -34,7 +34,7 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
         fedavg=dict(),
         fedavg_ft=dict(),
         flow=dict(
-            gamma=1e-3, split_ratio=0.5, order="alternating", global_step="routed",
+            gamma=1e-3, split_ratio=0.5, order="alternating",
             policy_dropout=0.3, policy_hidden=config_dict.placeholder(tuple),  # dataset's
             fixed_q0=config_dict.placeholder(float),  # fixed-policy ablation
             local_route="local",  # "global" = pi-Flow
@@ -48,6 +48,7 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
             policy_eval_dropout=config_dict.placeholder(bool),
             evaluation=config_dict.placeholder(str),  # reference / paper
             policy_last=config_dict.placeholder(str),  # dense / exit
+            global_step=config_dict.placeholder(str),  # global_only / routed (Eq. 4)
             # LSTM routing, Eq. 3 with the LSTM layer as layer j ("separate", None) or
             # with each cell application as the layer ("mixed_state"; routing/routed.py).
             recurrence=config_dict.placeholder(str),

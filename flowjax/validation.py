@@ -192,6 +192,22 @@ def _check_flow_departures(flow: Any, model: RoutableModel) -> None:
               f"{sorted(flow_reference.REFERENCE_REGULARIZER_ENTRIES)}")
 
 
+def _check_reference_momentum(config: Any) -> None:
+    """``semantics="reference"`` runs their SGD momentum, 0.9 (``flow_reference.resolve``):
+    a Flow momentum set to another value would be replaced without a word. The global
+    ``sgd.momentum`` at its default 0 cannot be told from one set to 0; the README says so.
+    """
+    own = config.methods.flow.get("sgd", {}).get("momentum")
+    field, value = (("methods.flow.sgd.momentum", own) if own is not None
+                    else ("sgd.momentum", config.get("sgd", {}).get("momentum")))
+    theirs = flow_reference.REFERENCE_MOMENTUM
+    if value is None or value == theirs or (own is None and value == 0.0):
+        return
+    _fail(field, value, f"expected {theirs} (their code's) or unset with "
+          "methods.flow.semantics='reference'; for their code with another momentum, run "
+          "semantics='paper' with the departure fields (README, Reference mode)")
+
+
 def _check_model_fields(config: Any, method: Any, model: RoutableModel) -> None:
     """Fields whose valid values depend on the model; only the configured method's
     (``method``, its config dataclass), since other methods' defaults need not fit every
@@ -203,6 +219,8 @@ def _check_model_fields(config: Any, method: Any, model: RoutableModel) -> None:
                   f"expected {model.num_layers} widths, one per routed layer of {model.name} "
                   f"{layers}")
         _check_flow_departures(method, model)
+        if method.semantics == "reference":
+            _check_reference_momentum(config)
         options = config.get("model_options") or {}
         if (method.semantics == "reference" and model.name in flow_reference_resnet.MODELS
                 and "groups" in options):

@@ -233,13 +233,21 @@ CASES: tuple[Case, ...] = (
             "with methods.flow.semantics='reference': the authors' CIFAR network has its own "
             "GroupNorm (2 channels per group)", model="resnet18_gn",
             **{"methods.flow.semantics": "reference", "methods.flow.policy_hidden": (8,) * 6}),
+    _config("methods.flow.sgd.momentum", 0.5, "config.methods.flow.sgd.momentum=0.5: expected "
+            "0.9 (their code's) or unset with methods.flow.semantics='reference'; for their "
+            "code with another momentum, run semantics='paper' with the departure fields",
+            **{"methods.flow.semantics": "reference"}),
+    _config("methods.flow.global_step", "routed", "config.methods.flow.global_step='routed': "
+            "expected 'global_only' with semantics='reference' on shakespeare_lstm: the "
+            "authors' LSTM procedure runs as one unit",
+            **{"methods.flow.semantics": "reference"}),
     _config("lstm_unroll", 0, "config.lstm_unroll=0: expected None or an integer >= 1"),
     _config("lstm_unroll", 4, "config.lstm_unroll=4: expected None: resnet18_gn does not "
             "implement lstm_unroll", model="resnet18_gn"),
     _config("methods.flow.order", "random", "config.methods.flow.order='random': expected one "
             "of ['alternating', 'policy_first', 'global_first']"),
     _config("methods.flow.global_step", "local_only", "config.methods.flow.global_step="
-            "'local_only': expected one of ['routed', 'global_only']"),
+            "'local_only': expected one of [None, 'routed', 'global_only']"),
     _config("methods.flow.local_route", "both", "config.methods.flow.local_route='both': "
             "expected one of ['local', 'global']"),
     _config("on_divergence", "ignore", "config.on_divergence='ignore': expected one of "

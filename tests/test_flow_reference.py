@@ -312,6 +312,39 @@ def test_each_departure_can_be_switched_on_alone_from_the_config(cnn):
     assert set(params) == {"global", "local", "policy"}
 
 
+def test_under_reference_semantics_a_set_field_wins_or_is_refused_never_ignored(cnn):
+    """``global_step`` is a departure field (None: as ``semantics`` says), so a set value
+    wins on the EMNIST CNN; a Flow momentum other than theirs is refused in one line;
+    their LSTM procedures refuse a global step they do not run."""
+    from configs import shakespeare
+    config = emnist.get_config()
+    config.methods.flow.semantics = "reference"
+    resolved = resolve(method_config(config, "flow"), cnn.name)
+    assert (resolved.global_step, resolved.sgd.momentum) == ("global_only", 0.9)
+    config.methods.flow.global_step = "routed"
+    resolved = resolve(method_config(config, "flow"), cnn.name)
+    assert (resolved.global_step, resolved.halves, resolved.sgd.momentum) == ("routed", "shard",
+                                                                              0.9)
+    config.methods.flow.sgd.momentum = 0.9  # theirs: accepted
+    validate_config(config)
+    for field, value in (("methods.flow.sgd.momentum", 0.0), ("sgd.momentum", 0.5)):
+        config = emnist.get_config()
+        config.methods.flow.semantics = "reference"
+        config.methods.flow.sgd.momentum = None
+        node, name = config, field.split(".")
+        for part in name[:-1]:
+            node = node[part]
+        node[name[-1]] = value
+        with pytest.raises(ValueError, match=rf"^config.{field}={value}: expected 0.9 \(their "
+                           r"code's\) or unset with methods.flow.semantics='reference'"):
+            validate_config(config)
+    config = shakespeare.get_config("quick")
+    config.methods.flow.update(semantics="reference", global_step="routed")
+    with pytest.raises(ValueError, match=r"^config.methods.flow.global_step='routed': expected "
+                       r"'global_only'"):
+        validate_config(config)
+
+
 def test_reference_semantics_is_refused_where_no_reference_exists():
     from configs import synthetic
     config = synthetic.get_config("quick")

@@ -67,7 +67,6 @@ from flowjax.routing.policy import build_policy
 from flowjax.routing.routed import routed_forward
 
 ORDERS = ("alternating", "policy_first", "global_first")
-GLOBAL_STEPS = ("routed", "global_only")
 LOCAL_ROUTES = ("local", "global")
 
 
@@ -83,7 +82,8 @@ class FlowConfig:
       policy_hidden: width of each policy base layer, one per routed layer.
       policy_dropout: dropout of the policy's exit heads during training.
       order: ``alternating`` (default), ``policy_first`` or ``global_first``.
-      global_step: ``routed`` (paper Eq. 4) or ``global_only`` (authors' code).
+      global_step: ``routed`` (paper Eq. 4) or ``global_only`` (authors' code); None
+        (the default) as ``semantics`` says, like the departure fields below.
       fixed_q0: if set, every instance and layer uses this ``q0`` and the policy is
         never trained (fixed-policy ablation).
       local_route: ``local`` (Flow) or ``global`` (pi-Flow: the second route is the
@@ -123,7 +123,7 @@ class FlowConfig:
     split_ratio: float = 0.5
     policy_dropout: float = 0.3
     order: str = "alternating"
-    global_step: str = "routed"
+    global_step: str | None = None
     fixed_q0: float | None = None
     local_route: str = "local"
     local_epochs: int | None = None
@@ -148,7 +148,7 @@ class FlowConfig:
         check_fields(self, {
             "gamma": non_negative, "split_ratio": Interval(0, 1, closed_low=False),
             "policy_hidden": widths, "policy_dropout": Interval(0, 1),
-            "order": one_of(ORDERS), "global_step": one_of(GLOBAL_STEPS),
+            "order": one_of(ORDERS),
             "fixed_q0": Interval(0, 1, closed_high=True, optional=True),
             "local_route": one_of(LOCAL_ROUTES),
             "local_epochs": integer(1), "routing_epochs": integer(1),

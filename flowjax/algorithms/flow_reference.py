@@ -65,6 +65,7 @@ FROZEN_MOMENTUM = ("set_to_none", "zero_grad")
 REGULARIZERS = ("paper", "reference")
 LOCAL_INITS = ("global", "server")
 EVALUATIONS = ("paper", "reference", "reference_policy")
+GLOBAL_STEPS = ("routed", "global_only")
 SEMANTICS = ("paper", "reference")
 REFERENCE_EPSILON = 1e-6
 
@@ -95,9 +96,10 @@ _REFERENCE = {
                                policy_hidden=(500, 250, 100, 50)),
 }
 REFERENCE_MODELS = tuple(sorted(_REFERENCE))
+REFERENCE_MOMENTUM = 0.9  # their SGD's, for every phase
 _COMMON_REFERENCE = dict(frozen_momentum="zero_grad", regularizer="reference",
                          global_step="global_only", local_init="server",
-                         evaluation="reference", momentum=0.9)
+                         evaluation="reference", momentum=REFERENCE_MOMENTUM)
 
 
 def reference_options(model_name: str) -> dict[str, Any]:
@@ -287,10 +289,11 @@ DEPARTURES: dict[str, tuple[Any, ...]] = {
     "halves": HALVES, "frozen_momentum": FROZEN_MOMENTUM, "regularizer": REGULARIZERS,
     "local_init": LOCAL_INITS, "policy_eval_dropout": (False, True),
     "evaluation": EVALUATIONS, "policy_last": LAST_KINDS, "recurrence": RECURRENCES,
+    "global_step": GLOBAL_STEPS,
 }
 PAPER = dict(halves="random", frozen_momentum="set_to_none", regularizer="paper",
              local_init="global", policy_eval_dropout=False, evaluation="paper",
-             policy_last="exit", recurrence="separate")
+             policy_last="exit", recurrence="separate", global_step="routed")
 
 
 def resolve(config: Any, model_name: str) -> Any:
@@ -298,9 +301,10 @@ def resolve(config: Any, model_name: str) -> Any:
 
     ``semantics="paper"``: each departure field left None takes the paper's value, and one
     that is set switches its departure on alone; ``"reference"``: every departure takes the
-    authors' value for the model (``reference_options``, which also sets
-    ``global_step="global_only"``, SGD momentum 0.9 and the authors' policy widths), and a
-    departure field that is set still wins.
+    authors' value for the model (``reference_options``; ``global_step="global_only"``
+    among them), and a departure field that is set still wins. ``"reference"`` also sets
+    what is no departure field: SGD momentum 0.9 (``flowjax.validation`` refuses another
+    momentum set for Flow) and the authors' policy widths, part of their policy.
     """
     chosen = reference_options(model_name) if config.semantics == "reference" else {}
     fields = {**PAPER, **{name: value for name, value in chosen.items() if name in DEPARTURES}}
