@@ -56,3 +56,17 @@ def test_config_partition_seed_is_data_seed():
 @pytest.mark.slow  # a child process, about 2.5 min on 2 cores (tests/helpers.py)
 def test_cifar_config_trains_a_round_on_mock_data():
     assert 0 <= cifar_round_in_child("paper")["acc_p"] <= 1
+
+
+def test_cifar_not_prepared_is_one_line_naming_the_preparation_command(tmp_path):
+    """A run reads prepared files only: no download started by a run, and one line saying
+    how to prepare them (the README's command)."""
+    with pytest.raises(ValueError) as error:
+        load_task("cifar10_dirichlet", {"data_dir": str(tmp_path)})
+    message = str(error.value)
+    assert len(message.splitlines()) == 1
+    assert message.startswith(f"cifar10 is not prepared in {tmp_path}/cifar10/")
+    assert ("tfds.builder('cifar10', file_format='array_record').download_and_prepare()"
+            in message)
+    assert list(tmp_path.iterdir()) in ([], [tmp_path / "cifar10"])  # nothing downloaded
+

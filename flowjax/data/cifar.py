@@ -21,6 +21,7 @@ import numpy as np
 from flowjax.data import partition as partitions
 from flowjax.data.federated import ArrayFederatedData, FederatedTask
 from flowjax.data.partition import dirichlet_partition  # noqa: F401 (re-exported)
+from flowjax.data.tfds_source import prepared_sources
 
 # Per-channel statistics of the CIFAR-10 train set (0-255 scale), used for both datasets.
 CHANNEL_MEAN = np.array([125.3, 123.0, 113.9], np.float32)
@@ -42,15 +43,12 @@ def load_cifar_dirichlet(*, name: str = "cifar10", alpha: float = 0.1, num_clien
                          train_per_client: int = 100, test_per_client: int = 20, seed: int = 0,
                          data_dir: str | None = None) -> FederatedTask:
     """The federated CIFAR task; evaluation uses every client's test split."""
-    import tensorflow_datasets as tfds  # imported here: only CIFAR needs it
-
     if name not in NUM_CLASSES:
         raise ValueError(f"unknown CIFAR name {name!r}; expected one of {sorted(NUM_CLASSES)}")
     spec = partitions.LabelPartition("dirichlet", alpha=alpha, num_clients=num_clients,
                                      train_per_client=train_per_client,
                                      test_per_client=test_per_client)
-    sources = {split: tfds.data_source(name, split=split, data_dir=data_dir)
-               for split in ("train", "test")}
+    sources = prepared_sources(name, ("train", "test"), data_dir)
     labels = {split: np.array([int(source[i]["label"]) for i in range(len(source))])
               for split, source in sources.items()}
     chosen = dict(zip(("train", "test"), partitions.partition_indices(

@@ -28,6 +28,7 @@ import numpy as np
 from flowjax.data import partition as partitions
 from flowjax.data.federated import ArrayFederatedData, FederatedTask
 from flowjax.data.idx import read_idx
+from flowjax.data.tfds_source import prepared_sources
 
 TFDS_NAMES = ("mnist", "fashion_mnist", "emnist")
 _STEMS = {"train": ("train",), "test": ("t10k", "test")}
@@ -138,16 +139,13 @@ def load_tfds_task(*, name: str = "fashion_mnist", data_dir: str | None = None,
     Raises:
       ValueError: an unknown ``name`` or a bad partition value (one line).
     """
-    import tensorflow_datasets as tfds  # imported here: only the TFDS path needs it
-
     if name.split("/")[0] not in TFDS_NAMES:
         raise ValueError(f"unknown TFDS name {name!r}; expected one of {list(TFDS_NAMES)} "
                          "(EMNIST configs as emnist/<config>, e.g. emnist/balanced)")
     spec = _partition(partition, alpha, shards_per_client, num_clients, train_per_client,
                       test_per_client)
     pools = {}
-    for split in ("train", "test"):
-        source = tfds.data_source(name, split=split, data_dir=data_dir)
+    for split, source in prepared_sources(name, ("train", "test"), data_dir).items():
         examples = [source[i] for i in range(len(source))]
         images = np.stack([np.asarray(e["image"], np.uint8).reshape(28, 28) for e in examples])
         pools[split] = (images, np.array([int(e["label"]) for e in examples], np.int64))
