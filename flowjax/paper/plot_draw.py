@@ -86,8 +86,10 @@ def breakdown_figure(breakdowns: Mapping[str, Mapping[str, Mapping[str, float]]]
     """
     populations = list(breakdowns)
     widest = max((len(m) for m in breakdowns.values()), default=1)
-    figure = Figure(figsize=(max(4.0, 1.0 + 0.9 * widest) * len(populations), 4.8),
-                    layout="constrained")
+    width = max(4.0, 1.0 + 0.9 * widest) * len(populations)
+    if title:  # a figure of one or two bars was narrower than its title, which got clipped
+        width = max(width, 1.0 + 0.11 * len(title))
+    figure = Figure(figsize=(width, 4.8), layout="constrained")
     axes = figure.subplots(1, len(populations), squeeze=False)[0]
     for ax, population in zip(axes, populations):
         methods = list(breakdowns[population])
