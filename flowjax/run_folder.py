@@ -109,6 +109,18 @@ def read_json(file: str, remedy: str) -> Any:
             raise ValueError(f"{file} is not valid JSON (truncated?); {remedy}") from None
 
 
+def result_config(stored: dict[str, Any]) -> dict[str, Any]:
+    """A stored config without the other methods' settings, for telling whether a run
+    folder may be resumed or reused: a run reads only ``methods.<algorithm>``
+    (``method_config``), so a sweep over one method's field reuses the other methods'
+    finished runs."""
+    kept = dict(stored)
+    methods, algorithm = kept.get("methods"), kept.get("algorithm")
+    if isinstance(methods, dict) and algorithm in methods:
+        kept["methods"] = {algorithm: methods[algorithm]}
+    return kept
+
+
 def differing_fields(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
     """Dotted paths where two stored configs differ; an absent field reads as None, so a
     field added with a None default leaves the configs stored before it equal."""

@@ -286,6 +286,38 @@ def test_a_finished_run_is_reused_not_retrained_and_an_unknown_one_is_refused(tm
     assert {p.name: p.read_text() for p in workdir.iterdir()} == files
 
 
+def test_another_methods_setting_does_not_stop_a_finished_run_from_being_reused(tmp_path):
+    """A run reads only its own ``methods.<algorithm>``: a sweep over Flow's gamma
+    (compare.py with one config for every method) reuses FedAvg's finished run; a field
+    FedAvg reads, or Flow's own run, is still a different config."""
+    import json
+
+    from flowjax.runner import resolved_config, run_config_to_workdir
+
+    config = small_config()
+    config.algorithm = "fedavg"
+    workdir = tmp_path / "fedavg"
+    workdir.mkdir()
+    files = {"config.json": json.dumps(resolved_config(config)),
+             "metrics.jsonl": '{"round": 1, "kind": "train", "loss": 4.0}\n',
+             "results.json": json.dumps({"acc_g": 0.25})}
+    for name, text in files.items():
+        (workdir / name).write_text(text)
+    config.methods.flow.gamma = 0.5
+    assert run_config_to_workdir(config, str(workdir), progress=False) == {"acc_g": 0.25}
+    assert {p.name: p.read_text() for p in workdir.iterdir()} == files
+    config.sgd.learning_rate = 0.5
+    with pytest.raises(ValueError, match=r"holds a run with a different config \(differs in: "
+                                         r"sgd.learning_rate\)"):
+        run_config_to_workdir(config, str(workdir), progress=False)
+    config = small_config()
+    config.algorithm = "flow"
+    (workdir / "config.json").write_text(json.dumps(resolved_config(config)))
+    config.methods.flow.gamma = 0.5
+    with pytest.raises(ValueError, match=r"differs in: methods.flow.gamma\)"):
+        run_config_to_workdir(config, str(workdir), progress=False)
+
+
 def test_a_capped_evaluation_draws_among_clients_with_test_examples():
     """eval.clients = 4 of 10 training clients, 5 of which have no test example (as many
     Stack Overflow users): 4 clients are evaluated and averaged, not fewer."""
