@@ -352,8 +352,11 @@ class ProgressBar(Callback):
 
     def __init__(self, total: int, desc: str, enabled: bool = True):
         import tqdm
+        # Into a file (a log, nohup) every redraw is a line: one every 10 s there, not one
+        # per round.
+        interval = 0.1 if sys.stderr.isatty() else 10.0
         self._bar = tqdm.tqdm(total=total, unit="round", dynamic_ncols=True,
-                              disable=not enabled, desc=desc)
+                              disable=not enabled, desc=desc, mininterval=interval)
 
     @property
     def rounds_shown(self) -> int:
@@ -370,10 +373,10 @@ class ProgressBar(Callback):
         self._bar.refresh()
 
     def on_round_end(self, run: RunState) -> None:
-        self._bar.update(run.rounds_done - self._bar.n)
         loss = last_train_record(run.history).get("loss")
         if loss is not None:
-            self._bar.set_postfix(loss=f"{loss:.4f}")
+            self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)  # drawn by update
+        self._bar.update(run.rounds_done - self._bar.n)
 
     def on_run_end(self, run: RunState) -> None:
         self._bar.close()
