@@ -259,22 +259,30 @@ def test_a_config_json_alone_does_not_block_the_corrected_rerun(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text()) == {"seed": 0, "num_rounds": 2}
 
 
-def test_a_finished_run_is_reused_not_retrained_and_an_unknown_one_is_refused(tmp_path):
-    """Rerunning a finished run's command returns its stored results and writes nothing
-    (retraining would replace metrics.jsonl from round 0); a started run without a
-    config.json is refused, whatever the config, and left as it is."""
+def _finished_run(workdir, config) -> dict[str, str]:
+    """Writes the files of a finished run of ``config`` into ``workdir``; returns them."""
     import json
 
-    from flowjax.runner import resolved_config, run_config_to_workdir
+    from flowjax.runner import resolved_config
 
-    config = small_config()
-    workdir = tmp_path / "run"
     workdir.mkdir()
     files = {"config.json": json.dumps(resolved_config(config)),
              "metrics.jsonl": '{"round": 1, "kind": "train", "loss": 4.0}\n',
              "results.json": json.dumps({"acc_g": 0.25})}
     for name, text in files.items():
         (workdir / name).write_text(text)
+    return files
+
+
+def test_a_finished_run_is_reused_not_retrained_and_an_unknown_one_is_refused(tmp_path):
+    """Rerunning a finished run's command returns its stored results and writes nothing
+    (retraining would replace metrics.jsonl from round 0); a started run without a
+    config.json is refused, whatever the config, and left as it is."""
+    from flowjax.runner import run_config_to_workdir
+
+    config = small_config()
+    workdir = tmp_path / "run"
+    files = _finished_run(workdir, config)
     assert run_config_to_workdir(config, str(workdir), progress=False) == {"acc_g": 0.25}
     assert {p.name: p.read_text() for p in workdir.iterdir()} == files
 
@@ -297,12 +305,7 @@ def test_another_methods_setting_does_not_stop_a_finished_run_from_being_reused(
     config = small_config()
     config.algorithm = "fedavg"
     workdir = tmp_path / "fedavg"
-    workdir.mkdir()
-    files = {"config.json": json.dumps(resolved_config(config)),
-             "metrics.jsonl": '{"round": 1, "kind": "train", "loss": 4.0}\n',
-             "results.json": json.dumps({"acc_g": 0.25})}
-    for name, text in files.items():
-        (workdir / name).write_text(text)
+    files = _finished_run(workdir, config)
     config.methods.flow.gamma = 0.5
     assert run_config_to_workdir(config, str(workdir), progress=False) == {"acc_g": 0.25}
     assert {p.name: p.read_text() for p in workdir.iterdir()} == files
