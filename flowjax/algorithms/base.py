@@ -42,8 +42,10 @@ from flowjax.core.losses import mean_from_sums, weighted_cross_entropy
 from flowjax.engine.protocol import ClientResult, FederatedAlgorithm, Predictions
 from flowjax.models.base import Params, RoutableModel, forward, instance_weights
 
-# Re-exported: the methods import the protocol and the instance weights from here.
-__all__ = ["ClientResult", "FederatedAlgorithm", "Predictions", "instance_weights"]
+# The methods import the protocol and the instance weights from here too (re-exported).
+__all__ = ["ClientResult", "FederatedAlgorithm", "Predictions", "SGDConfig", "client_optimizer",
+           "instance_weights", "no_routing", "plain_loss_sums", "separate_models_predict",
+           "sgd_step", "train_plain", "unrouted_predictions", "valid_examples"]
 
 PyTree = Any
 
