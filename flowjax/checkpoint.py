@@ -23,9 +23,14 @@ import orbax.checkpoint as ocp
 PyTree = Any
 
 
+# Held while a checkpoint is written: Ctrl-C, and the SIGTERM a scheduler sends first.
+_HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 @contextlib.contextmanager
 def _sigint_held() -> Iterator[None]:
-    """Holds Ctrl-C until the block is done, then raises ``KeyboardInterrupt``.
+    """Holds Ctrl-C and SIGTERM until the block is done, then delivers the first one
+    received to its own handler (Ctrl-C: ``KeyboardInterrupt``).
 
     Only the main thread can set signal handlers; elsewhere the block runs as it is.
     """
@@ -33,13 +38,15 @@ def _sigint_held() -> Iterator[None]:
         yield
         return
     received = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    previous = {signum: signal.signal(signum, lambda signum, frame: received.append(signum))
+                for signum in _HELD_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     if received:
-        raise KeyboardInterrupt
+        signal.raise_signal(received[0])
 
 
 class Checkpointer:

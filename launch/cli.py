@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import signal
 import sys
 from typing import Any, Callable, Sequence
 
@@ -152,27 +153,43 @@ def fail(error: BaseException) -> int:
     return 2
 
 
+# 128 + SIGTERM, for a run stopped by the signal a scheduler (or `kill`) sends first.
+TERMINATED = 143
+
 RESUMES = ("the same command resumes from the newest checkpoint (with checkpoint_every=0 "
            "a run starts over)")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Python is when it arrives, as Ctrl-C raises
+    ``KeyboardInterrupt``: the run stops the same way, files complete."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
 
 
 def _quiet_interrupt(main: Callable[[list[str]], int | None],
                      resumable: bool) -> Callable[[list[str]], int]:
     @functools.wraps(main)
     def wrapped(argv):
+        signal.signal(signal.SIGTERM, _raise_terminated)
         try:
             return main(argv)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as interrupt:
             if debug():
                 raise
-            # Checkpoint writes hold Ctrl-C until they are complete (flowjax/checkpoint.py).
-            print("interrupted (Ctrl-C)" + (f"; {RESUMES}" if resumable else ""),
-                  file=sys.stderr, flush=True)
-            return INTERRUPTED
+            # Checkpoint writes hold both signals until they are complete
+            # (flowjax/checkpoint.py).
+            terminated = isinstance(interrupt, Terminated)
+            print(f"interrupted ({'SIGTERM' if terminated else 'Ctrl-C'})"
+                  + (f"; {RESUMES}" if resumable else ""), file=sys.stderr, flush=True)
+            return TERMINATED if terminated else INTERRUPTED
     return wrapped
 
 
 def run(main: Callable[[list[str]], int | None], resumable: bool = False) -> None:
-    """``absl.app.run(main)`` with ``parse_flags`` and Ctrl-C as one line, exit 130;
-    ``resumable``: a launcher that trains run folders, whose line says how to resume."""
+    """``absl.app.run(main)`` with ``parse_flags``; Ctrl-C and SIGTERM end it with one line
+    (exit 130 and 143); ``resumable``: a launcher that trains run folders, whose line
+    says how to resume."""
     app.run(_quiet_interrupt(main, resumable), flags_parser=parse_flags)

@@ -57,13 +57,17 @@ def test_killed_and_resumed_run_is_bit_identical(uninterrupted, tmp_path, fault)
         assert (tmp_path / name).read_bytes() == (uninterrupted / name).read_bytes(), name
 
 
-def test_ctrl_c_mid_checkpoint_is_one_line_and_resumes_exactly(uninterrupted, tmp_path):
-    # SIGINT while checkpoint 6 is written: it replaces checkpoint 2 (max_to_keep=2), which
-    # orbax deletes file by file in its finalize thread. Both finish before the exit.
-    stopped = train(tmp_path, fault="checkpoint:6:SIGINT")
-    assert stopped.returncode == 130, stopped.stderr[-2000:]
+@pytest.mark.parametrize("signal_name,status,shown", [("SIGINT", 130, "Ctrl-C"),
+                                                      ("SIGTERM", 143, "SIGTERM")])
+def test_ctrl_c_mid_checkpoint_is_one_line_and_resumes_exactly(uninterrupted, tmp_path,
+                                                               signal_name, status, shown):
+    # The signal while checkpoint 6 is written: it replaces checkpoint 2 (max_to_keep=2),
+    # which orbax deletes file by file in its finalize thread. Both finish before the exit.
+    # SIGTERM (what a scheduler or `kill` sends first) ends the run as Ctrl-C does.
+    stopped = train(tmp_path, fault=f"checkpoint:6:{signal_name}")
+    assert stopped.returncode == status, stopped.stderr[-2000:]
     assert stopped.stderr.strip().splitlines()[-1] == (
-        "interrupted (Ctrl-C); the same command resumes from the newest checkpoint (with "
+        f"interrupted ({shown}); the same command resumes from the newest checkpoint (with "
         "checkpoint_every=0 a run starts over)")
     assert "Traceback" not in stopped.stderr
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4", "6"]
