@@ -28,7 +28,7 @@ _HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
-def _sigint_held() -> Iterator[None]:
+def _interrupts_held() -> Iterator[None]:
     """Holds Ctrl-C and SIGTERM until the block is done, then delivers the first one
     received to its own handler (Ctrl-C: ``KeyboardInterrupt``).
 
@@ -72,7 +72,7 @@ class Checkpointer:
             items["clients"] = ocp.args.StandardSave(_rows_tree(client_rows))
         # Orbax deletes the checkpoint beyond max_to_keep file by file in its finalize
         # thread; Ctrl-C then would leave that folder half-deleted.
-        with _sigint_held():
+        with _interrupts_held():
             self._manager.save(rounds_done, args=ocp.args.Composite(**items))
             self._manager.wait_until_finished()
 
