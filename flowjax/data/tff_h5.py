@@ -272,8 +272,7 @@ def _paired_clients(train: ClientSource, test: ClientSource,
     """Every client of ``train`` with its test rows from ``test`` (none when absent).
 
     Counts into ``dropped`` the test clients with no train rows (they cannot be kept: a
-    client's test rows belong to its train rows). When no train client has test rows,
-    raises: the two files cannot be splits of one download.
+    client's test rows belong to its train rows).
     """
     paired = 0
     for client_id in train.client_ids():
@@ -282,12 +281,17 @@ def _paired_clients(train: ClientSource, test: ClientSource,
             record["test"] = _encoded(test, client_id, encode)
             paired += 1
         yield client_id, record
-    test_clients = sum(1 for _ in test.client_ids())
-    if not paired:
-        raise ValueError(f"{test.name}: none of its {test_clients} clients is a client of "
-                         f"{train.name}: expected the test split of the same clients (are "
-                         "both files from one download?)")
-    dropped["test_only_clients"] = test_clients - paired
+    dropped["test_only_clients"] = sum(1 for _ in test.client_ids()) - paired
+
+
+def _check_shared_clients(train: ClientSource, test: ClientSource) -> None:
+    """Refuses a test split that shares no client with its train split (another download,
+    or ids written differently): every client would be left without test rows. Reads ids
+    only, and stops at the first shared one."""
+    if not any(client_id in test for client_id in train.client_ids()):
+        raise ValueError(f"{test.name}: none of its {sum(1 for _ in test.client_ids())} "
+                         f"clients is a client of {train.name}: expected the test split of the "
+                         "same clients (are both files from one download?)")
 
 
 def _split_clients(source: ClientSource, encode: Callable[[RawClient], dict[str, np.ndarray]],
@@ -427,6 +431,7 @@ def convert_sources(kind: str, sources: Mapping[str, ClientSource], out_dir: str
         if next(iter(sources[split].client_ids()), None) is None:
             raise ValueError(f"{sources[split].name}: 0 clients in its {split} split: expected "
                              "at least one client (is it the right file, completely downloaded?)")
+    _check_shared_clients(sources["train"], sources["test"])
     classes = EMNIST_CLASSES if num_classes is None else num_classes
     vocabulary = (f"first words of {os.path.basename(vocab_file)}" if vocab_file is not None
                   else "train word occurrences")
