@@ -63,13 +63,17 @@ def test_inputs_follow_the_generators_covariance_and_labels_a_linear_model():
         assert accuracy > majority + 0.75 * (1 - majority), (j, accuracy, majority)
 
 
-@pytest.mark.parametrize("bad, field", [(dict(alpha=-1.0), "alpha=-1.0"),
-                                         (dict(train_fraction=1.0), "train_fraction=1.0"),
-                                         (dict(num_clients=0), "num_clients=0"),
-                                         (dict(max_examples=1), "max_examples=1")])
-def test_bad_arguments_fail_in_one_line(bad, field):
-    with pytest.raises(ValueError, match=f"leaf_synthetic {field} is out of range"):
+@pytest.mark.parametrize("bad, message", [
+    (dict(alpha=-1.0), "alpha=-1.0 (config.data.alpha): expected a finite number >= 0"),
+    (dict(train_fraction=1.0),
+     "train_fraction=1.0 (config.data.train_fraction): expected a number in (0, 1)"),
+    (dict(num_clients=0), "num_clients=0 (config.data.num_clients): expected an integer >= 1"),
+    (dict(max_examples=1),
+     "max_examples=1 (config.data.max_examples): expected None (no cap) or an integer >= 2")])
+def test_bad_arguments_fail_in_one_line(bad, message):
+    with pytest.raises(ValueError) as error:
         load_task("leaf_synthetic", bad)
+    assert str(error.value) == f"leaf_synthetic {message}"
 
 
 def test_mlp_is_routable_per_layer():

@@ -60,18 +60,19 @@ def load_leaf_synthetic(*, alpha: float = 1.0, beta: float = 1.0, num_clients: i
     Raises:
       ValueError: a bad argument (one line naming it).
     """
-    for field, value, ok in (
-            ("alpha", alpha, np.isfinite(alpha) and alpha >= 0),
-            ("beta", beta, np.isfinite(beta) and beta >= 0),
-            ("num_clients", num_clients, num_clients >= 1),
-            ("dimension", dimension, dimension >= 1),
-            ("num_classes", num_classes, num_classes >= 2),
-            ("train_fraction", train_fraction, 0 < train_fraction < 1),
-            ("max_examples", max_examples, max_examples is None or max_examples >= 2)):
+    for field, value, ok, expected in (
+            ("alpha", alpha, np.isfinite(alpha) and alpha >= 0, "a finite number >= 0"),
+            ("beta", beta, np.isfinite(beta) and beta >= 0, "a finite number >= 0"),
+            ("num_clients", num_clients, num_clients >= 1, "an integer >= 1"),
+            ("dimension", dimension, dimension >= 1, "an integer >= 1"),
+            ("num_classes", num_classes, num_classes >= 2, "an integer >= 2"),
+            ("train_fraction", train_fraction, 0 < train_fraction < 1, "a number in (0, 1)"),
+            ("max_examples", max_examples, max_examples is None or max_examples >= 2,
+             "None (no cap) or an integer >= 2")):
         if not ok:
-            raise ValueError(f"leaf_synthetic {field}={value!r} is out of range; expected "
-                             "alpha, beta >= 0, num_clients, dimension >= 1, num_classes >= 2, "
-                             "0 < train_fraction < 1, max_examples None or >= 2")
+            # The run config's data fields are this loader's arguments (flowjax.config).
+            raise ValueError(f"leaf_synthetic {field}={value!r} (config.data.{field}): "
+                             f"expected {expected}")
     xs, ys = generate_synthetic(alpha, beta, num_clients, dimension=dimension,
                                 num_classes=num_classes, max_examples=max_examples, seed=seed)
     rng = np.random.default_rng([seed, 1])  # the split's own stream
