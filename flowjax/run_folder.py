@@ -109,16 +109,22 @@ def read_json(file: str, remedy: str) -> Any:
             raise ValueError(f"{file} is not valid JSON (truncated?); {remedy}") from None
 
 
-def result_config(stored: dict[str, Any]) -> dict[str, Any]:
-    """A stored config without the other methods' settings, for telling whether a run
-    folder may be resumed or reused: a run reads only ``methods.<algorithm>``
-    (``method_config``), so a sweep over one method's field reuses the other methods'
-    finished runs."""
+def _result_config(stored: dict[str, Any]) -> dict[str, Any]:
+    """A stored config without the other methods' settings (a run reads only
+    ``methods.<algorithm>``: ``method_config``)."""
     kept = dict(stored)
     methods, algorithm = kept.get("methods"), kept.get("algorithm")
     if isinstance(methods, dict) and algorithm in methods:
         kept["methods"] = {algorithm: methods[algorithm]}
     return kept
+
+
+def differing_run_fields(stored: dict[str, Any], requested: dict[str, Any]) -> list[str]:
+    """``differing_fields`` of the parts of two run configs that decide a run's numbers,
+    for telling whether a run folder may be resumed or reused: the other methods'
+    settings are left out, so a sweep over one method's field reuses the other methods'
+    finished runs."""
+    return differing_fields(_result_config(stored), _result_config(requested))
 
 
 def differing_fields(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:

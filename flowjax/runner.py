@@ -43,8 +43,7 @@ def conflicting_fields(workdir: str, resolved: dict, remedy: str) -> list[str]:
         raise ValueError(f"{workdir} holds a run written by an older flowjax config schema "
                          f"(top-level learning_rate/gamma, no config.sgd), so it cannot be "
                          f"resumed or compared; nothing was deleted; {remedy}")
-    return run_folder.differing_fields(run_folder.result_config(previous),
-                                       run_folder.result_config(resolved))
+    return run_folder.differing_run_fields(previous, resolved)
 
 
 def older_schema(stored: dict) -> bool:

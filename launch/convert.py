@@ -32,6 +32,7 @@ from absl import app, flags
 
 from launch import cli
 
+from flowjax.core.checks import first_line
 from flowjax.data import fedjax_sqlite, tff_h5, tff_sqlite
 
 # In the order --format=auto prefers them when several are complete.
@@ -173,7 +174,7 @@ def main(argv: list[str]) -> None:
         if cli.debug():
             raise
         damaged = isinstance(error, (sqlite3.DatabaseError, RuntimeError))
-        text = str(error).splitlines()[0] if str(error) else type(error).__name__
+        text = first_line(error)
         _fail(f"a file in --source={source} is damaged ({text}); download it again"
               if damaged else text)
     except KeyboardInterrupt:

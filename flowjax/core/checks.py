@@ -29,6 +29,12 @@ class FieldError(ValueError):
         return ValueError(f"config.{prefix}{self.field}={self.value!r}: {self.expected}")
 
 
+def first_line(error: BaseException) -> str:
+    """An exception's message cut to its first line (its type's name when it has none),
+    for a one-line error that quotes a library's multi-line one."""
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
 def plain(value: Any) -> Any:
     """Sequences as tuples so messages read like the ``--config.x=(...)`` a user types."""
     return tuple(value) if isinstance(value, list) else value

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from flowjax.core.checks import first_line
+
 
 def prepared_sources(name: str, splits: Sequence[str], data_dir: str | None) -> dict[str, Any]:
     """``{split: tfds.data_source(name, split)}`` of a prepared dataset.
@@ -26,8 +28,7 @@ def prepared_sources(name: str, splits: Sequence[str], data_dir: str | None) -> 
     except (RuntimeError, OSError, AssertionError) as error:
         builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
         if builder.is_prepared():  # prepared, but not readable by random access
-            text = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise ValueError(f"{name} in {builder.data_dir}: {text}") from None
+            raise ValueError(f"{name} in {builder.data_dir}: {first_line(error)}") from None
         raise ValueError(
             f"{name} is not prepared in {builder.data_dir}: expected the TFDS array_record "
             f"files; prepare them once, on a machine with internet: python -c \"import "

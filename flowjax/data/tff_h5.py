@@ -50,6 +50,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from flowjax.core.checks import first_line
 from flowjax.data import shakespeare
 from flowjax.data.client_store import ClientRecord, Spec, write_store
 
@@ -260,7 +261,7 @@ def _encoded(source: ClientSource, client_id: str,
     try:
         return encode(source.read(client_id))
     except (ValueError, KeyError) as e:
-        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        text = first_line(e)
         if text.startswith(source.name):
             raise ValueError(text) from None
         raise ValueError(f"{source.name}: client {client_id!r}: {text}") from None

@@ -109,8 +109,8 @@ class Checkpoints(Callback):
     Args:
       workdir: the run folder.
       every: rounds between checkpoints (>= 1).
-      fingerprint: JSON metadata a resumed checkpoint must match (the config; its
-        ``run_folder.result_config`` compared as ``run_folder.differing_fields`` does).
+      fingerprint: JSON metadata a resumed checkpoint must match (the config, compared as
+        ``run_folder.differing_run_fields`` does).
     """
 
     def __init__(self, workdir: str, every: int, fingerprint: dict[str, Any] | None = None):
@@ -129,9 +129,7 @@ class Checkpoints(Callback):
         if self.fingerprint is not None:
             stored = meta.get("fingerprint")
             differing = (["(no config recorded)"] if not isinstance(stored, dict)
-                         else run_folder.differing_fields(
-                             run_folder.result_config(stored),
-                             run_folder.result_config(self.fingerprint)))
+                         else run_folder.differing_run_fields(stored, self.fingerprint))
             if differing:
                 raise ValueError(f"checkpoint {checkpointer.directory}/{latest} was written "
                                  f"by a different config (differs in: "
