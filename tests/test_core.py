@@ -23,15 +23,30 @@ def test_weighted_mean_matches_hand_computation():
 
 
 def test_weighted_mean_with_equal_weights_is_the_mean():
-    # Exact in any summation order: eighths of small integers sum without rounding, and a
-    # power-of-two weight and the scale 1 / (4 w) only rescale.
-    stacked = jax.random.randint(jax.random.key(0), (4, 7), -50, 50).astype(jnp.float32) / 8
-    for weight in (0.5, 1.0, 2.0):
-        np.testing.assert_array_equal(weighted_mean(stacked, jnp.full((4,), weight)),
-                                      stacked.mean(axis=0))
-    # Other equal weights round the scale 1 / (4 w): the mean to float32 precision.
-    np.testing.assert_allclose(weighted_mean(stacked, jnp.full((4,), 2.5)),
-                               stacked.mean(axis=0), rtol=1e-6)
+    # Eighths of small integers sum without rounding in any order, so the mean is exact
+    # up to its one division, which jnp.mean's jitted form does as ours does (times 1/n).
+    # Clients of 60 examples each must not round every term by 60 and the scale by 1/600.
+    stacked = jax.random.randint(jax.random.key(0), (10, 7), -50, 50).astype(jnp.float32) / 8
+    jit_mean = jax.jit(lambda x: jnp.mean(x, axis=0))
+    for count in (3, 7, 10):
+        for weight in (1.0, 60.0, 137.0, 0.1, 3e5):
+            np.testing.assert_array_equal(
+                weighted_mean(stacked[:count], jnp.full((count,), weight)),
+                jit_mean(stacked[:count]))
+    # Padding clients (weight 0) among equal weights: the mean of the others.
+    weights = jnp.array([60.0, 60.0, 0.0, 60.0, 0.0])
+    np.testing.assert_array_equal(weighted_mean(stacked[:5], weights),
+                                  jit_mean(stacked[jnp.array([0, 1, 3])]))
+
+
+def test_weighted_mean_with_equal_weights_does_not_depend_on_their_value():
+    stacked = {"a": jax.random.normal(jax.random.key(1), (10, 33, 17)),
+               "b": jax.random.normal(jax.random.key(2), (10,))}
+    by_one = weighted_mean(stacked, jnp.ones(10))
+    for weight in (60.0, 137.0, 0.1, 3e5):
+        same = jax.tree.map(np.array_equal, by_one,
+                                  weighted_mean(stacked, jnp.full((10,), weight)))
+        assert all(jax.tree.leaves(same)), weight
 
 
 def test_weighted_mean_of_nothing_is_zero_not_nan():

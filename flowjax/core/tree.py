@@ -15,13 +15,20 @@ def weighted_mean(stacked: PyTree, weights: jax.Array) -> PyTree:
 
     Clients with weight 0 (padding clients, empty clients) do not contribute. If every
     weight is 0 the result is all zeros; callers keep their previous value in that case
-    (see ``select_tree``).
+    (see ``select_tree``). Equal weights (zeros aside) give the unweighted mean of the
+    clients they weight: the same bits whatever their value.
 
     Example:
       >>> weighted_mean({'w': jnp.array([[1.], [3.]])}, jnp.array([1., 3.]))['w']
       Array([2.5], dtype=float32)
     """
     weights = jnp.asarray(weights, jnp.float32)
+    # Equal weights (every client of the same size) weight by 1 instead: the same mean,
+    # but a weight of, say, 60 would round every client's term and the scale 1 / total
+    # (60 n) again. Unequal weights are used as they are.
+    largest = jnp.max(weights)
+    equal = jnp.all((weights == largest) | (weights == 0))
+    weights = jnp.where(equal, (weights > 0).astype(jnp.float32), weights)
     total = jnp.sum(weights)
     scale = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
 
