@@ -109,10 +109,16 @@ def read_json(file: str, remedy: str) -> Any:
             raise ValueError(f"{file} is not valid JSON (truncated?); {remedy}") from None
 
 
+# Settings that decide only when files are written, never a number or a record of
+# results.json or metrics.jsonl (the run loop keeps records in round order): a run may be
+# resumed or reused with other values.
+OUTPUT_ONLY_FIELDS = ("checkpoint_every", "log_every", "tensorboard")
+
+
 def _result_config(stored: dict[str, Any]) -> dict[str, Any]:
     """A stored config without the other methods' settings (a run reads only
-    ``methods.<algorithm>``: ``method_config``)."""
-    kept = dict(stored)
+    ``methods.<algorithm>``: ``method_config``) and without ``OUTPUT_ONLY_FIELDS``."""
+    kept = {key: value for key, value in stored.items() if key not in OUTPUT_ONLY_FIELDS}
     methods, algorithm = kept.get("methods"), kept.get("algorithm")
     if isinstance(methods, dict) and algorithm in methods:
         kept["methods"] = {algorithm: methods[algorithm]}
@@ -123,7 +129,7 @@ def differing_run_fields(stored: dict[str, Any], requested: dict[str, Any]) -> l
     """``differing_fields`` of the parts of two run configs that decide a run's numbers,
     for telling whether a run folder may be resumed or reused: the other methods'
     settings are left out, so a sweep over one method's field reuses the other methods'
-    finished runs."""
+    finished runs, and so are ``OUTPUT_ONLY_FIELDS``."""
     return differing_fields(_result_config(stored), _result_config(requested))
 
 

@@ -168,6 +168,9 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
         # the run starts over), so a finished run is reported, not retrained.
         print(f"{workdir}: finished earlier with this config; reusing its results.json "
               f"(--overwrite runs it again)", flush=True)
+        if tensorboard is not None:  # turned on after the run: its records, once
+            tensorboard.log_earlier(run_folder.read_metrics(workdir))
+            tensorboard.close()
         return run_folder.read_results(workdir, "use --overwrite to run it again")
     # Timed from here: HypCluster's FedAvg warm-up (a stage of its own, before the
     # method's first round, run again by a resumed attempt) is part of the run's time.

@@ -16,13 +16,16 @@ attempt keep those rounds and a new event file takes the rounds after. The first
 may also have logged rounds after its last checkpoint, which the resumed run computes
 again; so the new file starts with a purge marker at its first round, and TensorBoard
 hides the first attempt's events from that step on (the replayed values are the same:
-the run is deterministic). ``--overwrite`` removes the folder with the other run files.
+the run is deterministic). A run resumed, or a finished run reused, with
+``config.tensorboard`` newly on (it may change at a resume: ``run_folder.OUTPUT_ONLY_FIELDS``)
+first logs the records it already has, when the folder holds no event file.
+``--overwrite`` removes the folder with the other run files.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from flowjax import run_folder
 from flowjax.engine.callbacks import Callback, RunState
@@ -90,8 +93,22 @@ class TensorBoardLog(Callback):
         self.logdir = run_folder.path(workdir, run_folder.TENSORBOARD)
         self._writer = None
 
+    def on_run_start(self, run: RunState) -> None:
+        # Runs after the checkpoint's restore (the runner lists it later), so a run resumed
+        # with config.tensorboard newly on logs the rounds it resumed past as well.
+        self.log_earlier(run.history)
+
     def on_record(self, run: RunState, record: Mapping[str, Any]) -> None:
         self(record)
+
+    def log_earlier(self, records: Iterable[Mapping[str, Any]]) -> None:
+        """Logs ``records`` that an earlier attempt made without this log (a resumed or a
+        finished run that had ``config.tensorboard`` off); nothing when event files exist,
+        since they hold those rounds already."""
+        if _event_files(self.logdir):
+            return
+        for record in records:
+            self(record)
 
     def on_run_end(self, run: RunState) -> None:
         self.close()

@@ -57,6 +57,19 @@ def test_killed_and_resumed_run_is_bit_identical(uninterrupted, tmp_path, fault)
         assert (tmp_path / name).read_bytes() == (uninterrupted / name).read_bytes(), name
 
 
+def test_checkpoint_and_log_cadence_may_change_at_a_resume(uninterrupted, tmp_path):
+    # Killed writing round 4's checkpoint, resumed from round 2's with checkpoints every 3
+    # rounds and training records fetched every 4: with eval.every=3 the records of rounds
+    # 3 were pending at round 3's evaluation, and still land before it.
+    killed = train(tmp_path, fault="checkpoint:4")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    resumed = train(tmp_path, "--config.checkpoint_every=3", "--config.log_every=4")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((tmp_path / "run.json").read_text())["resumed_from_round"] == 2
+    for name in ("results.json", "metrics.jsonl"):
+        assert (tmp_path / name).read_bytes() == (uninterrupted / name).read_bytes(), name
+
+
 @pytest.mark.parametrize("signal_name,status,shown", [("SIGINT", 130, "Ctrl-C"),
                                                       ("SIGTERM", 143, "SIGTERM")])
 def test_ctrl_c_mid_checkpoint_is_one_line_and_resumes_exactly(uninterrupted, tmp_path,

@@ -5,6 +5,7 @@ import math
 import os
 import struct
 import sys
+import types
 
 import pytest
 
@@ -70,6 +71,36 @@ def test_run_writes_the_metrics_as_scalars(tmp_path):
             fraction, rel=1e-6, abs=1e-7)
     losses = {r["round"]: r["loss"] for r in records if r["kind"] == "train"}
     assert logged["train/loss"] == pytest.approx(losses, rel=1e-6) and len(losses) == 2
+
+
+def test_tensorboard_turned_on_after_a_run_logs_its_records(tmp_path):
+    # It changes no number, so the finished run is reused, and its records logged once.
+    config = small_config(algorithm="fedavg", num_rounds=2, checkpoint_every=0, log_every=1,
+                          **{"eval.every": 1, "eval.held_out": False})
+    first = run_config_to_workdir(config, str(tmp_path), progress=False)
+    assert not (tmp_path / "tensorboard").exists()
+    config.tensorboard = True
+    for _ in range(2):
+        assert run_config_to_workdir(config, str(tmp_path), progress=False) == first
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(os.listdir(tmp_path / "tensorboard")) == 1  # the second reuse adds nothing
+    logged = scalars(read_events(tmp_path / "tensorboard"))
+    assert logged["train/loss"] == pytest.approx(
+        {r["round"]: r["loss"] for r in records if r["kind"] == "train"}, rel=1e-6)
+    assert set(logged["eval/train_clients/acc_p"]) == {1, 2}
+
+
+def test_a_resumed_run_with_tensorboard_newly_on_logs_the_rounds_before_it(tmp_path):
+    history = [{"round": 1, "kind": "train", "loss": 1.0}, {"round": 2, "kind": "train", "loss": 2.0}]
+    log = tensorboard_log.TensorBoardLog(str(tmp_path))
+    log.on_run_start(types.SimpleNamespace(history=history))  # what Checkpoints restored
+    log({"round": 3, "kind": "train", "loss": 3.0})
+    log.close()
+    assert scalars(read_events(tmp_path / "tensorboard"))["train/loss"] == {1: 1.0, 2: 2.0, 3: 3.0}
+    again = tensorboard_log.TensorBoardLog(str(tmp_path))
+    again.on_run_start(types.SimpleNamespace(history=history))  # event files exist: nothing
+    again.close()
+    assert len(os.listdir(tmp_path / "tensorboard")) == 1
 
 
 def test_record_scalars_names_tags_by_kind_population_and_field():

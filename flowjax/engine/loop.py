@@ -63,7 +63,7 @@ def run(simulation: Simulation, callbacks: Sequence[Callback] = ()) -> RunResult
     """Trains for ``settings.num_rounds`` rounds, evaluating on the cadence and at the end.
 
     Training metrics are fetched from the device only every ``log_every`` rounds (and at
-    rounds a callback ``syncs_at``, a checkpoint's), so the host prepares the next cohort
+    rounds a callback ``syncs_at``, a checkpoint's, and before an evaluation), so the host prepares the next cohort
     while the device trains the current one. Each record goes to ``history`` and then to
     every callback's ``on_record``; ``on_run_end`` runs for every callback, whatever
     happens.
@@ -93,10 +93,14 @@ def run(simulation: Simulation, callbacks: Sequence[Callback] = ()) -> RunResult
             pending.append((round_index, metrics))
             done = run_state.rounds_done = round_index + 1
             last = run_state.last
-            if (len(pending) >= settings.log_every or last
+            evaluates = last or bool(settings.eval_every and done % settings.eval_every == 0)
+            # An evaluation syncs anyway; flushing before it keeps the records in round
+            # order (train before eval) whatever log_every and the checkpoints' rounds are,
+            # so those settings change no output and may change at a resume.
+            if (evaluates or len(pending) >= settings.log_every
                     or any(c.syncs_at(done, last) for c in callbacks)):
                 flush()
-            if last or (settings.eval_every and done % settings.eval_every == 0):
+            if evaluates:
                 run_state.summaries = simulation.evaluate(run_state.state.params, done)
                 for name, summary in run_state.summaries.items():
                     emit({"round": done, "kind": "eval", "population": name, **summary.to_dict()})
