@@ -53,6 +53,7 @@ from absl import flags, logging  # noqa: E402
 
 from flowjax import config as run_config  # noqa: E402
 from flowjax import run_folder  # noqa: E402
+from flowjax.core.checks import first_line  # noqa: E402
 from flowjax.experiment import DivergenceError  # noqa: E402
 from flowjax.paper.aggregate import load_results, summed_wall_time  # noqa: E402
 from flowjax.paper.plan import (DATASETS, TABLES, Cell, TableSpec, parse_seeds,  # noqa: E402
@@ -240,6 +241,32 @@ def check_cells(request: Request, load: ConfigLoader = load_dataset_config) -> d
     return configs
 
 
+def data_problems(request: Request, configs: dict[Cell, Any]) -> dict[str, str]:
+    """Why a dataset's data cannot be loaded, per dataset that has an unfinished cell (a
+    dataset whose data loads is absent). Each is loaded once, with its first unfinished
+    cell's config, so a grid never trains for hours and then stops at a missing file."""
+    problems, checked = {}, set()
+    for cell, config in configs.items():
+        if cell.dataset in checked or cell_state(cell.path(request.workdir)) == "finished":
+            continue
+        checked.add(cell.dataset)
+        try:
+            run_config.build_task(config)
+        except (ValueError, OSError, ImportError) as error:
+            problems[cell.dataset] = first_line(error)
+    return problems
+
+
+def check_data(request: Request, configs: dict[Cell, Any]) -> None:
+    """Raises ValueError (one line) when a dataset with an unfinished cell cannot load."""
+    problems = data_problems(request, configs)
+    if problems:
+        dataset, problem = next(iter(problems.items()))
+        others = f" (and {len(problems) - 1} other dataset(s))" if len(problems) > 1 else ""
+        raise ValueError(f"--datasets={dataset}: its data cannot be loaded, so no cell ran"
+                         f"{others}: {problem}")
+
+
 def run_cells(request: Request, configs: dict[Cell, Any], run: Runner = run_config_to_workdir,
               progress: bool = True) -> list[Cell]:
     """Runs every unfinished cell (resuming started ones); returns the cells that diverged."""
@@ -283,7 +310,8 @@ def write_tables(request: Request, command: str, started: float) -> str:
 
 def describe_plan(request: Request, load: ConfigLoader = load_dataset_config) -> str:
     """One line per cell: state, folder and config (``--dry_run``). A cell whose folder
-    holds a run of another config shows as ``conflict``, naming the fields.
+    holds a run of another config shows as ``conflict``, naming the fields; a dataset
+    whose data an unfinished cell could not load gets a line saying why.
 
     Raises:
       ValueError: a bad override or config value, as the run would (one line).
@@ -295,9 +323,10 @@ def describe_plan(request: Request, load: ConfigLoader = load_dataset_config) ->
              + (f", with {overrides}" if overrides else "")]
     for variant, dataset in sorted(request.skipped, key=lambda pair: pair[::-1]):
         lines.append(f"  not run (as in the paper): {variant} on {dataset}")
+    configs = {}
     for cell in request.cells:
         path = cell.path(request.workdir)
-        _, differing = checked_cell(cell, request, load)
+        configs[cell], differing = checked_cell(cell, request, load)
         state = "conflict" if differing else cell_state(path)
         notes = ([f"holds another config, differs in: {run_folder.named_fields(differing)}"]
                  if differing else [])
@@ -308,6 +337,10 @@ def describe_plan(request: Request, load: ConfigLoader = load_dataset_config) ->
                      f"({DATASETS[cell.dataset].config_spec(request.scale)}, "
                      f"{variant_overrides(cell.variant)}, seed={cell.seed}"
                      f"{''.join('; ' + note for note in notes)})")
+    problems = data_problems(request, configs)
+    for dataset in dict.fromkeys(cell.dataset for cell in request.cells):
+        if dataset in problems:
+            lines.append(f"  data of {dataset}: cannot be loaded: {problems[dataset]}")
     return "\n".join(lines)
 
 
@@ -336,6 +369,8 @@ def execute(request: Request, command: str, *, aggregate_only: bool = False,
     # Also before tabulating only: the table's header names this command, so a cell run
     # with other flags must not be counted as its result.
     configs = check_cells(request, load)
+    if not aggregate_only:
+        check_data(request, configs)
     failed = [] if aggregate_only else run_cells(request, configs, run, progress)
     markdown = write_tables(request, command, started)
     print(markdown)

@@ -385,6 +385,13 @@ COMMAND_CASES: tuple[CommandCase, ...] = (
                 "code is another network that runs only whole (flow_reference); expected "
                 "--methods without the flow_ref_* rows, e.g. "
                 "fedavg,fedavg_ft,ditto,apfl,knn_per,flow,flow_reference", _REPRODUCE),
+    CommandCase("`reproduce.py` with a dataset's files missing",
+                ("launch/reproduce.py", "--table=table2", "--datasets=fashion_mnist_0.1",
+                 "--scale=mini", "--seeds=0", "--methods=fedavg",
+                 "--override=data.data_dir=/nonexistent"),
+                "error: --datasets=fashion_mnist_0.1: its data cannot be loaded, so no cell "
+                "ran: fashion_mnist IDX files not found in data_dir='/nonexistent': expected "
+                "train-images-idx3-ubyte.gz", _REPRODUCE),
 )
 
 

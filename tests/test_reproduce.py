@@ -406,6 +406,27 @@ def test_a_finished_cell_of_another_config_is_refused(tmp_path):
     assert reproduce.describe_plan(request, tiny_config).endswith("; ran code 0123456+)")
 
 
+def test_a_dataset_whose_data_is_missing_is_refused_before_any_cell_runs(tmp_path, capsys):
+    # Shakespeare (embedded) first: without the check its cell would train, and the grid
+    # stop at Fashion-MNIST's missing files.
+    request = reproduce.build_request(
+        "table2", str(tmp_path), ["0"], ["shakespeare", "fashion_mnist_0.1"], "mini",
+        ["fedavg"], [f"fashion_mnist_0.1:data.data_dir={tmp_path / 'absent'}"])
+    missing = (f"fashion_mnist IDX files not found in data_dir='{tmp_path / 'absent'}': "
+               "expected train-images-idx3-ubyte.gz")
+    calls = []
+    with pytest.raises(ValueError) as error:
+        reproduce.execute(request, "cmd", run=lambda *args, **kwargs: calls.append(args),
+                          progress=False)
+    assert str(error.value).startswith("--datasets=fashion_mnist_0.1: its data cannot be "
+                                       f"loaded, so no cell ran: {missing}")
+    assert "\n" not in str(error.value) and calls == [] and os.listdir(tmp_path) == []
+    assert reproduce.execute(request, "cmd", dry_run=True) == 0
+    plan = capsys.readouterr().out.splitlines()
+    assert plan[-1].startswith(f"  data of fashion_mnist_0.1: cannot be loaded: {missing}")
+    assert not any(line.startswith("  data of shakespeare") for line in plan)
+
+
 def test_overrides_set_typed_fields_per_dataset():
     request = reproduce.build_request(
         "table2", "/tmp/unused", ["0"], ["shakespeare", "emnist"], "paper", ["flow"],
