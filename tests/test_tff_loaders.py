@@ -6,6 +6,8 @@ convert them through ``launch/convert.py``'s functions and load them via ``load_
 
 import json
 import os
+import shutil
+import sqlite3
 import subprocess
 import sys
 import zlib
@@ -145,6 +147,26 @@ def test_emnist_arrays_ids_and_counts(converted):
             assert rows["y"].dtype == np.int32
     meta = json.loads((converted["emnist"] / "task.json").read_text())
     assert meta["test_only_clients"] == 1
+
+
+def test_fedjax_files_with_text_client_ids_convert_as_blob_ones(sqlite_dir, tmp_path):
+    # FedJAX writes BLOB ids and its reader passes TEXT ones on as they are; SQLite itself
+    # rewrites the fixture's ids as TEXT here.
+    for split in ("train", "test"):
+        name = f"federated_emnist_{split}.sqlite"
+        shutil.copy(sqlite_dir / name, tmp_path / name)
+        with sqlite3.connect(tmp_path / name) as db:
+            db.execute("UPDATE federated_data SET client_id = CAST(client_id AS TEXT)")
+            assert {t for (t,) in db.execute("SELECT typeof(client_id) FROM federated_data")} == {"text"}
+    text = load_task("emnist_tff", {"store_dir": str(
+        convert("emnist", tmp_path, tmp_path / "text_out", "fedjax_sqlite"))})
+    blob = load_task("emnist_tff", {"store_dir": str(
+        convert("emnist", sqlite_dir, tmp_path / "blob_out", "fedjax_sqlite"))})
+    assert list(text.train.client_ids) == list(blob.train.client_ids) == sorted(EMNIST_TRAIN)
+    for index in range(len(blob.train.client_ids)):
+        for split in ("train", "test"):
+            for key, value in blob.train.client(index, split).items():
+                np.testing.assert_array_equal(text.train.client(index, split)[key], value)
 
 
 def test_emnist_held_out_fraction_and_caps(converted):

@@ -5,7 +5,8 @@ INTEGER)``; ``data`` is ``zlib.compress(msgpack(dict of numpy arrays))``
 (FedJAX 0.0.17, ``fedjax/core/sqlite_federated_data.py`` lines 31-52, the
 ``SQLiteFederatedData`` docstring, and 246-260, ``SQLiteFederatedDataBuilder.add_many``).
 Clients are read in FedJAX's order, ``ORDER BY rowid`` (line 134, its ``client_ids()``),
-i.e. the order they were written in.
+i.e. the order they were written in. Ids are BLOBs as FedJAX writes them; TEXT ids, which
+its reader passes on unchanged, read the same.
 
 The stored keys are the raw ones (``fedjax/datasets/emnist.py`` lines 40-74, ``load_split``:
 ``pixels`` ``float32 [N, 28, 28]`` and ``label`` ``int32``; ``shakespeare.py``:
@@ -119,6 +120,11 @@ def write_sqlite(path: str | os.PathLike, clients: Mapping[str, Mapping[str, np.
     db.close()
 
 
+def _id_values(client_id: str) -> tuple[bytes, str]:
+    """The id as a BLOB and as TEXT: SQLite never finds one by the other."""
+    return client_id.encode("utf-8"), client_id
+
+
 class SqliteSource:
     """One FedJAX SQLite file as a ``ClientSource``; reads one row per client."""
 
@@ -137,15 +143,17 @@ class SqliteSource:
         # Its own cursor, so that reads by id can interleave with this listing.
         for (client_id,) in self._db.cursor().execute(
                 "SELECT client_id FROM federated_data ORDER BY rowid"):
-            yield bytes(client_id).decode("utf-8")
+            # FedJAX writes BLOB ids; its reader passes on TEXT ones as they are, so a
+            # file written with TEXT ids is read here too.
+            yield client_id if isinstance(client_id, str) else bytes(client_id).decode("utf-8")
 
     def __contains__(self, client_id: str) -> bool:
-        return self._db.execute("SELECT 1 FROM federated_data WHERE client_id = ?",
-                                (client_id.encode("utf-8"),)).fetchone() is not None
+        return self._db.execute("SELECT 1 FROM federated_data WHERE client_id IN (?, ?)",
+                                _id_values(client_id)).fetchone() is not None
 
     def read(self, client_id: str) -> dict[str, np.ndarray]:
-        row = self._db.execute("SELECT data FROM federated_data WHERE client_id = ?",
-                               (client_id.encode("utf-8"),)).fetchone()
+        row = self._db.execute("SELECT data FROM federated_data WHERE client_id IN (?, ?)",
+                               _id_values(client_id)).fetchone()
         if row is None:
             raise KeyError(f"{self.name}: no client {client_id!r}")
         try:
