@@ -111,6 +111,23 @@ def test_dirichlet_task_from_idx_files(tmp_path, compress):
                                   data.splits["train"].features["x"])
 
 
+def test_labels_that_skip_a_class_partition_as_the_classes_present(tmp_path):
+    # EMNIST letters' labels are 1..26: no class 0 may take a share of the Dirichlet draws.
+    # Files whose labels are shifted by one give the same examples, with their own labels.
+    train, test = pool(5, 40), pool(5, 20, offset=1)
+    shifted = tmp_path / "shifted"
+    shifted.mkdir()
+    write_files(tmp_path, train, test)
+    write_files(shifted, (train[0], train[1] + 1), (test[0], test[1] + 1))
+    options = dict(alpha=0.1, num_clients=6, train_per_client=20, test_per_client=10, seed=2)
+    plain = load_task("mnist_family_idx", dict(data_dir=str(tmp_path), **options))
+    moved = load_task("mnist_family_idx", dict(data_dir=str(shifted), **options))
+    for split in ("train", "test"):
+        ours, theirs = plain.train.splits[split].features, moved.train.splits[split].features
+        np.testing.assert_array_equal(theirs["x"], ours["x"])
+        np.testing.assert_array_equal(theirs["y"], ours["y"] + 1)
+
+
 def test_smaller_alpha_gives_more_skewed_clients_and_tests_follow_trains(tmp_path):
     write_files(tmp_path, pool(10, 60), pool(10, 30, offset=1))
     skew = {}

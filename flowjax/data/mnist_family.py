@@ -64,9 +64,13 @@ def _to_task(pools: dict[str, tuple[np.ndarray, np.ndarray]], partition: partiti
              seed: int, name: str) -> FederatedTask:
     """Partitions ``{split: (images uint8 [n, 28, 28], labels [n])}`` into a task."""
     labels = {split: np.asarray(y, np.int64) for split, (_, y) in pools.items()}
-    num_classes = int(max(labels["train"].max(), labels["test"].max())) + 1
+    # The partition draws over the classes present, numbered 0..C-1: EMNIST letters'
+    # labels 1..26 would otherwise leave a class 0 that takes a share of every client's
+    # Dirichlet draw with no example to give. The examples keep their own labels.
+    present = np.unique(np.concatenate([labels["train"], labels["test"]]))
     chosen = dict(zip(("train", "test"), partitions.partition_indices(
-        partition, labels["train"], labels["test"], num_classes, seed)))
+        partition, np.searchsorted(present, labels["train"]),
+        np.searchsorted(present, labels["test"]), len(present), seed)))
     splits = {}
     for split, per_client in (("train", partition.train_per_client),
                               ("test", partition.test_per_client)):
