@@ -264,7 +264,8 @@ def check_data(request: Request, configs: dict[Cell, Any]) -> None:
         dataset, problem = next(iter(problems.items()))
         others = f" (and {len(problems) - 1} other dataset(s))" if len(problems) > 1 else ""
         raise ValueError(f"--datasets={dataset}: its data cannot be loaded, so no cell ran"
-                         f"{others}: {problem}")
+                         f"{others}: {problem} (here a data option is set with "
+                         f"--override={dataset}:data.<option>=VALUE)")
 
 
 def run_cells(request: Request, configs: dict[Cell, Any], run: Runner = run_config_to_workdir,

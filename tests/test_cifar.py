@@ -58,15 +58,30 @@ def test_cifar_config_trains_a_round_on_mock_data():
     assert 0 <= cifar_round_in_child("paper")["acc_p"] <= 1
 
 
-def test_cifar_not_prepared_is_one_line_naming_the_preparation_command(tmp_path):
+@pytest.mark.parametrize("left_behind", [False, True])
+@pytest.mark.parametrize("default_dir", [False, True])
+def test_cifar_not_prepared_is_one_line_naming_the_preparation_command(tmp_path, monkeypatch,
+                                                                      left_behind, default_dir):
     """A run reads prepared files only: no download started by a run, and one line saying
-    how to prepare them (the README's command)."""
+    how to prepare them (the README's command): in a given data_dir or TFDS's default one,
+    also after a preparation that failed offline and left TFDS's ``incomplete.*`` folder
+    (in the default folder TFDS then raises KeyError)."""
+    if left_behind:
+        (tmp_path / "cifar10" / "incomplete.K2J3QQ_3.0.2").mkdir(parents=True)
+    options = {"data_dir": str(tmp_path)}
+    if default_dir:
+        from tensorflow_datasets.core import constants  # read at import, and per call
+        monkeypatch.setattr(constants, "DATA_DIR", str(tmp_path))
+        monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path))
+        options = {}
     with pytest.raises(ValueError) as error:
-        load_task("cifar10_dirichlet", {"data_dir": str(tmp_path)})
+        load_task("cifar10_dirichlet", options)
     message = str(error.value)
     assert len(message.splitlines()) == 1
     assert message.startswith(f"cifar10 is not prepared in {tmp_path}/cifar10/")
     assert ("tfds.builder('cifar10', file_format='array_record').download_and_prepare()"
             in message)
     assert list(tmp_path.iterdir()) in ([], [tmp_path / "cifar10"])  # nothing downloaded
+    if left_behind:
+        assert list((tmp_path / "cifar10").iterdir()) == [tmp_path / "cifar10" / "incomplete.K2J3QQ_3.0.2"]
 

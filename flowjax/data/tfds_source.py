@@ -25,7 +25,9 @@ def prepared_sources(name: str, splits: Sequence[str], data_dir: str | None) -> 
     try:
         return {split: tfds.data_source(name, split=split, data_dir=data_dir, download=False)
                 for split in splits}
-    except (RuntimeError, OSError, AssertionError) as error:
+    # KeyError: the folder a preparation that failed (offline, say) leaves behind reads
+    # as a dataset with no splits.
+    except (RuntimeError, OSError, AssertionError, KeyError) as error:
         builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
         if builder.is_prepared():  # prepared, but not readable by random access
             raise ValueError(f"{name} in {builder.data_dir}: {first_line(error)}") from None
