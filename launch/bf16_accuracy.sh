@@ -5,6 +5,8 @@
 #
 #   bash launch/bf16_accuracy.sh [TASK] [FLOAT32_WORKDIR] [BFLOAT16_WORKDIR] [DOCS_DIR]
 #
+# DOCS_DIR defaults to BFLOAT16_WORKDIR/docs (docs/results/bf16-accuracy regenerates the
+# committed copy).
 # TASK:
 #   fashion_mnist (default)  the EMNIST CNN on the CPU mini-reproduction's Fashion-MNIST
 #                            Dirichlet 0.1 grid (configs/fashion_mnist.py:mini_0.1); once:
@@ -28,14 +30,14 @@ case "$task" in
     dataset=fashion_mnist_0.1
     float32="${2:-runs/mini}"
     bfloat16="${3:-runs/mini_bf16}"
-    out="${4:-docs/results/bf16-accuracy}/mini-dir0.1"
+    out="${4:-$bfloat16/docs}/mini-dir0.1"
     overrides=()
     ;;
   shakespeare)
     dataset=shakespeare
     float32="${2:-runs/shakespeare_k5}"
     bfloat16="${3:-runs/shakespeare_k5_bf16}"
-    out="${4:-docs/results/bf16-accuracy}/shakespeare-mini-k5"
+    out="${4:-$bfloat16/docs}/shakespeare-mini-k5"
     overrides=(--override=sgd.epochs=5)
     ;;
   *)

@@ -4,7 +4,8 @@
 # Main rows (FedAvg, FedAvgFT, Ditto, APFL, kNN-Per, Flow as the paper writes it, Flow as
 # the authors' code runs it) over seeds 0, 44, 56; each of the authors' departures switched
 # on alone in the paper's Flow, and the baselines with the authors' client optimizer (SGD
-# momentum 0.9), over seed 0. Then the table, copied into docs/.
+# momentum 0.9), over seed 0. Then the table, copied into DOCS_DIR (default WORKDIR/docs;
+# docs/results/gain-source regenerates the committed copy).
 #
 #   apt-get install dataset-fashion-mnist      # once: the IDX files, offline
 #   bash launch/gain_source.sh [WORKDIR] [DOCS_DIR]
@@ -16,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 workdir="${1:-runs/mini}"
-docs="${2:-docs/results/gain-source}"
+docs="${2:-$workdir/docs}"
 shift $(( $# < 2 ? $# : 2 ))
 main=fedavg,fedavg_ft,ditto,apfl,knn_per,flow,flow_reference
 alone=flow_ref_halves,flow_ref_optimizer,flow_ref_regularizer,flow_ref_global_only

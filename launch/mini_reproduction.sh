@@ -2,7 +2,8 @@
 # The CPU mini-reproduction: every method on Fashion-MNIST split into clients by Dirichlet
 # label skew 0.1 and 0.6 (the paper's CIFAR design on an offline dataset; EMNIST CNN and the
 # paper's EMNIST hyperparameters; configs/fashion_mnist.py:mini_0.1 / mini_0.6), seeds 0, 44,
-# 56; then Tables 2 and 3, the soft-vs-hard table and the plots, copied into docs/.
+# 56; then Tables 2 and 3, the soft-vs-hard table and the plots, copied into DOCS_DIR
+# (default WORKDIR/docs; docs/reproduction/fashion-mnist-mini regenerates the committed copy).
 #
 #   apt-get install dataset-fashion-mnist      # once: the IDX files, offline
 #   bash launch/mini_reproduction.sh [WORKDIR] [DOCS_DIR]
@@ -13,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 workdir="${1:-runs/mini}"
-docs="${2:-docs/reproduction/fashion-mnist-mini}"
+docs="${2:-$workdir/docs}"
 shift $(( $# < 2 ? $# : 2 ))
 methods=local,fedavg,fedavg_ft,apfl,ditto,fedrep,lg_fedavg,hypcluster,knn_per,partialfed,flow
 grid=(--datasets=fashion_mnist_0.1,fashion_mnist_0.6 --scale=mini --seeds=0,44,56
