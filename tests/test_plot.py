@@ -315,6 +315,18 @@ def test_plot_command_writes_pngs(tmp_path):
         data = (tmp_path / "plots" / name).read_bytes()
         assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000
         assert f"wrote {tmp_path / 'plots' / name}" in done.stdout
+    assert "note: every run evaluated at one round" not in done.stdout  # flow has two
+
+
+def test_runs_evaluated_once_say_their_curves_are_points(tmp_path):
+    for seed in (0, 1):
+        write_run(tmp_path / "flow" / f"seed_{seed}", dataset="toy", algorithm="flow",
+                  seed=seed, evals={20: (0.1, 0.2)}, breakdown=BREAKDOWN_A, q0=Q0)
+    notes = plot_data.run_notes(plot_data.load_runs(str(tmp_path)))
+    assert notes == ["every run evaluated at one round only (config.eval.every=0: after the "
+                     "last), so the learning curves are one point per method; "
+                     "--config.eval.every=N evaluates every N rounds and changes no number "
+                     "of training"]
 
 
 @pytest.mark.parametrize("make, message", [

@@ -150,6 +150,11 @@ def test_a_different_config_is_refused_without_touching_the_run(uninterrupted, t
     replaced = train(workdir, "--config.eval.every=2", "--overwrite")
     assert replaced.returncode == 0, replaced.stderr[-3000:]
     assert json.loads((workdir / "config.json").read_text())["eval"]["every"] == 2
+    # Evaluating more often changes no number of training (plot.py's note says so).
+    assert (workdir / "results.json").read_bytes() == before["results.json"]
+    trained = [[line for line in text.decode().splitlines() if '"kind": "train"' in line]
+               for text in ((workdir / "metrics.jsonl").read_bytes(), before["metrics.jsonl"])]
+    assert trained[0] == trained[1] and len(trained[0]) == 6
 
 
 def test_divergence_stops_with_a_one_line_message_naming_the_round(tmp_path):

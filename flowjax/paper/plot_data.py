@@ -451,7 +451,8 @@ def histogram_box_stats(counts: Sequence[float], mean: float | None = None,
 
 
 def run_notes(runs: Sequence[Run]) -> list[str]:
-    """One line per run that some figure leaves out, saying why."""
+    """One line per run that some figure leaves out, saying why; and one line when every
+    run evaluated at a single round, so the learning curves are single points."""
     notes = []
     for run in runs:
         if run.results is None:
@@ -459,6 +460,11 @@ def run_notes(runs: Sequence[Run]) -> list[str]:
         elif routes(run) and not pooled_routing([run]):
             notes.append(f"{run.path}: results.json has no q0_histogram (written by an "
                          f"older flowjax); no routing boxes")
+    if runs and all(len({record["round"] for record in run.evals}) <= 1 for run in runs):
+        notes.append("every run evaluated at one round only (config.eval.every=0: after the "
+                     "last), so the learning curves are one point per method; "
+                     "--config.eval.every=N evaluates every N rounds and changes no number "
+                     "of training")
     return notes
 
 
