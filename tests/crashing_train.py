@@ -50,6 +50,10 @@ def inject(fault: str) -> None:
 
 if __name__ == "__main__":
     fault = sys.argv.pop(1)
+    # A Ctrl-C comes from a terminal, where SIGINT is never ignored; a test session started
+    # in the background (`&` from a script) hands its children SIGINT ignored, which would
+    # swallow the injected one.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # launch.train sets the XLA flags before JAX is imported, as the plain command does.
     from launch import cli, train
     inject(fault)
