@@ -63,8 +63,8 @@ def run(simulation: Simulation, callbacks: Sequence[Callback] = ()) -> RunResult
     """Trains for ``settings.num_rounds`` rounds, evaluating on the cadence and at the end.
 
     Training metrics are fetched from the device only every ``log_every`` rounds (and at
-    rounds a callback ``syncs_at``, a checkpoint's, and before an evaluation), so the host prepares the next cohort
-    while the device trains the current one. Each record goes to ``history`` and then to
+    rounds a callback ``syncs_at``, a checkpoint's, and before an evaluation), so the host
+    prepares the next cohort while the device trains the current one. Each record goes to ``history`` and then to
     every callback's ``on_record``; ``on_run_end`` runs for every callback, whatever
     happens.
     """
