@@ -64,9 +64,9 @@ def run(simulation: Simulation, callbacks: Sequence[Callback] = ()) -> RunResult
 
     Training metrics are fetched from the device only every ``log_every`` rounds (and at
     rounds a callback ``syncs_at``, a checkpoint's, and before an evaluation), so the host
-    prepares the next cohort while the device trains the current one. Each record goes to ``history`` and then to
-    every callback's ``on_record``; ``on_run_end`` runs for every callback, whatever
-    happens.
+    prepares the next cohort while the device trains the current one. Each record goes to
+    ``history`` and then to every callback's ``on_record``; ``on_run_end`` runs for every
+    callback, whatever happens.
     """
     settings = simulation.settings
     # A later stage starts after its earlier stage's rounds (``Settings.first_round``).
