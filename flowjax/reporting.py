@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from flowjax.algorithms import scored_models
 from flowjax.evaluation.metrics import GROUPS
+
+ABSENT = "—"  # the paper's "-": a number of a model the method does not have
 
 
 def _pct(value: float) -> str:
@@ -53,6 +56,11 @@ def results_table(results: Mapping[str, Mapping[str, Any]]) -> str:
     ``both correct + global only = Acc_g`` and ``both correct + personalized only =
     Acc_p`` (up to the rounding of the printed digits); the instance-pooled figures are
     in ``comparison_csv``.
+
+    As in the paper's tables, a method without personal models (FedAvg) shows "—" for
+    Acc_p, and one without a trained global model (Local) for Acc_g; the columns that
+    compare the two models (% benefiting, % ties, the breakdown) show "—" for both.
+    ``comparison_csv`` keeps every computed number.
     """
     header = ("| method | population | clients | Acc_g (client mean) | Acc_p (client mean) | "
               "Acc_p soft (client mean) | % clients Acc_p > Acc_g | % ties | "
@@ -60,10 +68,14 @@ def results_table(results: Mapping[str, Mapping[str, Any]]) -> str:
               "personalized only (client mean) | neither (client mean) |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for method, result in results.items():
+        has_global, has_personal = scored_models(result.get("algorithm", method))
         for population, s in result["populations"].items():
+            breakdown = ["n/a" if v is None else _pct(v) for v in _breakdown(s, "client_mean")]
+            compared = [_pct(s["clients_benefiting"]), _pct(s["clients_tied"]), *breakdown]
             lines.append("| " + " | ".join([
-                method, population, str(s["num_clients"]), _pct(s["acc_g"]), _pct(s["acc_p"]),
-                _pct(s["acc_p_soft"]), _pct(s["clients_benefiting"]), _pct(s["clients_tied"]),
-                *["n/a" if v is None else _pct(v) for v in _breakdown(s, "client_mean")]])
+                method, population, str(s["num_clients"]),
+                _pct(s["acc_g"]) if has_global else ABSENT,
+                *([_pct(s["acc_p"]), _pct(s["acc_p_soft"])] if has_personal else [ABSENT] * 2),
+                *(compared if has_global and has_personal else [ABSENT] * len(compared))])
                 + " |")
     return "\n".join(lines)

@@ -102,6 +102,10 @@ def test_compare_writes_one_table_and_resumes(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     table = (tmp_path / "comparison.md").read_text()
     assert "| flow | train_clients |" in table and "| fedavg | train_clients |" in table
+    # FedAvg has no personal model: its Acc_p and every comparison column are the paper's -.
+    fedavg_row = next(line for line in table.splitlines() if line.startswith("| fedavg |"))
+    assert fedavg_row.rstrip(" |").endswith(" | ".join(["—"] * 8))
+    assert "—" not in next(line for line in table.splitlines() if line.startswith("| flow |"))
     csv = (tmp_path / "comparison.csv").read_text().splitlines()
     assert csv[0].startswith("method,population,num_clients,acc_g,acc_p") and len(csv) == 3
     stamp = os.path.getmtime(tmp_path / "flow" / "results.json")

@@ -76,10 +76,34 @@ def test_table_rows_use_one_average_and_say_which():
         assert float(csv[f"{g}_weighted"]) == pytest.approx(s["breakdown"][g], abs=1e-6)
 
 
+def test_table_marks_the_numbers_of_a_model_the_method_lacks():
+    """The paper's "-": FedAvg has no Acc_p, Local no trained Acc_g; neither has a
+    comparison of the two (benefiting, ties, breakdown). The CSV keeps every number."""
+    s = summarize(_counts(GROUP_COUNTS)).to_dict()
+    results = {name: {"algorithm": algorithm, "populations": {"train_clients": s}}
+               for name, algorithm in (("fedavg_momentum", "fedavg"), ("local", "local"),
+                                       ("fedavg_ft", "fedavg_ft"))}
+    lines = results_table(results).splitlines()
+    columns = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {cells[0]: dict(zip(columns, cells)) for cells in
+            ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])}
+    compared = columns[6:]
+    assert rows["fedavg_momentum"]["Acc_g (client mean)"] == f"{100 * s['acc_g']:.2f}"
+    assert [rows["fedavg_momentum"][c] for c in columns[4:]] == ["—"] * len(columns[4:])
+    assert rows["local"]["Acc_g (client mean)"] == "—"
+    assert rows["local"]["Acc_p (client mean)"] == f"{100 * s['acc_p']:.2f}"
+    assert rows["local"]["Acc_p soft (client mean)"] == f"{100 * s['acc_p_soft']:.2f}"
+    assert [rows["local"][c] for c in compared] == ["—"] * len(compared)
+    assert "—" not in rows["fedavg_ft"].values()
+    assert rows["fedavg_ft"]["% clients Acc_p > Acc_g"] == f"{100 * s['clients_benefiting']:.2f}"
+    csv_rows = comparison_csv(results).splitlines()[1:]
+    assert all("—" not in row and ",," not in row for row in csv_rows)
+
+
 def test_results_written_before_the_client_mean_still_print():
     s = summarize(_counts(GROUP_COUNTS)).to_dict()
     del s["breakdown_client_mean"]
-    row = results_table({"fedavg": {"populations": {"train_clients": s}}}).splitlines()[2]
+    row = results_table({"fedavg_ft": {"populations": {"train_clients": s}}}).splitlines()[2]
     assert row.rstrip(" |").endswith("n/a | n/a | n/a | n/a")
 
 

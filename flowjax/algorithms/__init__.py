@@ -46,16 +46,22 @@ class Method:
         float32 rounding or the meaning of its checkpoints; then 2, 3, ... A run folder
         stores it in ``config.json`` (``flowjax.config.stored_config``), so a run made by
         an older revision is neither reused as finished nor resumed.
+      global_model: it trains one model for all clients, scored as Acc_g (False for
+        Local, whose Acc_g is its untrained starting model: the paper's "-").
+      personal_model: it gives each client a model of its own, scored as Acc_p (False
+        for FedAvg, whose Acc_p is its global model's: the paper's "-").
     """
 
     factory: Callable[..., FederatedAlgorithm]
     config_class: Callable[..., Any]
     takes_example: bool = False
     revision: int | None = None
+    global_model: bool = True
+    personal_model: bool = True
 
 
 METHODS: dict[str, Method] = {
-    "fedavg": Method(fedavg, FedAvgConfig),
+    "fedavg": Method(fedavg, FedAvgConfig, personal_model=False),
     "fedavg_ft": Method(fedavg, functools.partial(FedAvgConfig, finetune=True)),
     "flow": Method(flow, FlowConfig, takes_example=True),
     "apfl": Method(apfl, APFLConfig),
@@ -66,7 +72,7 @@ METHODS: dict[str, Method] = {
     # 2: the FedAvg warm-up counts within num_rounds (it was added on top).
     "hypcluster": Method(hypcluster, HypClusterConfig, revision=2),
     "knn_per": Method(knn_per, KnnPerConfig),
-    "local": Method(local, LocalConfig),
+    "local": Method(local, LocalConfig, global_model=False),
     # 2: a first-time client's previous model is the received one (it was the run's
     # initial params), and its state records whether it has trained.
     "partialfed": Method(partialfed, PartialFedConfig, revision=2),
@@ -89,6 +95,13 @@ def method_revision(name: str) -> int | None:
     config's validation refuses)."""
     method = METHODS.get(name)
     return None if method is None else method.revision
+
+
+def scored_models(name: str) -> tuple[bool, bool]:
+    """Whether method ``name`` has a global model (Acc_g) and personal models (Acc_p);
+    both for a name not registered here, whose results claim both."""
+    method = METHODS.get(name)
+    return (True, True) if method is None else (method.global_model, method.personal_model)
 
 
 def _method(name: str) -> Method:
