@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from flowjax.algorithms import scored_models
+from flowjax.algorithms import lacks_model
 from flowjax.evaluation.metrics import GROUPS
 
 ABSENT = "—"  # the paper's "-": a number of a model the method does not have
@@ -67,15 +67,13 @@ def results_table(results: Mapping[str, Mapping[str, Any]]) -> str:
               "both correct (client mean) | global only (client mean) | "
               "personalized only (client mean) | neither (client mean) |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    fields = ("acc_g", "acc_p", "acc_p_soft", "clients_benefiting", "clients_tied", *GROUPS)
     for method, result in results.items():
-        has_global, has_personal = scored_models(result.get("algorithm", method))
+        algorithm = result.get("algorithm", method)
         for population, s in result["populations"].items():
-            breakdown = ["n/a" if v is None else _pct(v) for v in _breakdown(s, "client_mean")]
-            compared = [_pct(s["clients_benefiting"]), _pct(s["clients_tied"]), *breakdown]
+            values = [s[f] for f in fields[:5]] + _breakdown(s, "client_mean")
             lines.append("| " + " | ".join([
                 method, population, str(s["num_clients"]),
-                _pct(s["acc_g"]) if has_global else ABSENT,
-                *([_pct(s["acc_p"]), _pct(s["acc_p_soft"])] if has_personal else [ABSENT] * 2),
-                *(compared if has_global and has_personal else [ABSENT] * len(compared))])
-                + " |")
+                *[ABSENT if lacks_model(algorithm, f) else "n/a" if v is None else _pct(v)
+                  for f, v in zip(fields, values)]]) + " |")
     return "\n".join(lines)

@@ -97,11 +97,17 @@ def method_revision(name: str) -> int | None:
     return None if method is None else method.revision
 
 
-def scored_models(name: str) -> tuple[bool, bool]:
-    """Whether method ``name`` has a global model (Acc_g) and personal models (Acc_p);
-    both for a name not registered here, whose results claim both."""
+def lacks_model(name: str, field: str) -> bool:
+    """Whether result ``field`` of method ``name`` scores a model the method does not
+    have (the paper's "-"): ``acc_g*`` needs its global model, ``acc_p*`` its personal
+    ones, and every other field (% benefiting, ties, the breakdown) compares the two. A
+    name not registered here has both."""
     method = METHODS.get(name)
-    return (True, True) if method is None else (method.global_model, method.personal_model)
+    if method is None:
+        return False
+    needs_global, needs_personal = not field.startswith("acc_p"), not field.startswith("acc_g")
+    return ((needs_global and not method.global_model)
+            or (needs_personal and not method.personal_model))
 
 
 def _method(name: str) -> Method:

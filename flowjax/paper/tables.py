@@ -16,7 +16,7 @@ from typing import Iterable, Mapping, Sequence
 from flowjax.paper.aggregate import (Results, finished_seeds, metric_by_seed, paired_differences,
                                      populations_of)
 from flowjax.paper.figures import PaperFigure, paper_delta, paper_figure
-from flowjax.paper.plan import DATASETS, METRIC_TITLES, Delta, Row, TableSpec
+from flowjax.paper.plan import DATASETS, METRIC_TITLES, Delta, Row, TableSpec, lacks_model
 from flowjax.paper.stats import SeedStats, seed_stats
 
 POPULATION_NOTES = {
@@ -71,8 +71,7 @@ def _row_entries(spec: TableSpec, row: Row, results: Results, datasets: Sequence
             # method without one) is absent by definition, not a missing seed.
             unreported = stats.n == 0 and finished_seeds(results, dataset, row.variant,
                                                          population)
-            status = ("not_applicable" if (row.variant, metric) in spec.not_applicable
-                      or unreported
+            status = ("not_applicable" if lacks_model(row.variant, metric) or unreported
                       else "not_run" if (row.variant, dataset) in skipped and stats.n == 0
                       else "ok")
             entries.append(Entry(spec.name, dataset, row.label, row.variant, population, field,
