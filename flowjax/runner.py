@@ -13,6 +13,7 @@ import numpy as np
 
 from flowjax import config as run_config
 from flowjax import distributed, run_folder
+from flowjax.core import client_state
 from flowjax.engine import loop
 from flowjax.engine.callbacks import (DivergenceError, DivergenceGuard, ProgressBar,
                                       run_folder_callbacks)
@@ -187,6 +188,16 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
     def warn(message):
         warnings.append(message)
         bar.write(f"warning: {message}")
+
+    shapes = simulation.client_state_shapes()
+    if shapes is not None:
+        forecast = client_state.memory_forecast(
+            shapes, len(task.train.client_ids), config.clients_per_round, config.num_rounds,
+            client_state.host_memory_bytes())
+        if forecast.exceeds_host:
+            warn(f"{forecast.line()}: the run may run out of memory before its last round")
+        else:
+            print(forecast.line(), flush=True)
 
     callbacks = [*run_folder_callbacks(workdir, config.get("checkpoint_every", 0), resolved),
                  *([tensorboard] if tensorboard is not None else []),

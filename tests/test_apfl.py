@@ -1,5 +1,7 @@
 """APFL's update rule, its personalized model, and its client state through the engine."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,3 +151,25 @@ def test_personalize_costs_one_apfl_update_even_under_vmap(mlp, images_small):
         return vmapped.lower(cohort, keys, states).as_text().count("dot_general")
 
     assert matmuls(algorithm.personalize) == matmuls(algorithm.client_update)
+
+
+def test_run_forecasts_its_client_state_memory_and_warns_past_the_host(tmp_path, capsys,
+                                                                        monkeypatch):
+    from flowjax import runner
+    from flowjax.core import client_state
+    from flowjax.core.client_state import expected_clients
+    from tests.helpers import small_synthetic_config
+    config = small_synthetic_config(algorithm="apfl", num_rounds=2, checkpoint_every=0)
+    runner.run_config_to_workdir(config, str(tmp_path / "a"), progress=False)
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("client states"))
+    # APFL's state is v: one copy of the MLP's params (60-64-64-10, float32).
+    params = 60 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
+    clients = expected_clients(12, 4, 2)
+    assert line.startswith(f"client states: {params * 4 / 2**20:,.2f} MiB per client that "
+                           f"trains, about {clients:,.0f} of the 12 training clients")
+    # Past the host's memory it is a warning, kept in run.json.
+    monkeypatch.setattr(client_state, "host_memory_bytes", lambda: params * 4 * 5)
+    runner.run_config_to_workdir(config, str(tmp_path / "b"), progress=False)
+    assert "the run may run out of memory before its last round" in capsys.readouterr().err
+    info = json.loads((tmp_path / "b" / "run.json").read_text())
+    assert any("this host has 0.0 GiB" in w for w in info["warnings"])

@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+from flowjax.core.client_state import expected_clients, memory_forecast
 from flowjax.core.cohort import assemble_cohort, examples_per_client, padding_efficiency
 from flowjax.core.local_training import epoch_batches, run_epochs
 from flowjax.core.mapping import ClientMapping, map_clients
@@ -257,3 +258,28 @@ def test_the_engine_and_the_evaluation_import_no_method():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_expected_clients_is_exact_at_the_edges_and_matches_the_sampler():
+    assert expected_clients(4, 2, 0) == 0.0
+    assert expected_clients(4, 2, 1) == 2.0
+    assert expected_clients(7, 7, 3) == 7.0
+    assert expected_clients(4, 2, 2) == 4 * (1 - 0.25)  # each client misses both rounds w.p. 1/4
+    # The sampler the runs use, over many seeds: the mean count of distinct clients.
+    counts = [len(np.unique(np.concatenate([ClientSampler(60, 5, seed).sample(r)
+                                            for r in range(12)]))) for seed in range(400)]
+    assert np.mean(counts) == pytest.approx(expected_clients(60, 5, 12), rel=0.01)
+
+
+def test_memory_forecast_counts_every_leaf_of_a_client_state():
+    shapes = {"v": jax.ShapeDtypeStruct((1000, 25), jnp.float32),
+              "step": jax.ShapeDtypeStruct((), jnp.int32), "b": np.zeros(6, np.float64)}
+    forecast = memory_forecast(shapes, population=400, per_round=10, rounds=2000,
+                               host_bytes=2**30)
+    assert forecast.per_client_bytes == 1000 * 25 * 4 + 4 + 6 * 8
+    assert forecast.total_bytes == forecast.per_client_bytes * expected_clients(400, 10, 2000)
+    assert not forecast.exceeds_host
+    assert "0.10 MiB per client that trains, about 400 of the 400 training clients" in (
+        forecast.line())
+    assert memory_forecast(shapes, 400, 10, 2000, host_bytes=10**6).exceeds_host
+    assert not memory_forecast(shapes, 400, 10, 2000, host_bytes=None).exceeds_host

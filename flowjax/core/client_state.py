@@ -4,11 +4,18 @@ Only clients that have trained own a row; every other client reads the template 
 state a client has before its first round). Memory is therefore proportional to the
 clients actually visited, never to the population and never one object per client.
 Rows grow by doubling, so a round's scatter is amortized O(cohort).
+
+The rows live in host memory, so a run's need grows with the clients that train:
+``memory_forecast`` says at the start how far (paper-scale Stack Overflow: about 19,400
+clients of APFL's 15.5 MiB each, some 290 GiB).
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
+
+import dataclasses
+import os
 
 import jax
 import numpy as np
@@ -106,3 +113,62 @@ class ClientStateStore:
                                  f"{(len(ids),) + leaf.shape} (one row per stored client)")
         self._rows = {int(c): r for r, c in enumerate(ids)}
         self._arrays = [array.copy() for array in arrays]
+
+
+def expected_clients(population: int, per_round: int, rounds: int) -> float:
+    """Expected number of distinct clients drawn at least once in ``rounds`` rounds of
+    ``per_round`` clients drawn uniformly without replacement from ``population``: a
+    round misses a given client with probability ``1 - per_round / population``."""
+    return population * (1.0 - (1.0 - per_round / population) ** rounds)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryForecast:
+    """The host memory a run's client states are expected to take by its last round.
+
+    Attributes:
+      per_client_bytes: one client's state.
+      clients: the expected number of clients that train (``expected_clients``).
+      population: the training clients.
+      host_bytes: this host's physical memory (None where the OS does not say).
+    """
+
+    per_client_bytes: int
+    clients: float
+    population: int
+    host_bytes: int | None
+
+    @property
+    def total_bytes(self) -> float:
+        return self.per_client_bytes * self.clients
+
+    @property
+    def exceeds_host(self) -> bool:
+        return self.host_bytes is not None and self.total_bytes > self.host_bytes
+
+    def line(self) -> str:
+        """One line for the run's log."""
+        host = ("" if self.host_bytes is None
+                else f"; this host has {self.host_bytes / 2**30:,.1f} GiB")
+        return (f"client states: {self.per_client_bytes / 2**20:,.2f} MiB per client that "
+                f"trains, about {self.clients:,.0f} of the {self.population:,} training "
+                f"clients by the last round, so about {self.total_bytes / 2**30:,.2f} GiB of "
+                f"host memory (more while the store grows and a checkpoint copies it){host}")
+
+
+def host_memory_bytes() -> int | None:
+    """This host's physical memory, or None where ``os.sysconf`` does not report it."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def memory_forecast(template: PyTree, population: int, per_round: int, rounds: int,
+                    host_bytes: int | None = None) -> MemoryForecast:
+    """What the rows of ``template``-shaped states (arrays or ``jax.ShapeDtypeStruct``)
+    are expected to take after ``rounds`` rounds of ``per_round`` clients."""
+    per_client = sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+                     for leaf in jax.tree.leaves(template))
+    return MemoryForecast(per_client, expected_clients(population, per_round, rounds),
+                          population, host_bytes)

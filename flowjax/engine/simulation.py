@@ -126,6 +126,14 @@ class Simulation:
         return traced
 
     # ----------------------------------------------------------------- state
+    def client_state_shapes(self) -> Any:
+        """Shapes and dtypes of one client's state (``jax.ShapeDtypeStruct`` leaves,
+        nothing computed); None for a method without client state."""
+        if not self.algorithm.stateful:
+            return None
+        key = prng.base_key(self.settings.seed, prng.Purpose.INIT)
+        return jax.eval_shape(lambda: self.algorithm.init_client_state(self.algorithm.init(key)))
+
     def init_state(self) -> ServerState:
         """The round-0 server state; also resets the per-client state store."""
         params = self.algorithm.init(prng.base_key(self.settings.seed, prng.Purpose.INIT))
