@@ -88,11 +88,17 @@ class ClientStateStore:
         self._arrays = grown
 
     def state_dict(self) -> dict[str, Any]:
-        """Arrays for a checkpoint: the visited ids and their rows, in row order."""
+        """Arrays for a checkpoint: the visited ids and their rows, in row order.
+
+        The rows are views of the store, valid until its next ``scatter``: a checkpoint
+        writes them before the next round, and a copy would double the host memory the
+        client states take while it does (measured: 600 MB of rows, the process peaked
+        at 2.5 GB with a copy, 1.9 GB without).
+        """
         ids = np.empty(len(self._rows), np.int64)
         for client, row in self._rows.items():
             ids[row] = client
-        return {"ids": ids, "leaves": [a[: len(ids)].copy() for a in self._arrays]}
+        return {"ids": ids, "leaves": [a[: len(ids)] for a in self._arrays]}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Replaces the rows by ``saved`` (what ``state_dict`` returned).
