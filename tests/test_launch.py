@@ -123,6 +123,17 @@ def test_compare_writes_one_table_and_resumes(tmp_path):
     assert [line for line in rerun.splitlines() if line.startswith("| ")] == table_rows
 
 
+def test_client_state_memory_reports_the_rows_and_three_peaks(tmp_path):
+    done = launch("client_state_memory.py", "--rows=60", "--row_floats=5000",
+                  f"--dir={tmp_path / 'checkpoint'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows, peaks = done.stdout.strip().splitlines()[-2:]
+    assert rows == "rows: 60 client states of 0.02 MB = 0.00 GB"
+    values = [float(p.split(" GB")[0]) for p in peaks.removeprefix("process peak: ").split(", ")]
+    assert len(values) == 3 and values == sorted(values)  # peaks only grow
+    assert (tmp_path / "checkpoint" / "1").is_dir()  # the checkpoint a run would write
+
+
 def test_every_launcher_shows_the_traceback_of_a_bad_input_under_debug(tmp_path):
     """``--debug`` (README, "Bad inputs") on each launcher that reads user input: the bad
     input that ends in one ``error:`` line, exit status 2, shows its traceback instead."""
