@@ -7,11 +7,14 @@ import json
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 from flowjax.algorithms import make_algorithm, method_revision
 from flowjax.algorithms.base import SGDConfig
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
+from flowjax.algorithms.hypcluster import kmeans_starts
+from flowjax.core import prng
 from flowjax.core.mapping import ClientMapping, default_mapping
 from flowjax.core.server_opt import server_optimizer
 from flowjax.data import FederatedTask, load_task
@@ -133,25 +136,41 @@ def resolve(config, task: FederatedTask | None = None) -> ResolvedRun:
                        example_x)
 
 
-def warm_up(run: ResolvedRun) -> Any:
-    """HypCluster's warm-up stage: the server params after
-    ``methods.hypcluster.warmup_rounds`` rounds W of FedAvg with this run's SGD, seed,
-    client sampling, server optimizer and mapping (no evaluation). They are the run's
-    rounds 1 to W of ``num_rounds``, so HypCluster trains on as many cohorts as every
-    other method; its own rounds are W + 1 to ``num_rounds`` (``simulation_for``). None
-    for other methods or 0 rounds.
+def warm_up(run: ResolvedRun) -> dict[str, Any] | None:
+    """HypCluster's warm-up stage: its factory's starting options, None for other methods
+    or with neither warm-up rounds nor k-means init.
+
+    ``{"warm_start": params}``: the server params after ``methods.hypcluster.warmup_rounds``
+    rounds W of FedAvg with this run's SGD, seed, client sampling, server optimizer and
+    mapping (no evaluation). They are the run's rounds 1 to W of ``num_rounds``, so
+    HypCluster trains on as many cohorts as every other method; its own rounds are W + 1
+    to ``num_rounds`` (``simulation_for``). With ``init="kmeans"``,
+    ``{"cluster_starts": [...]}``: ``hypcluster.kmeans_starts`` from those params (the
+    plain init when W = 0) over the clients of round W, HypCluster's first cohort, with
+    keys and the first pick from the ``KMEANS_INIT`` stream of round W.
     """
     rounds = warmup_rounds(run)
-    if not rounds:
+    kmeans = run.algorithm == "hypcluster" and run.method.init == "kmeans"
+    if not rounds and not kmeans:
         return None
-    settings = dataclasses.replace(run.settings, num_rounds=rounds)
+    settings = dataclasses.replace(run.settings, num_rounds=max(rounds, 1))
     simulation = Simulation(fedavg(run.model, FedAvgConfig(sgd=run.sgd)), run.task, settings,
                             server_optimizer=build_server_optimizer(run.config),
                             mapping=build_mapping(run.config))
     state = simulation.init_state()
     for round_index in range(rounds):
         state, _ = simulation.run_round(state, round_index)
-    return state.params
+    if not kmeans:
+        return {"warm_start": state.params}
+    seed = run.settings.seed
+    cohort = simulation.host_cohort(rounds)
+    key_of_round = prng.round_key(prng.base_key(seed, prng.Purpose.KMEANS_INIT), rounds)
+    keys = jax.vmap(prng.client_key, in_axes=(None, 0))(key_of_round, cohort.client_id)
+    real = np.flatnonzero(cohort.num_examples > 0)
+    first = int(real[prng.host_rng(seed, int(prng.Purpose.KMEANS_INIT), rounds)
+                     .integers(len(real))])
+    return {"cluster_starts": kmeans_starts(run.model, run.sgd, state.params, cohort, keys,
+                                            run.method.clusters, first)}
 
 
 def warmup_rounds(run: ResolvedRun) -> int:
@@ -159,16 +178,15 @@ def warmup_rounds(run: ResolvedRun) -> int:
     return getattr(run.method, "warmup_rounds", 0) if run.algorithm == "hypcluster" else 0
 
 
-def simulation_for(run: ResolvedRun, warm_start: Any = None) -> Simulation:
-    """The run's simulation; ``warm_start``: HypCluster's warm-up params (``warm_up``).
+def simulation_for(run: ResolvedRun, starts: dict[str, Any] | None = None) -> Simulation:
+    """The run's simulation; ``starts``: HypCluster's starting options (``warm_up``).
 
     After a warm-up of W rounds the simulation runs rounds W to ``num_rounds - 1`` of the
     seed's streams (``Settings.first_round``): the warm-up's cohorts and keys are not
     drawn again, and rounds are logged, evaluated and checkpointed by their run index.
     """
-    options, settings = {}, run.settings
-    if warm_start is not None:
-        options = {"warm_start": warm_start}
+    options, settings = dict(starts or {}), run.settings
+    if warmup_rounds(run):
         settings = dataclasses.replace(settings, first_round=warmup_rounds(run))
     algorithm = make_algorithm(run.algorithm, run.model, run.method, run.example_x, **options)
     return Simulation(algorithm, run.task, settings,

@@ -13,9 +13,10 @@ import pytest
 
 from flowjax import config as run_config
 from flowjax import experiment
-from flowjax.algorithms.base import SGDConfig
+from flowjax.algorithms.base import SGDConfig, train_plain, valid_examples
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
-from flowjax.algorithms.hypcluster import HypClusterConfig, hypcluster, mean_train_loss
+from flowjax.algorithms.hypcluster import (HypClusterConfig, hypcluster, kmeans_starts,
+                                          mean_train_loss)
 from flowjax.core.cohort import assemble_cohort, client_at
 from flowjax.engine.callbacks import Callback, ProgressBar
 from flowjax.core.server_opt import server_optimizer
@@ -58,7 +59,7 @@ _ONE_CLUSTER_CHILD = """
 import jax, numpy as np, optax
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.algorithms.hypcluster import HypClusterConfig, hypcluster
-from flowjax.algorithms.base import SGDConfig
+from flowjax.algorithms.base import SGDConfig, train_plain, valid_examples
 from flowjax.data.synthetic import synthetic_images
 from flowjax.experiment import RunSettings, Simulation
 from flowjax.models import get_model
@@ -272,3 +273,50 @@ def test_warm_started_run_trains_and_evaluates():
     assert gap < 0.2
     plain = simulation.algorithm.model.init(jax.random.key(0))
     assert not _leaves_equal(params["cluster0"], plain)
+
+
+def test_kmeans_starts_pick_a_client_then_the_one_worst_served_so_far(mlp, images_small):
+    """FedJAX's kmeans_init: cluster 0 at the first client's trained params, then the
+    trained params of the client whose lowest loss under the picks so far is largest;
+    checked against each client trained alone and its losses computed alone."""
+    sgd = SGDConfig(**SGD)
+    cohort = jax.tree.map(jnp.asarray, assemble_cohort(
+        images_small.train, "train", [0, 1, 2, 3, 4, 5], num_clients=7, padded_examples=32,
+        batch_size=4))  # a padding client last: never picked
+    keys = jax.random.split(jax.random.key(3), 7)
+    start = mlp.init(jax.random.key(0))
+    starts = kmeans_starts(mlp, sgd, start, cohort, keys, clusters=3, first=2)
+    alone = [train_plain(mlp, start, sgd.optimizer(), client_at(cohort, i),
+                         valid_examples(client_at(cohort, i)), epochs=1, batch_size=4,
+                         key=keys[i])[0] for i in range(6)]
+    best, picks = np.full(6, np.inf), [2]
+    for _ in range(2):
+        losses = np.array([mean_train_loss(mlp, alone[picks[-1]], client_at(cohort, i))
+                           for i in range(6)])
+        best = np.minimum(best, losses)
+        top, second = np.sort(best)[::-1][:2]
+        assert top - second > 1e-3  # the pick does not hang on the last bits
+        picks.append(int(np.argmax(best)))
+    assert len(set(picks)) == 3
+    for got, pick in zip(starts, picks):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(alone[pick])):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_kmeans_init_starts_a_run_at_its_picks_and_is_seeded():
+    from tests.helpers import small_synthetic_config
+    config = small_synthetic_config(algorithm="hypcluster", num_rounds=3)
+    config.methods.hypcluster.update(warmup_rounds=1, init="kmeans")
+    run = run_config.resolve(config)
+    starts = run_config.warm_up(run)["cluster_starts"]
+    assert not _leaves_equal(starts[0], starts[1])
+    again = run_config.warm_up(run_config.resolve(config))["cluster_starts"]
+    assert _leaves_equal(starts, again)  # a resumed attempt computes the same starts
+    simulation = run_config.simulation_for(run, {"cluster_starts": starts})
+    params = simulation.init_state().params
+    assert _leaves_equal(params["cluster0"], starts[0])
+    assert _leaves_equal(params["cluster1"], starts[1])
+    result = experiment.run(simulation)
+    assert [h["round"] for h in result.history if h["kind"] == "train"] == [2, 3]
+    with pytest.raises(ValueError, match=r"^init='kmeanz': expected one of \[None, 'kmeans'\]$"):
+        HypClusterConfig(**CONFIG, init="kmeanz")

@@ -38,6 +38,12 @@ Choices where the paper is silent:
   cohorts as every other method), and HypCluster's rounds are then rounds W + 1 to
   ``num_rounds`` of the seed's streams (no cohort of the warm-up is drawn again); with
   ``perturbation = 0`` all clusters are equal and every client picks cluster 0.
+* k-means init (``init="kmeans"``, FedJAX's ``kmeans_init``): instead of the
+  perturbation, every client of HypCluster's first cohort trains E epochs from the warm
+  start (the plain init without a warm-up); cluster 0 starts at a seeded random client's
+  trained params, and each next cluster at those of the client whose lowest loss under
+  the clusters chosen so far is largest (``kmeans_starts``). The warm start alone does
+  not keep both clusters in use on every task (README, "Baselines as implemented").
 * Metrics: ``clients_in_cluster{i}``, the share of the round's real clients that chose
   cluster i (collapse shows as a share of 1).
 """
@@ -45,14 +51,16 @@ Choices where the paper is silent:
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
                                      SGDConfig, unrouted_predictions, plain_loss_sums, train_plain,
                                      valid_examples)
-from flowjax.core.checks import check_fields, integer, non_negative
+from flowjax.core.checks import check_fields, integer, non_negative, one_of
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.losses import mean_from_sums
 from flowjax.core.tree import select_tree
@@ -70,16 +78,20 @@ class HypClusterConfig:
       warmup_rounds: FedAvg rounds run before HypCluster's own to warm-start every
         cluster (0: random init); a stage of the run (``flowjax.config.warm_up``), its
         first rounds, counted within ``num_rounds``.
+      init: None: the clusters start at the warm start plus ``perturbation`` noise (or
+        at random inits without a warm-up); ``"kmeans"``: at the k-means picks of
+        ``kmeans_starts`` (the run's ``warm_up`` stage computes them).
     """
 
     sgd: SGDConfig
     clusters: int = 2
     perturbation: float = 0.01
     warmup_rounds: int = 0
+    init: str | None = None
 
     def __post_init__(self):
         check_fields(self, {"clusters": integer(1), "warmup_rounds": integer(0),
-                            "perturbation": non_negative})
+                            "perturbation": non_negative, "init": one_of((None, "kmeans"))})
 
 
 def cluster_names(clusters: int) -> tuple[str, ...]:
@@ -117,6 +129,40 @@ def perturb(params: Params, key: jax.Array, scale: float) -> Params:
     return jax.tree.unflatten(treedef, noisy)
 
 
+def kmeans_starts(model: RoutableModel, sgd: SGDConfig, start: Params,
+                  examples: ClientExamples, keys: jax.Array, clusters: int,
+                  first: int) -> list[Params]:
+    """FedJAX's k-means++ variant of HypCluster's init (``hyp_cluster.kmeans_init``).
+
+    Every client of ``examples`` (a stacked cohort; padding clients have no examples)
+    trains ``sgd.epochs`` epochs from ``start`` with its key of ``keys``. Cluster 0 starts
+    at client ``first``'s trained params; each next cluster at those of the real client
+    whose lowest mean train loss (``mean_train_loss``) under the clusters chosen so far
+    is the largest.
+
+    Returns:
+      ``clusters`` params pytrees, cluster 0 first.
+    """
+    optimizer = sgd.optimizer()
+
+    def train(client: ClientExamples, key: jax.Array) -> Params:
+        return train_plain(model, start, optimizer, client, valid_examples(client),
+                           epochs=sgd.epochs, batch_size=sgd.batch_size, key=key,
+                           **sgd.loop)[0]
+
+    trained = jax.jit(jax.vmap(train))(examples, keys)
+    losses_under = jax.jit(jax.vmap(lambda center, client: mean_train_loss(model, center,
+                                                                           client),
+                                    in_axes=(None, 0)))
+    real = np.asarray(examples.num_examples) > 0
+    chosen, best = [first], np.full(len(real), np.inf)
+    for _ in range(1, clusters):
+        center = jax.tree.map(lambda leaf: leaf[chosen[-1]], trained)
+        best = np.minimum(best, np.asarray(losses_under(center, examples)))
+        chosen.append(int(np.argmax(np.where(real, best, -np.inf))))
+    return [jax.tree.map(lambda leaf, c=c: leaf[c], trained) for c in chosen]
+
+
 def _check_warm_start(model: RoutableModel, warm_start: Params) -> None:
     expected = jax.eval_shape(model.init, jax.random.key(0))
     shapes = jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(a.dtype)), expected)
@@ -131,7 +177,8 @@ def _check_warm_start(model: RoutableModel, warm_start: Params) -> None:
 
 
 def hypcluster(model: RoutableModel, config: HypClusterConfig,
-               warm_start: Params | None = None) -> FederatedAlgorithm:
+               warm_start: Params | None = None,
+               cluster_starts: Sequence[Params] | None = None) -> FederatedAlgorithm:
     """HypCluster with ``config.clusters`` cluster models of ``model``.
 
     Args:
@@ -140,13 +187,23 @@ def hypcluster(model: RoutableModel, config: HypClusterConfig,
       warm_start: optional params of the plain model (e.g. after a short FedAvg run);
         every cluster then starts at it plus seeded Gaussian noise of std
         ``config.perturbation``, which avoids the collapse of random inits.
+      cluster_starts: optional params of each cluster, used as they are (k-means init:
+        ``kmeans_starts``); instead of ``warm_start``.
     """
     if warm_start is not None:
         _check_warm_start(model, warm_start)
+    if cluster_starts is not None:
+        if len(cluster_starts) != config.clusters:
+            raise ValueError(f"cluster_starts holds {len(cluster_starts)} params; expected "
+                             f"one per cluster ({config.clusters})")
+        for start in cluster_starts:
+            _check_warm_start(model, start)
     optimizer = config.sgd.optimizer()
     names = cluster_names(config.clusters)
 
     def init(key):
+        if cluster_starts is not None:
+            return {name: start for name, start in zip(names, cluster_starts)}
         if warm_start is None:
             return {name: model.init(key if i == 0 else jax.random.fold_in(key, i))
                     for i, name in enumerate(names)}

@@ -24,6 +24,7 @@ class Purpose(enum.IntEnum):
     TRAIN = 1
     EVAL = 2
     SAMPLE = 3
+    KMEANS_INIT = 4  # HypCluster's k-means init (its clients' training, the first pick)
 
 
 def host_rng(seed: int, *words: int) -> np.random.Generator:
