@@ -63,7 +63,8 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
         fedrep=dict(head_epochs=config_dict.placeholder(int),
                     body_epochs=config_dict.placeholder(int)),
         lg_fedavg=dict(global_layers=config_dict.placeholder(tuple)),  # None = the head
-        hypcluster=dict(clusters=2, warmup_rounds=10, perturbation=0.01, init=None),
+        hypcluster=dict(clusters=2, warmup_rounds=10, perturbation=0.01,
+                        init=config_dict.placeholder(str)),  # None or kmeans
         knn_per=dict(neighbours=5, lam=0.5, max_datastore=4096),
         local=dict(),
         partialfed=dict(temperature=1.0, strategy_learning_rate=0.11),

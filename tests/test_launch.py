@@ -123,6 +123,15 @@ def test_compare_writes_one_table_and_resumes(tmp_path):
     assert [line for line in rerun.splitlines() if line.startswith("| ")] == table_rows
 
 
+def test_hypcluster_kmeans_init_is_set_from_the_command_line(tmp_path):
+    done = launch("train.py", f"--workdir={tmp_path}", *SMALL,
+                  "--config.algorithm=hypcluster", "--config.methods.hypcluster.warmup_rounds=1",
+                  "--config.methods.hypcluster.init=kmeans")
+    assert done.returncode == 0, done.stderr[-3000:]
+    stored = json.loads((tmp_path / "config.json").read_text())
+    assert stored["methods"]["hypcluster"]["init"] == "kmeans"
+
+
 def test_client_state_memory_reports_the_rows_and_three_peaks(tmp_path):
     done = launch("client_state_memory.py", "--rows=60", "--row_floats=5000",
                   f"--dir={tmp_path / 'checkpoint'}")
