@@ -163,16 +163,17 @@ def kmeans_starts(model: RoutableModel, sgd: SGDConfig, start: Params,
     return [jax.tree.map(lambda leaf, c=c: leaf[c], trained) for c in chosen]
 
 
-def _check_warm_start(model: RoutableModel, warm_start: Params) -> None:
+def _check_warm_start(model: RoutableModel, warm_start: Params,
+                      name: str = "warm_start") -> None:
     expected = jax.eval_shape(model.init, jax.random.key(0))
     shapes = jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(a.dtype)), expected)
     try:
         given = jax.tree.map(lambda a: (tuple(jnp.shape(a)), jnp.dtype(jnp.result_type(a))),
                              warm_start)
     except (TypeError, ValueError) as error:
-        raise ValueError(f"warm_start must be a params pytree of {model.name}: {error}") from None
+        raise ValueError(f"{name} must be a params pytree of {model.name}: {error}") from None
     if jax.tree.structure(shapes) != jax.tree.structure(given) or shapes != given:
-        raise ValueError(f"warm_start does not match the params of {model.name}; "
+        raise ValueError(f"{name} does not match the params of {model.name}; "
                          f"expected the structure and shapes of model.init(key)")
 
 
@@ -196,8 +197,8 @@ def hypcluster(model: RoutableModel, config: HypClusterConfig,
         if len(cluster_starts) != config.clusters:
             raise ValueError(f"cluster_starts holds {len(cluster_starts)} params; expected "
                              f"one per cluster ({config.clusters})")
-        for start in cluster_starts:
-            _check_warm_start(model, start)
+        for i, start in enumerate(cluster_starts):
+            _check_warm_start(model, start, f"cluster_starts[{i}]")
     optimizer = config.sgd.optimizer()
     names = cluster_names(config.clusters)
 
