@@ -25,7 +25,7 @@ from flowjax.experiment import RunSettings, Simulation
 from flowjax.models import get_model
 from flowjax.models.base import forward
 from flowjax.models.layers import Dense, chain_model
-from tests.helpers import default_xla_env, small_config
+from tests.helpers import default_xla_env, small_config, small_synthetic_config
 
 SGD = dict(learning_rate=0.05, epochs=1, batch_size=4)
 CONFIG = dict(sgd=SGDConfig(**SGD))
@@ -304,7 +304,6 @@ def test_kmeans_starts_pick_a_client_then_the_one_worst_served_so_far(mlp, image
 
 
 def test_kmeans_init_starts_a_run_at_its_picks_and_is_seeded():
-    from tests.helpers import small_synthetic_config
     config = small_synthetic_config(algorithm="hypcluster", num_rounds=3)
     config.methods.hypcluster.update(warmup_rounds=1, init="kmeans")
     run = run_config.resolve(config)

@@ -131,12 +131,15 @@ class Simulation:
         nothing computed); None for a method without client state."""
         if not self.algorithm.stateful:
             return None
-        key = prng.base_key(self.settings.seed, prng.Purpose.INIT)
-        return jax.eval_shape(lambda: self.algorithm.init_client_state(self.algorithm.init(key)))
+        return jax.eval_shape(
+            lambda: self.algorithm.init_client_state(self._initial_params()))
+
+    def _initial_params(self):
+        return self.algorithm.init(prng.base_key(self.settings.seed, prng.Purpose.INIT))
 
     def init_state(self) -> ServerState:
         """The round-0 server state; also resets the per-client state store."""
-        params = self.algorithm.init(prng.base_key(self.settings.seed, prng.Purpose.INIT))
+        params = self._initial_params()
         if self.algorithm.stateful:
             self.client_states = ClientStateStore(
                 jax.device_get(self.algorithm.init_client_state(params)))
