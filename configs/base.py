@@ -98,6 +98,11 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
     # (None rather than 1 so that runs stored before the field existed still resume.)
     config.lstm_unroll = config_dict.placeholder(int)
     config.log_every = 10
+    # Where stateful methods keep their client states: "memory" (host RAM), or "disk"
+    # (memory-mapped files in <workdir>/client_states/, for runs whose states outgrow the
+    # host: each run prints its forecast; exact resume through an undo log,
+    # flowjax/core/client_state_disk.py). Same numbers either way.
+    config.client_states = "memory"
     config.checkpoint_every = 100  # rounds; 0 disables checkpoints (and resuming)
     config.on_divergence = "stop"  # or "skip_clients"
     # Also write metrics.jsonl's records as TensorBoard scalars to <workdir>/tensorboard/

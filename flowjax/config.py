@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any
 
 import jax
 import numpy as np
 import optax
 
+from flowjax import distributed, run_folder
 from flowjax.algorithms import make_algorithm, method_revision
 from flowjax.algorithms.base import SGDConfig
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
@@ -178,12 +180,18 @@ def warmup_rounds(run: ResolvedRun) -> int:
     return getattr(run.method, "warmup_rounds", 0) if run.algorithm == "hypcluster" else 0
 
 
-def simulation_for(run: ResolvedRun, starts: dict[str, Any] | None = None) -> Simulation:
+def simulation_for(run: ResolvedRun, starts: dict[str, Any] | None = None,
+                   workdir: str | None = None) -> Simulation:
     """The run's simulation; ``starts``: HypCluster's starting options (``warm_up``).
 
     After a warm-up of W rounds the simulation runs rounds W to ``num_rounds - 1`` of the
     seed's streams (``Settings.first_round``): the warm-up's cohorts and keys are not
     drawn again, and rounds are logged, evaluated and checkpointed by their run index.
+    With ``client_states="disk"`` a stateful method keeps its client states in
+    ``workdir``'s ``client_states/`` (``client_state_dir``).
+
+    Raises:
+      ValueError: ``client_states="disk"`` for a stateful method without a ``workdir``.
     """
     options, settings = dict(starts or {}), run.settings
     if warmup_rounds(run):
@@ -191,17 +199,32 @@ def simulation_for(run: ResolvedRun, starts: dict[str, Any] | None = None) -> Si
     algorithm = make_algorithm(run.algorithm, run.model, run.method, run.example_x, **options)
     return Simulation(algorithm, run.task, settings,
                       server_optimizer=build_server_optimizer(run.config),
-                      mapping=build_mapping(run.config))
+                      mapping=build_mapping(run.config),
+                      client_state_dir=client_state_dir(run.config, algorithm, workdir))
 
 
-def build_simulation(config, task: FederatedTask | None = None) -> Simulation:
+def client_state_dir(config, algorithm, workdir: str | None) -> str | None:
+    """The folder of a stateful method's client states with ``client_states="disk"``
+    (one per process of a multi-host run: every process keeps all rows), else None."""
+    if config.get("client_states", "memory") != "disk" or not algorithm.stateful:
+        return None
+    if workdir is None:
+        raise ValueError("config.client_states='disk': expected a run folder for the "
+                         "client states' files (launch/train.py --workdir=...), or 'memory'")
+    folder = run_folder.path(workdir, run_folder.CLIENT_STATES)
+    return (os.path.join(folder, f"process_{jax.process_index()}")
+            if distributed.multiprocess() else folder)
+
+
+def build_simulation(config, task: FederatedTask | None = None,
+                     workdir: str | None = None) -> Simulation:
     """Everything a run needs, validated; raises ``ValueError`` with a one-line reason.
 
     The run's stages in order: ``resolve`` (checks; method, model and data built once),
     ``warm_up`` (HypCluster's FedAvg rounds, if any), ``simulation_for``.
     """
     run = resolve(config, task)
-    return simulation_for(run, warm_up(run))
+    return simulation_for(run, warm_up(run), workdir)
 
 
 def stored_config(config) -> dict[str, Any]:

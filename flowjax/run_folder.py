@@ -32,13 +32,15 @@ METRICS = "metrics.jsonl"
 RESULTS = "results.json"
 RUN_INFO = "run.json"
 CHECKPOINTS = "checkpoints"
+# Rows of client states kept on disk (client_states="disk"; core/client_state_disk.py).
+CLIENT_STATES = "client_states"
 TENSORBOARD = "tensorboard"
 PLOTS = "plots"
 # The files a run writes (``--overwrite`` removes them with the two folders below).
 RUN_FILES = (CONFIG, METRICS, RESULTS, RUN_INFO)
-RUN_FOLDERS = (CHECKPOINTS, TENSORBOARD)
+RUN_FOLDERS = (CHECKPOINTS, CLIENT_STATES, TENSORBOARD)
 # Subfolders that are never runs themselves when runs are searched for under a folder.
-NOT_RUNS = (CHECKPOINTS, PLOTS, TENSORBOARD)
+NOT_RUNS = (CHECKPOINTS, CLIENT_STATES, PLOTS, TENSORBOARD)
 
 
 def path(workdir: str, name: str) -> str:
@@ -109,10 +111,11 @@ def read_json(file: str, remedy: str) -> Any:
             raise ValueError(f"{file} is not valid JSON (truncated?); {remedy}") from None
 
 
-# Settings that decide only when files are written, never a number or a record of
-# results.json or metrics.jsonl (the run loop keeps records in round order): a run may be
-# resumed or reused with other values.
-OUTPUT_ONLY_FIELDS = ("checkpoint_every", "log_every", "tensorboard")
+# Settings that decide only when and where files are written, never a number or a record
+# of results.json or metrics.jsonl (the run loop keeps records in round order): a run may
+# be resumed or reused with other values (client_states: from memory to disk; a run that
+# kept its rows on disk says to resume it with "disk").
+OUTPUT_ONLY_FIELDS = ("checkpoint_every", "client_states", "log_every", "tensorboard")
 
 
 def _result_config(stored: dict[str, Any]) -> dict[str, Any]:

@@ -176,7 +176,7 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
     # Timed from here: HypCluster's FedAvg warm-up (a stage of its own, before the
     # method's first round, run again by a resumed attempt) is part of the run's time.
     start = time.perf_counter()
-    simulation = run_config.simulation_for(run, run_config.warm_up(run))
+    simulation = run_config.simulation_for(run, run_config.warm_up(run), workdir)
     task = simulation.task
     print(f"{config.algorithm} on {task.name}: {len(task.train.client_ids)} training clients, "
           f"{len(task.held_out.client_ids) if task.held_out else 0} held-out clients, "
@@ -191,11 +191,14 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
 
     shapes = simulation.client_state_shapes()
     if shapes is not None:
+        on_disk = simulation.client_state_dir
         forecast = client_state.memory_forecast(
             shapes, len(task.train.client_ids), config.clients_per_round, config.num_rounds,
-            client_state.host_memory_bytes())
-        if forecast.exceeds_host:
-            warn(f"{forecast.line()}: the run may run out of memory before its last round")
+            client_state.host_memory_bytes() if on_disk is None
+            else client_state.free_disk_bytes(on_disk), on_disk)
+        if forecast.exceeds_available:
+            warn(f"{forecast.line()}: the run may run out of "
+                 f"{'memory' if on_disk is None else 'disk space'} before its last round")
         else:
             print(forecast.line(), flush=True)
 

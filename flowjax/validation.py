@@ -84,6 +84,7 @@ _RULES: tuple[tuple[str, Check], ...] = (
     ("mapping.strategy", one_of(("auto",) + STRATEGIES)),
     ("conv_impl", one_of(CONV_IMPLS)),
     ("compute_dtype", one_of(tuple(COMPUTE_DTYPES))),
+    ("client_states", one_of(("memory", "disk"))),
     ("lstm_unroll", optional_integer(1)),
     ("seed", _seed),
     ("num_rounds", integer(1)),

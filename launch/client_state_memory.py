@@ -1,33 +1,53 @@
 r"""The host memory a stateful method's client-state store takes, at its peaks.
 
-  python launch/client_state_memory.py --rows=600 --row_floats=250000
+  python launch/client_state_memory.py --rows=600 --row_floats=250000 [--store=disk]
 
-Fills a ``flowjax.core.client_state.ClientStateStore`` with ``--rows`` client states of
-``--row_floats`` float32 values (the rows the run's forecast line counts), 50 clients per
-scatter as rounds do, then writes one checkpoint of it as a run does
-(``flowjax.checkpoint.Checkpointer``), and prints the process's peak resident memory
-after each step: the store's doubling growth and the checkpoint's writing each add to
-what the rows themselves take. Linux reports the peak in KiB (``ru_maxrss``).
+Fills a client-state store (``--store=memory``: ``flowjax.core.client_state``'s, the
+default; ``disk``: ``flowjax.core.client_state_disk``'s, rows in memory-mapped files)
+with ``--rows`` client states of ``--row_floats`` float32 values (the rows the run's
+forecast line counts), 50 clients per scatter as rounds do, then writes one checkpoint of
+it as a run does (``flowjax.checkpoint.Checkpointer``), then overwrites every row once, as
+the rounds up to the next checkpoint may (the disk store first copies each to its undo
+log). After each step it prints the process's peak resident memory (Linux reports it in
+KiB, ``ru_maxrss``) and, from ``/proc/self/status``, its anonymous resident memory at
+that moment: the peak counts the pages of mapped files too, which the kernel drops under
+memory pressure; anonymous memory (numpy's arrays) it cannot drop. Each step's wall time
+(random rows included) is printed beside it.
 """
 
 from launch import cli
 
+import os  # noqa: E402
 import resource  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 
 from absl import flags  # noqa: E402
 
 _ROWS = flags.DEFINE_integer("rows", 600, "Clients with a stored state.", lower_bound=1)
 _ROW_FLOATS = flags.DEFINE_integer("row_floats", 250_000, "float32 values per client state.",
                                    lower_bound=1)
-_DIR = flags.DEFINE_string("dir", None, "Folder for the checkpoint (default: a temporary "
-                           "folder, removed after).")
+_STORE = flags.DEFINE_enum("store", "memory", ["memory", "disk"], "Where the rows live.")
+_DIR = flags.DEFINE_string("dir", None, "Folder for the checkpoint and the disk store's "
+                           "files (default: a temporary folder, removed after).")
 cli.define_debug_flag()
 
 
 def peak_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def anonymous_gb() -> float | None:
+    """Resident anonymous memory now (None where ``/proc/self/status`` does not say)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return None
 
 
 def main(argv):
@@ -37,28 +57,48 @@ def main(argv):
 
     from flowjax.checkpoint import Checkpointer
     from flowjax.core.client_state import ClientStateStore
+    from flowjax.core.client_state_disk import UNDO_LOG, DiskClientStateStore
 
     rows, width = _ROWS.value, _ROW_FLOATS.value
-    after_imports = peak_gb()
-    store = ClientStateStore({"v": np.zeros(width, np.float32)})
-    rng = np.random.default_rng(0)
-    for first in range(0, rows, 50):
-        ids = np.arange(first, min(first + 50, rows))
-        store.scatter(ids, {"v": rng.random((len(ids), width), np.float32)})
-    after_filling = peak_gb()
+    steps = [("imports", peak_gb(), anonymous_gb(), None)]
     folder = _DIR.value or tempfile.mkdtemp(prefix="client_state_memory-")
-    try:
-        checkpointer = Checkpointer(folder)
+    template = {"v": np.zeros(width, np.float32)}
+    store = (ClientStateStore(template) if _STORE.value == "memory"
+             else DiskClientStateStore(template, os.path.join(folder, "client_states")))
+    rng = np.random.default_rng(0)
+
+    def each_row_once():
+        for first in range(0, rows, 50):
+            ids = np.arange(first, min(first + 50, rows))
+            store.scatter(ids, {"v": rng.random((len(ids), width), np.float32)})
+
+    def step(name, fn):
+        start = time.perf_counter()
+        fn()
+        steps.append((name, peak_gb(), anonymous_gb(), time.perf_counter() - start))
+
+    def checkpoint():
+        checkpointer = Checkpointer(os.path.join(folder, "checkpoints"))
         checkpointer.save(1, {"params": jnp.zeros(1)}, store.state_dict(), {"round": 1})
         checkpointer.close()
+        store.committed(1)
+
+    try:
+        step("filling the store", each_row_once)
+        step("one checkpoint", checkpoint)
+        step("overwriting every row", each_row_once)
+        log = os.path.join(folder, "client_states", UNDO_LOG)
+        logged = os.path.getsize(log) if os.path.exists(log) else 0
     finally:
         if _DIR.value is None:
             shutil.rmtree(folder, ignore_errors=True)
-    after_checkpoint = peak_gb()
     print(f"rows: {rows:,} client states of {4 * width / 1e6:,.2f} MB = "
-          f"{store.nbytes / 1e9:,.2f} GB")
-    print(f"process peak: {after_imports:,.2f} GB after imports, {after_filling:,.2f} GB "
-          f"after filling the store, {after_checkpoint:,.2f} GB after one checkpoint")
+          f"{store.nbytes / 1e9:,.2f} GB, in {_STORE.value}"
+          + (f"; undo log {logged / 1e9:,.2f} GB" if _STORE.value == "disk" else ""))
+    for name, peak, anonymous, seconds in steps:
+        now = "" if anonymous is None else f", {anonymous:,.2f} GB anonymous"
+        took = "" if seconds is None else f" ({seconds:,.2f} s)"
+        print(f"after {name}{took}: process peak {peak:,.2f} GB{now}")
     return 0
 
 

@@ -241,6 +241,12 @@ CASES: tuple[Case, ...] = (
             "expected 'global_only' with semantics='reference' on shakespeare_lstm: the "
             "authors' LSTM procedure runs as one unit",
             **{"methods.flow.semantics": "reference"}),
+    _config("client_states", "ssd", "config.client_states='ssd': expected one of ['memory', "
+            "'disk']"),
+    Case("`client_states='disk' algorithm='ditto'`, no workdir", "config.client_states='disk': "
+         "expected a run folder for the client states' files (launch/train.py "
+         "--workdir=...), or 'memory'", {"client_states": "disk", "algorithm": "ditto"},
+         checked_by="`flowjax.config.simulation_for` (built without a workdir)"),
     _config("lstm_unroll", 0, "config.lstm_unroll=0: expected None or an integer >= 1"),
     _config("lstm_unroll", 4, "config.lstm_unroll=4: expected None: resnet18_gn does not "
             "implement lstm_unroll", model="resnet18_gn"),

@@ -7,6 +7,9 @@ fault is injected here, from the test side; production code has no hook for it.
       SIGKILL while checkpoint 4 is being written (orbax's save started, not finished)
   python tests/crashing_train.py checkpoint:6:SIGINT <flags>
       that signal instead (SIGINT: Ctrl-C)
+  python tests/crashing_train.py saved:4 <flags>
+      SIGKILL once checkpoint 4 is complete on disk, before anything else runs (a
+      disk-backed client-state store has not yet started that checkpoint's undo log)
 """
 
 import os
@@ -44,8 +47,19 @@ def inject(fault: str) -> None:
             return saved
 
         ocp.CheckpointManager.save = crashing_save
+    elif point == "saved":
+        from flowjax.checkpoint import Checkpointer
+        complete_save = Checkpointer.save
+
+        def crashing_complete_save(self, rounds_done, *args, **kwargs):
+            complete_save(self, rounds_done, *args, **kwargs)
+            if rounds_done == index:
+                crash(signum)
+
+        Checkpointer.save = crashing_complete_save
     else:
-        raise ValueError(f"fault {fault!r}: expected round:N or checkpoint:N[:SIGNAL]")
+        raise ValueError(f"fault {fault!r}: expected round:N, checkpoint:N[:SIGNAL] or "
+                         f"saved:N")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from flowjax.algorithms.base import FederatedAlgorithm
 from flowjax.checkpoint import Checkpointer
 from flowjax.core import prng
 from flowjax.core.client_state import ClientStateStore
+from flowjax.core.client_state_disk import DiskClientStateStore
 from flowjax.core.cohort import ClientExamples, assemble_cohort, examples_per_client
 from flowjax.core.mapping import ClientMapping, map_clients
 from tests.helpers import assert_trees_equal, differs, tiny_mlp
@@ -223,24 +224,31 @@ def test_a_fixed_key_gives_identical_bits_and_another_key_other_results(case):
 # ----------------------------------------------------------------------------- (d)
 
 
+@pytest.mark.parametrize("store_kind", ["memory", "disk"])
 def test_client_state_survives_a_checkpoint_and_the_next_round_continues_from_it(
-        case, tmp_path):
+        case, tmp_path, store_kind):
     first = _trained(case)
     if not case.algorithm.stateful:
         assert first.client_state is None
         return
     template = case.algorithm.init_client_state(case.params)
+
+    def new_store():  # the disk store: a new process opening the same folder
+        return (ClientStateStore(template) if store_kind == "memory"
+                else DiskClientStateStore(template, str(tmp_path / "client_states")))
+
     ids = np.asarray(case.cohort.client_id)
-    store = ClientStateStore(template)
+    store = new_store()
     store.scatter(ids, first.client_state)
     checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
     checkpointer.save(1, case.params, store.state_dict(), {"round": 1})
+    store.committed(1)
     params, rows, meta = checkpointer.restore(1, case.params, stateful=True)
     checkpointer.close()
     assert meta == {"round": 1}
     assert_trees_equal(params, case.params)
-    restored = ClientStateStore(template)
-    restored.load_state_dict(rows)
+    restored = new_store()
+    restored.load_state_dict(rows, 1)
     states = jax.tree.map(jnp.asarray, restored.gather(ids))
     assert jax.tree.structure(states) == jax.tree.structure(first.client_state)
     assert_trees_equal(states, first.client_state)

@@ -275,11 +275,19 @@ def test_memory_forecast_counts_every_leaf_of_a_client_state():
     shapes = {"v": jax.ShapeDtypeStruct((1000, 25), jnp.float32),
               "step": jax.ShapeDtypeStruct((), jnp.int32), "b": np.zeros(6, np.float64)}
     forecast = memory_forecast(shapes, population=400, per_round=10, rounds=2000,
-                               host_bytes=2**30)
+                               available_bytes=2**30)
     assert forecast.per_client_bytes == 1000 * 25 * 4 + 4 + 6 * 8
     assert forecast.total_bytes == forecast.per_client_bytes * expected_clients(400, 10, 2000)
-    assert not forecast.exceeds_host
-    assert "0.10 MiB per client that trains, about 400 of the 400 training clients" in (
-        forecast.line())
-    assert memory_forecast(shapes, 400, 10, 2000, host_bytes=10**6).exceeds_host
-    assert not memory_forecast(shapes, 400, 10, 2000, host_bytes=None).exceeds_host
+    assert not forecast.exceeds_available
+    assert forecast.line().endswith(
+        "0.10 MiB per client that trains, about 400 of the 400 training clients by the last "
+        "round, so about 0.04 GiB of host memory (more while the store grows and a "
+        "checkpoint is written); this host has 1.0 GiB")
+    assert memory_forecast(shapes, 400, 10, 2000, available_bytes=10**6).exceeds_available
+    assert not memory_forecast(shapes, 400, 10, 2000, available_bytes=None).exceeds_available
+    # A disk-backed store's rows are weighed against the free space of its disk.
+    on_disk = memory_forecast(shapes, 400, 10, 2000, 3 * 2**30, disk="runs/so/client_states")
+    assert on_disk.line().endswith(
+        "0.04 GiB of disk in runs/so/client_states (and the undo log's copies of the rows "
+        "overwritten since the last checkpoint); 3.0 GiB free there")
+    assert memory_forecast(shapes, 400, 10, 2000, 10**6, disk="x").exceeds_available

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config.data.plays=('macbeth',)", "--config.num_rounds=2", "--config.clients_per_round=3",
         "--config.data.max_train_examples=4", "--config.data.max_test_examples=4",
@@ -132,15 +134,25 @@ def test_hypcluster_kmeans_init_is_set_from_the_command_line(tmp_path):
     assert stored["methods"]["hypcluster"]["init"] == "kmeans"
 
 
-def test_client_state_memory_reports_the_rows_and_three_peaks(tmp_path):
+@pytest.mark.parametrize("store", ["memory", "disk"])
+def test_client_state_memory_reports_the_rows_and_the_peaks_of_each_step(tmp_path, store):
     done = launch("client_state_memory.py", "--rows=60", "--row_floats=5000",
-                  f"--dir={tmp_path / 'checkpoint'}")
+                  f"--store={store}", f"--dir={tmp_path / 'run'}")
     assert done.returncode == 0, done.stderr[-3000:]
-    rows, peaks = done.stdout.strip().splitlines()[-2:]
-    assert rows == "rows: 60 client states of 0.02 MB = 0.00 GB"
-    values = [float(p.split(" GB")[0]) for p in peaks.removeprefix("process peak: ").split(", ")]
-    assert len(values) == 3 and values == sorted(values)  # peaks only grow
-    assert (tmp_path / "checkpoint" / "1").is_dir()  # the checkpoint a run would write
+    rows, *steps = done.stdout.strip().splitlines()[-5:]
+    assert rows == "rows: 60 client states of 0.02 MB = 0.00 GB, in " + (
+        "memory" if store == "memory" else "disk; undo log 0.00 GB")
+    assert [s.split(":")[0].split(" (")[0] for s in steps] == [
+        "after imports", "after filling the store", "after one checkpoint",
+        "after overwriting every row"]
+    assert all(" s): " in s for s in steps[1:])  # each step's wall time
+    peaks = [float(s.split("process peak ")[1].split(" GB")[0]) for s in steps]
+    assert peaks == sorted(peaks)  # peaks only grow
+    assert all(s.endswith(" GB anonymous") for s in steps)  # Linux: /proc/self/status
+    assert (tmp_path / "run" / "checkpoints" / "1").is_dir()  # the checkpoint a run writes
+    if store == "disk":  # each row overwritten once after the checkpoint: logged once
+        log = tmp_path / "run" / "client_states" / "undo.log"
+        assert log.stat().st_size == 24 + 60 * (16 + 5000 * 4)
 
 
 def test_every_launcher_shows_the_traceback_of_a_bad_input_under_debug(tmp_path):

@@ -127,6 +127,56 @@ def test_hypcluster_resumes_after_its_warm_up_exactly(tmp_path):
     assert resumed["resumed_from_round"] == 4
 
 
+@pytest.fixture(scope="module")
+def ditto_in_memory(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("ditto_memory")
+    done = train(workdir, "--config.algorithm=ditto")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return workdir
+
+
+def same_run(workdir, reference):
+    return all((workdir / n).read_bytes() == (reference / n).read_bytes()
+               for n in ("results.json", "metrics.jsonl"))
+
+
+def test_client_states_on_disk_resume_exactly_with_the_memory_runs_bytes(ditto_in_memory,
+                                                                         tmp_path):
+    disk = ("--config.algorithm=ditto", "--config.client_states=disk")
+    # Killed after round 3 overwrote rows of clients checkpointed at round 2: the undo log
+    # holds their round-2 bytes, and the resume writes them back.
+    killed = train(tmp_path / "a", *disk, fault="round:3")
+    assert killed.returncode == -signal.SIGKILL
+    assert os.path.getsize(tmp_path / "a" / "client_states" / "undo.log") > 24
+    resumed = train(tmp_path / "a", *disk)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "GiB of disk in " in resumed.stdout  # the forecast names where the rows go
+    assert same_run(tmp_path / "a", ditto_in_memory)
+    # Killed once checkpoint 4 was complete, before its undo log began: the log is round
+    # 2's, the files hold round 4's rows, and nothing is applied.
+    killed = train(tmp_path / "b", *disk, fault="saved:4")
+    assert killed.returncode == -signal.SIGKILL
+    # Its rows are not in the checkpoint: resuming it in memory is refused in one line.
+    refused = train(tmp_path / "b", "--config.algorithm=ditto")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].endswith(
+        "expected --config.client_states=disk to resume it; use another --workdir or "
+        "--overwrite")
+    resumed = train(tmp_path / "b", *disk)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((tmp_path / "b" / "run.json").read_text())["resumed_from_round"] == 4
+    assert same_run(tmp_path / "b", ditto_in_memory)
+
+
+@pytest.mark.slow  # the store's side is test_client_state_disk.py's memory-checkpoint test
+def test_a_run_out_of_memory_resumes_with_its_client_states_on_disk(ditto_in_memory, tmp_path):
+    killed = train(tmp_path, "--config.algorithm=ditto", fault="round:3")
+    assert killed.returncode == -signal.SIGKILL
+    resumed = train(tmp_path, "--config.algorithm=ditto", "--config.client_states=disk")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert same_run(tmp_path, ditto_in_memory)
+
+
 @pytest.mark.slow  # in-process equivalent: test_experiment.py's same-seed test
 def test_same_seed_same_bytes_and_other_seed_differs(uninterrupted, tmp_path):
     again = train(tmp_path / "again")

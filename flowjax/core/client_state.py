@@ -7,13 +7,15 @@ Rows grow by doubling, so a round's scatter is amortized O(cohort).
 
 The rows live in host memory, so a run's need grows with the clients that train:
 ``memory_forecast`` says at the start how far (paper-scale Stack Overflow: about 19,427
-clients of APFL's 15.45 MiB each, 293 GiB).
+clients of APFL's 15.45 MiB each, 293 GiB). ``client_state_disk.DiskClientStateStore``
+keeps them in files of the run folder instead (``config.client_states="disk"``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from typing import Any, Sequence
 
 import jax
@@ -99,15 +101,30 @@ class ClientStateStore:
             ids[row] = client
         return {"ids": ids, "leaves": [a[: len(ids)] for a in self._arrays]}
 
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        """Replaces the rows by ``saved`` (what ``state_dict`` returned).
+    def committed(self, rounds_done: int) -> None:
+        """Called once the checkpoint of ``rounds_done`` holding ``state_dict`` is complete
+        on disk (nothing to do for rows kept in memory)."""
+
+    def load_state_dict(self, saved: dict[str, Any], rounds_done: int) -> None:
+        """Replaces the rows by ``saved`` (what ``state_dict`` returned), from the
+        checkpoint of ``rounds_done``.
 
         Raises:
           ValueError: ``saved`` does not hold one row per id of every leaf of the
             template, in its shape and dtype (state of another method or version).
         """
+        ids, arrays = self._checked_rows(saved)
+        self._rows = {int(c): r for r, c in enumerate(ids)}
+        self._arrays = [array.copy() for array in arrays]
+
+    def _checked_rows(self, saved: dict[str, Any]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """``saved``'s ids and leaves, checked against the template (``load_state_dict``)."""
         ids = np.asarray(saved["ids"])
         arrays = [np.asarray(a) for a in saved["leaves"]]
+        if not arrays and self._leaves:
+            raise ValueError("its client states are not in it but in the run folder's "
+                             "client_states/ (a run with client_states='disk'); expected "
+                             "--config.client_states=disk to resume it")
         if len(arrays) != len(self._leaves):
             raise ValueError(f"client states of {len(arrays)} leaves; expected "
                              f"{len(self._leaves)}, the leaves of this method's client state")
@@ -116,8 +133,7 @@ class ClientStateStore:
                 raise ValueError(f"client state leaf {index} is {array.dtype} "
                                  f"{array.shape}; expected {leaf.dtype} "
                                  f"{(len(ids),) + leaf.shape} (one row per stored client)")
-        self._rows = {int(c): r for r, c in enumerate(ids)}
-        self._arrays = [array.copy() for array in arrays]
+        return ids, arrays
 
 
 def expected_clients(population: int, per_round: int, rounds: int) -> float:
@@ -129,36 +145,47 @@ def expected_clients(population: int, per_round: int, rounds: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryForecast:
-    """The host memory a run's client states are expected to take by its last round.
+    """The space a run's client states are expected to take by its last round.
 
     Attributes:
       per_client_bytes: one client's state.
       clients: the expected number of clients that train (``expected_clients``).
       population: the training clients.
-      host_bytes: this host's physical memory (None where the OS does not say).
+      available_bytes: what the rows may take: this host's physical memory, or the free
+        space of the disk that holds them (None where the OS does not say).
+      disk: the folder of a disk-backed store; None for rows in host memory.
     """
 
     per_client_bytes: int
     clients: float
     population: int
-    host_bytes: int | None
+    available_bytes: int | None
+    disk: str | None = None
 
     @property
     def total_bytes(self) -> float:
         return self.per_client_bytes * self.clients
 
     @property
-    def exceeds_host(self) -> bool:
-        return self.host_bytes is not None and self.total_bytes > self.host_bytes
+    def exceeds_available(self) -> bool:
+        return self.available_bytes is not None and self.total_bytes > self.available_bytes
 
     def line(self) -> str:
         """One line for the run's log."""
-        host = ("" if self.host_bytes is None
-                else f"; this host has {self.host_bytes / 2**30:,.1f} GiB")
+        medium = "host memory" if self.disk is None else f"disk in {self.disk}"
+        if self.available_bytes is None:
+            available = ""
+        elif self.disk is None:
+            available = f"; this host has {self.available_bytes / 2**30:,.1f} GiB"
+        else:
+            available = f"; {self.available_bytes / 2**30:,.1f} GiB free there"
+        growing = ("more while the store grows and a checkpoint is written" if self.disk is None
+                   else "and the undo log's copies of the rows overwritten since the last "
+                        "checkpoint")
         return (f"client states: {self.per_client_bytes / 2**20:,.2f} MiB per client that "
                 f"trains, about {self.clients:,.0f} of the {self.population:,} training "
                 f"clients by the last round, so about {self.total_bytes / 2**30:,.2f} GiB of "
-                f"host memory (more while the store grows and a checkpoint is written){host}")
+                f"{medium} ({growing}){available}")
 
 
 def host_memory_bytes() -> int | None:
@@ -169,11 +196,24 @@ def host_memory_bytes() -> int | None:
         return None
 
 
+def free_disk_bytes(folder: str) -> int | None:
+    """Free space of the disk holding ``folder`` (or its nearest existing parent)."""
+    folder = os.path.abspath(folder)
+    while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
 def memory_forecast(template: PyTree, population: int, per_round: int, rounds: int,
-                    host_bytes: int | None = None) -> MemoryForecast:
+                    available_bytes: int | None = None,
+                    disk: str | None = None) -> MemoryForecast:
     """What the rows of ``template``-shaped states (arrays or ``jax.ShapeDtypeStruct``)
-    are expected to take after ``rounds`` rounds of ``per_round`` clients."""
+    are expected to take after ``rounds`` rounds of ``per_round`` clients, in host memory
+    or (``disk``: the store's folder) on disk."""
     per_client = sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
                      for leaf in jax.tree.leaves(template))
     return MemoryForecast(per_client, expected_clients(population, per_round, rounds),
-                          population, host_bytes)
+                          population, available_bytes, disk)

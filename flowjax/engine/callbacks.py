@@ -137,7 +137,7 @@ class Checkpoints(Callback):
                                  f"--overwrite")
         if rows is not None:
             try:
-                simulation.client_states.load_state_dict(rows)
+                simulation.client_states.load_state_dict(rows, latest)
             except ValueError as error:
                 raise ValueError(f"checkpoint {checkpointer.directory}/{latest}: {error}; "
                                  f"use another --workdir or --overwrite") from None
@@ -160,6 +160,8 @@ class Checkpoints(Callback):
                 "summaries": {n: s.to_dict() for n, s in run.summaries.items()},
                 "wall_time_s": run.wall_time_s()}
         self._checkpointer.save(done, run.state, rows, json.loads(json.dumps(meta)))
+        if client_states is not None:
+            client_states.committed(done)
         run.last_checkpoint = done
 
     def on_run_end(self, run: RunState) -> None:

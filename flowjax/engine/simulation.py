@@ -17,6 +17,7 @@ import optax
 from flowjax import distributed
 from flowjax.core import prng
 from flowjax.core.client_state import ClientStateStore
+from flowjax.core.client_state_disk import DiskClientStateStore
 from flowjax.core.cohort import ClientExamples, assemble_cohort, examples_per_client
 from flowjax.core.mapping import ClientMapping
 from flowjax.core.sampler import ClientSampler
@@ -92,8 +93,12 @@ class Simulation:
     """
 
     def __init__(self, algorithm: FederatedAlgorithm, task: FederatedTask, settings: RunSettings,
-                 server_optimizer: optax.GradientTransformation, mapping: ClientMapping | None = None):
+                 server_optimizer: optax.GradientTransformation, mapping: ClientMapping | None = None,
+                 client_state_dir: str | None = None):
         self.algorithm = algorithm
+        # Where a stateful method's client states live: host memory (None) or files of
+        # this folder (``DiskClientStateStore``).
+        self.client_state_dir = client_state_dir
         self.task = task
         self.settings = settings
         self.server_optimizer = server_optimizer
@@ -141,8 +146,9 @@ class Simulation:
         """The round-0 server state; also resets the per-client state store."""
         params = self._initial_params()
         if self.algorithm.stateful:
-            self.client_states = ClientStateStore(
-                jax.device_get(self.algorithm.init_client_state(params)))
+            template = jax.device_get(self.algorithm.init_client_state(params))
+            self.client_states = (ClientStateStore(template) if self.client_state_dir is None
+                                  else DiskClientStateStore(template, self.client_state_dir))
         state = ServerState(params=params, opt_state=self.server_optimizer.init(params))
         if self.mapping.num_devices > 1:
             # Replicated where the round leaves it, so round 2 does not compile the round

@@ -1,0 +1,242 @@
+"""Per-client state in memory-mapped files of the run folder, with exact resume.
+
+For runs whose client states outgrow host memory (paper-scale Stack Overflow: 293 GiB
+for APFL, ``client_state.memory_forecast``). Each leaf of the state is one file of
+rows, ``leaf_NNNNN.rows`` (raw bytes, row-major, the template's dtype), mapped with
+``np.memmap``; the operating system pages rows in and out, so host memory holds the
+rows a round touches, not all of them. Files grow by doubling as sparse files: growing
+reads and zero-fills nothing.
+
+A checkpoint cannot copy hundreds of GiB every few rounds, so it holds only the stored
+clients' ids; the rows stay in the files, which the next rounds keep overwriting. To
+resume exactly from that checkpoint anyway, the first overwrite of a row after it
+appends the row's checkpointed bytes to ``undo.log`` and makes the log durable
+(``fsync``) *before* the row changes. A resume writes those bytes back: the files then
+hold the checkpoint's rows, whatever rounds ran after it. Rows added after the
+checkpoint need no copy (the checkpoint's ids do not name them). The log starts empty
+at each checkpoint, so it holds at most one copy of each row overwritten since.
+
+The order that makes every crash recoverable:
+  1. ``state_dict``: the rows are flushed to disk (``msync`` and ``fsync``);
+  2. the checkpoint of round L is written (orbax: complete, or absent);
+  3. ``committed(L)``: a new, empty log for round L replaces the old one (atomically).
+A crash before 2 completes leaves the previous checkpoint P newest and the log of P
+(applied). A crash between 2 and 3 leaves checkpoint L newest and the log of P: no row
+changed since 1, so the files already hold round L's rows (nothing applied). A crash
+while a log record is appended leaves a torn last record, whose row was not yet
+overwritten: records are checksummed and reading stops at the first bad one.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from typing import Any, Sequence
+
+import numpy as np
+
+from flowjax.core.client_state import ClientStateStore, PyTree
+
+UNDO_LOG = "undo.log"
+# The log's header: magic, then the round and row count of the checkpoint it restores.
+_MAGIC = b"FJUNDO01"
+_HEADER = struct.Struct("<8sqq")
+# Each record: row index, CRC-32 of index and bytes, padding; then the row's bytes.
+_RECORD = struct.Struct("<qII")
+
+
+def leaf_file(directory: str, index: int) -> str:
+    """The rows file of the state's leaf ``index``."""
+    return os.path.join(directory, f"leaf_{index:05d}.rows")
+
+
+class DiskClientStateStore(ClientStateStore):
+    """A ``ClientStateStore`` whose rows live in files of ``directory``.
+
+    Opening a folder that holds rows reads none of them: the store is empty until
+    ``load_state_dict`` (a resume) or ``scatter`` (a fresh run, which overwrites them).
+
+    Example:
+      >>> store = DiskClientStateStore({"v": np.zeros(3, np.float32)}, "/tmp/states")
+      >>> store.scatter(np.array([7]), {"v": np.ones((1, 3), np.float32)})
+      >>> store.gather(np.array([7, 2]))["v"].tolist()
+      [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    """
+
+    def __init__(self, template: PyTree, directory: str):
+        super().__init__(template)
+        self.directory = os.path.abspath(directory)
+        os.makedirs(self.directory, exist_ok=True)
+        self._row_bytes = [leaf.nbytes for leaf in self._leaves]
+        # (round, rows) of the checkpoint the undo log restores; None before the first
+        # checkpoint, when a resume starts the run over and nothing needs restoring.
+        self._base: tuple[int, int] | None = None
+        self._logged: set[int] = set()
+        self._arrays = self._mapped(self._rows_in_files())
+
+    # ------------------------------------------------------------------ files
+    def _rows_in_files(self) -> int:
+        counts = [os.path.getsize(leaf_file(self.directory, i)) // size
+                  for i, size in enumerate(self._row_bytes)
+                  if size and os.path.exists(leaf_file(self.directory, i))]
+        return min(counts) if len(counts) == sum(1 for size in self._row_bytes if size) else 0
+
+    def _mapped(self, capacity: int) -> list[np.ndarray]:
+        arrays = []
+        for index, (leaf, size) in enumerate(zip(self._leaves, self._row_bytes)):
+            shape = (capacity,) + leaf.shape
+            if not size or not capacity:  # mmap cannot map zero bytes
+                arrays.append(np.zeros(shape, leaf.dtype))
+                continue
+            file = leaf_file(self.directory, index)
+            with open(file, "ab") as handle:  # creates it; a larger file keeps its tail
+                if handle.tell() < capacity * size:
+                    handle.truncate(capacity * size)  # sparse: no bytes written
+            arrays.append(np.memmap(file, leaf.dtype, "r+", shape=shape))
+        return arrays
+
+    def _grow(self, needed: int) -> None:
+        capacity = len(self._arrays[0]) if self._arrays else 0
+        if needed <= capacity:
+            return
+        self._flush_maps()
+        self._arrays = self._mapped(max(needed, 2 * capacity, 8))
+
+    def _flush_maps(self) -> None:
+        for array in self._arrays:
+            if isinstance(array, np.memmap):
+                array.flush()
+
+    def _sync(self) -> None:
+        """Every row written so far, durable on disk."""
+        self._flush_maps()  # msync: the mapped pages into the files
+        for index, size in enumerate(self._row_bytes):
+            if size and os.path.exists(leaf_file(self.directory, index)):
+                _fsync_file(leaf_file(self.directory, index))
+
+    # ------------------------------------------------------------------ rows
+    def scatter(self, client_ids: Sequence[int], states: PyTree) -> None:
+        """As ``ClientStateStore.scatter``; a row the last checkpoint holds is first
+        copied to the undo log (durably) if this is its first overwrite since."""
+        if self._base is not None:
+            self._log_first_overwrites(np.asarray(client_ids))
+        super().scatter(client_ids, states)
+
+    def _log_first_overwrites(self, client_ids: np.ndarray) -> None:
+        checkpointed = self._base[1]
+        rows = sorted({row for row in (self._rows.get(int(c)) for c in client_ids if c >= 0)
+                       if row is not None and row < checkpointed and row not in self._logged})
+        if not rows:
+            return
+        records = []
+        for row in rows:
+            payload = b"".join(np.ascontiguousarray(a[row]).tobytes() for a in self._arrays)
+            records.append(_RECORD.pack(row, _checksum(row, payload), 0) + payload)
+        with open(os.path.join(self.directory, UNDO_LOG), "ab") as log:
+            log.write(b"".join(records))
+            log.flush()
+            os.fsync(log.fileno())
+        self._logged.update(rows)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The stored ids in row order, for a checkpoint; the rows stay in the files,
+        flushed to disk here, before the checkpoint that names them is written."""
+        self._sync()
+        ids = np.empty(len(self._rows), np.int64)
+        for client, row in self._rows.items():
+            ids[row] = client
+        return {"ids": ids, "leaves": []}
+
+    def committed(self, rounds_done: int) -> None:
+        """Starts the undo log of the checkpoint of ``rounds_done``, now complete."""
+        header = _HEADER.pack(_MAGIC, rounds_done, len(self._rows))
+        log = os.path.join(self.directory, UNDO_LOG)
+        temporary = log + ".tmp"
+        with open(temporary, "wb") as handle:
+            handle.write(header)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, log)
+        _fsync_file(self.directory)  # the rename itself
+        self._base = (rounds_done, len(self._rows))
+        self._logged = set()
+
+    def load_state_dict(self, saved: dict[str, Any], rounds_done: int) -> None:
+        """The rows of the checkpoint of ``rounds_done``: ``saved``'s own (a checkpoint of
+        a run that kept them in memory), or the files' after the undo log is applied.
+
+        Raises:
+          ValueError: the files do not hold that checkpoint's rows (a missing or
+            foreign undo log, a log of a later round, too few rows), or ``saved``'s rows
+            do not fit the template.
+        """
+        if saved["leaves"] or not self._leaves:
+            ids, arrays = self._checked_rows(saved)
+            self._rows = {int(c): r for r, c in enumerate(ids)}
+            self._grow(len(ids))
+            for array, rows in zip(self._arrays, arrays):
+                array[: len(ids)] = rows
+            self._sync()
+        else:
+            ids = np.asarray(saved["ids"])
+            self._restore_files(rounds_done, len(ids))
+            self._rows = {int(c): r for r, c in enumerate(ids)}
+        self.committed(rounds_done)
+
+    def _restore_files(self, rounds_done: int, count: int) -> None:
+        log = os.path.join(self.directory, UNDO_LOG)
+        where = f"client states in {self.directory}"
+        if not os.path.exists(log):
+            raise ValueError(f"{where}: no {UNDO_LOG}, so the rows cannot be matched to "
+                             f"round {rounds_done}; expected the folder the run wrote")
+        with open(log, "rb") as handle:
+            data = handle.read()
+        if len(data) < _HEADER.size or data[:8] != _MAGIC:
+            raise ValueError(f"{where}: {UNDO_LOG} is not a flowjax undo log; expected the "
+                             f"log the run wrote")
+        _, base_round, base_rows = _HEADER.unpack_from(data)
+        if base_round > rounds_done:
+            raise ValueError(f"{where} are of round {base_round}, after the newest "
+                             f"checkpoint's round {rounds_done} (was a checkpoint deleted?); "
+                             f"expected round {rounds_done} or earlier")
+        if base_round == rounds_done and base_rows != count:
+            raise ValueError(f"{where}: {UNDO_LOG} of round {rounds_done} is for {base_rows} "
+                             f"rows; expected the {count} its checkpoint names")
+        available = self._rows_in_files()
+        if available < count:
+            raise ValueError(f"{where}: the files hold {available} rows; expected the "
+                             f"{count} the checkpoint of round {rounds_done} names")
+        self._arrays = self._mapped(available)
+        if base_round == rounds_done:  # else the files were flushed at rounds_done, unchanged since
+            for row, payload in _records(data[_HEADER.size:], sum(self._row_bytes)):
+                offset = 0
+                for array, leaf, size in zip(self._arrays, self._leaves, self._row_bytes):
+                    array[row] = np.frombuffer(payload[offset:offset + size],
+                                               leaf.dtype).reshape(leaf.shape)
+                    offset += size
+            self._sync()
+
+
+def _records(data: bytes, row_bytes: int):
+    """``(row, bytes)`` of the log's records, up to the first torn or corrupt one."""
+    size = _RECORD.size + row_bytes
+    for start in range(0, len(data) - size + 1, size):
+        row, checksum, _ = _RECORD.unpack_from(data, start)
+        payload = data[start + _RECORD.size:start + size]
+        if checksum != _checksum(row, payload):
+            return
+        yield row, payload
+
+
+def _checksum(row: int, payload: bytes) -> int:
+    return zlib.crc32(payload, zlib.crc32(struct.pack("<q", row)))
+
+
+def _fsync_file(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

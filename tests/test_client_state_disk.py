@@ -1,0 +1,184 @@
+"""The disk-backed client-state store: the memory store's rows, byte for byte, and the
+rows of the newest checkpoint back after any crash (``flowjax/core/client_state_disk.py``).
+
+A "crash" here drops a store without flushing or committing anything and opens a new one
+on the same folder, as a resumed process does. The rows a killed process wrote through
+its memory maps are in the files for the new one to read (the page cache outlives the
+process), which is the case the undo log exists for: those rows are already overwritten.
+Kills of real ``launch/train.py`` runs are in ``test_resume.py``.
+"""
+
+import os
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from flowjax.core.client_state import ClientStateStore
+from flowjax.core.client_state_disk import UNDO_LOG, DiskClientStateStore, leaf_file
+
+# Leaves of several dtypes and ranks, a scalar among them, and a bf16 one.
+TEMPLATE = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "step": np.int32(-1),
+            "h": np.full((4,), 0.5, ml_dtypes.bfloat16)}
+
+
+def states(rng, n):
+    """``n`` stacked random states shaped like ``TEMPLATE``."""
+    return {"w": rng.normal(size=(n, 2, 3)).astype(np.float32),
+            "step": rng.integers(0, 1000, size=n).astype(np.int32),
+            "h": rng.normal(size=(n, 4)).astype(ml_dtypes.bfloat16)}
+
+
+def rounds(seed, count, population=40, cohort=5):
+    """``count`` cohorts of client ids (padding ids of -1 among them) with their states."""
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        ids = rng.choice(population, cohort, replace=False)
+        ids[rng.random(cohort) < 0.2] = -1
+        yield ids, states(rng, cohort)
+
+
+def all_rows(store, population=40):
+    return jax.tree.map(np.copy, store.gather(np.arange(-1, population)))
+
+
+def assert_rows_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert x.tobytes() == y.tobytes()
+
+
+def reopened(folder, saved, rounds_done):
+    """A new process's store, resumed from the checkpoint that saved ``saved``."""
+    store = DiskClientStateStore(TEMPLATE, str(folder))
+    store.load_state_dict(saved, rounds_done)
+    return store
+
+
+def test_it_holds_what_the_memory_store_holds_byte_for_byte(tmp_path):
+    memory, disk = ClientStateStore(TEMPLATE), DiskClientStateStore(TEMPLATE, str(tmp_path))
+    for ids, new in rounds(0, 30):  # 40 clients: the files grow past 8, 16 and 32 rows
+        memory.scatter(ids, new)
+        disk.scatter(ids, new)
+        assert_rows_equal(all_rows(disk), all_rows(memory))
+    assert len(disk) == len(memory) > 32
+    assert disk.state_dict()["ids"].tolist() == memory.state_dict()["ids"].tolist()
+    assert disk.nbytes == memory.nbytes
+    # Each file holds a whole number of rows, its capacity doubled from 8 as rows came.
+    capacities = {os.path.getsize(leaf_file(str(tmp_path), i)) / leaf.nbytes
+                  for i, leaf in enumerate(jax.tree.leaves(TEMPLATE))}
+    assert capacities == {64}  # doubled from 8 rows
+
+
+@pytest.mark.parametrize("rounds_after", [1, 4])
+def test_a_crash_after_a_checkpoint_resumes_to_its_rows(tmp_path, rounds_after):
+    store = DiskClientStateStore(TEMPLATE, str(tmp_path))
+    cohorts = list(rounds(1, 8 + rounds_after))
+    for ids, new in cohorts[:8]:
+        store.scatter(ids, new)
+    saved = store.state_dict()
+    store.committed(8)
+    expected = all_rows(store)
+    for ids, new in cohorts[8:]:  # overwrites checkpointed rows and adds new ones
+        store.scatter(ids, new)
+    assert os.path.getsize(tmp_path / UNDO_LOG) > 24  # the overwrites were logged
+    resumed = reopened(tmp_path, saved, 8)
+    assert len(resumed) == len(saved["ids"])
+    assert_rows_equal(all_rows(resumed), expected)
+    # It goes on as the store that never crashed: the same rounds give the same rows.
+    for ids, new in cohorts[8:]:
+        resumed.scatter(ids, new)
+    assert_rows_equal(all_rows(resumed), all_rows(store))
+
+
+def test_each_row_is_logged_once_between_checkpoints(tmp_path):
+    store = DiskClientStateStore(TEMPLATE, str(tmp_path))
+    rng = np.random.default_rng(2)
+    store.scatter(np.array([3, 4]), states(rng, 2))
+    store.state_dict()
+    store.committed(1)
+    header = os.path.getsize(tmp_path / UNDO_LOG)
+    record = 16 + 6 * 4 + 4 + 4 * 2  # row, checksum, padding; then w, step and h
+    for _ in range(3):
+        store.scatter(np.array([3, 9]), states(rng, 2))  # 9 is new: nothing to undo
+    assert os.path.getsize(tmp_path / UNDO_LOG) == header + record
+    store.state_dict()
+    store.committed(2)  # a new checkpoint starts an empty log
+    assert os.path.getsize(tmp_path / UNDO_LOG) == header
+
+
+def test_a_crash_between_the_checkpoint_and_its_log_keeps_the_flushed_rows(tmp_path):
+    store = DiskClientStateStore(TEMPLATE, str(tmp_path))
+    cohorts = list(rounds(3, 10))
+    for ids, new in cohorts[:4]:
+        store.scatter(ids, new)
+    store.state_dict()
+    store.committed(4)
+    for ids, new in cohorts[4:]:
+        store.scatter(ids, new)
+    saved = store.state_dict()  # checkpoint 10 written; killed before committed(10)
+    resumed = reopened(tmp_path, saved, 10)  # the log is still round 4's: not applied
+    assert_rows_equal(all_rows(resumed), all_rows(store))
+
+
+def test_a_torn_last_log_record_is_not_applied(tmp_path):
+    store = DiskClientStateStore(TEMPLATE, str(tmp_path))
+    rng = np.random.default_rng(4)
+    store.scatter(np.arange(4), states(rng, 4))
+    saved = store.state_dict()
+    store.committed(1)
+    expected = all_rows(store)
+    store.scatter(np.array([0, 1]), states(rng, 2))
+    record_size = 16 + 6 * 4 + 4 + 4 * 2
+    with open(tmp_path / UNDO_LOG, "rb") as log:
+        data = log.read()
+    # A crash while row 2's record was appended: its bytes half written (row 2 itself
+    # never changed, its overwrite waits for the log's fsync) ...
+    torn = bytearray(data[-record_size:])
+    torn[0] = 2
+    torn[20:] = b"\xff" * (record_size - 20)
+    with open(tmp_path / UNDO_LOG, "ab") as log:
+        log.write(bytes(torn) + b"\x00" * 7)  # ... then a partial record
+    assert_rows_equal(all_rows(reopened(tmp_path, saved, 1)), expected)
+
+
+def test_rows_that_cannot_be_the_checkpoints_are_refused_in_one_line(tmp_path):
+    store = DiskClientStateStore(TEMPLATE, str(tmp_path))
+    store.scatter(np.arange(3), states(np.random.default_rng(5), 3))
+    saved = store.state_dict()
+    store.committed(6)
+    with pytest.raises(ValueError, match=r"are of round 6, after the newest checkpoint's "
+                                         r"round 4 \(was a checkpoint deleted\?\)") as error:
+        reopened(tmp_path, saved, 4)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match=r"undo.log of round 6 is for 3 rows; expected the "
+                                         r"2 its checkpoint names"):
+        reopened(tmp_path, {"ids": saved["ids"][:2], "leaves": []}, 6)
+    os.remove(tmp_path / UNDO_LOG)
+    with pytest.raises(ValueError, match=r"no undo.log, so the rows cannot be matched to "
+                                         r"round 6"):
+        reopened(tmp_path, saved, 6)
+    (tmp_path / UNDO_LOG).write_bytes(b"not a log at all, long enough")
+    with pytest.raises(ValueError, match="is not a flowjax undo log"):
+        reopened(tmp_path, saved, 6)
+
+
+def test_a_memory_checkpoint_resumes_on_disk_and_not_the_other_way(tmp_path):
+    memory = ClientStateStore(TEMPLATE)
+    cohorts = list(rounds(6, 12))
+    for ids, new in cohorts[:6]:
+        memory.scatter(ids, new)
+    disk = reopened(tmp_path, memory.state_dict(), 6)  # a run out of memory, moved to disk
+    assert_rows_equal(all_rows(disk), all_rows(memory))
+    expected = all_rows(disk)
+    for ids, new in cohorts[6:]:  # and the undo log restores round 6's rows after a crash
+        disk.scatter(ids, new)
+    assert_rows_equal(all_rows(reopened(tmp_path, disk_ids(memory), 6)), expected)
+    with pytest.raises(ValueError, match=r"expected --config.client_states=disk to resume it"):
+        ClientStateStore(TEMPLATE).load_state_dict(disk_ids(memory), 6)
+
+
+def disk_ids(store):
+    """What a disk store's checkpoint holds of ``store``: the ids alone."""
+    return {"ids": store.state_dict()["ids"], "leaves": []}
