@@ -42,11 +42,15 @@ def finish(process):
 # CI checks the multi-host mechanism (sharded cohorts, process 0 reporting, checkpoints)
 # with FedAvg; Flow's routed model and Ditto's per-client state store add compile time,
 # so they run with pytest -m slow.
-@pytest.mark.parametrize("algorithm", ["fedavg", pytest.param("flow", marks=pytest.mark.slow),
-                                       pytest.param("ditto", marks=pytest.mark.slow)])
-def test_two_processes_equal_one_process_with_two_devices(tmp_path, algorithm):
+# Ditto's client states on disk: one folder of rows per process.
+@pytest.mark.parametrize("algorithm,client_states", [
+    ("fedavg", "memory"), pytest.param("flow", "memory", marks=pytest.mark.slow),
+    pytest.param("ditto", "memory", marks=pytest.mark.slow),
+    pytest.param("ditto", "disk", marks=pytest.mark.slow)])
+def test_two_processes_equal_one_process_with_two_devices(tmp_path, algorithm, client_states):
     address = f"localhost:{free_port()}"
     hosts = [train(tmp_path / "multi", f"--config.algorithm={algorithm}",
+                   f"--config.client_states={client_states}",
                    f"--coordinator_address={address}", "--num_processes=2",
                    f"--process_id={i}") for i in range(2)]
     outputs = [finish(p) for p in hosts]
@@ -63,6 +67,9 @@ def test_two_processes_equal_one_process_with_two_devices(tmp_path, algorithm):
                if json.loads(line)["kind"] == "train"] for d in ("multi", "single")]
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
     assert sorted(os.listdir(tmp_path / "multi" / "checkpoints")) == ["1", "2"]
+    if client_states == "disk":
+        assert sorted(os.listdir(tmp_path / "multi" / "client_states")) == [
+            "process_0", "process_1"]
     for run in ("multi", "single"):  # sharded: still one compilation per program
         info = json.loads((tmp_path / run / "run.json").read_text())
         assert info["compilations"] == {"round": 1, "eval": 1}, (run, info)
