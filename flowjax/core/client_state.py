@@ -96,10 +96,15 @@ class ClientStateStore:
         client states take while it does (``launch/client_state_memory.py``: with 600 MB
         of rows the process peaked at 2.57 GB with a copy, 1.97 GB without).
         """
+        ids = self._ids()
+        return {"ids": ids, "leaves": [a[: len(ids)] for a in self._arrays]}
+
+    def _ids(self) -> np.ndarray:
+        """The stored clients' ids in row order."""
         ids = np.empty(len(self._rows), np.int64)
         for client, row in self._rows.items():
             ids[row] = client
-        return {"ids": ids, "leaves": [a[: len(ids)] for a in self._arrays]}
+        return ids
 
     def committed(self, rounds_done: int) -> None:
         """Called once the checkpoint of ``rounds_done`` holding ``state_dict`` is complete

@@ -144,10 +144,7 @@ class DiskClientStateStore(ClientStateStore):
         """The stored ids in row order, for a checkpoint; the rows stay in the files,
         flushed to disk here, before the checkpoint that names them is written."""
         self._sync()
-        ids = np.empty(len(self._rows), np.int64)
-        for client, row in self._rows.items():
-            ids[row] = client
-        return {"ids": ids, "leaves": []}
+        return {"ids": self._ids(), "leaves": []}
 
     def committed(self, rounds_done: int) -> None:
         """Starts the undo log of the checkpoint of ``rounds_done``, now complete."""
