@@ -115,6 +115,8 @@ def _placed_like(restored: PyTree, target: PyTree) -> PyTree:
 def _rows_tree(rows: dict[str, Any]) -> dict[str, np.ndarray]:
     """The store's rows as a flat dict of arrays (orbax keys must be strings)."""
     tree = {"ids": np.asarray(rows["ids"])}
+    if "token" in rows:  # a disk-backed store's chain (core/client_state_disk.py)
+        tree["token"] = np.asarray(rows["token"])
     for i, leaf in enumerate(rows["leaves"]):
         tree[f"leaf_{i:05d}"] = np.asarray(leaf)
     return tree
@@ -122,4 +124,7 @@ def _rows_tree(rows: dict[str, Any]) -> dict[str, np.ndarray]:
 
 def _rows_from_tree(tree: dict[str, Any]) -> dict[str, Any]:
     leaves = [np.asarray(tree[k]) for k in sorted(k for k in tree if k.startswith("leaf_"))]
-    return {"ids": np.asarray(tree["ids"]), "leaves": leaves}
+    rows = {"ids": np.asarray(tree["ids"]), "leaves": leaves}
+    if "token" in tree:
+        rows["token"] = np.asarray(tree["token"])
+    return rows

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from flowjax.core.client_state import ClientStateStore
-from flowjax.core.client_state_disk import UNDO_LOG, DiskClientStateStore, leaf_file
+from flowjax.core.client_state_disk import (UNDO_HEADER_BYTES, UNDO_LOG, DiskClientStateStore,
+                                            leaf_file)
 
 # Leaves of several dtypes and ranks, a scalar among them, and a bf16 one.
 TEMPLATE = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "step": np.int32(-1),
@@ -82,7 +83,7 @@ def test_a_crash_after_a_checkpoint_resumes_to_its_rows(tmp_path, rounds_after):
     expected = all_rows(store)
     for ids, new in cohorts[8:]:  # overwrites checkpointed rows and adds new ones
         store.scatter(ids, new)
-    assert os.path.getsize(tmp_path / UNDO_LOG) > 24  # the overwrites were logged
+    assert os.path.getsize(tmp_path / UNDO_LOG) > UNDO_HEADER_BYTES  # overwrites logged
     resumed = reopened(tmp_path, saved, 8)
     assert len(resumed) == len(saved["ids"])
     assert_rows_equal(all_rows(resumed), expected)
@@ -122,6 +123,45 @@ def test_a_crash_between_the_checkpoint_and_its_log_keeps_the_flushed_rows(tmp_p
     assert_rows_equal(all_rows(resumed), all_rows(store))
 
 
+def test_a_crash_during_the_first_checkpoint_keeps_the_flushed_rows(tmp_path):
+    # Ctrl-C is held while a checkpoint is written and delivered before committed():
+    # the first checkpoint is complete, its log not yet started.
+    store = DiskClientStateStore(TEMPLATE, str(tmp_path))
+    for ids, new in rounds(7, 3):
+        store.scatter(ids, new)
+    saved = store.state_dict()
+    assert_rows_equal(all_rows(reopened(tmp_path, saved, 3)), all_rows(store))
+
+
+def test_rows_an_attempt_started_over_on_are_refused_not_restored(tmp_path):
+    cohorts = list(rounds(8, 8))
+    first = DiskClientStateStore(TEMPLATE, str(tmp_path))
+    for ids, new in cohorts[:4]:
+        first.scatter(ids, new)
+    saved = first.state_dict()
+    first.committed(4)
+    # An attempt without checkpoints (checkpoint_every=0) starts over in the same folder
+    # and overwrites rows unlogged; the checkpoint of round 4 cannot get them back.
+    again = DiskClientStateStore(TEMPLATE, str(tmp_path))
+    for ids, new in cohorts[4:]:
+        again.scatter(ids, new)
+    with pytest.raises(ValueError, match=r"were rewritten by an attempt that started the run "
+                                         r"over after the checkpoint of round 4") as error:
+        reopened(tmp_path, saved, 4)
+    assert "\n" not in str(error.value)
+
+
+def test_a_state_without_bytes_opens_and_resumes(tmp_path):
+    empty = {"w": np.zeros((0, 3), np.float32)}
+    store = DiskClientStateStore(empty, str(tmp_path))
+    store.scatter(np.array([4, 1]), {"w": np.zeros((2, 0, 3), np.float32)})
+    saved = store.state_dict()
+    store.committed(1)
+    resumed = DiskClientStateStore(empty, str(tmp_path))
+    resumed.load_state_dict(saved, 1)
+    assert resumed._ids().tolist() == [4, 1] and resumed.gather([1])["w"].shape == (1, 0, 3)
+
+
 def test_a_torn_last_log_record_is_not_applied(tmp_path):
     store = DiskClientStateStore(TEMPLATE, str(tmp_path))
     rng = np.random.default_rng(4)
@@ -154,7 +194,7 @@ def test_rows_that_cannot_be_the_checkpoints_are_refused_in_one_line(tmp_path):
     assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match=r"undo.log of round 6 is for 3 rows; expected the "
                                          r"2 its checkpoint names"):
-        reopened(tmp_path, {"ids": saved["ids"][:2], "leaves": []}, 6)
+        reopened(tmp_path, {**saved, "ids": saved["ids"][:2]}, 6)
     os.remove(tmp_path / UNDO_LOG)
     with pytest.raises(ValueError, match=r"no undo.log, so the rows cannot be matched to "
                                          r"round 6"):
@@ -172,9 +212,9 @@ def test_a_memory_checkpoint_resumes_on_disk_and_not_the_other_way(tmp_path):
     disk = reopened(tmp_path, memory.state_dict(), 6)  # a run out of memory, moved to disk
     assert_rows_equal(all_rows(disk), all_rows(memory))
     expected = all_rows(disk)
-    for ids, new in cohorts[6:]:  # and the undo log restores round 6's rows after a crash
-        disk.scatter(ids, new)
-    assert_rows_equal(all_rows(reopened(tmp_path, disk_ids(memory), 6)), expected)
+    for ids, new in cohorts[6:]:  # a crash before its first disk checkpoint: the memory
+        disk.scatter(ids, new)      # checkpoint's rows are written over them again
+    assert_rows_equal(all_rows(reopened(tmp_path, memory.state_dict(), 6)), expected)
     with pytest.raises(ValueError, match=r"expected --config.client_states=disk to resume it"):
         ClientStateStore(TEMPLATE).load_state_dict(disk_ids(memory), 6)
 

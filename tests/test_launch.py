@@ -151,8 +151,9 @@ def test_client_state_memory_reports_the_rows_and_the_peaks_of_each_step(tmp_pat
     assert all(s.endswith(" GB anonymous") for s in steps)  # Linux: /proc/self/status
     assert (tmp_path / "run" / "checkpoints" / "1").is_dir()  # the checkpoint a run writes
     if store == "disk":  # each row overwritten once after the checkpoint: logged once
+        from flowjax.core.client_state_disk import UNDO_HEADER_BYTES
         log = tmp_path / "run" / "client_states" / "undo.log"
-        assert log.stat().st_size == 24 + 60 * (16 + 5000 * 4)
+        assert log.stat().st_size == UNDO_HEADER_BYTES + 60 * (16 + 5000 * 4)
 
 
 def test_every_launcher_shows_the_traceback_of_a_bad_input_under_debug(tmp_path):

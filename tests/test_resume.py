@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from flowjax.core.client_state_disk import UNDO_HEADER_BYTES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The synthetic MLP task: what is checked here (kill, resume, refuse, one-line errors) is
 # the launcher's and the checkpoint's, not the dataset's, and its train.py run costs about
@@ -147,7 +149,7 @@ def test_client_states_on_disk_resume_exactly_with_the_memory_runs_bytes(ditto_i
     # holds their round-2 bytes, and the resume writes them back.
     killed = train(tmp_path / "a", *disk, fault="round:3")
     assert killed.returncode == -signal.SIGKILL
-    assert os.path.getsize(tmp_path / "a" / "client_states" / "undo.log") > 24
+    assert os.path.getsize(tmp_path / "a" / "client_states" / "undo.log") > UNDO_HEADER_BYTES
     resumed = train(tmp_path / "a", *disk)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "GiB of disk in " in resumed.stdout  # the forecast names where the rows go
@@ -166,6 +168,13 @@ def test_client_states_on_disk_resume_exactly_with_the_memory_runs_bytes(ditto_i
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((tmp_path / "b" / "run.json").read_text())["resumed_from_round"] == 4
     assert same_run(tmp_path / "b", ditto_in_memory)
+    # Ctrl-C while the first checkpoint is written: held, then delivered before that
+    # checkpoint's undo log begins; the same command resumes from it.
+    stopped = train(tmp_path / "c", *disk, fault="checkpoint:2:SIGINT")
+    assert stopped.returncode == 130, stopped.stderr[-2000:]
+    resumed = train(tmp_path / "c", *disk)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert same_run(tmp_path / "c", ditto_in_memory)
 
 
 @pytest.mark.slow  # the store's side is test_client_state_disk.py's memory-checkpoint test

@@ -16,12 +16,19 @@ hold the checkpoint's rows, whatever rounds ran after it. Rows added after the
 checkpoint need no copy (the checkpoint's ids do not name them). The log starts empty
 at each checkpoint, so it holds at most one copy of each row overwritten since.
 
+Each chain of attempts that writes the files has a token: a store that starts over
+(no resume) writes a new log with a new token, durably, before its first row, and every
+checkpoint of the chain records it. A checkpoint whose token is not the log's belongs to
+rows that a later attempt started over on (an attempt with ``checkpoint_every=0`` in the
+same folder, say): it is refused, since its rows are gone.
+
 The order that makes every crash recoverable:
+  0. a fresh store's first ``scatter``: the log of round -1 with the chain's new token;
   1. ``state_dict``: the rows are flushed to disk (``msync`` and ``fsync``);
   2. the checkpoint of round L is written (orbax: complete, or absent);
   3. ``committed(L)``: a new, empty log for round L replaces the old one (atomically).
 A crash before 2 completes leaves the previous checkpoint P newest and the log of P
-(applied). A crash between 2 and 3 leaves checkpoint L newest and the log of P: no row
+(applied; before the first checkpoint there is none, and the run starts over). A crash between 2 and 3 leaves checkpoint L newest and the log of P: no row
 changed since 1, so the files already hold round L's rows (nothing applied). A crash
 while a log record is appended leaves a torn last record, whose row was not yet
 overwritten: records are checksummed and reading stops at the first bad one.
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import os
 import struct
+import uuid
 import zlib
 from typing import Any, Sequence
 
@@ -39,9 +47,11 @@ import numpy as np
 from flowjax.core.client_state import ClientStateStore, PyTree
 
 UNDO_LOG = "undo.log"
-# The log's header: magic, then the round and row count of the checkpoint it restores.
-_MAGIC = b"FJUNDO01"
-_HEADER = struct.Struct("<8sqq")
+# The log's header: magic, the chain's token, then the round and row count of the
+# checkpoint it restores (round -1: none yet).
+_MAGIC = b"FJUNDO02"
+_HEADER = struct.Struct("<8s16sqq")
+UNDO_HEADER_BYTES = _HEADER.size
 # Each record: row index, CRC-32 of index and bytes, padding; then the row's bytes.
 _RECORD = struct.Struct("<qII")
 
@@ -69,18 +79,20 @@ class DiskClientStateStore(ClientStateStore):
         self.directory = os.path.abspath(directory)
         os.makedirs(self.directory, exist_ok=True)
         self._row_bytes = [leaf.nbytes for leaf in self._leaves]
-        # (round, rows) of the checkpoint the undo log restores; None before the first
-        # checkpoint, when a resume starts the run over and nothing needs restoring.
+        # (round, rows) of the checkpoint the undo log restores; None until this store
+        # starts its chain (first scatter) or resumes one.
         self._base: tuple[int, int] | None = None
+        self._token = b""
         self._logged: set[int] = set()
         self._arrays = self._mapped(self._rows_in_files())
 
     # ------------------------------------------------------------------ files
     def _rows_in_files(self) -> int:
-        counts = [os.path.getsize(leaf_file(self.directory, i)) // size
-                  for i, size in enumerate(self._row_bytes)
-                  if size and os.path.exists(leaf_file(self.directory, i))]
-        return min(counts) if len(counts) == sum(1 for size in self._row_bytes if size) else 0
+        files = [leaf_file(self.directory, i) for i, size in enumerate(self._row_bytes) if size]
+        if not files or not all(os.path.exists(f) for f in files):
+            return 0
+        return min(os.path.getsize(f) // size
+                   for f, size in zip(files, (s for s in self._row_bytes if s)))
 
     def _mapped(self, capacity: int) -> list[np.ndarray]:
         arrays = []
@@ -119,7 +131,10 @@ class DiskClientStateStore(ClientStateStore):
     def scatter(self, client_ids: Sequence[int], states: PyTree) -> None:
         """As ``ClientStateStore.scatter``; a row the last checkpoint holds is first
         copied to the undo log (durably) if this is its first overwrite since."""
-        if self._base is not None:
+        if self._base is None:  # starts over: a new chain, whatever the files held
+            self._token = uuid.uuid4().bytes
+            self._start_log(-1)
+        else:
             self._log_first_overwrites(np.asarray(client_ids))
         super().scatter(client_ids, states)
 
@@ -144,11 +159,15 @@ class DiskClientStateStore(ClientStateStore):
         """The stored ids in row order, for a checkpoint; the rows stay in the files,
         flushed to disk here, before the checkpoint that names them is written."""
         self._sync()
-        return {"ids": self._ids(), "leaves": []}
+        return {"ids": self._ids(), "leaves": [], "token": np.frombuffer(self._token, np.uint8)}
 
     def committed(self, rounds_done: int) -> None:
         """Starts the undo log of the checkpoint of ``rounds_done``, now complete."""
-        header = _HEADER.pack(_MAGIC, rounds_done, len(self._rows))
+        self._start_log(rounds_done)
+
+    def _start_log(self, rounds_done: int) -> None:
+        """A new, empty undo log restoring ``rounds_done``'s rows, durably in place."""
+        header = _HEADER.pack(_MAGIC, self._token, rounds_done, len(self._rows))
         log = os.path.join(self.directory, UNDO_LOG)
         temporary = log + ".tmp"
         with open(temporary, "wb") as handle:
@@ -171,6 +190,7 @@ class DiskClientStateStore(ClientStateStore):
         """
         if saved["leaves"] or not self._leaves:
             ids, arrays = self._checked_rows(saved)
+            self._token = uuid.uuid4().bytes  # rows from a checkpoint: a new chain
             self._rows = {int(c): r for r, c in enumerate(ids)}
             self._grow(len(ids))
             for array, rows in zip(self._arrays, arrays):
@@ -178,6 +198,7 @@ class DiskClientStateStore(ClientStateStore):
             self._sync()
         else:
             ids = np.asarray(saved["ids"])
+            self._token = np.asarray(saved.get("token", []), np.uint8).tobytes()
             self._restore_files(rounds_done, len(ids))
             self._rows = {int(c): r for r, c in enumerate(ids)}
         self.committed(rounds_done)
@@ -193,7 +214,12 @@ class DiskClientStateStore(ClientStateStore):
         if len(data) < _HEADER.size or data[:8] != _MAGIC:
             raise ValueError(f"{where}: {UNDO_LOG} is not a flowjax undo log; expected the "
                              f"log the run wrote")
-        _, base_round, base_rows = _HEADER.unpack_from(data)
+        _, token, base_round, base_rows = _HEADER.unpack_from(data)
+        if token != self._token:
+            raise ValueError(f"{where} were rewritten by an attempt that started the run "
+                             f"over after the checkpoint of round {rounds_done} was written "
+                             f"(checkpoint_every=0 in this folder?), so its rows are gone; "
+                             f"expected the rows of that checkpoint's attempts")
         if base_round > rounds_done:
             raise ValueError(f"{where} are of round {base_round}, after the newest "
                              f"checkpoint's round {rounds_done} (was a checkpoint deleted?); "
@@ -201,7 +227,8 @@ class DiskClientStateStore(ClientStateStore):
         if base_round == rounds_done and base_rows != count:
             raise ValueError(f"{where}: {UNDO_LOG} of round {rounds_done} is for {base_rows} "
                              f"rows; expected the {count} its checkpoint names")
-        available = self._rows_in_files()
+        # Leaves of no bytes have no file: any count of their rows is there.
+        available = self._rows_in_files() if any(self._row_bytes) else count
         if available < count:
             raise ValueError(f"{where}: the files hold {available} rows; expected the "
                              f"{count} the checkpoint of round {rounds_done} names")
