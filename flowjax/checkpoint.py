@@ -20,6 +20,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from flowjax.core.durable import fsync_tree
+
 PyTree = Any
 
 
@@ -66,7 +68,7 @@ class Checkpointer:
 
     def save(self, rounds_done: int, state: PyTree, client_rows: dict[str, Any] | None,
              meta: dict[str, Any]) -> None:
-        """Writes a checkpoint; returns once it is complete on disk."""
+        """Writes a checkpoint; returns once it is complete and durable on disk."""
         items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
         if client_rows is not None:
             items["clients"] = ocp.args.StandardSave(_rows_tree(client_rows))
@@ -75,6 +77,10 @@ class Checkpointer:
         with _interrupts_held():
             self._manager.save(rounds_done, args=ocp.args.Composite(**items))
             self._manager.wait_until_finished()
+            # Orbax renames the finished folder without syncing it; after a power loss
+            # it could then stand complete-looking but empty, while the disk store
+            # (told next that this checkpoint exists) drops what restores the previous one.
+            fsync_tree(os.path.join(self.directory, str(rounds_done)))
 
     def restore(self, rounds_done: int, target_state: PyTree,
                 stateful: bool) -> tuple[PyTree, dict[str, Any] | None, dict[str, Any]]:

@@ -25,7 +25,8 @@ same folder, say): it is refused, since its rows are gone.
 The order that makes every crash recoverable:
   0. a fresh store's first ``scatter``: the log of round -1 with the chain's new token;
   1. ``state_dict``: the rows are flushed to disk (``msync`` and ``fsync``);
-  2. the checkpoint of round L is written (orbax: complete, or absent);
+  2. the checkpoint of round L is written (orbax: complete, or absent) and synced
+     (``Checkpointer.save``: orbax syncs neither its files nor its rename);
   3. ``committed(L)``: a new, empty log for round L replaces the old one (atomically).
 A crash before 2 completes leaves the previous checkpoint P newest and the log of P
 (applied; before the first checkpoint there is none, and the run starts over). A crash between 2 and 3 leaves checkpoint L newest and the log of P: no row
@@ -40,11 +41,12 @@ import os
 import struct
 import uuid
 import zlib
-from typing import Any, Sequence
+from typing import Any, BinaryIO, Iterator, Sequence
 
 import numpy as np
 
 from flowjax.core.client_state import ClientStateStore, PyTree
+from flowjax.core.durable import fsync_path
 
 UNDO_LOG = "undo.log"
 # The log's header: magic, the chain's token, then the round and row count of the
@@ -125,7 +127,7 @@ class DiskClientStateStore(ClientStateStore):
         self._flush_maps()  # msync: the mapped pages into the files
         for index, size in enumerate(self._row_bytes):
             if size and os.path.exists(leaf_file(self.directory, index)):
-                _fsync_file(leaf_file(self.directory, index))
+                fsync_path(leaf_file(self.directory, index))
 
     # ------------------------------------------------------------------ rows
     def scatter(self, client_ids: Sequence[int], states: PyTree) -> None:
@@ -175,7 +177,7 @@ class DiskClientStateStore(ClientStateStore):
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, log)
-        _fsync_file(self.directory)  # the rename itself
+        fsync_path(self.directory)  # the rename itself
         self._base = (rounds_done, len(self._rows))
         self._logged = set()
 
@@ -208,13 +210,18 @@ class DiskClientStateStore(ClientStateStore):
         where = f"client states in {self.directory}"
         if not os.path.exists(log):
             raise ValueError(f"{where}: no {UNDO_LOG}, so the rows cannot be matched to "
-                             f"round {rounds_done}; expected the folder the run wrote")
-        with open(log, "rb") as handle:
-            data = handle.read()
-        if len(data) < _HEADER.size or data[:8] != _MAGIC:
+                             f"round {rounds_done}; expected the folder the run wrote (a multi-host "
+                             f"run has one per process: resume with as many processes)")
+        with open(log, "rb") as handle:  # streamed: at scale the log holds GiBs of rows
+            self._restore_from_log(handle, where, rounds_done, count)
+
+    def _restore_from_log(self, log: BinaryIO, where: str, rounds_done: int,
+                          count: int) -> None:
+        header = log.read(_HEADER.size)
+        if len(header) < _HEADER.size or header[:8] != _MAGIC:
             raise ValueError(f"{where}: {UNDO_LOG} is not a flowjax undo log; expected the "
                              f"log the run wrote")
-        _, token, base_round, base_rows = _HEADER.unpack_from(data)
+        _, token, base_round, base_rows = _HEADER.unpack(header)
         if token != self._token:
             raise ValueError(f"{where} were rewritten by an attempt that started the run "
                              f"over after the checkpoint of round {rounds_done} was written "
@@ -234,7 +241,7 @@ class DiskClientStateStore(ClientStateStore):
                              f"{count} the checkpoint of round {rounds_done} names")
         self._arrays = self._mapped(available)
         if base_round == rounds_done:  # else the files were flushed at rounds_done, unchanged since
-            for row, payload in _records(data[_HEADER.size:], sum(self._row_bytes)):
+            for row, payload in _records(log, sum(self._row_bytes)):
                 offset = 0
                 for array, leaf, size in zip(self._arrays, self._leaves, self._row_bytes):
                     array[row] = np.frombuffer(payload[offset:offset + size],
@@ -243,12 +250,13 @@ class DiskClientStateStore(ClientStateStore):
             self._sync()
 
 
-def _records(data: bytes, row_bytes: int):
-    """``(row, bytes)`` of the log's records, up to the first torn or corrupt one."""
+def _records(log: BinaryIO, row_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """``(row, bytes)`` of the log's records from its position on, one read each, up to
+    the first torn or corrupt one."""
     size = _RECORD.size + row_bytes
-    for start in range(0, len(data) - size + 1, size):
-        row, checksum, _ = _RECORD.unpack_from(data, start)
-        payload = data[start + _RECORD.size:start + size]
+    while len(record := log.read(size)) == size:
+        row, checksum, _ = _RECORD.unpack_from(record)
+        payload = record[_RECORD.size:]
         if checksum != _checksum(row, payload):
             return
         yield row, payload
@@ -256,11 +264,3 @@ def _records(data: bytes, row_bytes: int):
 
 def _checksum(row: int, payload: bytes) -> int:
     return zlib.crc32(payload, zlib.crc32(struct.pack("<q", row)))
-
-
-def _fsync_file(path: str) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)

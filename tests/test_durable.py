@@ -1,0 +1,30 @@
+"""``flowjax/core/durable.py``: which paths ``fsync_tree`` syncs."""
+
+import os
+
+from flowjax.core import durable
+
+
+def test_fsync_tree_syncs_every_file_and_folder_and_the_roots_entry(tmp_path, monkeypatch):
+    root = tmp_path / "checkpoint"
+    (root / "state" / "d").mkdir(parents=True)
+    for name in ("meta", "state/manifest", "state/d/chunk"):
+        (root / name).write_text(name)
+    (tmp_path / "elsewhere").write_text("not part of the tree")
+    os.symlink(tmp_path / "elsewhere", root / "link")
+    synced = []
+    monkeypatch.setattr(durable, "fsync_path", synced.append)
+    durable.fsync_tree(str(root))
+    assert sorted(synced) == sorted(str(p) for p in (
+        tmp_path, root, root / "meta", root / "state", root / "state" / "manifest",
+        root / "state" / "d", root / "state" / "d" / "chunk"))
+
+
+def test_fsync_path_syncs_files_and_folders(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")),
+                                                 fsync(fd)))
+    durable.fsync_path(str(tmp_path / "file"))
+    durable.fsync_path(str(tmp_path))
+    assert synced == [str(tmp_path / "file"), str(tmp_path)]
