@@ -559,9 +559,14 @@ def print_ratios(timed: dict, out: dict) -> None:
     engine = [key for key in rows if "step_efficiency" in rows[key]]
     if not engine:
         return
-    out["padding"] = {k[1]: {"step_efficiency": rows[k]["step_efficiency"],
-                             "example_efficiency": rows[k]["example_efficiency"]}
-                      for k in engine if k[0] == "fedavg"}
+    # Padding is the mapping's: from its FedAvg row, else the first row timed with it
+    # (a run of variants alone, fedavg+lstm_unroll=20 say, printed none before).
+    by_mapping = {}
+    for key in sorted(engine, key=lambda k: k[0] != "fedavg"):
+        by_mapping.setdefault(key[1], key)
+    out["padding"] = {mapping: {"step_efficiency": rows[k]["step_efficiency"],
+                                "example_efficiency": rows[k]["example_efficiency"]}
+                      for mapping, k in by_mapping.items()}
     print("useful / executed client-steps (example slots) per mapping: " + ", ".join(
         f"{name} {p['step_efficiency']:.2f} ({p['example_efficiency']:.2f})"
         for name, p in out["padding"].items()))

@@ -264,6 +264,22 @@ def test_each_variant_gets_a_ratio_line_beside_its_plain_method(capsys):
                                        "mapping each): 1.20x\n")
 
 
+def test_each_mappings_padding_is_printed_when_only_variants_were_timed(capsys):
+    """Padding belongs to the mapping: its FedAvg row's, else the first row's with it (a
+    run of ``fedavg+lstm_unroll=20`` alone printed an empty line before)."""
+    def row(step, example):
+        return {"round_s": 1.0, "step_efficiency": step, "example_efficiency": example}
+    rows = {("flow+lstm_unroll=20", "chunked 4"): row(0.5, 0.4),
+            ("fedavg+lstm_unroll=20", "chunked 19"): row(0.7, 0.6),
+            ("flow", "chunked 19"): row(0.1, 0.1)}
+    out = {}
+    benchmark.print_ratios({"rows": rows, "torch": None, "methods": ()}, out)
+    assert out["padding"] == {"chunked 4": {"step_efficiency": 0.5, "example_efficiency": 0.4},
+                              "chunked 19": {"step_efficiency": 0.7, "example_efficiency": 0.6}}
+    assert ("useful / executed client-steps (example slots) per mapping: chunked 4 0.50 "
+            "(0.40), chunked 19 0.70 (0.60)\n") in capsys.readouterr().out
+
+
 def test_strategy_names_carry_their_own_chunk_size():
     from flowjax.core.mapping import ClientMapping
     assert benchmark.parse_strategy("chunked:19", 5, 1) == ClientMapping("chunked", 19)
