@@ -156,6 +156,33 @@ def test_client_state_memory_reports_the_rows_and_the_peaks_of_each_step(tmp_pat
         assert log.stat().st_size == UNDO_HEADER_BYTES + 60 * (16 + 5000 * 4)
 
 
+def test_memory_capped_kills_past_its_cap_and_reports_the_kill():
+    """``launch/memory_capped.sh`` (the disk store's beyond-memory measurement): a
+    process that allocates past the cap is killed for memory, one under it is not, and
+    each run says so. Needs root and cgroup memory control; bad input needs neither."""
+    def capped(limit, *command):
+        return subprocess.run(["bash", "launch/memory_capped.sh", limit, *command],
+                              capture_output=True, text=True, cwd=ROOT)
+
+    bad = capped("4GB", "true")
+    assert bad.returncode == 2
+    assert bad.stderr == "memory_capped.sh: LIMIT_GB=4GB; expected a number of GiB, e.g. 4\n"
+    allocate = "import numpy as np; a = np.ones(int({} * 2**27)); print(a.sum())"  # GiB
+    under = capped("0.75", sys.executable, "-c", allocate.format(0.25))
+    if under.returncode == 2 and "cannot make a cgroup" in under.stderr:
+        pytest.skip(under.stderr.strip())
+    assert under.returncode == 0, under.stderr
+    assert under.stdout.splitlines()[0] == str(float(2**25))
+    assert "exit status 0 under a cap of 0.75 GiB" in under.stdout
+    assert under.stdout.rstrip().endswith("oom_kill 0")
+    large = capped("5", "true")  # past 2**31 bytes (awk's %d once capped it at 2 GiB)
+    assert "exit status 0 under a cap of 5.00 GiB" in large.stdout
+    over = capped("0.75", sys.executable, "-c", allocate.format(1))
+    assert over.returncode == 137
+    assert "exit status 137 under a cap of 0.75 GiB; peak usage 0.75 GiB" in over.stdout
+    assert over.stdout.rstrip().endswith("oom_kill 1")
+
+
 def test_every_launcher_shows_the_traceback_of_a_bad_input_under_debug(tmp_path):
     """``--debug`` (README, "Bad inputs") on each launcher that reads user input: the bad
     input that ends in one ``error:`` line, exit status 2, shows its traceback instead."""
