@@ -50,6 +50,14 @@ def anonymous_gb() -> float | None:
     return None
 
 
+def report(step: str, seconds: float | None) -> None:
+    """The line of ``step`` done: its wall time, the peak and anonymous memory now."""
+    anonymous = anonymous_gb()
+    now = "" if anonymous is None else f", {anonymous:,.2f} GB anonymous"
+    took = "" if seconds is None else f" ({seconds:,.2f} s)"
+    print(f"after {step}{took}: process peak {peak_gb():,.2f} GB{now}", flush=True)
+
+
 def main(argv):
     del argv
     import jax.numpy as jnp
@@ -60,7 +68,11 @@ def main(argv):
     from flowjax.core.client_state_disk import UNDO_LOG, DiskClientStateStore
 
     rows, width = _ROWS.value, _ROW_FLOATS.value
-    steps = [("imports", peak_gb(), anonymous_gb(), None)]
+    # Each line as soon as it is known: a run killed for memory (launch/memory_capped.sh)
+    # still shows how far it got.
+    print(f"rows: {rows:,} client states of {4 * width / 1e6:,.2f} MB = "
+          f"{rows * 4 * width / 1e9:,.2f} GB, in {_STORE.value}", flush=True)
+    report("imports", None)
     folder = _DIR.value or tempfile.mkdtemp(prefix="client_state_memory-")
     template = {"v": np.zeros(width, np.float32)}
     store = (ClientStateStore(template) if _STORE.value == "memory"
@@ -75,7 +87,7 @@ def main(argv):
     def step(name, fn):
         start = time.perf_counter()
         fn()
-        steps.append((name, peak_gb(), anonymous_gb(), time.perf_counter() - start))
+        report(name, time.perf_counter() - start)
 
     def checkpoint():
         checkpointer = Checkpointer(os.path.join(folder, "checkpoints"))
@@ -88,17 +100,11 @@ def main(argv):
         step("one checkpoint", checkpoint)
         step("overwriting every row", each_row_once)
         log = os.path.join(folder, "client_states", UNDO_LOG)
-        logged = os.path.getsize(log) if os.path.exists(log) else 0
+        if _STORE.value == "disk":
+            print(f"undo log: {os.path.getsize(log) / 1e9:,.2f} GB")
     finally:
         if _DIR.value is None:
             shutil.rmtree(folder, ignore_errors=True)
-    print(f"rows: {rows:,} client states of {4 * width / 1e6:,.2f} MB = "
-          f"{store.nbytes / 1e9:,.2f} GB, in {_STORE.value}"
-          + (f"; undo log {logged / 1e9:,.2f} GB" if _STORE.value == "disk" else ""))
-    for name, peak, anonymous, seconds in steps:
-        now = "" if anonymous is None else f", {anonymous:,.2f} GB anonymous"
-        took = "" if seconds is None else f" ({seconds:,.2f} s)"
-        print(f"after {name}{took}: process peak {peak:,.2f} GB{now}")
     return 0
 
 
