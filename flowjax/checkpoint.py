@@ -75,7 +75,12 @@ class Checkpointer:
         # Orbax deletes the checkpoint beyond max_to_keep file by file in its finalize
         # thread; Ctrl-C then would leave that folder half-deleted.
         with _interrupts_held():
-            self._manager.save(rounds_done, args=ocp.args.Composite(**items))
+            if not self._manager.save(rounds_done, args=ocp.args.Composite(**items)):
+                # Orbax skips a round at or before its newest; a disk store told it exists
+                # would then drop the undo log that restores the newest one.
+                raise RuntimeError(f"checkpoint {self.directory}/{rounds_done} was not written "
+                                   f"(newest: {self._manager.latest_step()}); expected a "
+                                   f"round after the newest")
             self._manager.wait_until_finished()
             # Orbax renames the finished folder without syncing it; after a power loss
             # it could then stand complete-looking but empty, while the disk store

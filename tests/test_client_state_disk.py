@@ -286,3 +286,20 @@ def test_every_checkpoint_is_durable_before_its_undo_log_replaces_the_last(tmp_p
             paths.update(os.path.join(parent, name) for name in folders + files)
         assert len(paths) > 5
         assert paths <= set(before), sorted(paths - set(before))
+        # The folder's entry in checkpoints/ is durable only from a sync of checkpoints/
+        # after the folder was renamed into place, i.e. after the folder's own sync.
+        after_folder = before[max(i for i, p in enumerate(before) if p == str(folder)):]
+        assert str(checkpoints) in after_folder
+
+
+def test_a_checkpoint_orbax_skips_is_an_error_not_a_commit(tmp_path):
+    """Orbax's save returns False for a round at or before its newest; the store would
+    then be told of a checkpoint that does not exist and drop the newest one's log."""
+    from flowjax.checkpoint import Checkpointer
+    checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
+    checkpointer.save(2, {"w": np.zeros(2)}, None, {"round": 2})
+    with pytest.raises(RuntimeError, match=r"checkpoints/1 was not written \(newest: 2\); "
+                                           r"expected a round after the newest"):
+        checkpointer.save(1, {"w": np.ones(2)}, None, {"round": 1})
+    checkpointer.close()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]

@@ -1,6 +1,9 @@
 """``flowjax/core/durable.py``: which paths ``fsync_tree`` syncs."""
 
+import errno
 import os
+
+import pytest
 
 from flowjax.core import durable
 
@@ -28,3 +31,31 @@ def test_fsync_path_syncs_files_and_folders(tmp_path, monkeypatch):
     durable.fsync_path(str(tmp_path / "file"))
     durable.fsync_path(str(tmp_path))
     assert synced == [str(tmp_path / "file"), str(tmp_path)]
+
+
+def test_fsync_tree_refuses_what_it_cannot_sync_instead_of_syncing_nothing(tmp_path,
+                                                                           monkeypatch):
+    with pytest.raises(NotADirectoryError):
+        durable.fsync_tree(str(tmp_path / "7"))  # a checkpoint that was never written
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        durable.fsync_tree(str(tmp_path / "file"))
+    (tmp_path / "tree" / "locked").mkdir(parents=True)
+    listdir = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda path: (_ for _ in ()).throw(
+        PermissionError(errno.EACCES, "denied", path)) if str(path).endswith("locked")
+        else listdir(path))
+    with pytest.raises(PermissionError):
+        durable.fsync_tree(str(tmp_path / "tree"))
+
+
+def test_a_folder_a_file_system_cannot_sync_is_left_but_a_file_is_not(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+
+    def einval(descriptor):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "fsync", einval)
+    durable.fsync_path(str(tmp_path))  # some FUSE and network mounts: nothing to do
+    with pytest.raises(OSError):
+        durable.fsync_path(str(tmp_path / "file"))

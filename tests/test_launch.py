@@ -183,6 +183,28 @@ def test_memory_capped_kills_past_its_cap_and_reports_the_kill():
     assert over.returncode == 137
     assert "exit status 137 under a cap of 0.75 GiB; peak usage 0.75 GiB" in over.stdout
     assert over.stdout.rstrip().endswith("oom_kill 1")
+    # SIGTERM (a scheduler's stop) reaches the command, and nothing is left behind.
+    import signal
+    import time
+    marker = f"flowjax-capped-test-{os.getpid()}"
+    stopped = subprocess.Popen(["bash", "launch/memory_capped.sh", "1", sys.executable, "-c",
+                                f"import time; time.sleep(60)  # {marker}"], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    running = f"^{sys.executable} -c .*{marker}"  # the command itself, not the script
+    for _ in range(100):  # until the command runs
+        if subprocess.run(["pgrep", "-f", running], capture_output=True).returncode == 0:
+            break
+        time.sleep(0.1)
+    stopped.send_signal(signal.SIGTERM)
+    try:
+        out, err = stopped.communicate(timeout=30)
+    finally:  # a failing script must not leave the sleeping command behind
+        subprocess.run(["pkill", "-f", running])
+    assert stopped.returncode == 143 and "exit status 143 under a cap of 1.00 GiB" in out
+    assert subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 1
+    import glob
+    assert "is left" not in err
+    assert not glob.glob(f"/sys/fs/cgroup/**/flowjax_capped_{stopped.pid}", recursive=True)
 
 
 def test_every_launcher_shows_the_traceback_of_a_bad_input_under_debug(tmp_path):

@@ -128,6 +128,7 @@ class DiskClientStateStore(ClientStateStore):
         for index, size in enumerate(self._row_bytes):
             if size and os.path.exists(leaf_file(self.directory, index)):
                 fsync_path(leaf_file(self.directory, index))
+        fsync_path(self.directory)  # the files' entries: a first checkpoint's rows exist
 
     # ------------------------------------------------------------------ rows
     def scatter(self, client_ids: Sequence[int], states: PyTree) -> None:

@@ -8,22 +8,40 @@ the previous state (the disk store's undo log) must first make the new one durab
 
 from __future__ import annotations
 
+import errno
 import os
 
 
 def fsync_path(path: str) -> None:
-    """Flushes the file or folder ``path`` (its data, or its entries) to disk."""
+    """Flushes the file or folder ``path`` (its data, or its entries) to disk.
+
+    A folder on a file system that cannot sync folders (some FUSE and network mounts
+    answer EINVAL) is left as it is: there is nothing more to ask of it.
+    """
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
+    except OSError as error:
+        if not (error.errno == errno.EINVAL and os.path.isdir(path)):
+            raise
     finally:
         os.close(descriptor)
 
 
+def _raise(error: OSError) -> None:
+    raise error
+
+
 def fsync_tree(root: str) -> None:
-    """``fsync_path`` of every file and folder under ``root``, ``root`` and its parent
-    (which holds ``root``'s own entry). Links are not followed."""
-    for folder, _, files in os.walk(root):
+    """``fsync_path`` of every file and folder under the folder ``root``, then of
+    ``root``'s parent (which holds ``root``'s own entry). Links are not followed.
+
+    Raises:
+      OSError: ``root`` is not a folder, or a folder under it cannot be listed.
+    """
+    if not os.path.isdir(root):
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder to sync", root)
+    for folder, _, files in os.walk(root, onerror=_raise):
         for name in files:
             file = os.path.join(folder, name)
             if not os.path.islink(file):
