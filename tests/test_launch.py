@@ -171,8 +171,9 @@ def test_memory_capped_kills_past_its_cap_and_reports_the_kill():
     assert bad.stderr == "memory_capped.sh: LIMIT_GB=4GB; expected a number of GiB, e.g. 4\n"
     allocate = "import numpy as np; a = np.ones(int({} * 2**27)); print(a.sum())"  # GiB
     under = capped("0.75", sys.executable, "-c", allocate.format(0.25))
-    if under.returncode == 2 and "cannot make a cgroup" in under.stderr:
-        pytest.skip(under.stderr.strip())
+    if under.returncode == 2 and under.stderr.startswith(("memory_capped.sh: cannot ",
+                                                          "memory_capped.sh: this host swaps")):
+        pytest.skip(under.stderr.strip())  # no root, no memory control, or swap uncapped
     assert under.returncode == 0, under.stderr
     assert under.stdout.splitlines()[0] == str(float(2**25))
     assert "exit status 0 under a cap of 0.75 GiB" in under.stdout
