@@ -99,8 +99,8 @@ def main(argv):
         step("filling the store", each_row_once)
         step("one checkpoint", checkpoint)
         step("overwriting every row", each_row_once)
-        log = os.path.join(folder, "client_states", UNDO_LOG)
         if _STORE.value == "disk":
+            log = os.path.join(folder, "client_states", UNDO_LOG)
             print(f"undo log: {os.path.getsize(log) / 1e9:,.2f} GB")
     finally:
         if _DIR.value is None:

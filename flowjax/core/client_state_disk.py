@@ -29,7 +29,8 @@ The order that makes every crash recoverable:
      (``Checkpointer.save``: orbax syncs neither its files nor its rename);
   3. ``committed(L)``: a new, empty log for round L replaces the old one (atomically).
 A crash before 2 completes leaves the previous checkpoint P newest and the log of P
-(applied; before the first checkpoint there is none, and the run starts over). A crash between 2 and 3 leaves checkpoint L newest and the log of P: no row
+(applied; before the first checkpoint there is none, and the run starts over). A crash
+between 2 and 3 leaves checkpoint L newest and the log of P: no row
 changed since 1, so the files already hold round L's rows (nothing applied). A crash
 while a log record is appended leaves a torn last record, whose row was not yet
 overwritten: records are checksummed and reading stops at the first bad one.
@@ -211,8 +212,9 @@ class DiskClientStateStore(ClientStateStore):
         where = f"client states in {self.directory}"
         if not os.path.exists(log):
             raise ValueError(f"{where}: no {UNDO_LOG}, so the rows cannot be matched to "
-                             f"round {rounds_done}; expected the folder the run wrote (a multi-host "
-                             f"run has one per process: resume with as many processes)")
+                             f"round {rounds_done}; expected the folder the run wrote (a "
+                             f"multi-host run has one per process: resume with as many "
+                             f"processes)")
         with open(log, "rb") as handle:  # streamed: at scale the log holds GiBs of rows
             self._restore_from_log(handle, where, rounds_done, count)
 
