@@ -216,41 +216,38 @@ class DiskClientStateStore(ClientStateStore):
                              f"multi-host run has one per process: resume with as many "
                              f"processes)")
         with open(log, "rb") as handle:  # streamed: at scale the log holds GiBs of rows
-            self._restore_from_log(handle, where, rounds_done, count)
-
-    def _restore_from_log(self, log: BinaryIO, where: str, rounds_done: int,
-                          count: int) -> None:
-        header = log.read(_HEADER.size)
-        if len(header) < _HEADER.size or header[:8] != _MAGIC:
-            raise ValueError(f"{where}: {UNDO_LOG} is not a flowjax undo log; expected the "
-                             f"log the run wrote")
-        _, token, base_round, base_rows = _HEADER.unpack(header)
-        if token != self._token:
-            raise ValueError(f"{where} were rewritten by an attempt that started the run "
-                             f"over after the checkpoint of round {rounds_done} was written "
-                             f"(checkpoint_every=0 in this folder?), so its rows are gone; "
-                             f"expected the rows of that checkpoint's attempts")
-        if base_round > rounds_done:
-            raise ValueError(f"{where} are of round {base_round}, after the newest "
-                             f"checkpoint's round {rounds_done} (was a checkpoint deleted?); "
-                             f"expected round {rounds_done} or earlier")
-        if base_round == rounds_done and base_rows != count:
-            raise ValueError(f"{where}: {UNDO_LOG} of round {rounds_done} is for {base_rows} "
-                             f"rows; expected the {count} its checkpoint names")
-        # Leaves of no bytes have no file: any count of their rows is there.
-        available = self._rows_in_files() if any(self._row_bytes) else count
-        if available < count:
-            raise ValueError(f"{where}: the files hold {available} rows; expected the "
-                             f"{count} the checkpoint of round {rounds_done} names")
-        self._arrays = self._mapped(available)
-        if base_round == rounds_done:  # else the files were flushed at rounds_done, unchanged since
-            for row, payload in _records(log, sum(self._row_bytes)):
-                offset = 0
-                for array, leaf, size in zip(self._arrays, self._leaves, self._row_bytes):
-                    array[row] = np.frombuffer(payload[offset:offset + size],
-                                               leaf.dtype).reshape(leaf.shape)
-                    offset += size
-            self._sync()
+            header = handle.read(_HEADER.size)
+            if len(header) < _HEADER.size or header[:8] != _MAGIC:
+                raise ValueError(f"{where}: {UNDO_LOG} is not a flowjax undo log; expected the "
+                                 f"log the run wrote")
+            _, token, base_round, base_rows = _HEADER.unpack(header)
+            if token != self._token:
+                raise ValueError(f"{where} were rewritten by an attempt that started the run "
+                                 f"over after the checkpoint of round {rounds_done} was written "
+                                 f"(checkpoint_every=0 in this folder?), so its rows are gone; "
+                                 f"expected the rows of that checkpoint's attempts")
+            if base_round > rounds_done:
+                raise ValueError(f"{where} are of round {base_round}, after the newest "
+                                 f"checkpoint's round {rounds_done} (was a checkpoint deleted?); "
+                                 f"expected round {rounds_done} or earlier")
+            if base_round == rounds_done and base_rows != count:
+                raise ValueError(f"{where}: {UNDO_LOG} of round {rounds_done} is for {base_rows} "
+                                 f"rows; expected the {count} its checkpoint names")
+            # Leaves of no bytes have no file: any count of their rows is there.
+            available = self._rows_in_files() if any(self._row_bytes) else count
+            if available < count:
+                raise ValueError(f"{where}: the files hold {available} rows; expected the "
+                                 f"{count} the checkpoint of round {rounds_done} names")
+            self._arrays = self._mapped(available)
+            # An older log: the files were flushed at rounds_done, unchanged since.
+            if base_round == rounds_done:
+                for row, payload in _records(handle, sum(self._row_bytes)):
+                    offset = 0
+                    for array, leaf, size in zip(self._arrays, self._leaves, self._row_bytes):
+                        array[row] = np.frombuffer(payload[offset:offset + size],
+                                                   leaf.dtype).reshape(leaf.shape)
+                        offset += size
+                self._sync()
 
 
 def _records(log: BinaryIO, row_bytes: int) -> Iterator[tuple[int, bytes]]:
