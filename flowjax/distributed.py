@@ -15,6 +15,7 @@ Launch (one command per host; see the README):
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import jax
@@ -69,3 +70,22 @@ def barrier(name: str) -> None:
     """Waits for every process (no-op in a single-process run)."""
     if multiprocess():
         multihost_utils.sync_global_devices(name)
+
+
+def shared_token() -> bytes:
+    """16 random bytes, the same in every process (process 0's, broadcast): a name for
+    something all processes start together, such as a chain of client-state files."""
+    token = np.frombuffer(uuid.uuid4().bytes, np.uint8)
+    if multiprocess():
+        token = np.asarray(multihost_utils.broadcast_one_to_all(token), np.uint8)
+    return token.tobytes()
+
+
+def failed_processes(failed: bool) -> list[int]:
+    """The indices of the processes that passed ``failed=True`` (every process calls
+    this at the same point), so that all of them stop where one cannot go on, instead of
+    the others waiting for it in the next collective until a timeout."""
+    if not multiprocess():
+        return [jax.process_index()] if failed else []
+    flags = np.asarray(multihost_utils.process_allgather(np.array([failed], np.int32)))
+    return [int(i) for i in np.flatnonzero(flags.reshape(-1))]

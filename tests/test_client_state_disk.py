@@ -93,6 +93,35 @@ def test_a_crash_after_a_checkpoint_resumes_to_its_rows(tmp_path, rounds_after):
     assert_rows_equal(all_rows(resumed), all_rows(store))
 
 
+def test_every_process_resumes_from_the_checkpoint_process_0_wrote(tmp_path):
+    # A multi-host run: each process keeps all rows in its own folder and the checkpoint
+    # records process 0's ids and token, so the stores must share the chain's token.
+    token = bytes(range(16))
+    folders = [tmp_path / f"process_{i}" for i in range(2)]
+    stores = [DiskClientStateStore(TEMPLATE, str(f), chain_token=token) for f in folders]
+    cohorts = list(rounds(8, 10))
+    for ids, new in cohorts[:6]:
+        for store in stores:
+            store.scatter(ids, new)
+    saved = [store.state_dict() for store in stores][0]
+    for store in stores:
+        store.committed(6)
+    expected = all_rows(stores[0])
+    for ids, new in cohorts[6:]:  # then killed
+        for store in stores:
+            store.scatter(ids, new)
+    for folder in folders:
+        assert_rows_equal(all_rows(reopened(folder, saved, 6)), expected)
+    # Started without a shared token, process 1's rows are refused as another chain's.
+    stranger = DiskClientStateStore(TEMPLATE, str(tmp_path / "random"))
+    for ids, new in cohorts[:6]:
+        stranger.scatter(ids, new)
+    stranger.state_dict()
+    stranger.committed(6)
+    with pytest.raises(ValueError, match="rewritten by an attempt that started the run over"):
+        reopened(tmp_path / "random", saved, 6)
+
+
 def test_each_row_is_logged_once_between_checkpoints(tmp_path):
     store = DiskClientStateStore(TEMPLATE, str(tmp_path))
     rng = np.random.default_rng(2)

@@ -3,6 +3,8 @@ simulation through launch/train.py and reproduce the single-process, two-device 
 
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -24,13 +26,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def train(workdir, *args, devices_per_process: int = 1):
+def train(workdir, *args, devices_per_process: int = 1, flags=FLAGS, fault=None):
+    """A ``launch/train.py`` process; with ``fault``, ``tests/crashing_train.py``'s."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
                + f" --xla_force_host_platform_device_count={devices_per_process}")
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "train.py"), *FLAGS,
-                             f"--workdir={workdir}", *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    script = ["tests/crashing_train.py", fault] if fault else ["launch/train.py"]
+    return subprocess.Popen([sys.executable, *script, *flags, f"--workdir={workdir}", *args],
+                            cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
 
 
 def finish(process):
@@ -82,3 +86,45 @@ def test_bad_process_flags_are_one_line_errors(tmp_path):
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == "error: process_id must be in [0, 1], got 2"
+
+
+# Ditto on the synthetic MLP task (what is checked is the checkpoint's and the stores',
+# not the model's), its client states on disk, one folder per process.
+DITTO_ON_DISK = ["--config=configs/synthetic.py:quick", "--config.data.num_clients=12",
+                 "--config.num_rounds=4", "--config.checkpoint_every=1",
+                 "--config.clients_per_round=4", "--config.eval.clients=4",
+                 "--config.mapping.strategy=loop", "--config.mapping.num_devices=2",
+                 "--config.algorithm=ditto", "--config.client_states=disk"]
+
+
+def two_processes(workdir, fault=None):
+    """``(returncode, stderr)`` of each process of a two-process run of ``DITTO_ON_DISK``."""
+    address = f"localhost:{free_port()}"
+    hosts = [train(workdir, f"--coordinator_address={address}", "--num_processes=2",
+                   f"--process_id={i}", flags=DITTO_ON_DISK, fault=fault) for i in range(2)]
+    done = [(p, *p.communicate(timeout=600)) for p in hosts]
+    return [(p.returncode, err) for p, _, err in done]
+
+
+def test_a_killed_two_process_run_resumes_its_client_states_on_disk_exactly(tmp_path):
+    # Killed after round 3 overwrote rows checkpointed at round 2: each process writes
+    # them back from its own undo log, under the token of process 0's checkpoint.
+    assert [code for code, _ in two_processes(tmp_path / "killed", fault="round:3")] == [
+        -signal.SIGKILL] * 2
+    shutil.copytree(tmp_path / "killed", tmp_path / "broken")
+    for code, err in two_processes(tmp_path / "killed"):
+        assert code == 0, err[-3000:]
+    for code, err in two_processes(tmp_path / "clean"):
+        assert code == 0, err[-3000:]
+    for name in ("results.json", "metrics.jsonl"):
+        assert ((tmp_path / "killed" / name).read_bytes()
+                == (tmp_path / "clean" / name).read_bytes()), name
+    # One process cannot restore its rows: both stop in one line (not the other one
+    # waiting in the first round's collectives until a timeout).
+    os.remove(tmp_path / "broken" / "client_states" / "process_1" / "undo.log")
+    (code0, err0), (code1, err1) = two_processes(tmp_path / "broken")
+    assert (code0, code1) == (2, 2)
+    assert err0.strip().splitlines()[-1].endswith(
+        "process(es) 1 could not restore their client states (their output says why); "
+        "expected every process to restore them")
+    assert "process_1: no undo.log" in err1.strip().splitlines()[-1]

@@ -18,7 +18,9 @@ at each checkpoint, so it holds at most one copy of each row overwritten since.
 
 Each chain of attempts that writes the files has a token: a store that starts over
 (no resume) writes a new log with a new token, durably, before its first row, and every
-checkpoint of the chain records it. A checkpoint whose token is not the log's belongs to
+checkpoint of the chain records it. A multi-host run's checkpoint records process 0's
+rows, so every process's store must start its chain with the same token
+(``distributed.shared_token``). A checkpoint whose token is not the log's belongs to
 rows that a later attempt started over on (an attempt with ``checkpoint_every=0`` in the
 same folder, say): it is refused, since its rows are gone.
 
@@ -77,8 +79,11 @@ class DiskClientStateStore(ClientStateStore):
       [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
     """
 
-    def __init__(self, template: PyTree, directory: str):
+    def __init__(self, template: PyTree, directory: str, chain_token: bytes | None = None):
+        """``chain_token``: the token of the chain this store starts if it starts one (a
+        fresh run, or rows from a memory checkpoint); random if None."""
         super().__init__(template)
+        self._chain_token = chain_token if chain_token is not None else uuid.uuid4().bytes
         self.directory = os.path.abspath(directory)
         os.makedirs(self.directory, exist_ok=True)
         self._row_bytes = [leaf.nbytes for leaf in self._leaves]
@@ -136,7 +141,7 @@ class DiskClientStateStore(ClientStateStore):
         """As ``ClientStateStore.scatter``; a row the last checkpoint holds is first
         copied to the undo log (durably) if this is its first overwrite since."""
         if self._base is None:  # starts over: a new chain, whatever the files held
-            self._token = uuid.uuid4().bytes
+            self._token = self._chain_token
             self._start_log(-1)
         else:
             self._log_first_overwrites(np.asarray(client_ids))
@@ -194,7 +199,7 @@ class DiskClientStateStore(ClientStateStore):
         """
         if saved["leaves"] or not self._leaves:
             ids, arrays = self._checked_rows(saved)
-            self._token = uuid.uuid4().bytes  # rows from a checkpoint: a new chain
+            self._token = self._chain_token  # rows from a checkpoint: a new chain
             self._rows = {int(c): r for r, c in enumerate(ids)}
             self._grow(len(ids))
             for array, rows in zip(self._arrays, arrays):

@@ -138,9 +138,20 @@ class Checkpoints(Callback):
         if rows is not None:
             try:
                 simulation.client_states.load_state_dict(rows, latest)
-            except ValueError as error:
+                error = None
+            except ValueError as raised:
+                error = raised
+            # Each process restores its own files: one that cannot must stop the others
+            # here, not leave them waiting for it in the first round's collectives.
+            failed = distributed.failed_processes(error is not None)
+            if error is not None:
                 raise ValueError(f"checkpoint {checkpointer.directory}/{latest}: {error}; "
                                  f"use another --workdir or --overwrite") from None
+            if failed:
+                raise ValueError(f"checkpoint {checkpointer.directory}/{latest}: process(es) "
+                                 f"{', '.join(map(str, failed))} could not restore their "
+                                 f"client states (their output says why); expected every "
+                                 f"process to restore them")
         run.state, run.rounds_done, run.history = state, latest, list(meta["history"])
         run.summaries = {name: EvalSummary(**s) for name, s in meta.get("summaries", {}).items()}
         run.last_checkpoint = run.resumed_from = latest
