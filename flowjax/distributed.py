@@ -15,8 +15,9 @@ Launch (one command per host; see the README):
 
 from __future__ import annotations
 
+import hashlib
 import uuid
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -81,11 +82,40 @@ def shared_token() -> bytes:
     return token.tobytes()
 
 
+def gathered(words: Sequence[int]) -> np.ndarray:
+    """Every process's ``words`` (int32), a row per process in process order. A
+    collective: every process calls it at the same point with as many words."""
+    row = np.asarray(words, np.int32).reshape(1, -1)
+    if not multiprocess():
+        return row
+    return np.asarray(multihost_utils.process_allgather(row[0])).reshape(jax.process_count(), -1)
+
+
 def failed_processes(failed: bool) -> list[int]:
     """The indices of the processes that passed ``failed=True`` (every process calls
     this at the same point), so that all of them stop where one cannot go on, instead of
     the others waiting for it in the next collective until a timeout."""
-    if not multiprocess():
-        return [jax.process_index()] if failed else []
-    flags = np.asarray(multihost_utils.process_allgather(np.array([failed], np.int32)))
-    return [int(i) for i in np.flatnonzero(flags.reshape(-1))]
+    return [int(i) for i in np.flatnonzero(gathered([failed])[:, 0])]
+
+
+def stop_together(error: Exception | None, where: str, same: bytes = b"") -> None:
+    """Raises ``error`` on its process and a one-line error on every other one, if any
+    process has an error or a ``same`` other than process 0's (what must agree across
+    processes: their config, flags, the workdir they see); returns on all otherwise.
+
+    A collective: every process calls it at the same point.
+    """
+    digest = np.frombuffer(hashlib.sha256(same).digest()[:16], np.int32)
+    rows = gathered([error is not None, *digest])
+    if error is not None:
+        raise error
+    failed = [int(i) for i in np.flatnonzero(rows[:, 0])]
+    if failed:
+        raise ValueError(f"{where}: process(es) {', '.join(map(str, failed))} stopped (their "
+                         f"output says why); expected every process to go on")
+    differing = [int(i) for i in np.flatnonzero((rows[:, 1:] != rows[0, 1:]).any(axis=1))]
+    if differing:
+        raise ValueError(f"{where}: process(es) {', '.join(map(str, differing))} run another "
+                         f"config, other flags or see another --workdir than process 0; "
+                         f"expected the same command on every host but --process_id, and "
+                         f"a workdir on a filesystem they share")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import json
 import os
 import subprocess
 import time
@@ -81,38 +82,60 @@ def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> 
     """Refuses a workdir that holds a run of another config, unless ``overwrite``.
 
     With ``overwrite`` the previous run's files and checkpoints are removed; otherwise a
-    workdir with the same config is resumed, or left as it is when finished.
+    workdir with the same config is resumed, or left as it is when finished. In a
+    multi-host run every process checks, process 0 writes, and all stop together if one
+    cannot go on (``distributed.stop_together``): after the checks nothing is written
+    unless every process passed them with the same config and flags.
 
     Returns:
       Whether ``workdir`` already holds this config's finished run (nothing was written).
 
     Raises:
       ValueError: a started run of another config or of an unknown one (no
-        ``config.json``), or the filesystem refused a write (one line).
+        ``config.json``), the filesystem refused a write, or (multi-host) another process
+        failed, runs another command or sees another workdir (one line).
     """
-    if not overwrite:
-        differing = conflicting_fields(
-            workdir, resolved, "use --overwrite to replace the run or another --workdir")
-        if differing:
-            raise ValueError(f"--workdir={workdir} holds a run with a different config "
-                             f"(differs in: {run_folder.named_fields(differing)}); use "
-                             f"--overwrite to replace it or another --workdir")
-        if run_folder.finished(workdir):  # every host sees it: the workdir is shared
-            distributed.barrier("workdir prepared")
-            return True
-    if not distributed.is_primary():  # the other hosts of a multi-host run write nothing
-        distributed.barrier("workdir prepared")
-        return False
+    where = f"--workdir={workdir}"
+    finished, error = False, None
     try:
-        if overwrite:
-            run_folder.remove_run(workdir)
-        os.makedirs(workdir, exist_ok=True)
-        run_folder.write_json_atomic(run_folder.path(workdir, run_folder.CONFIG), resolved)
-    except OSError as error:
-        raise ValueError(f"--workdir={workdir}: cannot write it ({error.strerror or error}); "
-                         "expected a directory you can write") from None
-    distributed.barrier("workdir prepared")
+        finished = _checked_workdir(workdir, resolved, overwrite)
+    except ValueError as raised:
+        error = raised
+    distributed.stop_together(error, where, json.dumps(
+        [resolved, overwrite, finished], sort_keys=True, default=str).encode())
+    if finished:
+        return True
+    if distributed.is_primary():  # the other hosts of a multi-host run write nothing
+        try:
+            if overwrite:
+                run_folder.remove_run(workdir)
+            os.makedirs(workdir, exist_ok=True)
+            run_folder.write_json_atomic(run_folder.path(workdir, run_folder.CONFIG), resolved)
+        except OSError as raised:
+            error = ValueError(f"{where}: cannot write it ({raised.strerror or raised}); "
+                               "expected a directory you can write")
+    distributed.stop_together(error, where)
+    if not distributed.is_primary():
+        written = run_folder.read_config(workdir, "expected the config.json process 0 wrote")
+        if written != json.loads(json.dumps(resolved)):
+            error = ValueError(f"{where}: this process does not see the config.json process 0 "
+                               f"wrote; expected a workdir on a filesystem every process shares")
+    distributed.stop_together(error, where)
     return False
+
+
+def _checked_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> bool:
+    """Whether ``workdir`` holds this config's finished run; raises ValueError where it
+    holds another run and ``overwrite`` is off. Writes nothing."""
+    if overwrite:
+        return False
+    differing = conflicting_fields(
+        workdir, resolved, "use --overwrite to replace the run or another --workdir")
+    if differing:
+        raise ValueError(f"--workdir={workdir} holds a run with a different config "
+                         f"(differs in: {run_folder.named_fields(differing)}); use "
+                         f"--overwrite to replace it or another --workdir")
+    return run_folder.finished(workdir)
 
 
 def explain_divergence(simulation, run: run_config.ResolvedRun,
@@ -160,10 +183,15 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
     check_workdir(workdir)
     run = run_config.resolve(config)
     resolved = resolved_config(config)
-    # Created before the workdir is touched, so a missing tensorboardX fails first.
-    primary = distributed.is_primary()
-    tensorboard = (TensorBoardLog(workdir) if config.get("tensorboard", False) and primary
-                   else None)
+    # Created before the workdir is touched, so a missing tensorboardX fails first, on
+    # every process (only process 0 writes the log).
+    primary, tensorboard, error = distributed.is_primary(), None, None
+    try:
+        tensorboard = TensorBoardLog(workdir) if config.get("tensorboard", False) else None
+    except ImportError as raised:
+        error = raised
+    distributed.stop_together(error, "config.tensorboard")
+    tensorboard = tensorboard if primary else None
     if prepare_workdir(workdir, resolved, overwrite):
         # Running it again would replace metrics.jsonl from round 0 (without checkpoints
         # the run starts over), so a finished run is reported, not retrained.

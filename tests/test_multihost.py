@@ -97,11 +97,14 @@ DITTO_ON_DISK = ["--config=configs/synthetic.py:quick", "--config.data.num_clien
                  "--config.algorithm=ditto", "--config.client_states=disk"]
 
 
-def two_processes(workdir, fault=None):
-    """``(returncode, stderr)`` of each process of a two-process run of ``DITTO_ON_DISK``."""
+def two_processes(workdir, fault=None, extra=((), ())):
+    """``(returncode, stderr)`` of each process of a two-process run of ``DITTO_ON_DISK``;
+    ``workdir`` may be one per process, ``extra`` their own flags."""
     address = f"localhost:{free_port()}"
-    hosts = [train(workdir, f"--coordinator_address={address}", "--num_processes=2",
-                   f"--process_id={i}", flags=DITTO_ON_DISK, fault=fault) for i in range(2)]
+    workdirs = workdir if isinstance(workdir, tuple) else (workdir, workdir)
+    hosts = [train(workdirs[i], f"--coordinator_address={address}", "--num_processes=2",
+                   f"--process_id={i}", *extra[i], flags=DITTO_ON_DISK, fault=fault)
+             for i in range(2)]
     done = [(p, *p.communicate(timeout=600)) for p in hosts]
     return [(p.returncode, err) for p, _, err in done]
 
@@ -125,6 +128,32 @@ def test_a_killed_two_process_run_resumes_its_client_states_on_disk_exactly(tmp_
     (code0, err0), (code1, err1) = two_processes(tmp_path / "broken")
     assert (code0, code1) == (2, 2)
     assert err0.strip().splitlines()[-1].endswith(
-        "process(es) 1 could not restore their client states (their output says why); "
-        "expected every process to restore them")
+        "checkpoints/2: client states: process(es) 1 stopped (their output says why); "
+        "expected every process to go on")
     assert "process_1: no undo.log" in err1.strip().splitlines()[-1]
+
+
+def last_lines(results):
+    return [(code, err.strip().splitlines()[-1]) for code, err in results]
+
+
+def test_processes_that_disagree_stop_together_in_one_line_before_writing(tmp_path):
+    # Other flags on one host (a cadence the run folder itself would accept at a resume):
+    # every process stops before anything is written, instead of hanging in a collective.
+    (code0, line0), (code1, line1) = last_lines(two_processes(
+        tmp_path / "flags", extra=((), ("--config.checkpoint_every=2",))))
+    assert (code0, code1) == (2, 2)
+    for line in (line0, line1):
+        assert line.endswith("process(es) 1 run another config, other flags or see another "
+                             "--workdir than process 0; expected the same command on every "
+                             "host but --process_id, and a workdir on a filesystem they share")
+    assert not (tmp_path / "flags").exists()
+    # A workdir that is not shared (two folders stand for one path on two disks): the
+    # other process does not see the config.json process 0 wrote.
+    (code0, line0), (code1, line1) = last_lines(two_processes((tmp_path / "a", tmp_path / "b")))
+    assert (code0, code1) == (2, 2)
+    assert line1.endswith("this process does not see the config.json process 0 wrote; "
+                          "expected a workdir on a filesystem every process shares")
+    assert line0.endswith("process(es) 1 stopped (their output says why); expected every "
+                          "process to go on")
+    assert os.listdir(tmp_path / "a") == ["config.json"] and not (tmp_path / "b").exists()

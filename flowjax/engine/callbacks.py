@@ -140,18 +140,12 @@ class Checkpoints(Callback):
                 simulation.client_states.load_state_dict(rows, latest)
                 error = None
             except ValueError as raised:
-                error = raised
+                error = ValueError(f"checkpoint {checkpointer.directory}/{latest}: {raised}; "
+                                   f"use another --workdir or --overwrite")
             # Each process restores its own files: one that cannot must stop the others
             # here, not leave them waiting for it in the first round's collectives.
-            failed = distributed.failed_processes(error is not None)
-            if error is not None:
-                raise ValueError(f"checkpoint {checkpointer.directory}/{latest}: {error}; "
-                                 f"use another --workdir or --overwrite") from None
-            if failed:
-                raise ValueError(f"checkpoint {checkpointer.directory}/{latest}: process(es) "
-                                 f"{', '.join(map(str, failed))} could not restore their "
-                                 f"client states (their output says why); expected every "
-                                 f"process to restore them")
+            distributed.stop_together(
+                error, f"checkpoint {checkpointer.directory}/{latest}: client states")
         run.state, run.rounds_done, run.history = state, latest, list(meta["history"])
         run.summaries = {name: EvalSummary(**s) for name, s in meta.get("summaries", {}).items()}
         run.last_checkpoint = run.resumed_from = latest
