@@ -15,9 +15,12 @@ Launch (one command per host; see the README):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import signal
+import threading
 import uuid
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import jax
 import numpy as np
@@ -25,6 +28,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 PyTree = Any
+T = TypeVar("T")
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
@@ -119,3 +123,58 @@ def stop_together(error: Exception | None, where: str, same: bytes = b"") -> Non
                          f"config, other flags or see another --workdir than process 0; "
                          f"expected the same command on every host but --process_id, and "
                          f"a workdir on a filesystem they share")
+
+
+def on_every_process(where: str, write: Callable[[], T]) -> T:
+    """``write()``, a step each process takes on its own files (its client states); an
+    ``OSError`` there (a full disk, an I/O error) stops every process in one line, not
+    only the one that raised while the others wait for it in the next collective.
+    A collective in a multi-host run: every process calls it at the same point."""
+    result, error = None, None
+    try:
+        result = write()
+    except OSError as raised:
+        error = raised
+    stop_together(error, where)
+    return result
+
+
+# Ctrl-C, and the SIGTERM a scheduler sends (to every host of a job, or to one).
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def signals_agreed() -> Iterator[Callable[[], None]]:
+    """Within the block a multi-host run's processes stop on a signal together.
+
+    A process that raised at its signal would leave the others waiting for it in the
+    next collective (or inside a checkpoint's barriers) until a timeout; so in a
+    multi-process run Ctrl-C and SIGTERM are recorded here instead, and the ``check()``
+    this yields, called by every process at the same points, raises the first signal's
+    exception (through the handler it had) on every process once any of them got one.
+    In a single-process run, or off the main thread, signals act as before and
+    ``check()`` does nothing.
+    """
+    if not multiprocess() or threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    received: list[int] = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: received.append(signum))
+                for signum in _STOP_SIGNALS}
+
+    def restore() -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    def check() -> None:
+        signals = gathered([received[0] if received else 0])[:, 0]
+        if signals.any():
+            restore()
+            signal.raise_signal(int(signals[np.flatnonzero(signals)[0]]))
+
+    try:
+        yield check
+    finally:
+        restore()
+        if received:  # after the last check: delivered as it would have been
+            signal.raise_signal(received[0])

@@ -10,6 +10,9 @@ fault is injected here, from the test side; production code has no hook for it.
   python tests/crashing_train.py saved:4 <flags>
       SIGKILL once checkpoint 4 is complete on disk, before anything else runs (a
       disk-backed client-state store has not yet started that checkpoint's undo log)
+  python tests/crashing_train.py disk_full:2 <flags>
+      no crash: the disk-backed client-state store's sync for the second checkpoint
+      raises ENOSPC, as a full disk makes it
 """
 
 import os
@@ -57,9 +60,21 @@ def inject(fault: str) -> None:
                 crash(signum)
 
         Checkpointer.save = crashing_complete_save
+    elif point == "disk_full":
+        import errno
+        from flowjax.core.client_state_disk import DiskClientStateStore
+        sync, calls = DiskClientStateStore._sync, []
+
+        def full_sync(self):
+            calls.append(None)
+            if len(calls) == index:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.directory)
+            sync(self)
+
+        DiskClientStateStore._sync = full_sync
     else:
-        raise ValueError(f"fault {fault!r}: expected round:N, checkpoint:N[:SIGNAL] or "
-                         f"saved:N")
+        raise ValueError(f"fault {fault!r}: expected round:N, checkpoint:N[:SIGNAL], "
+                         f"saved:N or disk_full:N")
 
 
 if __name__ == "__main__":

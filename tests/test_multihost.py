@@ -99,11 +99,12 @@ DITTO_ON_DISK = ["--config=configs/synthetic.py:quick", "--config.data.num_clien
 
 def two_processes(workdir, fault=None, extra=((), ())):
     """``(returncode, stderr)`` of each process of a two-process run of ``DITTO_ON_DISK``;
-    ``workdir`` may be one per process, ``extra`` their own flags."""
+    ``workdir`` and ``fault`` may be one per process, ``extra`` are their own flags."""
     address = f"localhost:{free_port()}"
     workdirs = workdir if isinstance(workdir, tuple) else (workdir, workdir)
+    faults = fault if isinstance(fault, tuple) else (fault, fault)
     hosts = [train(workdirs[i], f"--coordinator_address={address}", "--num_processes=2",
-                   f"--process_id={i}", *extra[i], flags=DITTO_ON_DISK, fault=fault)
+                   f"--process_id={i}", *extra[i], flags=DITTO_ON_DISK, fault=faults[i])
              for i in range(2)]
     done = [(p, *p.communicate(timeout=600)) for p in hosts]
     return [(p.returncode, err) for p, _, err in done]
@@ -157,3 +158,40 @@ def test_processes_that_disagree_stop_together_in_one_line_before_writing(tmp_pa
     assert line0.endswith("process(es) 1 stopped (their output says why); expected every "
                           "process to go on")
     assert os.listdir(tmp_path / "a") == ["config.json"] and not (tmp_path / "b").exists()
+
+
+@pytest.mark.slow  # stop_together itself runs in CI through the two tests above
+def test_a_full_disk_on_one_process_stops_every_process_in_one_line(tmp_path):
+    # Process 1's client-state files cannot be synced for checkpoint 2 (ENOSPC): both
+    # stop there, before that checkpoint is written, and resume from checkpoint 1.
+    (code0, line0), (code1, line1) = last_lines(
+        two_processes(tmp_path, fault=(None, "disk_full:2")))
+    assert (code0, code1) == (2, 2)
+    assert "No space left on device" in line1
+    assert line0.endswith("checkpoints/2: client states: process(es) 1 stopped (their "
+                          "output says why); expected every process to go on")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]
+    for code, err in two_processes(tmp_path):
+        assert code == 0, err[-3000:]
+    assert json.loads((tmp_path / "run.json").read_text())["resumed_from_round"] == 1
+
+
+@pytest.mark.slow
+def test_a_signal_stops_every_process_at_the_same_round_and_resumes_exactly(tmp_path):
+    # A scheduler's SIGTERM reaching process 0 while it writes checkpoint 2 (held until
+    # written) and process 1 after round 3 began: both stop after checkpoint 2, neither
+    # waits for the other in orbax's barriers, and the same command resumes exactly.
+    results = two_processes(tmp_path / "term",
+                            fault=("checkpoint:2:SIGTERM", "round:3:SIGTERM"))
+    assert [code for code, _ in results] == [143, 143], [e[-2000:] for _, e in results]
+    assert sorted(os.listdir(tmp_path / "term" / "checkpoints")) == ["1", "2"]
+    # Ctrl-C on one host only: the other stops with it.
+    results = two_processes(tmp_path / "int", fault=(None, "round:3:SIGINT"))
+    assert [code for code, _ in results] == [130, 130], [e[-2000:] for _, e in results]
+    for workdir in ("term", "int", "clean"):
+        for code, err in two_processes(tmp_path / workdir):
+            assert code == 0, err[-3000:]
+    for name in ("results.json", "metrics.jsonl"):
+        for workdir in ("term", "int"):
+            assert ((tmp_path / workdir / name).read_bytes()
+                    == (tmp_path / "clean" / name).read_bytes()), (workdir, name)

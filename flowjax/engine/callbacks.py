@@ -160,13 +160,15 @@ class Checkpoints(Callback):
         if not self.syncs_at(done, run.last):
             return
         client_states = run.simulation.client_states
-        rows = client_states.state_dict() if client_states is not None else None
+        where = f"checkpoint {self._checkpointer.directory}/{done}: client states"
+        rows = (distributed.on_every_process(where, client_states.state_dict)
+                if client_states is not None else None)
         meta = {"rounds_done": done, "history": run.history, "fingerprint": self.fingerprint,
                 "summaries": {n: s.to_dict() for n, s in run.summaries.items()},
                 "wall_time_s": run.wall_time_s()}
         self._checkpointer.save(done, run.state, rows, json.loads(json.dumps(meta)))
         if client_states is not None:
-            client_states.committed(done)
+            distributed.on_every_process(where, lambda: client_states.committed(done))
         run.last_checkpoint = done
 
     def on_run_end(self, run: RunState) -> None:

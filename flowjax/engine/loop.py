@@ -85,30 +85,37 @@ def run(simulation: Simulation, callbacks: Sequence[Callback] = ()) -> RunResult
         for round_index, device_metrics in fetched:
             emit({"round": round_index + 1, "kind": "train", **finalize_metrics(device_metrics)})
 
-    try:
-        for callback in callbacks:
-            callback.on_run_start(run_state)
-        for round_index in range(run_state.rounds_done, settings.num_rounds):
-            run_state.state, metrics = simulation.run_round(run_state.state, round_index)
-            pending.append((round_index, metrics))
-            done = run_state.rounds_done = round_index + 1
-            last = run_state.last
-            evaluates = last or bool(settings.eval_every and done % settings.eval_every == 0)
-            # An evaluation syncs anyway; flushing before it keeps the records in round
-            # order (train before eval) whatever log_every and the checkpoints' rounds are,
-            # so those settings change no output and may change at a resume.
-            if (evaluates or len(pending) >= settings.log_every
-                    or any(c.syncs_at(done, last) for c in callbacks)):
-                flush()
-            if evaluates:
-                run_state.summaries = simulation.evaluate(run_state.state.params, done)
-                for name, summary in run_state.summaries.items():
-                    emit({"round": done, "kind": "eval", "population": name, **summary.to_dict()})
+    # Multi-host: a signal stops every process at the same synced round (after its
+    # checkpoint), not one process while the others wait for it in a collective.
+    with distributed.signals_agreed() as stop_if_signalled:
+        try:
             for callback in callbacks:
-                callback.on_round_end(run_state)
-    finally:
-        for callback in callbacks:
-            callback.on_run_end(run_state)
+                callback.on_run_start(run_state)
+            for round_index in range(run_state.rounds_done, settings.num_rounds):
+                run_state.state, metrics = simulation.run_round(run_state.state, round_index)
+                pending.append((round_index, metrics))
+                done = run_state.rounds_done = round_index + 1
+                last = run_state.last
+                evaluates = last or bool(settings.eval_every and done % settings.eval_every == 0)
+                # An evaluation syncs anyway; flushing before it keeps the records in
+                # round order (train before eval) whatever log_every and the checkpoints'
+                # rounds are, so those settings change no output and may change at a resume.
+                synced = (evaluates or len(pending) >= settings.log_every
+                          or any(c.syncs_at(done, last) for c in callbacks))
+                if synced:
+                    flush()
+                if evaluates:
+                    run_state.summaries = simulation.evaluate(run_state.state.params, done)
+                    for name, summary in run_state.summaries.items():
+                        emit({"round": done, "kind": "eval", "population": name,
+                              **summary.to_dict()})
+                for callback in callbacks:
+                    callback.on_round_end(run_state)
+                if synced:
+                    stop_if_signalled()
+        finally:
+            for callback in callbacks:
+                callback.on_run_end(run_state)
     return RunResult(summaries=run_state.summaries, history=run_state.history,
                      final_state=run_state.state, resumed_from=run_state.resumed_from,
                      earlier_wall_time_s=run_state.earlier_wall_time_s)

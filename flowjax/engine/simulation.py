@@ -190,7 +190,13 @@ class Simulation:
         state, metrics, new_states = self._round_fn(
             state, cohort, np.int32(round_index), states, self.seed_words)
         if self.client_states is not None:
-            self.client_states.scatter(client_ids, distributed.fetch(new_states))
+            new_states = distributed.fetch(new_states)
+            store = lambda: self.client_states.scatter(client_ids, new_states)  # noqa: E731
+            if self.client_state_dir is None:  # host memory: no file to fail
+                store()
+            else:
+                distributed.on_every_process(f"round {round_index + 1}: client states in "
+                                             f"{self.client_state_dir}", store)
         return state, metrics
 
     def _client_states_for(self, client_ids: np.ndarray, population: str = "train_clients"):
