@@ -95,13 +95,6 @@ def gathered(words: Sequence[int]) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(row[0])).reshape(jax.process_count(), -1)
 
 
-def failed_processes(failed: bool) -> list[int]:
-    """The indices of the processes that passed ``failed=True`` (every process calls
-    this at the same point), so that all of them stop where one cannot go on, instead of
-    the others waiting for it in the next collective until a timeout."""
-    return [int(i) for i in np.flatnonzero(gathered([failed])[:, 0])]
-
-
 def stop_together(error: Exception | None, where: str, same: bytes = b"") -> None:
     """Raises ``error`` on its process and a one-line error on every other one, if any
     process has an error or a ``same`` other than process 0's (what must agree across
@@ -159,8 +152,11 @@ def signals_agreed() -> Iterator[Callable[[], None]]:
         yield lambda: None
         return
     received: list[int] = []
-    previous = {signum: signal.signal(signum, lambda signum, frame: received.append(signum))
-                for signum in _STOP_SIGNALS}
+    # A signal this process ignores (SIG_IGN: started in the background) stays ignored.
+    previous = {signum: signal.getsignal(signum) for signum in _STOP_SIGNALS
+                if signal.getsignal(signum) is not signal.SIG_IGN}
+    for signum in previous:
+        signal.signal(signum, lambda signum, frame: received.append(signum))
 
     def restore() -> None:
         for signum, handler in previous.items():
@@ -169,12 +165,20 @@ def signals_agreed() -> Iterator[Callable[[], None]]:
     def check() -> None:
         signals = gathered([received[0] if received else 0])[:, 0]
         if signals.any():
+            signum = int(signals[np.flatnonzero(signals)[0]])
+            received.clear()
             restore()
-            signal.raise_signal(int(signals[np.flatnonzero(signals)[0]]))
+            handler = previous.get(signum)
+            if callable(handler):  # Ctrl-C's KeyboardInterrupt, the launchers' SIGTERM
+                handler(signum, None)
+            # Ignored or default here: stop anyway, as every other process does.
+            raise KeyboardInterrupt
 
     try:
         yield check
-    finally:
+    except BaseException:
         restore()
-        if received:  # after the last check: delivered as it would have been
-            signal.raise_signal(received[0])
+        raise
+    restore()
+    if received:  # after the last check: delivered as it would have been
+        signal.raise_signal(received[0])

@@ -99,7 +99,7 @@ def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> 
     finished, error = False, None
     try:
         finished = _checked_workdir(workdir, resolved, overwrite)
-    except ValueError as raised:
+    except (ValueError, OSError) as raised:
         error = raised
     distributed.stop_together(error, where, json.dumps(
         [resolved, overwrite, finished], sort_keys=True, default=str).encode())
@@ -116,8 +116,11 @@ def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> 
                                "expected a directory you can write")
     distributed.stop_together(error, where)
     if not distributed.is_primary():
-        written = run_folder.read_config(workdir, "expected the config.json process 0 wrote")
-        if written != json.loads(json.dumps(resolved)):
+        try:
+            written = run_folder.read_config(workdir, "expected the config.json process 0 wrote")
+        except (ValueError, OSError) as raised:
+            written, error = None, raised
+        if error is None and written != json.loads(json.dumps(resolved)):
             error = ValueError(f"{where}: this process does not see the config.json process 0 "
                                f"wrote; expected a workdir on a filesystem every process shares")
     distributed.stop_together(error, where)
@@ -180,17 +183,17 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
       DivergenceError: training went non-finite (``on_divergence='stop'``);
         the message names the round's bad inputs or labels first, if any.
     """
-    check_workdir(workdir)
-    run = run_config.resolve(config)
-    resolved = resolved_config(config)
-    # Created before the workdir is touched, so a missing tensorboardX fails first, on
-    # every process (only process 0 writes the log).
+    # Checked on every process before the workdir is touched (a missing tensorboardX or
+    # dataset on one host stops them all); only process 0 writes the TensorBoard log.
     primary, tensorboard, error = distributed.is_primary(), None, None
     try:
+        check_workdir(workdir)
+        run = run_config.resolve(config)
+        resolved = resolved_config(config)
         tensorboard = TensorBoardLog(workdir) if config.get("tensorboard", False) else None
-    except ImportError as raised:
+    except (ValueError, KeyError, ImportError, OSError) as raised:
         error = raised
-    distributed.stop_together(error, "config.tensorboard")
+    distributed.stop_together(error, f"--config for --workdir={workdir}")
     tensorboard = tensorboard if primary else None
     if prepare_workdir(workdir, resolved, overwrite):
         # Running it again would replace metrics.jsonl from round 0 (without checkpoints

@@ -179,10 +179,11 @@ def test_a_full_disk_on_one_process_stops_every_process_in_one_line(tmp_path):
 @pytest.mark.slow
 def test_a_signal_stops_every_process_at_the_same_round_and_resumes_exactly(tmp_path):
     # A scheduler's SIGTERM reaching process 0 while it writes checkpoint 2 (held until
-    # written) and process 1 after round 3 began: both stop after checkpoint 2, neither
-    # waits for the other in orbax's barriers, and the same command resumes exactly.
+    # written) and process 1 before it (once round 2 is dispatched): both stop after
+    # checkpoint 2, neither waits for the other in orbax's barriers, and the same
+    # command resumes exactly.
     results = two_processes(tmp_path / "term",
-                            fault=("checkpoint:2:SIGTERM", "round:3:SIGTERM"))
+                            fault=("checkpoint:2:SIGTERM", "round:2:SIGTERM"))
     assert [code for code, _ in results] == [143, 143], [e[-2000:] for _, e in results]
     assert sorted(os.listdir(tmp_path / "term" / "checkpoints")) == ["1", "2"]
     # Ctrl-C on one host only: the other stops with it.

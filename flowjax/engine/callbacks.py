@@ -142,6 +142,8 @@ class Checkpoints(Callback):
             except ValueError as raised:
                 error = ValueError(f"checkpoint {checkpointer.directory}/{latest}: {raised}; "
                                    f"use another --workdir or --overwrite")
+            except OSError as raised:  # restoring writes and syncs the files
+                error = raised
             # Each process restores its own files: one that cannot must stop the others
             # here, not leave them waiting for it in the first round's collectives.
             distributed.stop_together(

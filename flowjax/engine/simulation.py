@@ -149,8 +149,10 @@ class Simulation:
             template = jax.device_get(self.algorithm.init_client_state(params))
             self.client_states = (
                 ClientStateStore(template) if self.client_state_dir is None
-                else DiskClientStateStore(template, self.client_state_dir,
-                                          chain_token=distributed.shared_token()))
+                else distributed.on_every_process(
+                    f"client states in {self.client_state_dir}",
+                    lambda: DiskClientStateStore(template, self.client_state_dir,
+                                                 chain_token=distributed.shared_token())))
         state = ServerState(params=params, opt_state=self.server_optimizer.init(params))
         if self.mapping.num_devices > 1:
             # Replicated where the round leaves it, so round 2 does not compile the round
