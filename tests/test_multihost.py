@@ -110,6 +110,7 @@ def two_processes(workdir, fault=None, extra=((), ())):
     return [(p.returncode, err) for p, _, err in done]
 
 
+@pytest.mark.slow  # 46 s of CI; the token itself: test_client_state_disk.py, in CI
 def test_a_killed_two_process_run_resumes_its_client_states_on_disk_exactly(tmp_path):
     # Killed after round 3 overwrote rows checkpointed at round 2: each process writes
     # them back from its own undo log, under the token of process 0's checkpoint.
@@ -160,7 +161,7 @@ def test_processes_that_disagree_stop_together_in_one_line_before_writing(tmp_pa
     assert os.listdir(tmp_path / "a") == ["config.json"] and not (tmp_path / "b").exists()
 
 
-@pytest.mark.slow  # stop_together itself runs in CI through the two tests above
+@pytest.mark.slow  # stop_together itself runs in CI through the test above
 def test_a_full_disk_on_one_process_stops_every_process_in_one_line(tmp_path):
     # Process 1's client-state files cannot be synced for checkpoint 2 (ENOSPC): both
     # stop there, before that checkpoint is written, and resume from checkpoint 1.
