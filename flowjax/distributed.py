@@ -71,12 +71,6 @@ def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
     return jax.device_put(fetch(tree), NamedSharding(mesh, PartitionSpec()))
 
 
-def barrier(name: str) -> None:
-    """Waits for every process (no-op in a single-process run)."""
-    if multiprocess():
-        multihost_utils.sync_global_devices(name)
-
-
 def shared_token() -> bytes:
     """16 random bytes, the same in every process (process 0's, broadcast): a name for
     something all processes start together, such as a chain of client-state files."""
