@@ -670,7 +670,8 @@ def run_convert(case: ConvertCase, folder: Any) -> subprocess.CompletedProcess:
 _TINY = ("--config.data.plays=('macbeth',)", "--config.num_rounds=2",
          "--config.clients_per_round=3", "--config.data.max_train_examples=4",
          "--config.data.max_test_examples=4", "--config.eval.clients=4",
-         "--config.eval.held_out=False", "--config.methods.flow.policy_hidden=(8,8,8,8)")
+         "--config.eval.chunk=4", "--config.eval.held_out=False",
+         "--config.methods.flow.policy_hidden=(8,8,8,8)")
 _TRAIN_WHERE = "command line (`launch/train.py`)"
 _COMPARE = ("launch/compare.py", "--config=configs/shakespeare.py:quick")
 _COMPARE_WHERE = "command line (`launch/compare.py`)"

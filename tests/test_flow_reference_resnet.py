@@ -225,6 +225,11 @@ def test_padded_examples_and_steps_change_no_result(algorithm, params, client, u
         np.testing.assert_array_equal(a, b)
 
 
+# About 75 s of CI's 2 cores (a client update and an evaluation's training of their network
+# at XLA's optimization level 0), so with -m slow, beside this network's parity
+# (test_parity's CIFAR) and padding checks. CI keeps its init, routes, plan and layers; the
+# phases' steps are flow_reference's, which test_flow_reference and test_conformance run.
+@pytest.mark.slow
 def test_client_update_trains_what_their_phases_train(algorithm, params, client, updated):
     """Every part moves; the weight is the client's number of examples; the evaluation's
     training leaves the global branch as the server sent it (their policy-only phase)."""

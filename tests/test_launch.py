@@ -11,7 +11,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config.data.plays=('macbeth',)", "--config.num_rounds=2", "--config.clients_per_round=3",
         "--config.data.max_train_examples=4", "--config.data.max_test_examples=4",
-        "--config.eval.clients=4", "--config.eval.held_out=False",
+        "--config.eval.clients=4", "--config.eval.chunk=4", "--config.eval.held_out=False",
         "--config.methods.flow.policy_hidden=(8,8,8,8)"]
 # The launchers' own behaviour (files, table, resume) does not depend on the dataset: these
 # tests run them on the synthetic MLP task, whose programs compile in a fraction of the
