@@ -325,6 +325,8 @@ def test_run_twice_tells_a_reproducible_round_from_one_that_is_not():
     assert 0 < noisy["max_abs_diff"] < 1e-4
 
 
+# -m slow (33 s: 19 interpreter starts): run it before a device call (README, "Speed").
+@pytest.mark.slow
 def test_every_step_of_the_device_script_parses_its_flags(tmp_path):
     """``launch/gpu_bench.sh`` gets one 15-minute device call: each of its launcher
     commands is run here with ``tests/flags_only_python.py`` as the Python, which parses

@@ -365,7 +365,9 @@ def test_a_capped_evaluation_draws_among_clients_with_test_examples():
             simulation.evaluate(simulation.init_state().params, 0)
 
 
-@pytest.mark.parametrize("algorithm", ["flow", "fedavg"])
+# Flow's two routed programs take 24 s of CI's 2 cores to compile: -m slow. The loop is
+# local_training's, the same for every method (test_core checks its steps one by one).
+@pytest.mark.parametrize("algorithm", [pytest.param("flow", marks=pytest.mark.slow), "fedavg"])
 def test_steps_per_loop_trains_the_same_model(algorithm):
     """``config.sgd.steps_per_loop`` changes how the local steps run (3 per loop iteration,
     past a client's count dropped), not what they compute: the same server params and

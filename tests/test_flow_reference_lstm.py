@@ -213,6 +213,9 @@ def test_padded_examples_change_no_result(model_name):
     assert done.stdout.strip() == "bit-identical"
 
 
+# 23 s of CI's 2 cores: -m slow; test_conformance checks vmap against the loop for the
+# authors' Flow on an MLP, and every other method, in CI.
+@pytest.mark.slow
 def test_vmapped_clients_match_the_per_client_loop(algorithm, shakespeare_small):
     """The engine maps clients with vmap: the same updates as one client at a time, to
     the float32 rounding of batched dots (the conformance tests' tolerance)."""
@@ -304,6 +307,10 @@ def test_stackoverflow_hard_routes_of_one_branch_are_that_branch(so_algorithm, s
     np.testing.assert_allclose(q0, 1.0 if towards == "global" else 0.0, rtol=0, atol=1e-12)
 
 
+# 40-70 s of CI's 2 cores (compiling their procedure's round and evaluation): -m slow. CI
+# keeps the snapshot's report through the engine (test_flow_reference, the authors' Flow
+# on an MLP) and this network's evaluation against their code (test_parity, Stack Overflow).
+@pytest.mark.slow
 def test_evaluation_reports_their_snapshot_beside_acc_g(tmp_path):
     """Through launch/train.py: a reference run on the Shakespeare LSTM writes Acc_g, the
     client snapshot's accuracy and the routes of its two layers."""

@@ -256,6 +256,9 @@ def _mixed_state_pass(model, x):
     return jax.jit(logits), jax.jit(jax.grad(loss, argnums=(0, 1, 2))), loss
 
 
+# -m slow (15 s): test_conv_impl's test_config_lstm_options_reach_flows_mixed_state_recurrence
+# checks in CI that the config's lstm_unroll reaches this recurrence.
+@pytest.mark.slow
 def test_mixed_state_takes_the_lstm_layers_unroll():
     """``lstm_unroll`` reaches the routed recurrence (the model's ``routed_recurrence``):
     the same logits and gradients to float32 rounding (XLA fuses the unrolled body

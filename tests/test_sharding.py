@@ -4,9 +4,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r'''
+import sys
 import jax, numpy as np
 from flowjax import config as run_config, experiment
 from flowjax.core.mapping import ClientMapping
@@ -14,7 +17,7 @@ from tests.helpers import small_synthetic_config
 
 assert jax.device_count() == 2, jax.devices()
 results = {}
-for algorithm in ("flow", "ditto"):
+for algorithm in sys.argv[1:]:
     for devices in (1, 2):
         # The synthetic MLP task (the clients axis is sharded the same whatever the model
         # is): its four programs compile in a fraction of the Shakespeare LSTM's time.
@@ -38,11 +41,13 @@ print("sharded == single device")
 '''
 
 
-def test_two_emulated_devices_match_one_device():
+# Flow's routed programs in CI; Ditto's client states (sharded rows) with -m slow (19 s).
+@pytest.mark.parametrize("algorithm", ["flow", pytest.param("ditto", marks=pytest.mark.slow)])
+def test_two_emulated_devices_match_one_device(algorithm):
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
                + " --xla_force_host_platform_device_count=2",
                PYTHONPATH=ROOT)
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=600)
+    done = subprocess.run([sys.executable, "-c", SCRIPT, algorithm], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "sharded == single device" in done.stdout
