@@ -242,22 +242,29 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
         raise explain_divergence(simulation, run, error) from None
     results = result.results_dict()
     results.update(algorithm=config.algorithm, dataset=task.name)
-    if not primary:
-        return results
-    run_folder.write_json_atomic(run_folder.path(workdir, run_folder.RESULTS), results)
     this_attempt = time.perf_counter() - start
     earlier = result.earlier_wall_time_s
     if earlier is None:
         warnings.append(f"resumed from round {result.resumed_from}'s checkpoint, which an "
                         f"older flowjax wrote without its time: wall_time_s counts only this "
                         f"attempt")
-    run_folder.write_json_atomic(run_folder.path(workdir, run_folder.RUN_INFO), {
-        # A resumed run's time is its attempts' time to the resumed checkpoint plus this
-        # attempt's (reproduce.py and compare.py sum it over cells and methods).
-        "wall_time_s": this_attempt + (earlier or 0.0),
-        "wall_time_s_this_attempt": this_attempt, "resumed_from_round": result.resumed_from,
-        "compilations": dict(simulation.trace_counts), "warnings": warnings,
-        "code": code_version()})
+
+    def write_results() -> None:
+        if not primary:  # the other hosts of a multi-host run write nothing
+            return
+        run_folder.write_json_atomic(run_folder.path(workdir, run_folder.RESULTS), results)
+        run_folder.write_json_atomic(run_folder.path(workdir, run_folder.RUN_INFO), {
+            # A resumed run's time is its attempts' time to the resumed checkpoint plus
+            # this attempt's (reproduce.py and compare.py sum it over cells and methods).
+            "wall_time_s": this_attempt + (earlier or 0.0),
+            "wall_time_s_this_attempt": this_attempt,
+            "resumed_from_round": result.resumed_from,
+            "compilations": dict(simulation.trace_counts), "warnings": warnings,
+            "code": code_version()})
+
+    # Every process returns (a job's exit 0) only once process 0's results are on disk,
+    # and all fail in one line if it cannot write them (a full disk).
+    distributed.on_every_process(f"results of --workdir={workdir}", write_results)
     return results
 
 

@@ -13,6 +13,8 @@ fault is injected here, from the test side; production code has no hook for it.
   python tests/crashing_train.py disk_full:2 <flags>
       no crash: the disk-backed client-state store's sync for the second checkpoint
       raises ENOSPC, as a full disk makes it
+  python tests/crashing_train.py results_full:1 <flags>
+      no crash: the first write of results.json raises ENOSPC
 """
 
 import os
@@ -72,9 +74,22 @@ def inject(fault: str) -> None:
             sync(self)
 
         DiskClientStateStore._sync = full_sync
+    elif point == "results_full":
+        import errno
+        from flowjax import run_folder
+        write, calls = run_folder.write_json_atomic, []
+
+        def full_write(file, payload):
+            if os.path.basename(file) == run_folder.RESULTS:
+                calls.append(None)
+                if len(calls) == index:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), file)
+            write(file, payload)
+
+        run_folder.write_json_atomic = full_write
     else:
         raise ValueError(f"fault {fault!r}: expected round:N, checkpoint:N[:SIGNAL], "
-                         f"saved:N or disk_full:N")
+                         f"saved:N, disk_full:N or results_full:N")
 
 
 if __name__ == "__main__":

@@ -332,3 +332,87 @@ def test_a_checkpoint_orbax_skips_is_an_error_not_a_commit(tmp_path):
         checkpointer.save(1, {"w": np.ones(2)}, None, {"round": 1})
     checkpointer.close()
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
+
+
+def test_new_rows_get_their_disk_blocks_before_they_are_written(tmp_path, monkeypatch):
+    """Each round's new rows are reserved (posix_fallocate, exactly their bytes in each
+    leaf's file) before any is written: on a full disk the reservation raises ENOSPC and
+    no row changes, where a write through the map into a sparse hole would be SIGBUS."""
+    import errno
+    reserved, full = [], []
+    fallocate = os.posix_fallocate
+
+    def recording_fallocate(descriptor, offset, length):
+        reserved.append((os.path.basename(os.readlink(f"/proc/self/fd/{descriptor}")),
+                         offset, length))
+        if full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fallocate(descriptor, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", recording_fallocate)
+    store = DiskClientStateStore(TEMPLATE, str(tmp_path))
+    rng = np.random.default_rng(0)
+    store.scatter(np.array([7, -1, 3]), states(rng, 3))
+    sizes = [leaf.nbytes for leaf in jax.tree.leaves(TEMPLATE)]  # rows of h, step, w
+    files = [os.path.basename(leaf_file(str(tmp_path), i)) for i in range(3)]
+    assert reserved == [(f, 0, 2 * size) for f, size in zip(files, sizes)]
+    reserved.clear()
+    # A known client and two new ones: rows 2 and 3 only.
+    store.scatter(np.array([3, 11, 12]), states(rng, 3))
+    assert reserved == [(f, 2 * size, 2 * size) for f, size in zip(files, sizes)]
+    before = all_rows(store)
+    reserved.clear()
+    full.append(True)
+    with pytest.raises(OSError, match="No space left on device"):
+        store.scatter(np.array([3, 20]), states(rng, 2))  # 3 is known, 20 new
+    assert len(reserved) == 1  # the first leaf's reservation failed, nothing was written
+    assert_rows_equal(all_rows(store), before)
+    full.clear()
+    # A checkpoint's rows restored into the files are reserved as well.
+    memory = ClientStateStore(TEMPLATE)
+    memory.scatter(np.array([5, 6]), states(rng, 2))
+    reserved.clear()
+    DiskClientStateStore(TEMPLATE, str(tmp_path / "restored")).load_state_dict(
+        memory.state_dict(), 1)
+    assert [(offset, length) for _, offset, length in reserved] == [(0, 2 * s) for s in sizes]
+
+
+_FULL_DISK_CHILD = """
+import errno, sys
+import numpy as np
+from flowjax.core.client_state_disk import DiskClientStateStore
+store = DiskClientStateStore({"w": np.zeros(4096, np.float32)}, sys.argv[1])  # 16 KiB rows
+written = []
+try:
+    for client in range(64):  # 1 MiB of rows on a 256 KiB disk
+        store.scatter(np.array([client]), {"w": np.full((1, 4096), client, np.float32)})
+        written.append(client)
+except OSError as error:
+    assert error.errno == errno.ENOSPC, error
+    rows = store.gather(np.array(written))["w"]
+    assert all((rows[i] == c).all() for i, c in enumerate(written)), "a row changed"
+    print(f"ENOSPC after {len(written)} rows, every row intact")
+"""
+
+
+def test_a_full_disk_is_an_error_not_sigbus(tmp_path):
+    """On a real full filesystem (a 256 KiB tmpfs in a private mount namespace): the
+    store raises ENOSPC with its rows intact; it wrote through its maps into the sparse
+    files' holes before, and the kernel killed the process with SIGBUS."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    mount = tmp_path / "small"
+    mount.mkdir()
+    script = (f'mount -t tmpfs -o size=256k tmpfs "{mount}" || exit 77; '
+              f'exec "{sys.executable}" -c \'{_FULL_DISK_CHILD}\' "{mount}/states"')
+    try:
+        done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                               script], capture_output=True, text=True, cwd=root,
+                              env=dict(os.environ, PYTHONPATH=root), timeout=120)
+    except FileNotFoundError:
+        pytest.skip("no unshare(1) to mount a small filesystem")
+    if done.returncode == 77 or "unshare:" in done.stderr:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {done.stderr.strip()}")
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.startswith("ENOSPC after ") and "every row intact" in done.stdout

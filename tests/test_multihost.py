@@ -178,6 +178,26 @@ def test_a_full_disk_on_one_process_stops_every_process_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
+def test_every_process_waits_for_process_0s_results_and_fails_with_it(tmp_path):
+    # Process 0 cannot write results.json (ENOSPC) after the last round: process 1, which
+    # once exited 0 before process 0 wrote anything, stops with it; the same command then
+    # writes the results from the last checkpoint, the clean run's bytes.
+    (code0, line0), (code1, line1) = last_lines(
+        two_processes(tmp_path / "full", fault=("results_full:1", None)))
+    assert (code0, code1) == (2, 2)
+    assert "No space left on device" in line0
+    assert line1.endswith("results of --workdir=" + str(tmp_path / "full") + ": process(es) 0 "
+                          "stopped (their output says why); expected every process to go on")
+    assert not (tmp_path / "full" / "results.json").exists()
+    for workdir in ("full", "clean"):
+        for code, err in two_processes(tmp_path / workdir):
+            assert code == 0, err[-3000:]
+    assert ((tmp_path / "full" / "results.json").read_bytes()
+            == (tmp_path / "clean" / "results.json").read_bytes())
+    assert json.loads((tmp_path / "full" / "run.json").read_text())["resumed_from_round"] == 4
+
+
+@pytest.mark.slow
 def test_a_signal_stops_every_process_at_the_same_round_and_resumes_exactly(tmp_path):
     # A scheduler's SIGTERM reaching process 0 while it writes checkpoint 2 (held until
     # written) and process 1 before it (once round 2 is dispatched): both stop after

@@ -5,7 +5,9 @@ for APFL, ``client_state.memory_forecast``). Each leaf of the state is one file 
 rows, ``leaf_NNNNN.rows`` (raw bytes, row-major, the template's dtype), mapped with
 ``np.memmap``; the operating system pages rows in and out, so host memory holds the
 rows a round touches, not all of them. Files grow by doubling as sparse files: growing
-reads and zero-fills nothing.
+reads and zero-fills nothing. The blocks of the rows a round adds are reserved
+(``posix_fallocate``) before they are written, so a full disk raises ``OSError`` with no
+row changed, not SIGBUS at a write through the map.
 
 A checkpoint cannot copy hundreds of GiB every few rounds, so it holds only the stored
 clients' ids; the rows stay in the files, which the next rounds keep overwriting. To
@@ -40,6 +42,7 @@ overwritten: records are checksummed and reading stops at the first bad one.
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import uuid
@@ -59,6 +62,8 @@ _HEADER = struct.Struct("<8s16sqq")
 UNDO_HEADER_BYTES = _HEADER.size
 # Each record: row index, CRC-32 of index and bytes, padding; then the row's bytes.
 _RECORD = struct.Struct("<qII")
+# posix_fallocate's errors of a filesystem that cannot reserve blocks (not a full one).
+_NOT_SUPPORTED = {errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS}
 
 
 def leaf_file(directory: str, index: int) -> str:
@@ -136,15 +141,44 @@ class DiskClientStateStore(ClientStateStore):
                 fsync_path(leaf_file(self.directory, index))
         fsync_path(self.directory)  # the files' entries: a first checkpoint's rows exist
 
+    def _reserve(self, start: int, stop: int) -> None:
+        """Disk blocks for rows ``start..stop-1`` before any is written.
+
+        A full disk then raises ``OSError`` (ENOSPC) here, with no row changed, instead
+        of killing the process with SIGBUS at the first write through the map into a
+        sparse file's hole. Filesystems without ``fallocate`` (glibc then writes a byte
+        per block) or where Python lacks it keep the sparse behaviour.
+        """
+        if stop <= start or not hasattr(os, "posix_fallocate"):
+            return
+        for index, size in enumerate(self._row_bytes):
+            if not size:
+                continue
+            descriptor = os.open(leaf_file(self.directory, index), os.O_RDWR)
+            try:
+                os.posix_fallocate(descriptor, start * size, (stop - start) * size)
+            except OSError as error:
+                if error.errno not in _NOT_SUPPORTED:
+                    raise
+            finally:
+                os.close(descriptor)
+
     # ------------------------------------------------------------------ rows
     def scatter(self, client_ids: Sequence[int], states: PyTree) -> None:
         """As ``ClientStateStore.scatter``; a row the last checkpoint holds is first
-        copied to the undo log (durably) if this is its first overwrite since."""
+        copied to the undo log (durably) if this is its first overwrite since.
+
+        Raises:
+          OSError: the disk has no room for the new clients' rows (nothing written).
+        """
         if self._base is None:  # starts over: a new chain, whatever the files held
             self._token = self._chain_token
             self._start_log(-1)
         else:
             self._log_first_overwrites(np.asarray(client_ids))
+        new = len({int(c) for c in np.asarray(client_ids) if c >= 0} - self._rows.keys())
+        self._grow(len(self._rows) + new)
+        self._reserve(len(self._rows), len(self._rows) + new)
         super().scatter(client_ids, states)
 
     def _log_first_overwrites(self, client_ids: np.ndarray) -> None:
@@ -200,8 +234,9 @@ class DiskClientStateStore(ClientStateStore):
         if saved["leaves"] or not self._leaves:
             ids, arrays = self._checked_rows(saved)
             self._token = self._chain_token  # rows from a checkpoint: a new chain
-            self._rows = {int(c): r for r, c in enumerate(ids)}
             self._grow(len(ids))
+            self._reserve(0, len(ids))
+            self._rows = {int(c): r for r, c in enumerate(ids)}
             for array, rows in zip(self._arrays, arrays):
                 array[: len(ids)] = rows
             self._sync()
