@@ -229,6 +229,9 @@ def test_pi_flow_routes_between_two_global_copies(mlp, images_small):
         np.testing.assert_array_equal(a, b)
 
 
+# -m slow (19 s): test_routing checks the fused routed model's logits and every gradient
+# in CI; this one a whole client update and its predictions.
+@pytest.mark.slow
 def test_fused_branches_train_and_predict_the_same_model_to_float32_rounding(cnn, images_small):
     """``fuse_branches``: Flow's routed steps and predictions run the CNN's convolutions
     for both branches at once; one client update (a routed policy and global step after a

@@ -117,6 +117,9 @@ print("one cluster == FedAvg")
 """
 
 
+# -m slow (34 s of CI's 2 cores, a default build's compiles). CI keeps HypCluster's warm-up
+# equal to FedAvg's rounds (test_schema) and its choice and training of a cluster here.
+@pytest.mark.slow
 def test_one_cluster_is_fedavg_exactly_through_the_engine():
     """HypCluster with k = 1 trains and predicts exactly as FedAvg, and after its warm-up
     continues FedAvg's rounds rather than replaying them: two different programs
