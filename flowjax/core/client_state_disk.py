@@ -146,8 +146,9 @@ class DiskClientStateStore(ClientStateStore):
 
         A full disk then raises ``OSError`` (ENOSPC) here, with no row changed, instead
         of killing the process with SIGBUS at the first write through the map into a
-        sparse file's hole. Filesystems without ``fallocate`` (glibc then writes a byte
-        per block) or where Python lacks it keep the sparse behaviour.
+        sparse file's hole. Where a filesystem lacks ``fallocate``, glibc emulates it by
+        writing a byte per block; where the call fails as unsupported (EOPNOTSUPP,
+        EINVAL, ENOSYS), or Python lacks it, the files stay sparse as before.
         """
         if stop <= start or not hasattr(os, "posix_fallocate"):
             return
