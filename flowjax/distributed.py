@@ -52,6 +52,41 @@ def multiprocess() -> bool:
     return jax.process_count() > 1
 
 
+class ProcessLost(RuntimeError):
+    """A step all processes take together failed: another process has stopped (killed,
+    out of memory, its host gone) or cannot be reached.
+
+    The launchers exit on it at once (``launch/cli.py``): JAX's exit handler would wait
+    in its shutdown barrier for the lost process until the heartbeat timeout (100 s) and
+    then abort with a C++ stack trace. The other live processes fail the same way at
+    their next collective, and the same command on every host resumes from the newest
+    checkpoint.
+    """
+
+
+# How the XLA runtime's errors begin (absl status codes) when a cross-process collective
+# fails: gloo's "Connection reset by peer" arrives as ``ValueError: UNKNOWN: ...``.
+_RUNTIME_STATUSES = ("UNKNOWN", "INTERNAL", "UNAVAILABLE", "ABORTED", "CANCELLED",
+                     "DEADLINE_EXCEEDED", "DATA_LOSS", "FAILED_PRECONDITION")
+
+
+def _together(collective: Callable[[], T]) -> T:
+    """``collective()``, a step every process takes at the same point; in a multi-process
+    run, its runtime failure is raised as ``ProcessLost`` (an error of ours, such as a bad
+    argument, is raised as it is)."""
+    try:
+        return collective()
+    except (ValueError, jax.errors.JaxRuntimeError) as error:
+        status = str(error).split(":", 1)[0].strip()
+        if not multiprocess() or status not in _RUNTIME_STATUSES:
+            raise
+        raise ProcessLost(
+            f"process {jax.process_index()}: a step all {jax.process_count()} processes take "
+            f"together failed ({' '.join(str(error).split())}); another process has stopped "
+            f"(its output or the scheduler's log says why): the same command on every host "
+            f"resumes from the newest checkpoint") from error
+
+
 def is_primary() -> bool:
     """Whether this process writes the run's files (process 0)."""
     return jax.process_index() == 0
@@ -63,7 +98,8 @@ def fetch(tree: PyTree) -> PyTree:
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
             return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
         return jax.device_get(leaf)
-    return jax.tree.map(one, tree)
+    # A round's cross-host collectives fail here too: the host waits for them in the fetch.
+    return _together(lambda: jax.tree.map(one, tree))
 
 
 def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
@@ -76,7 +112,8 @@ def shared_token() -> bytes:
     something all processes start together, such as a chain of client-state files."""
     token = np.frombuffer(uuid.uuid4().bytes, np.uint8)
     if multiprocess():
-        token = np.asarray(multihost_utils.broadcast_one_to_all(token), np.uint8)
+        token = np.asarray(_together(lambda: multihost_utils.broadcast_one_to_all(token)),
+                           np.uint8)
     return token.tobytes()
 
 
@@ -86,7 +123,8 @@ def gathered(words: Sequence[int]) -> np.ndarray:
     row = np.asarray(words, np.int32).reshape(1, -1)
     if not multiprocess():
         return row
-    return np.asarray(multihost_utils.process_allgather(row[0])).reshape(jax.process_count(), -1)
+    return np.asarray(_together(lambda: multihost_utils.process_allgather(row[0]))).reshape(
+        jax.process_count(), -1)
 
 
 def stop_together(error: Exception | None, where: str, same: bytes = b"") -> None:

@@ -112,6 +112,7 @@ def two_processes(workdir, fault=None, extra=((), ())):
 
 @pytest.mark.slow  # 46 s of CI; the token itself: test_client_state_disk.py, in CI
 def test_a_killed_two_process_run_resumes_its_client_states_on_disk_exactly(tmp_path):
+    """Both processes killed, or one: the same command resumes exactly."""
     # Killed after round 3 overwrote rows checkpointed at round 2: each process writes
     # them back from its own undo log, under the token of process 0's checkpoint.
     assert [code for code, _ in two_processes(tmp_path / "killed", fault="round:3")] == [
@@ -124,6 +125,22 @@ def test_a_killed_two_process_run_resumes_its_client_states_on_disk_exactly(tmp_
     for name in ("results.json", "metrics.jsonl"):
         assert ((tmp_path / "killed" / name).read_bytes()
                 == (tmp_path / "clean" / name).read_bytes()), name
+    # Process 1 alone killed (out of memory, say): process 0 stops at its next collective
+    # in one line, exit 2. It once printed its line, then waited in JAX's shutdown barrier
+    # for the heartbeat timeout (100 s) and aborted with a C++ stack trace (exit -6).
+    (code0, err0), (code1, _) = two_processes(tmp_path / "one", fault=(None, "round:3"))
+    assert (code0, code1) == (2, -signal.SIGKILL), err0[-3000:]
+    assert "Fatal Python error" not in err0 and "Terminating process" not in err0, err0[-3000:]
+    line = err0.strip().splitlines()[-1]
+    assert line.startswith("error: process 0: a step all 2 processes take together failed ("), line
+    assert line.endswith("another process has stopped (its output or the scheduler's log says "
+                         "why): the same command on every host resumes from the newest "
+                         "checkpoint"), line
+    for code, err in two_processes(tmp_path / "one"):
+        assert code == 0, err[-3000:]
+    for name in ("results.json", "metrics.jsonl"):
+        assert ((tmp_path / "one" / name).read_bytes()
+                == (tmp_path / "clean" / name).read_bytes()), name
     # One process cannot restore its rows: both stop in one line (not the other one
     # waiting in the first round's collectives until a timeout).
     os.remove(tmp_path / "broken" / "client_states" / "process_1" / "undo.log")
@@ -133,6 +150,32 @@ def test_a_killed_two_process_run_resumes_its_client_states_on_disk_exactly(tmp_
         "checkpoints/2: client states: process(es) 1 stopped (their output says why); "
         "expected every process to go on")
     assert "process_1: no undo.log" in err1.strip().splitlines()[-1]
+
+
+def test_a_failed_collective_is_a_lost_process_and_a_bad_argument_is_not(monkeypatch):
+    """What ``ProcessLost`` covers (the two-process run above takes it through train.py):
+    the runtime's failure of a step all processes take, not an error of the caller's."""
+    from flowjax import distributed
+
+    def failing(message):
+        def collective():
+            raise ValueError(message)
+        return collective
+
+    gloo = ("UNKNOWN: Gloo AllGather failed: [pair.cc:538] Read error [127.0.0.1]:416: "
+            "Connection reset by peer")
+    with pytest.raises(ValueError, match="^UNKNOWN: Gloo"):  # one process: as it is
+        distributed._together(failing(gloo))
+    monkeypatch.setattr(distributed, "multiprocess", lambda: True)
+    monkeypatch.setattr(distributed.jax, "process_count", lambda: 3)
+    with pytest.raises(distributed.ProcessLost) as lost:
+        distributed._together(failing(gloo))
+    assert str(lost.value) == (
+        f"process 0: a step all 3 processes take together failed ({gloo}); another process "
+        f"has stopped (its output or the scheduler's log says why): the same command on "
+        f"every host resumes from the newest checkpoint")
+    with pytest.raises(ValueError, match="^tiled must be a bool$"):
+        distributed._together(failing("tiled must be a bool"))
 
 
 def last_lines(results):
