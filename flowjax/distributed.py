@@ -44,8 +44,30 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int) ->
         raise ValueError(f"process_id must be in [0, {num_processes - 1}], got {process_id}")
     if not coordinator_address or ":" not in coordinator_address:
         raise ValueError(f"coordinator_address must be HOST:PORT, got {coordinator_address!r}")
+    # JAX's preemption service would take SIGTERM for itself (a C handler, in place
+    # whenever ours are not: before and after the run loop) and only mark a "preemption
+    # sync point" for orbax, so the run went on to its end and exited 0 (measured: two
+    # processes, SIGTERM to one after loading). The run loop has its own agreed stop
+    # (signals_agreed), and the launchers' SIGTERM handler covers the rest.
+    jax.config.update("jax_enable_preemption_service", False)
     jax.distributed.initialize(coordinator_address=coordinator_address,
                                num_processes=num_processes, process_id=process_id)
+    _STATE["joined"] = True
+
+
+# This process's standing among the others (set by initialize and signals_agreed; read by
+# the launchers when a process stops, without touching JAX's backends).
+_STATE = {"joined": False, "stopped_together": False}
+
+
+def stops_alone() -> bool:
+    """Whether this process, stopping now, leaves the other processes of a multi-host run
+    behind: it joined them (``initialize``) and no agreed stop (``signals_agreed``) told
+    them all to stop with it. Such a process should leave at once (``launch/cli.py``):
+    JAX's exit handler would wait in its shutdown barrier for processes that go on, and
+    they, at their next collective, for it; leaving makes that collective fail for them
+    (``ProcessLost``)."""
+    return _STATE["joined"] and not _STATE["stopped_together"]
 
 
 def multiprocess() -> bool:
@@ -200,6 +222,7 @@ def signals_agreed() -> Iterator[Callable[[], None]]:
             signum = int(signals[np.flatnonzero(signals)[0]])
             received.clear()
             restore()
+            _STATE["stopped_together"] = True
             handler = previous.get(signum)
             if callable(handler):  # Ctrl-C's KeyboardInterrupt, the launchers' SIGTERM
                 handler(signum, None)

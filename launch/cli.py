@@ -170,22 +170,32 @@ def _raise_terminated(signum, frame) -> None:
     raise Terminated
 
 
+def _distributed() -> Any:
+    """``flowjax.distributed`` if a launcher imported it (this module imports no JAX)."""
+    return sys.modules.get("flowjax.distributed")
+
+
+def _leave_now(status: int) -> None:
+    """Exits without Python's exit handlers: JAX's would wait in its shutdown barrier for
+    the other processes of a multi-host run (for a lost one, until the heartbeat timeout,
+    100 s, and then abort with a C++ stack trace). Leaving now is what a kill at this
+    point would do, which the checkpoints are written to survive."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def _exit_if_a_process_is_lost(error: Exception) -> None:
     """Ends a multi-host run's process at once on ``flowjax.distributed.ProcessLost``: one
-    ``error:`` line (``--debug``: the traceback), exit status 2, without JAX's exit
-    handler, which would wait for the lost process in its shutdown barrier until the
-    heartbeat timeout (100 s) and then abort with a C++ stack trace. Leaving now is what a
-    kill at this point would do, which the checkpoints are written to survive."""
-    distributed = sys.modules.get("flowjax.distributed")  # not imported: no ProcessLost
+    ``error:`` line (``--debug``: the traceback), exit status 2."""
+    distributed = _distributed()
     if distributed is None or not isinstance(error, distributed.ProcessLost):
         return
     if debug():
         traceback.print_exc()
     else:
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(2)
+    _leave_now(2)
 
 
 def _quiet_interrupt(main: Callable[[list[str]], int | None],
@@ -206,7 +216,14 @@ def _quiet_interrupt(main: Callable[[list[str]], int | None],
             terminated = isinstance(interrupt, Terminated)
             print(f"interrupted ({'SIGTERM' if terminated else 'Ctrl-C'})"
                   + (f"; {RESUMES}" if resumable else ""), file=sys.stderr, flush=True)
-            return TERMINATED if terminated else INTERRUPTED
+            status = TERMINATED if terminated else INTERRUPTED
+            # A multi-host run's signal outside the run loop's agreed stops (loading, the
+            # first compile, HypCluster's warm-up, writing the results): the others go on
+            # until their next collective, which then fails for them (ProcessLost).
+            distributed = _distributed()
+            if distributed is not None and distributed.stops_alone():
+                _leave_now(status)
+            return status
     return wrapped
 
 

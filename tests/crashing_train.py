@@ -15,6 +15,9 @@ fault is injected here, from the test side; production code has no hook for it.
       raises ENOSPC, as a full disk makes it
   python tests/crashing_train.py results_full:1 <flags>
       no crash: the first write of results.json raises ENOSPC
+  python tests/crashing_train.py built:1:SIGTERM <flags>
+      that signal once the run's simulation is built (data loaded, HypCluster's warm-up
+      done), before the run loop starts
 """
 
 import os
@@ -74,6 +77,18 @@ def inject(fault: str) -> None:
             sync(self)
 
         DiskClientStateStore._sync = full_sync
+    elif point == "built":
+        from flowjax import config as run_config
+        simulation_for, calls = run_config.simulation_for, []
+
+        def signalling_simulation_for(*args, **kwargs):
+            built = simulation_for(*args, **kwargs)
+            calls.append(None)
+            if len(calls) == index:
+                crash(signum)
+            return built
+
+        run_config.simulation_for = signalling_simulation_for
     elif point == "results_full":
         import errno
         from flowjax import run_folder

@@ -253,10 +253,20 @@ def test_a_signal_stops_every_process_at_the_same_round_and_resumes_exactly(tmp_
     # Ctrl-C on one host only: the other stops with it.
     results = two_processes(tmp_path / "int", fault=(None, "round:3:SIGINT"))
     assert [code for code, _ in results] == [130, 130], [e[-2000:] for _, e in results]
-    for workdir in ("term", "int", "clean"):
+    # SIGTERM on process 1 before the run loop (no agreed stop there): it leaves at once,
+    # and process 0 stops at its next collective in one line. Both once waited in JAX's
+    # shutdown barrier (process 0 for the heartbeat timeout, then aborted).
+    (code0, err0), (code1, err1) = two_processes(tmp_path / "early",
+                                                 fault=(None, "built:1:SIGTERM"))
+    assert (code0, code1) == (2, 143), (err0[-2000:], err1[-2000:])
+    assert err1.strip().splitlines()[-1].startswith("interrupted (SIGTERM); the same command")
+    assert err0.strip().splitlines()[-1].startswith(
+        "error: process 0: a step all 2 processes take together failed ("), err0[-2000:]
+    assert "Fatal Python error" not in err0 + err1
+    for workdir in ("term", "int", "early", "clean"):
         for code, err in two_processes(tmp_path / workdir):
             assert code == 0, err[-3000:]
     for name in ("results.json", "metrics.jsonl"):
-        for workdir in ("term", "int"):
+        for workdir in ("term", "int", "early"):
             assert ((tmp_path / workdir / name).read_bytes()
                     == (tmp_path / "clean" / name).read_bytes()), (workdir, name)

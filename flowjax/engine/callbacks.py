@@ -360,26 +360,29 @@ class ProgressBar(Callback):
     """
 
     def __init__(self, total: int, desc: str, enabled: bool = True):
-        import tqdm
-        # Into a file (a log, nohup) every redraw is a line: one every 10 s there, not one
-        # per round.
-        interval = 0.1 if sys.stderr.isatty() else 10.0
-        self._bar = tqdm.tqdm(total=total, unit="round", dynamic_ncols=True,
-                              disable=not enabled, desc=desc, mininterval=interval)
+        self._options = dict(total=total, desc=desc, disable=not enabled)
+        self._bar = None  # drawn from the run's start: an error before it is a line of its own
 
     @property
     def rounds_shown(self) -> int:
         """The rounds the bar counts as done."""
-        return self._bar.n
+        return self._bar.n if self._bar is not None else 0
 
     def write(self, line: str) -> None:
-        self._bar.write(line, file=sys.stderr)
+        if self._bar is None:
+            print(line, file=sys.stderr, flush=True)
+        else:
+            self._bar.write(line, file=sys.stderr)
 
     def on_run_start(self, run: RunState) -> None:
+        import tqdm
+        # Into a file (a log, nohup) every redraw is a line: one every 10 s there, not one
+        # per round.
+        interval = 0.1 if sys.stderr.isatty() else 10.0
         # A resumed run, or a stage starting after a warm-up (HypCluster), starts at its
         # rounds done; as tqdm's initial count, so the rate counts this attempt's rounds.
-        self._bar.initial = self._bar.n = self._bar.last_print_n = run.rounds_done
-        self._bar.refresh()
+        self._bar = tqdm.tqdm(unit="round", dynamic_ncols=True, mininterval=interval,
+                              initial=run.rounds_done, **self._options)
 
     def on_round_end(self, run: RunState) -> None:
         loss = last_train_record(run.history).get("loss")
@@ -388,4 +391,5 @@ class ProgressBar(Callback):
         self._bar.update(run.rounds_done - self._bar.n)
 
     def on_run_end(self, run: RunState) -> None:
-        self._bar.close()
+        if self._bar is not None:
+            self._bar.close()
