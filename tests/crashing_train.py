@@ -103,8 +103,9 @@ def inject(fault: str) -> None:
 
         run_folder.write_json_atomic = full_write
     else:
-        raise ValueError(f"fault {fault!r}: expected round:N, checkpoint:N[:SIGNAL], "
-                         f"saved:N, disk_full:N or results_full:N")
+        raise ValueError(f"fault {fault!r}: expected round:N[:SIGNAL], "
+                         f"checkpoint:N[:SIGNAL], built:N[:SIGNAL], saved:N, disk_full:N or "
+                         f"results_full:N")
 
 
 if __name__ == "__main__":
