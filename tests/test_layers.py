@@ -289,16 +289,22 @@ def equations(jaxpr, in_loop: bool = False):
                     yield from equations(inner, loop)
 
 
+ROUTED = lambda x, w_x, w_h, b, dtype: layers.routed_lstm(  # noqa: E731
+    x, (w_x, w_h, b), (0.5 * w_x, -w_h, b), jnp.full(x.shape[:2], 0.3), compute_dtype=dtype)
+
+
 @pytest.mark.parametrize("float32_products", [True, False])
+@pytest.mark.parametrize("layer, products", [(layers.lstm, 2), (ROUTED, 4)])
 def test_lstm_bf16_casts_the_recurrent_weight_once_per_sequence_not_per_step(
-        float32_products, monkeypatch):
+        float32_products, layer, products, monkeypatch):
     """The recurrence reads ``w_h`` at every step, forward and backward: the hand-written
-    VJP's loops multiply a copy made before the loop, not a float32 weight converted per
-    step. Traced for CPU's form (bf16-rounded float32 operands) and, without compiling,
-    for the accelerators' (bf16 operands)."""
+    VJPs' loops (``lstm``'s, and ``routed_lstm``'s with both branches' ``w_h``) multiply a
+    copy made before the loop, not a float32 weight converted per step. Traced for CPU's
+    form (bf16-rounded float32 operands) and, without compiling, for the accelerators'
+    (bf16 operands)."""
     monkeypatch.setattr(layers, "_rounds_in_float32", lambda: float32_products)
     x, w_x, w_h, b = lstm_args(hidden=16)
-    loss = lambda *a: jnp.sum(jnp.sin(layers.lstm(*a, jnp.bfloat16)))  # noqa: E731
+    loss = lambda *a: jnp.sum(jnp.sin(layer(*a, jnp.bfloat16)))  # noqa: E731
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w_x, w_h, b).jaxpr
     weight_shapes = (w_h.shape, w_h.T.shape)
     in_loop = [eqn for eqn, loop in equations(jaxpr) if loop]
@@ -309,9 +315,81 @@ def test_lstm_bf16_casts_the_recurrent_weight_once_per_sequence_not_per_step(
                    and e.outvars[0].aval.dtype == jnp.bfloat16
                    and e.outvars[0].aval.shape in weight_shapes]
     assert {e.outvars[0].aval.shape for e in before_loop} == set(weight_shapes)
-    # The forward's h @ w_h and the backward's dz @ w_h^T, on operands of the form chosen.
-    products = [e for e in in_loop if e.primitive.name == "dot_general"]
-    assert len(products) == 2
+    # The forward's h @ w_h and the backward's dz @ w_h^T (per branch), on operands of the
+    # form chosen.
+    in_loop_products = [e for e in in_loop if e.primitive.name == "dot_general"]
+    assert len(in_loop_products) == products
     operand = jnp.float32 if float32_products else jnp.bfloat16
-    assert {v.aval.dtype for e in products for v in e.invars} == {jnp.dtype(operand)}
-    assert {v.aval.dtype for e in products for v in e.outvars} == {jnp.dtype(jnp.float32)}
+    assert {v.aval.dtype for e in in_loop_products for v in e.invars} == {jnp.dtype(operand)}
+    assert {v.aval.dtype for e in in_loop_products for v in e.outvars} == {
+        jnp.dtype(jnp.float32)}
+
+
+# ----------------------------------------------------------------------------- routed LSTM
+
+
+def reference_routed_lstm(x, weights_g, weights_l, q0, hard=False):
+    """Both cells step from the routed (h, c), written out per step, by autodiff."""
+    hidden = weights_g[1].shape[0]
+
+    def cell(x_t, h, c, weights):
+        w_x, w_h, b = weights
+        z = x_t @ w_x + h @ w_h + b
+        i, f, g, o = (z[:, k * hidden:(k + 1) * hidden] for k in range(4))
+        c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+        return jax.nn.sigmoid(o) * jnp.tanh(c), c
+
+    def step(carry, inputs):
+        x_t, q_t = inputs
+        (h_g, c_g), (h_l, c_l) = cell(x_t, *carry, weights_g), cell(x_t, *carry, weights_l)
+        q = (q_t >= 0.5).astype(x_t.dtype)[:, None] if hard else q_t[:, None]
+        h, c = q * h_g + (1 - q) * h_l, q * c_g + (1 - q) * c_l
+        return (h, c), h
+
+    zeros = jnp.zeros((x.shape[0], hidden))
+    inputs = (jnp.swapaxes(x, 0, 1), jnp.swapaxes(q0, 0, 1))
+    return jnp.swapaxes(lax.scan(step, (zeros, zeros), inputs)[1], 0, 1)
+
+
+def routed_lstm_args(clients=2, batch=3, time=6, features=5, hidden=7):
+    """Per-client ``(x, global weights, local weights, q0)``, stacked on a clients axis."""
+    x, w_x, w_h, b = lstm_args(batch=(clients, batch), time=time, features=features,
+                               hidden=hidden)
+    per_client = lambda scale: tuple(jnp.stack([scale * a, -scale * a])  # noqa: E731
+                                     for a in (w_x, w_h, b))
+    q0 = jax.random.uniform(jax.random.key(4), (clients, batch, time))
+    return x, per_client(1.0), per_client(0.8), q0
+
+
+@pytest.mark.parametrize("hard", [False, True])
+def test_routed_lstm_vjp_matches_a_naive_routed_scan_per_client(hard):
+    """The hand-written VJP of the mixed-state recurrence, vmapped over clients with their
+    own weights: the values and every gradient (input, both branches' weights, q0) of a
+    per-step reference differentiated by autodiff; hard routing gives q0 no gradient."""
+    args = routed_lstm_args()
+    routed = lambda *a: layers.routed_lstm(*a, hard=hard)  # noqa: E731
+    naive = lambda *a: reference_routed_lstm(*a, hard=hard)  # noqa: E731
+    value = lambda fn: jax.jit(jax.vmap(fn))  # noqa: E731
+    grad = lambda fn: jax.jit(jax.vmap(jax.grad(lstm_loss(fn), argnums=(0, 1, 2, 3))))  # noqa: E731
+    assert_close(value(routed)(*args), value(naive)(*args))
+    grads, expected = grad(routed)(*args), grad(naive)(*args)
+    assert_close(grads, expected)
+    if hard:
+        np.testing.assert_array_equal(grads[3], 0.0)
+    else:
+        assert float(jnp.abs(grads[3]).min()) > 0  # every step's q0 moves the output
+    # The same forward with autodiff: the same values bit for bit.
+    autodiff = lambda *a: layers.routed_lstm(*a, hard=hard, custom_grad=False)  # noqa: E731
+    np.testing.assert_array_equal(value(routed)(*args), value(autodiff)(*args))
+
+
+def test_routed_lstm_bf16_keeps_float32_gradients_close_to_float32():
+    args = jax.tree.map(lambda a: a[0], routed_lstm_args(hidden=16))  # one client
+    grad = lambda fn: jax.jit(jax.grad(lstm_loss(fn), argnums=(0, 1, 2, 3)))  # noqa: E731
+    expected = grad(reference_routed_lstm)(*args)
+    for custom_grad in (True, False):
+        bf16 = lambda *a: layers.routed_lstm(*a, compute_dtype=jnp.bfloat16,  # noqa: E731
+                                             custom_grad=custom_grad)
+        grads = grad(bf16)(*args)
+        assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+        assert 0 < relative_error(grads, expected) < 3e-2

@@ -256,6 +256,24 @@ def _mixed_state_pass(model, x):
     return jax.jit(logits), jax.jit(jax.grad(loss, argnums=(0, 1, 2))), loss
 
 
+def test_mixed_state_takes_the_lstm_layers_custom_grad():
+    """The model's ``custom_grad`` reaches the routed recurrence: its hand-written VJP
+    (``routed_lstm``) by default, autodiff with ``custom_grad=False``; the same logits bit
+    for bit and the same gradients in both params and ``q0`` to float32 rounding."""
+    fast, g, l, x, q0 = _mixed_state_setup()
+    plain = _mixed_state_setup(custom_grad=False)[0]
+    fast_pass, plain_pass = _mixed_state_pass(fast, x), _mixed_state_pass(plain, x)
+
+    def has_vjp(model):
+        jaxpr = jax.make_jaxpr(lambda g, l, q0: routed_forward(
+            model, g, l, q0, x, recurrence="mixed_state"))(g, l, q0)
+        return "custom_vjp_call" in str(jaxpr)
+
+    assert (has_vjp(fast), has_vjp(plain)) == (True, False)
+    np.testing.assert_array_equal(fast_pass[0](g, l, q0), plain_pass[0](g, l, q0))
+    assert _relative_error(fast_pass[1](g, l, q0), plain_pass[1](g, l, q0)) < 1e-5
+
+
 # -m slow (15 s): test_conv_impl's test_config_lstm_options_reach_flows_mixed_state_recurrence
 # checks in CI that the config's lstm_unroll reaches this recurrence.
 @pytest.mark.slow

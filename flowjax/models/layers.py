@@ -518,9 +518,119 @@ def lstm_weights(layer_params: PyTree) -> tuple[jax.Array, jax.Array, jax.Array]
     return None
 
 
+def _mix_states(hard: bool, q0_t: jax.Array, state_g: tuple[jax.Array, jax.Array],
+                state_l: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """The routed ``(h, c)`` of one time step from both cells' (Eq. 3; ``hard``: the
+    chosen cell's state exactly)."""
+    if hard:
+        use_global = (q0_t >= 0.5)[:, None]
+        return tuple(jnp.where(use_global, g, l) for g, l in zip(state_g, state_l))
+    q = q0_t[:, None].astype(state_g[0].dtype)
+    return tuple(q * g + (1.0 - q) * l for g, l in zip(state_g, state_l))
+
+
+def _routed_lstm_forward(x: jax.Array, global_weights: tuple[jax.Array, jax.Array, jax.Array],
+                         local_weights: tuple[jax.Array, jax.Array, jax.Array], q0: jax.Array,
+                         hard: bool, compute_dtype: Any, cast_once: bool, unroll: int):
+    """``routed_lstm``'s forward: the output ``[B, T, H]`` and, time-major, the routed
+    states ``(hs, cs)`` and each branch's ``(hs, cs, gates)`` (for the VJP; dropped by
+    jit when unused). ``cast_once`` as in ``_lstm_scan``."""
+    (w_x_g, w_h_g, b_g), (w_x_l, w_h_l, b_l) = global_weights, local_weights
+    zx_g = _product("btf,fg->tbg", x, w_x_g, compute_dtype) + b_g
+    zx_l = _product("btf,fg->tbg", x, w_x_l, compute_dtype) + b_l
+    zeros = jnp.zeros(zx_g.shape[1:-1] + (w_h_g.shape[0],), zx_g.dtype)
+    once = tuple(_operand(compute_dtype, w) if cast_once else w for w in (w_h_g, w_h_l))
+
+    def step(carry, inputs):
+        h, c = carry
+        zx_g_t, zx_l_t, q0_t = inputs
+        w_g, w_l = once if cast_once else (_operand(compute_dtype, w) for w in once)
+        branch_g = lstm_cell(zx_g_t + _matmul(h, w_g, compute_dtype), c)
+        branch_l = lstm_cell(zx_l_t + _matmul(h, w_l, compute_dtype), c)
+        h, c = _mix_states(hard, q0_t, branch_g[:2], branch_l[:2])
+        return (h, c), (h, c, branch_g, branch_l)
+
+    _, (hs, cs, branch_g, branch_l) = lax.scan(
+        step, (zeros, zeros), (zx_g, zx_l, jnp.swapaxes(q0, 0, 1)), unroll=unroll)
+    return jnp.swapaxes(hs, 0, 1), (hs, cs, branch_g, branch_l)
+
+
+def _cell_backward(dh: jax.Array, dc: jax.Array, gates: jax.Array, c: jax.Array,
+                   c_prev: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``lstm_cell``'s backward from the gradients of its new ``h`` and ``c``: the
+    pre-activations' gradient ``dz [..., 4H]`` and the previous cell state's."""
+    i, f, g, o = _split_gates(gates)
+    tanh_c = jnp.tanh(c)
+    dc = dc + dh * o * (1.0 - tanh_c ** 2)
+    dz = jnp.concatenate([dc * g * i * (1.0 - i), dc * c_prev * f * (1.0 - f),
+                          dc * i * (1.0 - g ** 2), dh * tanh_c * o * (1.0 - o)], axis=-1)
+    return dz, dc * f
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _routed_lstm(x: jax.Array, global_weights: tuple[jax.Array, jax.Array, jax.Array],
+                 local_weights: tuple[jax.Array, jax.Array, jax.Array], q0: jax.Array,
+                 hard: bool, compute_dtype: Any, unroll: int) -> jax.Array:
+    return _routed_lstm_forward(x, global_weights, local_weights, q0, hard, compute_dtype,
+                                True, unroll)[0]
+
+
+def _routed_lstm_fwd(x, global_weights, local_weights, q0, hard, compute_dtype, unroll):
+    out, (hs, cs, branch_g, branch_l) = _routed_lstm_forward(
+        x, global_weights, local_weights, q0, hard, compute_dtype, True, unroll)
+    if hard:  # q0's gradient is zero: the branches' h are not needed for it
+        branch_g, branch_l = (None,) + branch_g[1:], (None,) + branch_l[1:]
+    return out, (x, global_weights, local_weights, q0, hs, cs, branch_g, branch_l)
+
+
+def _routed_lstm_bwd(hard: bool, compute_dtype: Any, unroll: int, residuals, d_out: jax.Array):
+    x, (w_x_g, w_h_g, _), (w_x_l, w_h_l, _), q0, hs, cs, branch_g, branch_l = residuals
+    c_prev = jnp.concatenate([jnp.zeros_like(cs[:1]), cs[:-1]])
+    h_prev = jnp.concatenate([jnp.zeros_like(hs[:1]), hs[:-1]])
+    # Once, so the loop body multiplies by canonical-layout matrices (in the compute dtype).
+    w_h_g_t, w_h_l_t = _operand(compute_dtype, w_h_g.T), _operand(compute_dtype, w_h_l.T)
+
+    def step(carry, inputs):
+        # The gradients of the routed (h, c) of step t, which both cells of t + 1 read.
+        dh_next, dc_next = carry
+        dh_t, q0_t, c_prev_t, (h_g, c_g, gates_g), (h_l, c_l, gates_l) = inputs
+        dh, dc = dh_t + dh_next, dc_next
+        if hard:
+            zero, use_global = jnp.zeros_like(dh), (q0_t >= 0.5)[:, None]
+            (dh_g, dc_g), (dh_l, dc_l) = ((jnp.where(use_global, d, zero) for d in (dh, dc)),
+                                          (jnp.where(use_global, zero, d) for d in (dh, dc)))
+            dq0 = jnp.zeros_like(q0_t)
+        else:
+            q = q0_t[:, None].astype(dh.dtype)
+            dh_g, dc_g, dh_l, dc_l = q * dh, q * dc, (1.0 - q) * dh, (1.0 - q) * dc
+            dq0 = jnp.sum(dh * (h_g - h_l) + dc * (c_g - c_l), axis=-1).astype(q0_t.dtype)
+        dz_g, dc_prev_g = _cell_backward(dh_g, dc_g, gates_g, c_g, c_prev_t)
+        dz_l, dc_prev_l = _cell_backward(dh_l, dc_l, gates_l, c_l, c_prev_t)
+        dh_prev = (_matmul(dz_g, w_h_g_t, compute_dtype)
+                   + _matmul(dz_l, w_h_l_t, compute_dtype))
+        return (dh_prev, dc_prev_g + dc_prev_l), (dz_g, dz_l, dq0)
+
+    zeros = jnp.zeros_like(hs[0])
+    _, (dz_g, dz_l, dq0) = lax.scan(
+        step, (zeros, zeros),
+        (jnp.swapaxes(d_out, 0, 1), jnp.swapaxes(q0, 0, 1), c_prev, branch_g, branch_l),
+        reverse=True, unroll=unroll)
+    # The weights' gradients as one product each over every step (not summed in the loop).
+    dx = (_product("tbg,fg->btf", dz_g, w_x_g, compute_dtype)
+          + _product("tbg,fg->btf", dz_l, w_x_l, compute_dtype))
+    weight_grads = tuple((_product("btf,tbg->fg", x, dz, compute_dtype),
+                          _product("tbh,tbg->hg", h_prev, dz, compute_dtype),
+                          dz.sum(axis=(0, 1))) for dz in (dz_g, dz_l))
+    return (dx, *weight_grads, jnp.swapaxes(dq0, 0, 1))
+
+
+_routed_lstm.defvjp(_routed_lstm_fwd, _routed_lstm_bwd)
+
+
 def routed_lstm(x: jax.Array, global_weights: tuple[jax.Array, jax.Array, jax.Array],
                 local_weights: tuple[jax.Array, jax.Array, jax.Array], q0: jax.Array, *,
-                hard: bool = False, compute_dtype: Any = None, unroll: int = 1) -> jax.Array:
+                hard: bool = False, compute_dtype: Any = None, unroll: int = 1,
+                custom_grad: bool = True) -> jax.Array:
     """A routed LSTM layer whose recurrence runs on the routed state: ``[B, T, F] ->
     [B, T, H]``.
 
@@ -528,40 +638,28 @@ def routed_lstm(x: jax.Array, global_weights: tuple[jax.Array, jax.Array, jax.Ar
     the routed state becomes ``q0[:, t] * cell_g + (1 - q0[:, t]) * cell_l`` for ``h`` and
     ``c`` alike (``hard``: the chosen cell's state exactly), which is the paper's Eq. 3
     applied to the cell at each time step. One ``lax.scan``; the input projections of both
-    branches are one matmul each before it, as in ``lstm``. Differentiated by autodiff (no
-    hand-written VJP yet). With ``q0`` all 1 (all 0) the output equals the global (local)
-    ``LSTM`` to float32 rounding, not bit for bit: XLA fuses this loop body differently
-    from ``lstm``'s and its vectorized ``tanh`` rounds differently across fusions
-    (measured: at most 1.8e-7 on a 256-unit layer over 80 steps).
+    branches are one matmul each before it, as in ``lstm``. With ``q0`` all 1 (all 0) the
+    output equals the global (local) ``LSTM`` to float32 rounding, not bit for bit: XLA
+    fuses this loop body differently from ``lstm``'s and its vectorized ``tanh`` rounds
+    differently across fusions (measured: at most 1.8e-7 on a 256-unit layer over 80 steps).
+
+    ``custom_grad`` (the LSTM layer's): a hand-written VJP like ``lstm``'s, whose reverse
+    loop carries the routed state's gradient through both cells and whose weight
+    gradients are one product each after it; ``False`` differentiates the same forward
+    by autodiff, whose transposed loop adds both branches' ``w_h`` gradients at every
+    step. The same values either way, gradients equal to float32 rounding.
 
     ``compute_dtype`` and ``unroll`` are ``lstm``'s: the products on operands cast to the
-    dtype with float32 accumulation (the recurrent weights cast inside the loop, so that
-    autodiff sums their gradient in float32, as ``LSTM`` without ``custom_grad``), and time
-    steps per loop iteration. Their defaults give the float32 loop above, unchanged.
+    dtype with float32 accumulation, and time steps per loop iteration. With the VJP the
+    recurrent weights are cast once per sequence, as in ``lstm``; under autodiff inside
+    the loop, so that autodiff sums their gradient in float32 (as ``LSTM`` without
+    ``custom_grad``). Their defaults give the float32 loop above, unchanged.
     """
-    (w_x_g, w_h_g, b_g), (w_x_l, w_h_l, b_l) = global_weights, local_weights
-    zx_g = _product("btf,fg->tbg", x, w_x_g, compute_dtype) + b_g
-    zx_l = _product("btf,fg->tbg", x, w_x_l, compute_dtype) + b_l
-    zeros = jnp.zeros(zx_g.shape[1:-1] + (w_h_g.shape[0],), zx_g.dtype)
-
-    def step(carry, inputs):
-        h, c = carry
-        zx_g_t, zx_l_t, q0_t = inputs
-        h_g, c_g, _ = lstm_cell(zx_g_t + _matmul(h, _operand(compute_dtype, w_h_g),
-                                                 compute_dtype), c)
-        h_l, c_l, _ = lstm_cell(zx_l_t + _matmul(h, _operand(compute_dtype, w_h_l),
-                                                 compute_dtype), c)
-        if hard:
-            use_global = (q0_t >= 0.5)[:, None]
-            h, c = jnp.where(use_global, h_g, h_l), jnp.where(use_global, c_g, c_l)
-        else:
-            q = q0_t[:, None].astype(h_g.dtype)
-            h, c = q * h_g + (1.0 - q) * h_l, q * c_g + (1.0 - q) * c_l
-        return (h, c), h
-
-    _, hs = lax.scan(step, (zeros, zeros), (zx_g, zx_l, jnp.swapaxes(q0, 0, 1)),
-                     unroll=unroll)
-    return jnp.swapaxes(hs, 0, 1)
+    if custom_grad:
+        return _routed_lstm(x, tuple(global_weights), tuple(local_weights), q0, hard,
+                            compute_dtype, unroll)
+    return _routed_lstm_forward(x, global_weights, local_weights, q0, hard, compute_dtype,
+                                False, unroll)[0]
 
 
 # ----------------------------------------------------------------------------- models
@@ -612,7 +710,8 @@ def chain_model(*, name: str, layer_names: Sequence[str], modules: Sequence[nn.M
             raise ValueError(f"layer {layer_names[j]!r} is a {type(module).__name__}: only an "
                              "LSTM layer routes a recurrence")
         return routed_lstm(h, lstm_weights(global_layer), lstm_weights(local_layer), q0,
-                           hard=hard, compute_dtype=module.compute_dtype, unroll=module.unroll)
+                           hard=hard, compute_dtype=module.compute_dtype, unroll=module.unroll,
+                           custom_grad=module.custom_grad)
 
     return RoutableModel(name=name, layer_names=tuple(layer_names), init=init,
                          embed_input=embed_input, layer_apply=layer_apply,

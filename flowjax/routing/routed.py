@@ -13,10 +13,10 @@ application as the layer: at every step both cells step from the mixed state ``(
 and their new states are mixed and fed back (the routed model is then one recurrent
 network whose every cell application is routed; the authors' code does this for its
 global branch, see their ``models/shakespeare_rnn_dynamic_v4.py``). ``"separate"`` gives
-exactly the global (local) model at ``q0 = 1`` (``0``) and keeps the LSTMs' hand-written
-VJP; ``"mixed_state"`` matches them to float32 rounding (the model's
-``routed_recurrence``: ``layers.routed_lstm`` with the LSTM layer's compute dtype and
-unroll).
+exactly the global (local) model at ``q0 = 1`` (``0``) and runs each branch through the
+LSTM's hand-written VJP; ``"mixed_state"`` matches them to float32 rounding (the model's
+``routed_recurrence``: ``layers.routed_lstm``, with a hand-written VJP of its own, and the
+LSTM layer's compute dtype, unroll and ``custom_grad``).
 
 Both branches read the same input. ``fuse_branches`` runs them as one call of the layer,
 vmapped over their stacked weights, wherever the layer's input is larger than its weights
