@@ -28,8 +28,9 @@ POLICY = {"emnist_cnn": (350, 150, 50, 50), "shakespeare_lstm": (64, 64, 32, 16)
 LEARNING_RATE = {"emnist_cnn": 0.01, "shakespeare_lstm": 0.11, "stackoverflow_lstm": 0.1}
 TOKENS = {"shakespeare_lstm": (87, 81), "stackoverflow_lstm": (10004, 21)}  # (vocab, length + 1)
 # flow_fused: Flow with each layer's two branches in one product where its input outweighs
-# its weights (FlowConfig.fuse_branches), timed beside flow in the same run.
-ALGORITHMS = ("fedavg", "flow", "flow_fused")
+# its weights (FlowConfig.fuse_branches); flow_mixed_state: Flow whose LSTM layers route
+# each cell application (FlowConfig.recurrence); each timed beside flow in the same run.
+ALGORITHMS = ("fedavg", "flow", "flow_fused", "flow_mixed_state")
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -79,15 +80,17 @@ def first_batch(task: FederatedTask, batch: int) -> jax.Array:
 def build_algorithm(model: RoutableModel, name: str, example_x: jax.Array,
                     epochs: int = 1, steps_per_loop: int = 1) -> FederatedAlgorithm:
     """FedAvg, or Flow with gamma 1e-3 and the model's policy widths (``flow_fused``: and
-    ``fuse_branches``), at the model's batch size and learning rate (``steps_per_loop``:
-    ``SGDConfig``'s)."""
+    ``fuse_branches``; ``flow_mixed_state``: and the ``mixed_state`` recurrence), at the
+    model's batch size and learning rate (``steps_per_loop``: ``SGDConfig``'s)."""
     sgd = SGDConfig(learning_rate=LEARNING_RATE[model.name], epochs=epochs,
                     batch_size=BATCH[model.name], steps_per_loop=steps_per_loop)
     if name == "fedavg":
         return fedavg(model, FedAvgConfig(sgd=sgd))
-    if name in ("flow", "flow_fused"):
+    if name in ("flow", "flow_fused", "flow_mixed_state"):
+        recurrence = "mixed_state" if name == "flow_mixed_state" else None  # None: semantics'
         return flow(model, FlowConfig(sgd=sgd, gamma=1e-3, policy_hidden=POLICY[model.name],
-                                      fuse_branches=name == "flow_fused"), example_x)
+                                      fuse_branches=name == "flow_fused",
+                                      recurrence=recurrence), example_x)
     raise ValueError(f"unknown algorithm {name!r}; expected one of {', '.join(ALGORITHMS)}")
 
 

@@ -33,7 +33,9 @@ Options:
   --epochs=3: epochs per round (FedAvg; each of Flow's two phases).
   --algorithms=fedavg,flow,flow_fused: ``flow_fused`` is Flow with each layer's two branches
     in one product where its input outweighs its weights (``FlowConfig.fuse_branches``:
-    the EMNIST CNN's convolutions), timed beside ``flow`` in the same run.
+    the EMNIST CNN's convolutions), timed beside ``flow`` in the same run;
+    ``flow_mixed_state`` is Flow whose LSTM layers route every cell application
+    (``FlowConfig.recurrence='mixed_state'``).
   --conv_impl=im2col, --compute_dtype=bfloat16: the EMNIST CNN's conv formulation, and
     the matmul precision of the CNN and the LSTMs (``config.conv_impl``,
     ``config.compute_dtype``).
@@ -41,6 +43,9 @@ Options:
     shapes (the LSTMs' time steps per loop iteration, ``config.lstm_unroll``; local SGD
     steps per iteration of the step loop, ``config.sgd.steps_per_loop``), timed beside the
     plain method in the same process, with a ratio line for each.
+  --algorithms=flow_mixed_state,flow_mixed_state+custom_grad=0: the same method with its
+    model's hand-written VJPs (the plain entry, unless ``--custom_grad`` says otherwise)
+    and with autodiff (``+custom_grad=0``), side by side in one process.
   --nopython_loop, --nocentralized: skip the sequential baseline / the centralized step
     (for cohorts where they take too long or, centralized, too much memory).
   --nowarmup: compile each round ahead of time (reported as ``compile s``) and time the
@@ -120,8 +125,10 @@ _PLAN_GB = flags.DEFINE_float("plan_memory_gb", 0.0, "Plan clients per chunk for
                               "device's own limit).")
 _ALGORITHMS = flags.DEFINE_list(
     "algorithms", ["fedavg", "flow"],
-    "Methods to time (fedavg, flow, flow_fused: Flow with FlowConfig.fuse_branches), each "
-    "optionally with loop shapes, METHOD+OPTION=N (OPTION: lstm_unroll, steps_per_loop), "
+    "Methods to time (fedavg, flow, flow_fused: Flow with FlowConfig.fuse_branches, "
+    "flow_mixed_state: Flow with FlowConfig.recurrence='mixed_state'), each optionally with "
+    "loop shapes or gradients, METHOD+OPTION=N (OPTION: lstm_unroll, steps_per_loop, N >= 1; "
+    "custom_grad, N 0 or 1), "
     "timed beside the plain METHOD in the same process; not --methods, which compare.py and "
     "reproduce.py define in the same flag registry when tests import the launchers together.")
 _EPOCHS = flags.DEFINE_integer("epochs", 1, "Epochs per round (each of Flow's two phases).")
@@ -179,9 +186,12 @@ def require_option(model_name: str, option: str, where: str) -> None:
                        f"(only {', '.join(takers)})")
 
 
-# A variant's loop shapes: the model's (config.lstm_unroll) and the clients' SGD's
-# (config.sgd.steps_per_loop).
+# A variant's loop shapes, the model's (config.lstm_unroll) and the clients' SGD's
+# (config.sgd.steps_per_loop), each N >= 1; and its gradients, the model's hand-written VJPs
+# (custom_grad=1) or autodiff (0), timed side by side in one process (--custom_grad sets
+# the plain methods' for the whole run).
 LOOP_OPTIONS = ("lstm_unroll", "steps_per_loop")
+SWITCH_OPTIONS = ("custom_grad",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,9 +211,11 @@ def parse_variant(entry: str) -> tuple[str, dict[str, int]]:
     parsed = {}
     for option in options:
         name, _, value = option.partition("=")
-        if name not in LOOP_OPTIONS or not value.isdigit() or int(value) < 1:
+        if not (name in LOOP_OPTIONS and value.isdigit() and int(value) >= 1
+                or name in SWITCH_OPTIONS and value in ("0", "1")):
             raise BadFlags(f"{entry!r}: expected +OPTION=N with OPTION one of "
-                           f"{', '.join(LOOP_OPTIONS)} and N >= 1, not {option!r}")
+                           f"{', '.join(LOOP_OPTIONS)} and N >= 1, or "
+                           f"{', '.join(SWITCH_OPTIONS)} and N 0 or 1, not {option!r}")
         parsed[name] = int(value)
     return method, parsed
 
@@ -233,7 +245,9 @@ def algorithms(model_name: str, example_x) -> tuple[Any, dict[str, Variant]]:
         built = model
         if "lstm_unroll" in loops:
             require_option(model_name, "lstm_unroll", f"--algorithms: {entry!r}")
-            built = get_model(model_name, **options, lstm_unroll=loops["lstm_unroll"])
+        model_loops = {k: v for k, v in loops.items() if k != "steps_per_loop"}
+        if model_loops:
+            built = get_model(model_name, **{**options, **model_loops})
         steps_per_loop = loops.get("steps_per_loop", 1)
         variants[entry] = Variant(build_algorithm(built, method, example_x, _EPOCHS.value,
                                                   steps_per_loop), steps_per_loop)
@@ -542,10 +556,12 @@ def print_ratios(timed: dict, out: dict) -> None:
     best = {m: min((k for k in rows if k[0] == m), key=lambda k: rows[k]["round_s"])
             for m in timed["methods"]}
     labels = {"flow": "Flow round", "fedavg": "FedAvg round",
-              "flow_fused": "Flow round with fused branches"}
+              "flow_fused": "Flow round with fused branches",
+              "flow_mixed_state": "Flow round with the mixed-state recurrence"}
     for slower, faster, suffix in (("flow", "fedavg", " (best mapping each)"),
                                    ("flow_fused", "fedavg", " (best mapping each)"),
-                                   ("flow", "flow_fused", "")):
+                                   ("flow", "flow_fused", ""),
+                                   ("flow_mixed_state", "flow", "")):
         if {slower, faster} <= set(best):
             ratio = rows[best[slower]]["round_s"] / rows[best[faster]]["round_s"]
             out[f"{slower}_over_{faster}"] = ratio

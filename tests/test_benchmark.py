@@ -204,12 +204,13 @@ def test_variants_carry_their_loop_shapes_and_bad_ones_fail_in_one_line(parsed_f
     assert benchmark.parse_variant("flow_fused+lstm_unroll=20+steps_per_loop=4") == (
         "flow_fused", {"lstm_unroll": 20, "steps_per_loop": 4})
     for entry, message in (
-            ("flwo+lstm_unroll=2", r"^'flwo\+lstm_unroll=2': expected one of "
-                                   r"fedavg, flow, flow_fused, optionally with \+OPTION=N$"),
+            ("flwo+lstm_unroll=2", r"^'flwo\+lstm_unroll=2': expected one of fedavg, flow, "
+                                   r"flow_fused, flow_mixed_state, optionally with \+OPTION=N$"),
             ("flow+unroll=2", r"^'flow\+unroll=2': expected \+OPTION=N with "
-                              r"OPTION one of lstm_unroll, steps_per_loop and N >= 1, not "
-                              r"'unroll=2'$"),
-            ("fedavg+steps_per_loop=0", r"N >= 1, not 'steps_per_loop=0'$")):
+                              r"OPTION one of lstm_unroll, steps_per_loop and N >= 1, or "
+                              r"custom_grad and N 0 or 1, not 'unroll=2'$"),
+            ("fedavg+steps_per_loop=0", r"N 0 or 1, not 'steps_per_loop=0'$"),
+            ("flow+custom_grad=2", r"N 0 or 1, not 'custom_grad=2'$")):
         with pytest.raises(benchmark.BadFlags, match=message):
             benchmark.parse_variant(entry)
     # The flag's validator: a bad entry fails while the command line is parsed (so the
@@ -233,6 +234,25 @@ def test_variants_carry_their_loop_shapes_and_bad_ones_fail_in_one_line(parsed_f
         return loops(lambda p: forward(routable, p, x), routable.init(jax.random.key(0)))
 
     assert (time_loops(plain.algorithm.model), time_loops(unrolled.algorithm.model)) == (1, 0)
+    # Gradients per variant, side by side: the model's hand-written VJPs, or autodiff; and
+    # Flow's mixed-state recurrence (the routed LSTM's VJP in its prediction).
+    assert benchmark.parse_variant("flow_mixed_state+custom_grad=0") == (
+        "flow_mixed_state", {"custom_grad": 0})
+    entries = ["flow", "flow_mixed_state", "flow_mixed_state+custom_grad=0"]
+    with flagsaver.flagsaver(algorithms=entries):
+        model, variants = benchmark.algorithms("stackoverflow_lstm", x)
+
+    def program(entry):
+        algorithm = variants[entry].algorithm
+        params = jax.eval_shape(algorithm.init, jax.random.key(0))
+        personal = {**params, "local": params["global"]}
+        return str(jax.make_jaxpr(lambda p, q: algorithm.predict(p, q, x))(params, personal))
+
+    separate, mixed, autodiff = (program(entry) for entry in entries)
+    assert variants["flow_mixed_state"].algorithm.model is model
+    assert variants["flow_mixed_state+custom_grad=0"].algorithm.model is not model
+    assert ("name=_routed_lstm" in separate, "name=_routed_lstm" in mixed) == (False, True)
+    assert "custom_vjp_call" in mixed and "custom_vjp_call" not in autodiff
 
 
 def test_a_cut_run_already_printed_its_denominator_and_each_rows_compile_cost(capsys,
@@ -262,6 +282,20 @@ def test_each_variant_gets_a_ratio_line_beside_its_plain_method(capsys):
     assert out == {"fedavg_over_fedavg+steps_per_loop=10": pytest.approx(1.2)}  # no plain flow
     assert capsys.readouterr().out == ("fedavg round / fedavg+steps_per_loop=10 round (best "
                                        "mapping each): 1.20x\n")
+
+
+def test_the_mixed_state_recurrence_is_timed_beside_flow_and_its_autodiff(capsys):
+    rows = {("flow", "loop"): {"round_s": 2.0}, ("flow_mixed_state", "loop"): {"round_s": 1.5},
+            ("flow_mixed_state+custom_grad=0", "loop"): {"round_s": 3.0}}
+    out = {}
+    benchmark.print_ratios({"rows": rows, "torch": None, "methods": tuple(
+        key[0] for key in rows)}, out)
+    assert out == {"flow_mixed_state_over_flow": pytest.approx(0.75),
+                   "flow_mixed_state_over_flow_mixed_state+custom_grad=0": pytest.approx(0.5)}
+    assert capsys.readouterr().out == (
+        "Flow round with the mixed-state recurrence / Flow round: 0.75x\n"
+        "flow_mixed_state round / flow_mixed_state+custom_grad=0 round (best mapping each): "
+        "0.50x\n")
 
 
 def test_each_mappings_padding_is_printed_when_only_variants_were_timed(capsys):
@@ -348,7 +382,7 @@ def test_every_step_of_the_device_script_parses_its_flags(tmp_path):
                           "so_parts", "emnist_parts", "so64_baseline", "so64_unroll",
                           "so64_unroll_chunks", "so64_grouped", "so64_bf16", "so64_cmdbuf",
                           "profile_emnist", "profile_so64", "so1000_flow_bf16", "roofline",
-                          "determinism"}, log[-3000:]
+                          "determinism", "so64_mixed_state"}, log[-3000:]
     assert set(steps.values()) == {"0"}, log[-3000:]
 
 
