@@ -439,6 +439,18 @@ def _lstm_fwd(x: jax.Array, w_x: jax.Array, w_h: jax.Array, b: jax.Array,
     return out, (x, w_x, w_h, hs, cs, gates)
 
 
+def _cell_backward(dh: jax.Array, dc: jax.Array, gates: jax.Array, c: jax.Array,
+                   c_prev: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``lstm_cell``'s backward from the gradients of its new ``h`` and ``c``: the
+    pre-activations' gradient ``dz [..., 4H]`` and the previous cell state's."""
+    i, f, g, o = _split_gates(gates)
+    tanh_c = jnp.tanh(c)
+    dc = dc + dh * o * (1.0 - tanh_c ** 2)
+    dz = jnp.concatenate([dc * g * i * (1.0 - i), dc * c_prev * f * (1.0 - f),
+                          dc * i * (1.0 - g ** 2), dh * tanh_c * o * (1.0 - o)], axis=-1)
+    return dz, dc * f
+
+
 def _lstm_bwd(compute_dtype: Any, unroll: int, residuals, d_out: jax.Array):
     x, w_x, w_h, hs, cs, gates = residuals
     c_prev = jnp.concatenate([jnp.zeros_like(cs[:1]), cs[:-1]])
@@ -449,13 +461,8 @@ def _lstm_bwd(compute_dtype: Any, unroll: int, residuals, d_out: jax.Array):
     def step(carry, inputs):
         dh_next, dc_next = carry
         dh_t, gates_t, c_t, c_prev_t = inputs
-        i, f, g, o = _split_gates(gates_t)
-        tanh_c = jnp.tanh(c_t)
-        dh = dh_t + dh_next
-        dc = dc_next + dh * o * (1.0 - tanh_c ** 2)
-        dz = jnp.concatenate([dc * g * i * (1.0 - i), dc * c_prev_t * f * (1.0 - f),
-                              dc * i * (1.0 - g ** 2), dh * tanh_c * o * (1.0 - o)], axis=-1)
-        return (_matmul(dz, w_h_t, compute_dtype), dc * f), dz
+        dz, dc_prev = _cell_backward(dh_t + dh_next, dc_next, gates_t, c_t, c_prev_t)
+        return (_matmul(dz, w_h_t, compute_dtype), dc_prev), dz
 
     zeros = jnp.zeros_like(hs[0])
     _, dz = lax.scan(step, (zeros, zeros), (jnp.swapaxes(d_out, 0, 1), gates, cs, c_prev),
@@ -553,18 +560,6 @@ def _routed_lstm_forward(x: jax.Array, global_weights: tuple[jax.Array, jax.Arra
     _, (hs, cs, branch_g, branch_l) = lax.scan(
         step, (zeros, zeros), (zx_g, zx_l, jnp.swapaxes(q0, 0, 1)), unroll=unroll)
     return jnp.swapaxes(hs, 0, 1), (hs, cs, branch_g, branch_l)
-
-
-def _cell_backward(dh: jax.Array, dc: jax.Array, gates: jax.Array, c: jax.Array,
-                   c_prev: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``lstm_cell``'s backward from the gradients of its new ``h`` and ``c``: the
-    pre-activations' gradient ``dz [..., 4H]`` and the previous cell state's."""
-    i, f, g, o = _split_gates(gates)
-    tanh_c = jnp.tanh(c)
-    dc = dc + dh * o * (1.0 - tanh_c ** 2)
-    dz = jnp.concatenate([dc * g * i * (1.0 - i), dc * c_prev * f * (1.0 - f),
-                          dc * i * (1.0 - g ** 2), dh * tanh_c * o * (1.0 - o)], axis=-1)
-    return dz, dc * f
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
