@@ -19,7 +19,8 @@
 # precision; then EMNIST with loops
 # as command buffers, bf16 EMNIST, EMNIST's profile and step parts; then what earlier calls
 # measured once: bf16 Stack Overflow, the determinism check, command buffers over Stack
-# Overflow's loops, cuDNN's convolutions, a bf16 1,000-client Flow round and the roofline.
+# Overflow's loops, cuDNN's convolutions, a bf16 1,000-client Flow round, the mixed-state
+# recurrence's VJP against autodiff and the roofline.
 set -u
 OUT=${OUT:-/tmp/gpu_bench_out}
 NEW=$(cd "${NEW:-.}" && pwd)
@@ -146,6 +147,12 @@ XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" step so64_cmdbuf
 step emnist_xla 100 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=xla --json_out="$RAW/emnist_xla.json"
 SO1000=(launch/benchmark.py --models=stackoverflow_lstm --skewed --clients=1000 --epochs=3 --strategies=planned --nopython_loop --nocentralized --nowarmup --repeats=1 --project_rounds=2000)
 step so1000_flow_bf16 170 "$NEW" "${SO1000[@]}" --algorithms=flow --compute_dtype=bfloat16 --json_out="$RAW/so1000_flow_bf16.json"
+# Flow's mixed-state LSTM recurrence (FlowConfig.recurrence='mixed_state'; off by default)
+# with its hand-written VJP, beside the same method under autodiff (+custom_grad=0) and the
+# default Flow, in one process: on the 2-core CPU the VJP ran its Shakespeare round 1.37x
+# faster under loop, Stack Overflow's 1.13x under vmap and no faster under loop
+# (docs/benchmarks/cpu-mixed-state-vjp.md); never timed on a GPU.
+step so64_mixed_state 150 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --nocentralized --repeats=2 --algorithms=flow,flow_mixed_state,flow_mixed_state+custom_grad=0 --json_out="$RAW/so64_mixed_state.json"
 step roofline 70 "$NEW" launch/roofline.py --models=emnist_cnn,stackoverflow_lstm --json_out="$RAW/roofline_gpu.json"
 
 echo "# done after $(($(date +%s) - START)) s" | tee -a "$LOG"
