@@ -491,8 +491,9 @@ class LSTM(nn.Module):
 
     Attributes:
       features: hidden size ``H``.
-      custom_grad: use ``lstm``'s hand-written VJP; ``False`` differentiates the same
-        forward scan with autodiff.
+      custom_grad: use ``lstm``'s hand-written VJP (and ``routed_lstm``'s where Flow routes
+        this layer's recurrence, ``chain_model``'s ``routed_recurrence``); ``False``
+        differentiates the same forward scans with autodiff.
       compute_dtype: ``None`` (float32) or e.g. ``jnp.bfloat16``: the input projection
         and the recurrent product (and their backward products) run on operands cast to
         it with float32 accumulation; params and the cell state stay float32.
