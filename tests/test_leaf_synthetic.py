@@ -93,6 +93,9 @@ def test_mlp_is_routable_per_layer():
                                rtol=1e-5, atol=1e-5)
 
 
+# -m slow (13 s in CI): test_launch's test_compare_writes_one_table_and_resumes runs the same
+# config and methods through compare.py in CI and checks both rows, the CSV and a resume.
+@pytest.mark.slow
 def test_quick_config_compares_fedavg_and_flow_through_compare_py(tmp_path):
     command = [sys.executable, "launch/compare.py", "--config=configs/synthetic.py:quick",
                "--methods=fedavg,flow", f"--workdir={tmp_path}", "--config.num_rounds=3",
