@@ -451,10 +451,24 @@ def _cell_backward(dh: jax.Array, dc: jax.Array, gates: jax.Array, c: jax.Array,
     return dz, dc * f
 
 
+def _previous(states: jax.Array) -> jax.Array:
+    """Time-major ``states [T, ...]`` one step later: each step's previous state, zero at
+    the start."""
+    return jnp.concatenate([jnp.zeros_like(states[:1]), states[:-1]])
+
+
+def _after_reverse_loop(x: jax.Array, h_prev: jax.Array, dz: jax.Array, w_x: jax.Array,
+                        compute_dtype: Any) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """From every step's pre-activation gradients ``dz [T, B, 4H]``: the input's gradient
+    and ``(w_x, w_h, b)``'s, each one product over all steps (not summed in the loop)."""
+    dx = _product("tbg,fg->btf", dz, w_x, compute_dtype)
+    return dx, (_product("btf,tbg->fg", x, dz, compute_dtype),
+                _product("tbh,tbg->hg", h_prev, dz, compute_dtype), dz.sum(axis=(0, 1)))
+
+
 def _lstm_bwd(compute_dtype: Any, unroll: int, residuals, d_out: jax.Array):
     x, w_x, w_h, hs, cs, gates = residuals
-    c_prev = jnp.concatenate([jnp.zeros_like(cs[:1]), cs[:-1]])
-    h_prev = jnp.concatenate([jnp.zeros_like(hs[:1]), hs[:-1]])
+    c_prev, h_prev = _previous(cs), _previous(hs)
     # Once, so the loop body multiplies by a canonical-layout matrix (in the compute dtype).
     w_h_t = _operand(compute_dtype, w_h.T)
 
@@ -467,10 +481,8 @@ def _lstm_bwd(compute_dtype: Any, unroll: int, residuals, d_out: jax.Array):
     zeros = jnp.zeros_like(hs[0])
     _, dz = lax.scan(step, (zeros, zeros), (jnp.swapaxes(d_out, 0, 1), gates, cs, c_prev),
                      reverse=True, unroll=unroll)
-    dx = _product("tbg,fg->btf", dz, w_x, compute_dtype)
-    dw_x = _product("btf,tbg->fg", x, dz, compute_dtype)
-    dw_h = _product("tbh,tbg->hg", h_prev, dz, compute_dtype)
-    return dx, dw_x, dw_h, dz.sum(axis=(0, 1))
+    dx, weight_grads = _after_reverse_loop(x, h_prev, dz, w_x, compute_dtype)
+    return (dx, *weight_grads)
 
 
 lstm.defvjp(_lstm_fwd, _lstm_bwd)
@@ -581,8 +593,7 @@ def _routed_lstm_fwd(x, global_weights, local_weights, q0, hard, compute_dtype, 
 
 def _routed_lstm_bwd(hard: bool, compute_dtype: Any, unroll: int, residuals, d_out: jax.Array):
     x, (w_x_g, w_h_g, _), (w_x_l, w_h_l, _), q0, hs, cs, branch_g, branch_l = residuals
-    c_prev = jnp.concatenate([jnp.zeros_like(cs[:1]), cs[:-1]])
-    h_prev = jnp.concatenate([jnp.zeros_like(hs[:1]), hs[:-1]])
+    c_prev, h_prev = _previous(cs), _previous(hs)
     # Once, so the loop body multiplies by canonical-layout matrices (in the compute dtype).
     w_h_g_t, w_h_l_t = _operand(compute_dtype, w_h_g.T), _operand(compute_dtype, w_h_l.T)
 
@@ -591,10 +602,10 @@ def _routed_lstm_bwd(hard: bool, compute_dtype: Any, unroll: int, residuals, d_o
         dh_next, dc_next = carry
         dh_t, q0_t, c_prev_t, (h_g, c_g, gates_g), (h_l, c_l, gates_l) = inputs
         dh, dc = dh_t + dh_next, dc_next
-        if hard:
+        if hard:  # each gradient goes whole to the chosen cell
             zero, use_global = jnp.zeros_like(dh), (q0_t >= 0.5)[:, None]
-            (dh_g, dc_g), (dh_l, dc_l) = ((jnp.where(use_global, d, zero) for d in (dh, dc)),
-                                          (jnp.where(use_global, zero, d) for d in (dh, dc)))
+            (dh_g, dh_l), (dc_g, dc_l) = ((jnp.where(use_global, d, zero),
+                                           jnp.where(use_global, zero, d)) for d in (dh, dc))
             dq0 = jnp.zeros_like(q0_t)
         else:
             q = q0_t[:, None].astype(dh.dtype)
@@ -611,13 +622,9 @@ def _routed_lstm_bwd(hard: bool, compute_dtype: Any, unroll: int, residuals, d_o
         step, (zeros, zeros),
         (jnp.swapaxes(d_out, 0, 1), jnp.swapaxes(q0, 0, 1), c_prev, branch_g, branch_l),
         reverse=True, unroll=unroll)
-    # The weights' gradients as one product each over every step (not summed in the loop).
-    dx = (_product("tbg,fg->btf", dz_g, w_x_g, compute_dtype)
-          + _product("tbg,fg->btf", dz_l, w_x_l, compute_dtype))
-    weight_grads = tuple((_product("btf,tbg->fg", x, dz, compute_dtype),
-                          _product("tbh,tbg->hg", h_prev, dz, compute_dtype),
-                          dz.sum(axis=(0, 1))) for dz in (dz_g, dz_l))
-    return (dx, *weight_grads, jnp.swapaxes(dq0, 0, 1))
+    dx_g, grads_g = _after_reverse_loop(x, h_prev, dz_g, w_x_g, compute_dtype)
+    dx_l, grads_l = _after_reverse_loop(x, h_prev, dz_l, w_x_l, compute_dtype)
+    return dx_g + dx_l, grads_g, grads_l, jnp.swapaxes(dq0, 0, 1)
 
 
 _routed_lstm.defvjp(_routed_lstm_fwd, _routed_lstm_bwd)
