@@ -241,14 +241,17 @@ def algorithms(model_name: str, example_x) -> tuple[Any, dict[str, Variant]]:
     model = get_model(model_name, **options)
     variants = {}
     for entry in _ALGORITHMS.value:
-        method, loops = parse_variant(entry)
+        method, entry_options = parse_variant(entry)
         built = model
-        if "lstm_unroll" in loops:
-            require_option(model_name, "lstm_unroll", f"--algorithms: {entry!r}")
-        model_loops = {k: v for k, v in loops.items() if k != "steps_per_loop"}
-        if model_loops:
-            built = get_model(model_name, **{**options, **model_loops})
-        steps_per_loop = loops.get("steps_per_loop", 1)
+        # The model's options (every one but the clients' SGD's steps_per_loop); the
+        # switches as bools.
+        model_options_of_entry = {k: bool(v) if k in SWITCH_OPTIONS else v
+                                  for k, v in entry_options.items() if k != "steps_per_loop"}
+        for name in model_options_of_entry:
+            require_option(model_name, name, f"--algorithms: {entry!r}")
+        if model_options_of_entry:
+            built = get_model(model_name, **{**options, **model_options_of_entry})
+        steps_per_loop = entry_options.get("steps_per_loop", 1)
         variants[entry] = Variant(build_algorithm(built, method, example_x, _EPOCHS.value,
                                                   steps_per_loop), steps_per_loop)
     return model, variants
