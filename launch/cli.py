@@ -209,19 +209,24 @@ def _quiet_interrupt(main: Callable[[list[str]], int | None],
             _exit_if_a_process_is_lost(error)
             raise
         except KeyboardInterrupt as interrupt:
-            if debug():
-                raise
-            # Checkpoint writes hold both signals until they are complete
-            # (flowjax/checkpoint.py).
             terminated = isinstance(interrupt, Terminated)
-            print(f"interrupted ({'SIGTERM' if terminated else 'Ctrl-C'})"
-                  + (f"; {RESUMES}" if resumable else ""), file=sys.stderr, flush=True)
             status = TERMINATED if terminated else INTERRUPTED
             # A multi-host run's signal outside the run loop's agreed stops (loading, the
             # first compile, HypCluster's warm-up, writing the results): the others go on
-            # until their next collective, which then fails for them (ProcessLost).
+            # until their next collective, which then fails for them (ProcessLost). Under
+            # --debug too: a re-raise would leave through JAX's shutdown barrier.
             distributed = _distributed()
-            if distributed is not None and distributed.stops_alone():
+            alone = distributed is not None and distributed.stops_alone()
+            if debug():
+                if not alone:
+                    raise
+                traceback.print_exc()
+                _leave_now(status)
+            # Checkpoint writes hold both signals until they are complete
+            # (flowjax/checkpoint.py).
+            print(f"interrupted ({'SIGTERM' if terminated else 'Ctrl-C'})"
+                  + (f"; {RESUMES}" if resumable else ""), file=sys.stderr, flush=True)
+            if alone:
                 _leave_now(status)
             return status
     return wrapped

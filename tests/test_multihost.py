@@ -270,3 +270,18 @@ def test_a_signal_stops_every_process_at_the_same_round_and_resumes_exactly(tmp_
         for workdir in ("term", "int", "early"):
             assert ((tmp_path / workdir / name).read_bytes()
                     == (tmp_path / "clean" / name).read_bytes()), (workdir, name)
+
+
+# CI: 6 s. The plain path's early signal: the slow test above.
+def test_a_signal_before_the_run_loop_under_debug_leaves_at_once_with_its_traceback(tmp_path):
+    # --debug re-raises a signal for its traceback; a re-raise outside the run loop's agreed
+    # stops would then wait in JAX's shutdown barrier for process 0, which waits for it in
+    # its next collective, until the heartbeat timeout aborts both.
+    (code0, err0), (code1, err1) = two_processes(
+        tmp_path / "early", fault=(None, "built:1:SIGTERM"), extra=((), ("--debug",)))
+    assert (code0, code1) == (2, 143), (err0[-2000:], err1[-2000:])
+    assert "Traceback (most recent call last)" in err1, err1[-2000:]
+    assert err1.strip().splitlines()[-1].endswith("Terminated"), err1[-2000:]
+    assert err0.strip().splitlines()[-1].startswith(
+        "error: process 0: a step all 2 processes take together failed ("), err0[-2000:]
+    assert "Fatal Python error" not in err0 + err1
