@@ -98,6 +98,8 @@ def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> 
     where = f"--workdir={workdir}"
     finished, error = False, None
     try:
+        if distributed.multiprocess():
+            shared_fs_wait_s()  # a bad value stops every process, before anything is written
         finished = _checked_workdir(workdir, resolved, overwrite)
     except (ValueError, OSError) as raised:
         error = raised
@@ -116,15 +118,60 @@ def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> 
                                "expected a directory you can write")
     distributed.stop_together(error, where)
     if not distributed.is_primary():
-        try:
-            written = run_folder.read_config(workdir, "expected the config.json process 0 wrote")
-        except (ValueError, OSError) as raised:
-            written, error = None, raised
-        if error is None and written != json.loads(json.dumps(resolved)):
-            error = ValueError(f"{where}: this process does not see the config.json process 0 "
-                               f"wrote; expected a workdir on a filesystem every process shares")
+        error = _unseen_config(workdir, resolved, where)
     distributed.stop_together(error, where)
     return False
+
+
+# How long a process of a multi-host run looks for the config.json process 0 wrote. An
+# NFS client trusts its cached lookups (this process found no config.json moments before)
+# and a folder's cached attributes for up to acdirmax, 60 s by default (nfs(5)), so a file
+# another host just created can stay out of sight that long. FLOWJAX_SHARED_FS_WAIT_S sets
+# another bound.
+SHARED_FS_WAIT_S = 60.0
+_WAIT_VARIABLE = "FLOWJAX_SHARED_FS_WAIT_S"
+
+
+def shared_fs_wait_s() -> float:
+    """The bound on that wait: ``FLOWJAX_SHARED_FS_WAIT_S``, else ``SHARED_FS_WAIT_S``."""
+    text = os.environ.get(_WAIT_VARIABLE)
+    if text is None:
+        return SHARED_FS_WAIT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"{_WAIT_VARIABLE}={text!r}; expected seconds >= 0")
+    return value
+
+
+def _unseen_config(workdir: str, resolved: dict[str, Any], where: str) -> Exception | None:
+    """None once this process reads the ``config.json`` process 0 wrote for ``resolved``
+    (looking again every 0.5 s, up to ``shared_fs_wait_s()``); else why not."""
+    expected = json.loads(json.dumps(resolved))
+    try:
+        deadline = time.monotonic() + shared_fs_wait_s()
+    except ValueError as raised:
+        return raised
+    while True:
+        # Listing the folders makes an NFS client revalidate them, which drops its cached
+        # "no such file" once the folder has changed on the server.
+        for folder in (os.path.dirname(os.path.abspath(workdir)), workdir):
+            try:
+                os.listdir(folder)
+            except OSError:
+                pass
+        try:
+            written = run_folder.read_config(workdir, "expected the config.json process 0 wrote")
+            error = None if written == expected else ValueError(
+                f"{where}: this process does not see the config.json process 0 wrote; "
+                f"expected a workdir on a filesystem every process shares")
+        except (ValueError, OSError) as raised:
+            error = raised
+        if error is None or time.monotonic() >= deadline:
+            return error
+        time.sleep(0.5)
 
 
 def _checked_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> bool:

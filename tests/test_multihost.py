@@ -8,6 +8,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -182,7 +184,11 @@ def last_lines(results):
     return [(code, err.strip().splitlines()[-1]) for code, err in results]
 
 
-def test_processes_that_disagree_stop_together_in_one_line_before_writing(tmp_path):
+def test_processes_that_disagree_stop_together_in_one_line_before_writing(tmp_path,
+                                                                          monkeypatch):
+    # A process looks for process 0's config.json for up to 60 s (an NFS client's cached
+    # lookups); 1 s here, where the workdirs below are not shared.
+    monkeypatch.setenv("FLOWJAX_SHARED_FS_WAIT_S", "1")
     # Other flags on one host (a cadence the run folder itself would accept at a resume):
     # every process stops before anything is written, instead of hanging in a collective.
     (code0, line0), (code1, line1) = last_lines(two_processes(
@@ -285,3 +291,42 @@ def test_a_signal_before_the_run_loop_under_debug_leaves_at_once_with_its_traceb
     assert err0.strip().splitlines()[-1].startswith(
         "error: process 0: a step all 2 processes take together failed ("), err0[-2000:]
     assert "Fatal Python error" not in err0 + err1
+
+
+@pytest.mark.slow  # 20 s; the wait's bound and its message: the test above, in CI
+def test_a_process_waits_for_process_0s_config_json_to_come_into_sight(tmp_path):
+    # Process 1's --workdir comes into sight 3 s after process 0 wrote its config.json,
+    # as a file another NFS client created can stay out of sight for up to acdirmax
+    # (60 s): it waits for it, where it once stopped both processes at once.
+    workdir, late = tmp_path / "shared", tmp_path / "late"
+
+    def link_later():
+        deadline = time.monotonic() + 300
+        while not (workdir / "config.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(3)
+        late.symlink_to(workdir)
+
+    linker = threading.Thread(target=link_later)
+    linker.start()
+    started = time.monotonic()
+    results = two_processes((workdir, late))
+    linker.join()
+    for code, err in results:
+        assert code == 0, err[-3000:]
+    assert time.monotonic() - started > 3
+    assert (workdir / "results.json").exists()
+    assert json.loads((workdir / "run.json").read_text())["resumed_from_round"] is None
+
+
+@pytest.mark.parametrize("text", ["soon", "-1", "inf", "nan", ""])
+def test_a_bad_shared_fs_wait_is_a_one_line_error(monkeypatch, text):
+    from flowjax import runner
+    monkeypatch.setenv("FLOWJAX_SHARED_FS_WAIT_S", text)
+    with pytest.raises(ValueError) as error:
+        runner.shared_fs_wait_s()
+    assert str(error.value) == f"FLOWJAX_SHARED_FS_WAIT_S={text!r}; expected seconds >= 0"
+    monkeypatch.setenv("FLOWJAX_SHARED_FS_WAIT_S", "2.5")
+    assert runner.shared_fs_wait_s() == 2.5
+    monkeypatch.delenv("FLOWJAX_SHARED_FS_WAIT_S")
+    assert runner.shared_fs_wait_s() == runner.SHARED_FS_WAIT_S == 60.0
