@@ -124,6 +124,22 @@ def test_each_training_order_moves_global_and_policy(mlp, images_small, order):
     assert np.isfinite(float(result.metrics["loss_sum"]))
 
 
+@pytest.mark.parametrize("order", ["policy_first", "global_first"])
+def test_the_logged_loss_is_the_global_steps_under_every_order(mlp, images_small, order):
+    # global_first's global phase runs before the policy moves, so its loss cannot depend
+    # on gamma; it once logged the policy phase's objective, regularizer included.
+    # policy_first's global phase follows a policy that gamma trained, so it does.
+    client, key = _client(images_small, 1, 32), jax.random.key(1)
+    losses = []
+    for gamma in (0.01, 0.5):
+        algorithm = _algorithm(mlp, images_small, order=order, gamma=gamma)
+        metrics = jax.jit(algorithm.client_update)(algorithm.init(jax.random.key(0)), client,
+                                                   key).metrics
+        losses.append((float(metrics["loss_sum"]), float(metrics["loss_count"])))
+    assert losses[0][1] == losses[1][1] > 0
+    assert (losses[0][0] == losses[1][0]) == (order == "global_first"), losses
+
+
 def test_phases_train_on_their_own_half_and_the_weight_is_zeta_g(mlp, images_small):
     # 13 real examples at ratio 0.3: |zeta_l| = floor(13 * 0.3) = 3, |zeta_g| = 10. The
     # loss counts are examples seen: K1 epochs over zeta_l, K2 over zeta_g.

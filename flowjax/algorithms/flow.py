@@ -347,8 +347,12 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
             if config.order == "global_first":
                 phases.reverse()
             for i, phase in enumerate(phases):
-                state, routed = run_epochs(phase, state, num_epochs=config.routing_epochs,
-                                           key=jax.random.fold_in(routing_key, i), **run)
+                state, stats = run_epochs(phase, state, num_epochs=config.routing_epochs,
+                                          key=jax.random.fold_in(routing_key, i), **run)
+                # The round's loss is the global step's under every order (alternating's
+                # too), never the policy step's objective with its regularizer.
+                if phase is global_step:
+                    routed = stats
         metrics = {"loss_sum": routed[0], "loss_count": routed[1],
                    "local_loss_sum": local_stats[0], "local_loss_count": local_stats[1]}
         return state[0], snapshot, weight, metrics
