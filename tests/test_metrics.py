@@ -56,6 +56,19 @@ def test_breakdown_and_accuracies_agree_under_each_average():
     assert abs(pooled["both_correct"] + pooled["global_only"] - s.acc_g) > 0.1
 
 
+def test_spread_of_per_client_accuracy_for_both_models():
+    # Per-client accuracies by hand: global 8/10, 0/2, 1/4; personalized 6/10, 2/2, 1/4.
+    s = summarize(_counts(GROUP_COUNTS))
+    for name, accuracies in (("acc_g", [0.8, 0.0, 0.25]), ("acc_p", [0.6, 1.0, 0.25])):
+        got = [getattr(s, f"{name}_{statistic}") for statistic in ("std", "p10", "p90")]
+        want = [np.std(accuracies), np.percentile(accuracies, 10),
+                np.percentile(accuracies, 90)]
+        assert got == pytest.approx(want, rel=1e-15), name
+    # A client without test instances is not in the spread (nor in any mean).
+    padded = summarize(_counts(np.concatenate([GROUP_COUNTS, np.zeros((1, 4), np.float32)])))
+    assert (padded.acc_g_std, padded.acc_p_p10) == (s.acc_g_std, s.acc_p_p10)
+
+
 def test_table_rows_use_one_average_and_say_which():
     s = summarize(_counts(GROUP_COUNTS)).to_dict()
     results = {"apfl": {"populations": {"train_clients": s}}}

@@ -143,9 +143,14 @@ class EvalSummary:
     clients_hurt: float
     breakdown: dict[str, float]
     q0_by_group: dict[str, list[float | None]]
+    # The spread of per-client accuracy (population std, 10th and 90th percentile).
     acc_p_std: float
     acc_p_p10: float
     acc_p_p90: float
+    # Acc_g's spread too; None in summaries saved before it was reported.
+    acc_g_std: float | None = None
+    acc_g_p10: float | None = None
+    acc_g_p90: float | None = None
     # Default so summaries saved in checkpoints before the histogram existed still load.
     q0_histogram: dict[str, list[list[float]]] = dataclasses.field(default_factory=dict)
     # Flow's reference evaluation only: accuracy of the client's copy of the global branch
@@ -260,6 +265,9 @@ def summarize(counts: ClientCounts, client_ids: Sequence[str] | None = None) -> 
         acc_p_std=float(np.std(acc["personal"])),
         acc_p_p10=float(np.percentile(acc["personal"], 10)),
         acc_p_p90=float(np.percentile(acc["personal"], 90)),
+        acc_g_std=float(np.std(acc["global"])),
+        acc_g_p10=float(np.percentile(acc["global"], 10)),
+        acc_g_p90=float(np.percentile(acc["global"], 90)),
         q0_histogram={group: counts.q0_histogram[keep].sum(axis=0)[g].tolist()
                       for g, group in enumerate(GROUPS)},
         routing_client=None if client_ids is None else routing_client(counts, client_ids),
