@@ -31,8 +31,9 @@ Epochs. The Flow paper gives every method the same E local epochs per round; for
 FedRep authors' code (head epochs = local epochs - representation epochs, default 1 body
 epoch). ``E = 1`` follows the same formula: 0 head epochs + 1 body epoch, as their code
 does with one local epoch. FedRep then trains no head, neither in a round nor at
-evaluation, so its personalized model is its global model (``Acc_p = Acc_g`` for every
-client, ties only) and it reduces to FedAvg of the body under the fixed initial head; the
+evaluation, so its personalized model is its global model up to float rounding: Acc_g's
+head is the example-weighted mean of identical copies of it (``Acc_p = Acc_g`` for every
+client, ties only, but for an argmax within that rounding) and it reduces to FedAvg of the body under the fixed initial head; the
 quick Shakespeare config (E = 1) shows that, the paper's configs (E = 3 or 5) do not.
 
 Choices where the paper is silent or the reference code differs:
