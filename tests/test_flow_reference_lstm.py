@@ -269,6 +269,29 @@ def test_the_plan_is_their_shards_and_every_batch(shakespeare_small):
     assert sizes == {"local": 5, "joint": 4}
 
 
+def test_a_one_batch_clients_empty_policy_half_stays_empty_where_their_code_goes_on():
+    """3 sequences in batches of 4: their ``shard(2, 1)`` is empty. Shakespeare's training
+    (weighed by its every-batch global epochs) and Stack Overflow's evaluation loop over
+    it and go on; Stack Overflow's training weighs the client by it (0/0 in theirs), so
+    there the tiny-client rule gives it every sequence."""
+    valid = jnp.arange(8) < 3
+
+    def sizes(plan):
+        return {phase: [int(m.sum()) for m in np.asarray(plan[phase][1])] for phase in plan}
+
+    key = jax.random.key(0)
+    shakespeare, stackoverflow = (reference.NETS[name] for name in ("shakespeare_lstm",
+                                                                    "stackoverflow_lstm"))
+    assert sizes(reference.train_plan(shakespeare, key, valid, 4, 2, 2)) == {
+        "local": [3, 3], "policy": [0, 0], "global": [3, 3]}
+    assert sizes(reference.train_plan(stackoverflow, key, valid, 4, 2, 2)) == {
+        "local": [3, 3], "policy": [3, 3]}
+    assert sizes(reference.evaluation_plan(stackoverflow, key, valid, 4, 2, 2)) == {
+        "local": [3, 3], "joint": [0, 0]}
+    assert sizes(reference.evaluation_plan(shakespeare, key, valid, 4, 2, 2)) == {
+        "local": [3, 3], "joint": [3, 3]}  # every batch, no shards
+
+
 @pytest.mark.parametrize("towards", ["global", "local"])
 def test_hard_routes_of_one_cell_are_that_branchs_cells_with_the_global_head(
         algorithm, model, shakespeare_small, towards):

@@ -277,8 +277,12 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
         state, _ = policy_step(state, batch, jax.random.fold_in(key, 0))
         return global_step(state, batch, jax.random.fold_in(key, 1))
 
-    def phase_runs(valid):
-        """``run_epochs`` arguments of the local and the routing phase, and |zeta_g|."""
+    def phase_runs(valid, reference_evaluation: bool):
+        """``run_epochs`` arguments of the local and the routing phase, and |zeta_g|.
+
+        Under their evaluation a one-batch client's empty ``shard(2, 1)`` stays empty, as
+        in their ``*_generalized_test`` (it runs on); their training would divide by its
+        size, so there both halves take every example (``flow_reference``)."""
         n = valid.shape[0]
         if config.halves == "random":
             return None  # drawn per client key in train_client
@@ -288,7 +292,8 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
         reshuffle = config.halves == "shard_reshuffled"
         local_run, global_run = (
             dict(member=valid, max_members=n,
-                 batches_fn=shard_batches_fn(valid, config.sgd.batch_size, index, reshuffle, n))
+                 batches_fn=shard_batches_fn(valid, config.sgd.batch_size, index, reshuffle, n,
+                                             single_batch_uses_all=not reference_evaluation))
             for index in (0, 1))
         # |shard 1| depends only on the client's size, not on the order of the examples.
         return local_run, global_run, jnp.sum(shard_member(valid, config.sgd.batch_size, 1))
@@ -301,7 +306,9 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
         """
         split_key, local_key, routing_key = (jax.random.fold_in(key, i) for i in range(3))
         valid = valid_examples(examples)
-        runs = phase_runs(valid)
+        reference_evaluation = evaluating and config.evaluation in ("reference",
+                                                                    "reference_policy")
+        runs = phase_runs(valid, reference_evaluation)
         if runs is None:
             zeta_l, zeta_g = split_halves(split_key, valid, config.split_ratio)
             local_cap, global_cap = half_capacity(valid.shape[0], config.split_ratio)
@@ -321,7 +328,7 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
                                             **common, **local_run)
         run = dict(x=x, y=y, **common, **global_run)
         snapshot = None
-        if evaluating and config.evaluation in ("reference", "reference_policy"):
+        if reference_evaluation:
             # *_generalized_test: one step on the routed loss plus regularizer trains the
             # policy with the global branch (EMNIST) or alone (CIFAR); Acc_g's model is
             # the global branch after the first epoch.

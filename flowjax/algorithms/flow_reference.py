@@ -40,9 +40,12 @@ CIFAR ResNet their code is another network (the LSTM policies read the cells' st
 ResNet has an ImageNet stem, a norm shared by both branches and their GroupNorm), which
 ``flowjax.algorithms.flow_reference_lstm`` and ``flow_reference_resnet`` run whole; the
 fields above then apply to ``emnist_cnn`` in reference mode, and to any model one field
-at a time under ``semantics="paper"``. Where their code
-crashes (a client with one batch has an empty half) the tiny-client rule of ``flow.py``
-applies: both phases use all examples.
+at a time under ``semantics="paper"``. A client with one batch has an empty
+``shard(2, 1)``. Where their code then crashes (training that weighs the client by that
+half's size: EMNIST, Stack Overflow) the tiny-client rule of ``flow.py`` applies: both
+phases use all examples. Where it runs on (every ``*_generalized_test`` evaluation that
+shards, and Shakespeare's training, weighed by its every-batch global epochs) the half
+stays empty, as theirs: no step trains on it.
 """
 
 from __future__ import annotations
@@ -124,26 +127,33 @@ def batch_index(valid: jax.Array, batch_size: int, sort_key: jax.Array | None = 
 
 
 def shard_member(valid: jax.Array, batch_size: int, index: int,
-                 sort_key: jax.Array | None = None) -> jax.Array:
+                 sort_key: jax.Array | None = None, *,
+                 single_batch_uses_all: bool = True) -> jax.Array:
     """bool ``[N]``: the examples of ``dataset.batch(B).shard(2, index)``.
 
-    A client with a single batch would leave half 1 empty (their code then divides by
-    zero); here both halves are then every valid example (the tiny-client rule).
+    A client with a single batch leaves half 1 empty. With ``single_batch_uses_all`` (for
+    training that their code would end in a division by zero) both halves are then every
+    valid example (the tiny-client rule); without, half 1 stays empty, as theirs.
     """
     batch = batch_index(valid, batch_size, sort_key)
     single = jnp.sum(valid) <= batch_size
+    if not single_batch_uses_all:
+        return valid & (batch % 2 == index)
     return valid & ((batch % 2 == index) | single)
 
 
 def shard_batches_fn(valid: jax.Array, batch_size: int, index: int, reshuffle: bool,
-                     max_members: int) -> Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+                     max_members: int, *, single_batch_uses_all: bool = True
+                     ) -> Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
     """A ``run_epochs`` ``batches_fn`` giving half ``index`` of ``shard(2, index)``, batch
     for batch as the authors' loop sees it (members packed in order: every batch but the
-    dataset's last is full, so packing the even or odd batches reproduces them exactly)."""
+    dataset's last is full, so packing the even or odd batches reproduces them exactly);
+    ``single_batch_uses_all`` as in ``shard_member``."""
     n = valid.shape[0]
 
     def half(sort_key: jax.Array | None):
-        member = shard_member(valid, batch_size, index, sort_key)
+        member = shard_member(valid, batch_size, index, sort_key,
+                              single_batch_uses_all=single_batch_uses_all)
         order = jnp.arange(n, dtype=jnp.float32) if sort_key is None else sort_key
         return packed_batches(order, member, batch_size, max_members)
 

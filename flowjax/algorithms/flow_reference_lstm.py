@@ -235,15 +235,17 @@ def torch_bias(layer_params: dict) -> dict:
 
 
 def plan_batches(key: jax.Array, valid: jax.Array, batch_size: int, epochs: int,
-                 half: int | None) -> tuple[jax.Array, jax.Array]:
+                 half: int | None, single_batch_uses_all: bool = True
+                 ) -> tuple[jax.Array, jax.Array]:
     """``epochs`` passes of their reshuffled loader: ``(indices [E, S, B], mask [E, S, B])``
     of every batch (``half`` None) or of ``shard(2, half)``; pass ``e`` draws from
-    ``fold_in(key, e)``."""
+    ``fold_in(key, e)``; ``single_batch_uses_all``: ``flow_reference.shard_member``'s."""
     n = valid.shape[0]
     if half is None:
         one = lambda k: epoch_batches(k, valid, batch_size, n)  # noqa: E731
     else:
-        shard = shard_batches_fn(valid, batch_size, half, True, n)
+        shard = shard_batches_fn(valid, batch_size, half, True, n,
+                                 single_batch_uses_all=single_batch_uses_all)
         one = lambda k: shard(k, 0)  # noqa: E731
     return jax.vmap(one)(jax.vmap(lambda e: jax.random.fold_in(key, e))(jnp.arange(epochs)))
 
@@ -253,10 +255,15 @@ def train_plan(net: Net, key: jax.Array, valid: jax.Array, batch_size: int,
     """The batches of their client update for ``key``: the local phase's even batches, the
     routing epochs' odd batches and, where the global phase has epochs of its own, theirs
     (``launch/parity.py`` feeds their loop the same)."""
+    # A one-batch client's policy half is empty. Where their global phase has epochs of
+    # its own (Shakespeare), which weigh the client, it stays empty, as theirs; where the
+    # client is weighed by that half (Stack Overflow) theirs divides by zero, and the
+    # tiny-client rule gives it every example.
     plan = {"local": plan_batches(jax.random.fold_in(key, 0), valid, batch_size,
                                   local_epochs, 0),
             "policy": plan_batches(jax.random.fold_in(key, 1), valid, batch_size,
-                                   routing_epochs, 1)}
+                                   routing_epochs, 1,
+                                   single_batch_uses_all=not net.global_epoch_on_every_batch)}
     if net.global_epoch_on_every_batch:
         plan["global"] = plan_batches(jax.random.fold_in(key, 2), valid, batch_size,
                                       routing_epochs, None)
@@ -268,10 +275,12 @@ def evaluation_plan(net: Net, key: jax.Array, valid: jax.Array, batch_size: int,
                     ) -> dict[str, tuple[jax.Array, jax.Array]]:
     """The batches of their evaluation's training for ``key``."""
     every = net.evaluation_on_every_batch
+    # Their evaluation runs on with a one-batch client's empty shard 1: no joint step.
     return {"local": plan_batches(jax.random.fold_in(key, 0), valid, batch_size,
                                   local_epochs, None if every else 0),
             "joint": plan_batches(jax.random.fold_in(key, 1), valid, batch_size,
-                                  routing_epochs, None if every else 1)}
+                                  routing_epochs, None if every else 1,
+                                  single_batch_uses_all=False)}
 
 
 def build(model: RoutableModel, config: Any) -> FederatedAlgorithm:
