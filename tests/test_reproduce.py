@@ -123,9 +123,12 @@ def test_table3_reports_benefiting_and_ties_with_missing_seeds(table3_cells):
     assert md_cell(markdown, "PartialFed", "Shakespeare % Acc_p > Acc_g") == "not run (paper —)"
     assert md_cell(markdown, "knnPer", "Shakespeare % Acc_p > Acc_g") == (
         "missing, 0 of 3 seeds (paper 68.87)")
+    # The paper's figures are of its training clients: none beside the held-out rows.
     assert md_cell(markdown, "FedAvgFT", "Shakespeare % Acc_p > Acc_g",
-                   "held_out_clients") == "100.00 ± 0.00 (paper 79.00)"
+                   "held_out_clients") == "100.00 ± 0.00 (paper —)"
     rows = csv_rows(table_csv(entries))
+    held_out = [r for r in rows if r["population"] == "held_out_clients"]
+    assert held_out and all(r["paper_pct"] == r["paper_source"] == "" for r in held_out)
     flow_ties = [r for r in rows if r["variant"] == "flow" and r["metric"] == "clients_tied"
                  and r["population"] == "train_clients"]
     assert len(flow_ties) == 1
@@ -296,6 +299,14 @@ def test_paper_figures_match_the_tex_source():
         assert text in tex, key
     figure = paper_figures.paper_figure("emnist", "fedavg", "acc_g")
     assert (figure.value, figure.spread) == (85.10, 1.32)  # the tex's "1,32"
+    # pc-Flow: the paper's own number on Stackoverflow; elsewhere FedAvgFT's, saying so.
+    stackoverflow = paper_figures.paper_figure("stackoverflow", "pc_flow", "acc_p")
+    assert (stackoverflow.value, stackoverflow.source) == (24.41, "sec:ablation")
+    derived = paper_figures.paper_figure("emnist", "pc_flow", "acc_p")
+    fedavg_ft = paper_figures.paper_figure("emnist", "fedavg_ft", "acc_p")
+    assert (derived.value, derived.spread) == (fedavg_ft.value, fedavg_ft.spread)
+    assert derived.source == (f"FedAvgFT's {fedavg_ft.source} (sec:ablation: pc-Flow is "
+                              f"simply FedAvgFT)")
 
 
 # ---------------------------------------------------------------- the launcher

@@ -19,6 +19,8 @@ from flowjax.paper.figures import PaperFigure, paper_delta, paper_figure
 from flowjax.paper.plan import DATASETS, METRIC_TITLES, Delta, Row, TableSpec, lacks_model
 from flowjax.paper.stats import SeedStats, seed_stats
 
+# The population the paper's figures are of: other populations' rows get none beside them.
+PAPER_POPULATION = "train_clients"
 POPULATION_NOTES = {
     "train_clients": "the training clients' test splits, as the paper evaluates",
     "held_out_clients": "clients never sampled in training (not in the paper)",
@@ -74,8 +76,10 @@ def _row_entries(spec: TableSpec, row: Row, results: Results, datasets: Sequence
             status = ("not_applicable" if lacks_model(row.variant, metric) or unreported
                       else "not_run" if (row.variant, dataset) in skipped and stats.n == 0
                       else "ok")
+            paper = (paper_figure(dataset, row.variant, field)
+                     if population == PAPER_POPULATION else None)
             entries.append(Entry(spec.name, dataset, row.label, row.variant, population, field,
-                                 stats, paper_figure(dataset, row.variant, field), status))
+                                 stats, paper, status))
     return entries
 
 
@@ -92,9 +96,10 @@ def _delta_entries(spec: TableSpec, delta: Delta, results: Results, datasets: Se
             by_seed = paired_differences(
                 metric_by_seed(results, dataset, delta.plus, population, metric),
                 metric_by_seed(results, dataset, delta.minus, population, metric))
+            paper = (paper_delta(delta.key, dataset, metric)
+                     if population == PAPER_POPULATION else None)
             entries.append(Entry(spec.name, dataset, delta.label, name, population, metric,
-                                 seed_stats(by_seed, seeds),
-                                 paper_delta(delta.key, dataset, metric), delta=True))
+                                 seed_stats(by_seed, seeds), paper, delta=True))
     return entries
 
 
