@@ -62,8 +62,16 @@ once had a gradient keeps stepping by its momentum; under ``"set_to_none"`` (PyT
 the others stand still. Each layer is its own optimizer group so both rules hold layer by
 layer (``flow_reference.group_sgd_step``).
 
-Not theirs: the initialization (flowjax's layers' and flax's ``Dense`` defaults; the pad row
-zeroed as PyTorch does), and Shakespeare's ``shuffle(50)`` of snippets before tokenization,
+A client with one batch: its odd batches are empty. Shakespeare's training and Stack
+Overflow's evaluation loop over them and go on, and so does this module (no policy or
+joint step); Stack Overflow's training would divide by their size, and there the
+tiny-client rule gives both halves every sequence (``flow_reference``).
+
+Not theirs: a batch whose targets are all padding (possible in Shakespeare only, a
+snippet's last chunks) has a mean loss of 0 here, where their ``CrossEntropyLoss(
+ignore_index=0)`` gives NaN; the initialization (flowjax's layers' and flax's ``Dense``
+defaults; the pad row zeroed as PyTorch does), and Shakespeare's ``shuffle(50)`` of
+snippets before tokenization,
 which flowjax replaces by a fresh permutation of the client's sequences per pass
 (``halves="shard_reshuffled"``; their Stack Overflow buffer holds the whole client, so
 there it is the same). Single departures cannot be switched on alone here: the network
