@@ -259,6 +259,7 @@ print("bit-identical")
 """
 
 
+@pytest.mark.slow  # a child compiling as a default build; CI keeps the 1-epoch check below
 def test_two_epochs_snapshot_is_the_one_epoch_evaluations_global_branch():
     done = subprocess.run([sys.executable, "-c", _SNAPSHOT_CHILD], env=default_xla_env(),
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
