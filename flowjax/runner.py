@@ -96,10 +96,10 @@ def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> 
         failed, runs another command or sees another workdir (one line).
     """
     where = f"--workdir={workdir}"
-    finished, error = False, None
+    finished, error, wait_s = False, None, 0.0
     try:
         if distributed.multiprocess():
-            shared_fs_wait_s()  # a bad value stops every process, before anything is written
+            wait_s = shared_fs_wait_s()  # a bad value stops every process, before writing
         finished = _checked_workdir(workdir, resolved, overwrite)
     except (ValueError, OSError) as raised:
         error = raised
@@ -118,7 +118,7 @@ def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> 
                                "expected a directory you can write")
     distributed.stop_together(error, where)
     if not distributed.is_primary():
-        error = _unseen_config(workdir, resolved, where)
+        error = _unseen_config(workdir, resolved, where, wait_s)
     distributed.stop_together(error, where)
     return False
 
@@ -146,14 +146,12 @@ def shared_fs_wait_s() -> float:
     return value
 
 
-def _unseen_config(workdir: str, resolved: dict[str, Any], where: str) -> Exception | None:
+def _unseen_config(workdir: str, resolved: dict[str, Any], where: str,
+                   wait_s: float) -> Exception | None:
     """None once this process reads the ``config.json`` process 0 wrote for ``resolved``
-    (looking again every 0.5 s, up to ``shared_fs_wait_s()``); else why not."""
+    (looking again every 0.5 s, for up to ``wait_s``); else why not."""
     expected = json.loads(json.dumps(resolved))
-    try:
-        deadline = time.monotonic() + shared_fs_wait_s()
-    except ValueError as raised:
-        return raised
+    deadline = time.monotonic() + wait_s
     while True:
         # Listing the folders makes an NFS client revalidate them, which drops its cached
         # "no such file" once the folder has changed on the server.

@@ -136,9 +136,9 @@ def shard_member(valid: jax.Array, batch_size: int, index: int,
     valid example (the tiny-client rule); without, half 1 stays empty, as theirs.
     """
     batch = batch_index(valid, batch_size, sort_key)
-    single = jnp.sum(valid) <= batch_size
     if not single_batch_uses_all:
         return valid & (batch % 2 == index)
+    single = jnp.sum(valid) <= batch_size
     return valid & ((batch % 2 == index) | single)
 
 

@@ -213,6 +213,14 @@ def routing_client(counts: ClientCounts, client_ids: Sequence[str]) -> dict[str,
     }
 
 
+def _spread(name: str, accuracies: np.ndarray) -> dict[str, float]:
+    """``EvalSummary``'s spread fields of one accuracy over clients: population std and
+    10th / 90th percentile."""
+    return {f"{name}_std": float(np.std(accuracies)),
+            f"{name}_p10": float(np.percentile(accuracies, 10)),
+            f"{name}_p90": float(np.percentile(accuracies, 90))}
+
+
 def summarize(counts: ClientCounts, client_ids: Sequence[str] | None = None) -> EvalSummary:
     """The paper's aggregates from stacked per-client counts (numpy on the host).
 
@@ -262,12 +270,7 @@ def summarize(counts: ClientCounts, client_ids: Sequence[str] | None = None) -> 
         breakdown_client_mean={group: float(np.mean(group_fractions[:, g]))
                                for g, group in enumerate(GROUPS)},
         q0_by_group=q0_by_group,
-        acc_p_std=float(np.std(acc["personal"])),
-        acc_p_p10=float(np.percentile(acc["personal"], 10)),
-        acc_p_p90=float(np.percentile(acc["personal"], 90)),
-        acc_g_std=float(np.std(acc["global"])),
-        acc_g_p10=float(np.percentile(acc["global"], 10)),
-        acc_g_p90=float(np.percentile(acc["global"], 90)),
+        **_spread("acc_p", acc["personal"]), **_spread("acc_g", acc["global"]),
         q0_histogram={group: counts.q0_histogram[keep].sum(axis=0)[g].tolist()
                       for g, group in enumerate(GROUPS)},
         routing_client=None if client_ids is None else routing_client(counts, client_ids),
