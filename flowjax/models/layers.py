@@ -227,8 +227,8 @@ def _rounds_in_float32() -> bool:
     """Whether products in a compute dtype multiply its values in float32 (CPU) instead
     of running in that dtype. The arithmetic is the same: a product of two bf16 values is
     exact in float32, and both forms accumulate in float32. On CPU a bf16 product gains
-    nothing and XLA runs it slowly or not at all: with bf16 convolutions a Fashion-MNIST
-    mini FedAvg round took over 45 s against about 3 s in float32, and its dot thunk lacks
+    nothing and XLA runs it slowly or not at all: bf16 convolutions ran a Fashion-MNIST
+    mini FedAvg round many times slower than float32 (seen by hand), and its dot thunk lacks
     bf16 x bf16 -> f32 in the LSTM's time-major input projection (it fails at run time).
     On CPU the float32 products of a bf16-rounded conv also take ``conv2d``'s fast VJP."""
     return jax.default_backend() == "cpu"
