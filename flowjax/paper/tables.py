@@ -16,7 +16,8 @@ from typing import Iterable, Mapping, Sequence
 from flowjax.paper.aggregate import (Results, finished_seeds, metric_by_seed, paired_differences,
                                      populations_of)
 from flowjax.paper.figures import PaperFigure, paper_delta, paper_figure
-from flowjax.paper.plan import DATASETS, METRIC_TITLES, Delta, Row, TableSpec, lacks_model
+from flowjax.paper.plan import (DATASETS, METRIC_TITLES, PAPER_DATASETS, Delta, Row, TableSpec,
+                                lacks_model)
 from flowjax.paper.stats import SeedStats, seed_stats
 
 # The population the paper's figures are of: other populations' rows get none beside them.
@@ -157,12 +158,26 @@ def format_entry(entry: Entry) -> str:
     return f"{ours} ({paper})"
 
 
+def _what_it_reproduces(spec: TableSpec, datasets: Sequence[str]) -> str:
+    """The sentence naming the paper's tables behind these columns: a column of a dataset
+    the paper has no figures for (Fashion-MNIST) follows the layout only."""
+    labels = ", ".join(spec.tex_labels)
+    absent = [DATASETS[d].title for d in datasets if d not in PAPER_DATASETS]
+    if len(absent) == len(datasets):
+        return (f"Laid out as the paper's {labels}; the paper has no {', '.join(absent)} "
+                "figures, so it reproduces none of them.")
+    if absent:
+        return (f"Reproduces the paper's {labels}, except for the {', '.join(absent)} "
+                "columns, which the paper has no figures for.")
+    return f"Reproduces the paper's {labels}."
+
+
 def table_markdown(spec: TableSpec, entries: Mapping[str, list[list[Entry]]],
                    datasets: Sequence[str], seeds: Sequence[int], header: str) -> str:
     """The table in the paper's layout: rows = methods, columns = dataset x metric."""
     seed_text = ", ".join(map(str, seeds))
     lines = [header, "", f"# {spec.title}", "",
-             f"Reproduces the paper's {', '.join(spec.tex_labels)}. Each entry: ours, the "
+             f"{_what_it_reproduces(spec, datasets)} Each entry: ours, the "
              f"mean ± sample standard deviation (ddof=1) over seeds {seed_text}, in percent; "
              "`[n=k of N]`: only k seeds have a finished run (the others are not finished "
              "or were not run, as in rows run on fewer seeds; left out, not imputed); "
