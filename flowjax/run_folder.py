@@ -202,6 +202,26 @@ def finished(workdir: str) -> bool:
     return os.path.exists(path(workdir, RESULTS))
 
 
+# Fields every flowjax config.json has held, in every schema: a config.json without them
+# is another program's (a model folder's, say), which a run must neither replace nor delete.
+CONFIG_MARKERS = ("algorithm", "dataset", "num_rounds")
+
+
+def is_run_config(stored: Any) -> bool:
+    """Whether a parsed ``config.json`` is a flowjax run's (``CONFIG_MARKERS``)."""
+    return isinstance(stored, dict) and all(key in stored for key in CONFIG_MARKERS)
+
+
+def checkpoint_rounds(workdir: str) -> list[int]:
+    """The rounds of ``workdir``'s complete checkpoints, oldest first (orbax names a
+    finished checkpoint's folder by its round; one being written has a temporary name)."""
+    folder = path(workdir, CHECKPOINTS)
+    if not os.path.isdir(folder):
+        return []
+    return sorted(int(name) for name in os.listdir(folder)
+                  if name.isdigit() and os.path.isdir(os.path.join(folder, name)))
+
+
 def has_config(workdir: str) -> bool:
     """Whether ``workdir`` holds a ``config.json``."""
     return os.path.exists(path(workdir, CONFIG))

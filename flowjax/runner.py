@@ -30,11 +30,15 @@ def resolved_config(config) -> dict[str, Any]:
 def conflicting_fields(workdir: str, resolved: dict, remedy: str) -> list[str]:
     """Dotted fields in which the started run in ``workdir`` differs from ``resolved``.
 
-    Empty when nothing was started in ``workdir`` (a config.json alone loses nothing when
-    replaced). Raises ValueError (ending in ``remedy``) when the stored config is not JSON,
-    or a started run has no ``config.json`` (nothing tells what made it).
+    Empty when nothing was started in ``workdir`` (a flowjax config.json alone loses
+    nothing when replaced). Raises ValueError (ending in ``remedy``) when the stored config
+    is not JSON, a started run has no ``config.json`` (nothing tells what made it), or the
+    same config's unfinished run has checkpoints that ``checkpoint_every=0`` would not
+    resume from (it would start over and lose them); and (ending in "use another
+    --workdir") when ``config.json`` is another program's.
     """
     previous = run_folder.read_config(workdir, remedy)
+    refuse_a_foreign_config(workdir, previous)
     if not run_folder.run_started(workdir):
         return []
     if previous is None:
@@ -45,7 +49,24 @@ def conflicting_fields(workdir: str, resolved: dict, remedy: str) -> list[str]:
         raise ValueError(f"{workdir} holds a run written by an older flowjax config schema "
                          f"(top-level learning_rate/gamma, no config.sgd), so it cannot be "
                          f"resumed or compared; nothing was deleted; {remedy}")
-    return run_folder.differing_run_fields(previous, resolved)
+    differing = run_folder.differing_run_fields(previous, resolved)
+    checkpoints = run_folder.checkpoint_rounds(workdir)
+    if (not differing and checkpoints and not resolved.get("checkpoint_every")
+            and not run_folder.finished(workdir)):
+        raise ValueError(f"{workdir} holds this config's unfinished run with checkpoints up "
+                         f"to round {checkpoints[-1]}, which checkpoint_every=0 would not "
+                         f"resume: the run would start over and lose them; expected "
+                         f"checkpoint_every >= 1 to resume it (any value), or {remedy}")
+    return differing
+
+
+def refuse_a_foreign_config(workdir: str, stored: Any) -> None:
+    """Raises ValueError when ``stored``, the parsed ``config.json`` of ``workdir``, is
+    not a flowjax run's: a run would replace it, ``--overwrite`` delete it."""
+    if stored is not None and not run_folder.is_run_config(stored):
+        raise ValueError(f"{run_folder.path(workdir, run_folder.CONFIG)} is not a flowjax "
+                         f"run's config (it lacks {', '.join(run_folder.CONFIG_MARKERS)}); "
+                         f"nothing was changed; use another --workdir")
 
 
 def older_schema(stored: dict) -> bool:
@@ -176,6 +197,11 @@ def _checked_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) ->
     """Whether ``workdir`` holds this config's finished run; raises ValueError where it
     holds another run and ``overwrite`` is off. Writes nothing."""
     if overwrite:
+        try:  # a config.json that is not JSON is a run's torn write: --overwrite replaces it
+            stored = run_folder.read_config(workdir, "")
+        except ValueError:
+            stored = None
+        refuse_a_foreign_config(workdir, stored)
         return False
     differing = conflicting_fields(
         workdir, resolved, "use --overwrite to replace the run or another --workdir")

@@ -259,6 +259,59 @@ def test_corrupt_checkpoint_fails_in_one_line_and_is_left_in_place(uninterrupted
     assert not (tmp_path / "results.json").exists()
 
 
+def run_config(**fields):
+    """``RUN``'s config (in this process: the runner's checks of a workdir need no
+    launcher), with ``fields`` set."""
+    from configs import synthetic
+    from tests.helpers import apply_overrides
+    overrides = dict(arg[len("--config."):].split("=") for arg in RUN[1:])
+    config = apply_overrides(synthetic.get_config("quick"),
+                             {name: int(value) for name, value in overrides.items()})
+    return apply_overrides(config, fields)
+
+
+def file_bytes(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+def test_checkpoint_every_0_is_refused_where_it_would_drop_a_runs_checkpoints(
+        uninterrupted, tmp_path):
+    """Resuming with ``checkpoint_every=0`` built no checkpoint reader, so the run started
+    over, and its first write emptied ``metrics.jsonl``. Now it is refused in one line
+    and every file stays; any other cadence resumes (the cadence test above)."""
+    from flowjax.runner import run_config_to_workdir
+    shutil.copytree(uninterrupted, tmp_path, dirs_exist_ok=True)
+    for name in ("results.json", "run.json"):  # killed after its last checkpoint
+        (tmp_path / name).unlink()
+    before = file_bytes(tmp_path)
+    with pytest.raises(ValueError) as refused:
+        run_config_to_workdir(run_config(checkpoint_every=0), str(tmp_path), progress=False)
+    assert str(refused.value) == (
+        f"{tmp_path} holds this config's unfinished run with checkpoints up to round 6, "
+        "which checkpoint_every=0 would not resume: the run would start over and lose them; "
+        "expected checkpoint_every >= 1 to resume it (any value), or use --overwrite to "
+        "replace the run or another --workdir")
+    assert file_bytes(tmp_path) == before
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_another_programs_config_json_is_neither_replaced_nor_deleted(tmp_path, overwrite):
+    """A folder holding another program's ``config.json`` (a model folder's) is no run:
+    it used to be replaced by the run's, and ``--overwrite`` deleted it with the files
+    a run would write."""
+    from flowjax.runner import run_config_to_workdir
+    (tmp_path / "config.json").write_text('{"model_type": "bert", "hidden_size": 768}')
+    (tmp_path / "metrics.jsonl").write_text("theirs\n")
+    before = file_bytes(tmp_path)
+    with pytest.raises(ValueError) as refused:
+        run_config_to_workdir(run_config(), str(tmp_path), progress=False, overwrite=overwrite)
+    assert str(refused.value) == (
+        f"{tmp_path}/config.json is not a flowjax run's config (it lacks algorithm, dataset, "
+        "num_rounds); nothing was changed; use another --workdir")
+    assert file_bytes(tmp_path) == before
+
+
 def test_skip_clients_goes_on_and_reports_the_dropped_clients(tmp_path):
     done = train(tmp_path, "--config.sgd.learning_rate=1e30",
                  "--config.on_divergence=skip_clients")
