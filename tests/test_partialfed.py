@@ -5,9 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flowjax.algorithms.base import SGDConfig
+from flowjax.algorithms.base import SGDConfig, client_optimizer
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
-from flowjax.algorithms.partialfed import (_STRATEGY_NOISE, PartialFedConfig, load_layers,
+from flowjax.algorithms.partialfed import (_STRATEGY_NOISE, PartialFedConfig,
+                                           keep_unloaded_state, load_layers, loaded_copies,
                                            partialfed, sample_use_global,
                                            straight_through_choice)
 from flowjax.core.cohort import assemble_cohort, client_at
@@ -83,6 +84,24 @@ def test_strategy_pinned_to_global_loads_the_received_model_and_trains_as_fedavg
     np.testing.assert_array_equal(result.client_state["logits"], pinned)
     assert_trees_equal(result.client_state["layers"], result.params)
     assert float(result.metrics["global_layer_share_sum"]) == cnn.num_layers
+
+
+def test_a_copy_left_unloaded_keeps_its_momentum_bit_for_bit(mlp):
+    """The weight step updates the optimizer over both copies; a copy this step does not
+    load gets a zero gradient, under which SGD momentum would still decay (0.9 x buffer).
+    Its buffer stays as it was; the loaded copies' are this step's."""
+    copies = {"global": mlp.init(jax.random.key(0)), "previous": mlp.init(jax.random.key(1))}
+    optimizer = client_optimizer(0.1, momentum=0.9)
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), copies)
+    _, before = optimizer.update(grads, optimizer.init(copies), copies)
+    _, after = optimizer.update(jax.tree.map(jnp.zeros_like, copies), before, copies)
+    use_global = jnp.arange(mlp.num_layers) % 2 == 0
+    kept = keep_unloaded_state(optimizer, after, before, loaded_copies(mlp, copies, use_global))
+    for j, name in enumerate(mlp.layer_names):
+        for copy, loaded in (("global", bool(use_global[j])), ("previous", not use_global[j])):
+            source = after if loaded else before
+            assert_trees_equal(kept[0].trace[copy][name], source[0].trace[copy][name])
+            assert differs(before[0].trace[copy][name], after[0].trace[copy][name])
 
 
 def test_strategy_pinned_to_previous_ignores_the_received_model(cnn, update, images_small):

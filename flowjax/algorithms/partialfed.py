@@ -61,7 +61,7 @@ from flowjax.core.checks import check_fields, positive
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
 from flowjax.core.losses import mean_from_sums, weighted_cross_entropy
-from flowjax.core.tree import select_tree
+from flowjax.core.tree import PyTree, select_tree
 from flowjax.models.base import Params, RoutableModel, forward
 from flowjax.routing.routed import routed_forward
 
@@ -135,6 +135,28 @@ def load_layers(model: RoutableModel, global_params: Params, previous_params: Pa
             for j, name in enumerate(model.layer_names)}
 
 
+def loaded_copies(model: RoutableModel, copies: dict[str, Params],
+                  use_global: jax.Array) -> dict[str, Params]:
+    """Per leaf of ``{"global": G, "previous": P}``, whether this step loads it: layer
+    ``j``'s leaves of ``G`` where ``use_global[j]``, of ``P`` elsewhere."""
+    def of_copy(params, loaded):
+        return {name: jax.tree.map(lambda _, j=j: loaded[j], params[name])
+                for j, name in enumerate(model.layer_names)}
+    return {"global": of_copy(copies["global"], use_global),
+            "previous": of_copy(copies["previous"], ~use_global)}
+
+
+def keep_unloaded_state(optimizer: optax.GradientTransformation, new_state: optax.OptState,
+                        old_state: optax.OptState, loaded: PyTree) -> optax.OptState:
+    """``new_state`` for the parameters ``loaded`` marks, ``old_state`` for the others (a
+    copy that is not loaded keeps its momentum: a zero-gradient step would decay it);
+    fields that are no parameter's (a step count) come from ``new_state``."""
+    keep = optax.tree_utils.tree_map_params(optimizer, lambda _, mask: mask, new_state, loaded,
+                                            transform_non_params=lambda _: True)
+    return jax.tree.map(lambda new, old, mask: jnp.where(mask, new, old),
+                        new_state, old_state, keep)
+
+
 def per_instance(model: RoutableModel, per_layer: jax.Array, x: jax.Array) -> jax.Array:
     """A per-layer ``[L]`` value as the routing's ``q0`` of shape ``[*instance, L]``."""
     return jnp.broadcast_to(per_layer, x.shape[: model.instance_ndim] + per_layer.shape)
@@ -187,7 +209,9 @@ def partialfed(model: RoutableModel, config: PartialFedConfig) -> FederatedAlgor
 
         use_global = sample_use_global(logits, jax.random.fold_in(key, _WEIGHT_NOISE))
         grads, sums = jax.grad(weight_loss, has_aux=True)(copies, use_global, batch, key)
-        updates, weight_state = weight_optimizer.update(grads, weight_state, copies)
+        updates, new_state = weight_optimizer.update(grads, weight_state, copies)
+        weight_state = keep_unloaded_state(weight_optimizer, new_state, weight_state,
+                                           loaded_copies(model, copies, use_global))
         copies = step_loaded(copies, updates, use_global)
         return ((copies, weight_state), (logits, strategy_state)), sums
 
