@@ -31,6 +31,21 @@ PyTree = Any
 T = TypeVar("T")
 
 
+def check_single_process(coordinator_address: str | None, num_processes: int,
+                         process_id: int) -> None:
+    """Raises ValueError when the multi-host flags of a run that joins no others
+    (``num_processes`` <= 1) ask for one: each host would then run alone as process 0,
+    all writing the same workdir."""
+    if num_processes < 1:
+        raise ValueError(f"--num_processes={num_processes}; expected 1 (one process) or "
+                         f">= 2 (a multi-host run)")
+    if process_id != 0 or coordinator_address:
+        given = (f"--process_id={process_id}" if process_id != 0
+                 else f"--coordinator_address={coordinator_address}")
+        raise ValueError(f"{given} with --num_processes=1; expected --num_processes >= 2 "
+                         f"for a multi-host run (the same on every host), or neither flag")
+
+
 def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
     """Joins this process to the others (call before any JAX computation).
 

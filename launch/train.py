@@ -52,6 +52,9 @@ def main(argv):
             raise ValueError("--config is required, e.g. --config=configs/shakespeare.py:quick")
         if _NUM_PROCESSES.value > 1:
             distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+        else:
+            distributed.check_single_process(_COORDINATOR.value, _NUM_PROCESSES.value,
+                                             _PROCESS_ID.value)
         results = run_config_to_workdir(config, _WORKDIR.value, overwrite=_OVERWRITE.value)
     except (ValueError, KeyError, ImportError, OSError, DivergenceError) as error:
         return cli.fail(error)

@@ -761,6 +761,10 @@ COMMAND_CASES += (
                 "the corrected rerun)", _TRAIN + ("--config.seed=18446744073709551616",),
                 "error: config.seed=18446744073709551616: expected an integer in [0, 2**64)",
                 "command line (`launch/train.py` via `validate_config`)"),
+    CommandCase("`--process_id=1` without `--num_processes` (each host would run alone as "
+                "process 0, all writing one workdir)", _TRAIN + ("--process_id=1",),
+                "error: --process_id=1 with --num_processes=1; expected --num_processes >= 2 "
+                "for a multi-host run (the same on every host), or neither flag", _TRAIN_WHERE),
     CommandCase("a stray positional argument", _TRAIN + ("stray",), "error: unexpected "
                 "argument 'stray'; expected only flags, --name=value (quote a value that holds "
                 "spaces)"),
@@ -823,6 +827,22 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               "being written, and the deletion of the one it replaces, finish first, so no "
               "half-deleted `checkpoints/N` is left; the rerun's results are byte-identical",
               "tests/test_resume.py::test_ctrl_c_mid_checkpoint_is_one_line_and_resumes_exactly"),
+    Behaviour("`--config.checkpoint_every=0` over an unfinished run that has checkpoints",
+              "workdir (`flowjax.runner.conflicting_fields`)", "one line naming the newest "
+              "checkpoint's round and `expected checkpoint_every >= 1 to resume it (any "
+              "value), or use --overwrite ...`, exit 2, every file as it was (it used to "
+              "start the run over and empty `metrics.jsonl`); train.py, compare.py and "
+              "reproduce.py refuse it before their first run",
+              "tests/test_resume.py::"
+              "test_checkpoint_every_0_is_refused_where_it_would_drop_a_runs_checkpoints"),
+    Behaviour("`--workdir` holding another program's `config.json` (no `algorithm`, "
+              "`dataset`, `num_rounds`), with or without `--overwrite`",
+              "workdir (`flowjax.runner.refuse_a_foreign_config`)", "one line `... is not a "
+              "flowjax run's config (it lacks algorithm, dataset, num_rounds); nothing was "
+              "changed; use another --workdir`, exit 2 (the run used to replace the file, and "
+              "`--overwrite` to delete it)",
+              "tests/test_resume.py::"
+              "test_another_programs_config_json_is_neither_replaced_nor_deleted"),
     Behaviour("`--config.seed=4294967296` (2^32)", "keys (`flowjax/core/prng.py`)", "runs with "
               "its own keys (it used to equal seed 0); seeds below 2^32 keep their keys, so "
               "every committed number is unchanged",
