@@ -66,6 +66,10 @@ class Checkpointer:
     def latest_round(self) -> int | None:
         return self._manager.latest_step()
 
+    def rounds(self) -> list[int]:
+        """The rounds of the complete checkpoints, oldest first."""
+        return sorted(self._manager.all_steps())
+
     def save(self, rounds_done: int, state: PyTree, client_rows: dict[str, Any] | None,
              meta: dict[str, Any]) -> None:
         """Writes a checkpoint; returns once it is complete and durable on disk."""

@@ -257,6 +257,15 @@ def test_corrupt_checkpoint_fails_in_one_line_and_is_left_in_place(uninterrupted
     assert "Traceback" not in failed.stderr
     assert {p: p.read_bytes() for p in files} == before
     assert not (tmp_path / "results.json").exists()
+    # --overwrite would delete round 4's intact checkpoint too; the line names the way
+    # back to it, and following it gives the uninterrupted run's bytes.
+    assert last.endswith(f"; or move {checkpoint} out of checkpoints/ to resume from round "
+                         f"4's checkpoint"), last
+    shutil.move(checkpoint, tmp_path.parent / f"{tmp_path.name}-corrupt-6")
+    resumed = train(tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for name in ("results.json", "metrics.jsonl"):
+        assert (tmp_path / name).read_bytes() == (uninterrupted / name).read_bytes(), name
 
 
 def run_config(**fields):

@@ -34,6 +34,10 @@ class ClientStateStore:
       [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
     """
 
+    # Whether a run may resume from a checkpoint older than the newest one: these rows
+    # travel inside each checkpoint, so every kept checkpoint restores them.
+    restores_older_checkpoints = True
+
     def __init__(self, template: PyTree):
         self.template = jax.tree.map(np.asarray, template)
         self._leaves, self._treedef = jax.tree.flatten(self.template)

@@ -84,6 +84,10 @@ class DiskClientStateStore(ClientStateStore):
       [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
     """
 
+    # The files hold one round's rows and the undo log takes them back to the newest
+    # checkpoint's round only.
+    restores_older_checkpoints = False
+
     def __init__(self, template: PyTree, directory: str, chain_token: bytes | None = None):
         """``chain_token``: the token of the chain this store starts if it starts one (a
         fresh run, or rows from a memory checkpoint); random if None."""

@@ -125,7 +125,18 @@ class Checkpoints(Callback):
         if latest is None:
             return
         simulation = run.simulation
-        state, rows, meta = checkpointer.restore(latest, run.state, simulation.algorithm.stateful)
+        try:
+            state, rows, meta = checkpointer.restore(latest, run.state,
+                                                     simulation.algorithm.stateful)
+        except ValueError as error:
+            older = [r for r in checkpointer.rounds() if r < latest]
+            states = simulation.client_states
+            if not older or (states is not None and not states.restores_older_checkpoints):
+                raise
+            # --overwrite would delete the older, intact checkpoint along with this one.
+            raise ValueError(f"{error}; or move {checkpointer.directory}/{latest} out of "
+                             f"{run_folder.CHECKPOINTS}/ to resume from round {older[-1]}'s "
+                             f"checkpoint") from None
         if self.fingerprint is not None:
             stored = meta.get("fingerprint")
             differing = (["(no config recorded)"] if not isinstance(stored, dict)
