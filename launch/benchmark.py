@@ -84,6 +84,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from flowjax import run_folder  # noqa: E402
 from flowjax.algorithms.base import client_optimizer, plain_loss_sums, sgd_step  # noqa: E402
 from flowjax.core.cohort import client_at  # noqa: E402
 from flowjax.core.mapping import ClientMapping, default_mapping, executed_steps  # noqa: E402
@@ -103,10 +104,13 @@ _MODELS = flags.DEFINE_list("models", ["emnist_cnn", "shakespeare_lstm"], "Model
 _STRATEGIES = flags.DEFINE_list("strategies", ["loop", "chunked", "vmap"], "Client mappings: "
                                  "loop, chunked (--chunk_size), chunked:N (N clients), vmap, "
                                  "planned (memory-planned sorted chunks).")
-_CLIENTS = flags.DEFINE_integer("clients", 10, "Clients per round.")
-_STEPS = flags.DEFINE_integer("steps", 20, "Minibatches per client per round.")
-_CHUNK = flags.DEFINE_integer("chunk_size", 5, "Clients per vmapped chunk for 'chunked'.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (median reported).")
+_CLIENTS = flags.DEFINE_integer("clients", 10, "Clients per round.", lower_bound=1)
+_STEPS = flags.DEFINE_integer("steps", 20, "Minibatches per client per round.",
+                             lower_bound=1)
+_CHUNK = flags.DEFINE_integer("chunk_size", 5, "Clients per vmapped chunk for 'chunked'.",
+                             lower_bound=1)
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (median reported).",
+                               lower_bound=1)
 _OUT = flags.DEFINE_string("json_out", None, "Optional JSON file for the measurements.")
 _CUSTOM_GRAD = flags.DEFINE_enum("custom_grad", "auto", ["auto", "true", "false"],
                                  "Hand-written VJPs for convs/LSTMs (auto: the model's default).")
@@ -116,13 +120,14 @@ _COMPARE_TORCH = flags.DEFINE_bool(
     "with a note when it is missing.")
 _SCALING = flags.DEFINE_bool("scaling", False, "FedAvg client-steps/s of the first model per "
                              "cohort size 1, 2, 4, ... --max_clients, with memory per client.")
-_MAX_CLIENTS = flags.DEFINE_integer("max_clients", 32, "Largest cohort for --scaling.")
+_MAX_CLIENTS = flags.DEFINE_integer("max_clients", 32, "Largest cohort for --scaling.",
+                                   lower_bound=1)
 _SKEWED = flags.DEFINE_bool("skewed", False, "Stack Overflow-like client sizes (log-normal, "
                             "mean 397, capped at 1,000) instead of steps*batch each.")
 _DEVICES = flags.DEFINE_list("devices", ["1"], "Device counts to shard the clients over.")
 _PLAN_GB = flags.DEFINE_float("plan_memory_gb", 0.0, "Plan clients per chunk for this much "
                               "device memory (GiB; 0: no plan; 'planned' then uses the "
-                              "device's own limit).")
+                              "device's own limit).", lower_bound=0.0)
 _ALGORITHMS = flags.DEFINE_list(
     "algorithms", ["fedavg", "flow"],
     "Methods to time (fedavg, flow, flow_fused: Flow with FlowConfig.fuse_branches, "
@@ -131,7 +136,8 @@ _ALGORITHMS = flags.DEFINE_list(
     "custom_grad, N 0 or 1), "
     "timed beside the plain METHOD in the same process; not --methods, which compare.py and "
     "reproduce.py define in the same flag registry when tests import the launchers together.")
-_EPOCHS = flags.DEFINE_integer("epochs", 1, "Epochs per round (each of Flow's two phases).")
+_EPOCHS = flags.DEFINE_integer("epochs", 1, "Epochs per round (each of Flow's two phases).",
+                              lower_bound=1)
 _CONV_IMPL = flags.DEFINE_enum("conv_impl", "auto", ["auto", "xla", "im2col", "im2col_slices"],
                                "EMNIST CNN convolution formulation (config.conv_impl).")
 _COMPUTE_DTYPE = flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"],
@@ -145,7 +151,7 @@ _PROFILE = flags.DEFINE_string("profile_dir", None, "With --nowarmup: trace one 
                                 "per row, and print where its time went "
                                 "(launch/trace_summary.py).")
 _PROJECT = flags.DEFINE_integer("project_rounds", 0, "Print clients/s and the time of this "
-                                "many rounds (0: no projection).")
+                                "many rounds (0: no projection).", lower_bound=0)
 cli.define_debug_flag()
 
 def client_sizes(clients: int, cap: int, skewed: bool, seed: int = 0) -> np.ndarray:
@@ -695,6 +701,12 @@ def run(argv):
     if _PROFILE.value and _WARMUP.value:
         raise BadFlags(f"--profile_dir={_PROFILE.value}: expected --nowarmup as well; the "
                        "profiled execution reuses the round compiled ahead of time")
+    if _OUT.value:  # checked before the benchmark, not after its minutes
+        folder = os.path.dirname(os.path.abspath(_OUT.value))
+        if os.path.isdir(_OUT.value) or not os.path.isdir(folder) or not os.access(
+                folder, os.W_OK):
+            raise BadFlags(f"--json_out={_OUT.value}: expected a file path in an existing "
+                           "folder you can write")
     clients, steps, repeats = _CLIENTS.value, _STEPS.value, _REPEATS.value
     report = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
               "jax": jax.__version__, "clients": clients, "steps": steps,
@@ -710,9 +722,8 @@ def run(argv):
         report["memory_plans"] = {m: memory_plans(m, steps, _PLAN_GB.value) for m in _MODELS.value}
     if _SCALING.value:
         report["scaling"] = scaling(_MODELS.value[0], steps, _MAX_CLIENTS.value, repeats)
-    if _OUT.value:
-        with open(_OUT.value, "w") as out:
-            json.dump(report, out, indent=2)
+    if _OUT.value:  # atomically: an earlier measurement there survives a failed write
+        run_folder.write_text_atomic(_OUT.value, json.dumps(report, indent=2))
 
 
 def normalize_flag_spelling(argv: list[str]) -> list[str]:

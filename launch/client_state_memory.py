@@ -68,6 +68,12 @@ def main(argv):
     from flowjax.core.client_state_disk import UNDO_LOG, DiskClientStateStore
 
     rows, width = _ROWS.value, _ROW_FLOATS.value
+    if _DIR.value is not None and os.path.exists(_DIR.value) and (
+            not os.path.isdir(_DIR.value) or os.listdir(_DIR.value)):
+        # Its disk store and checkpoint would overwrite a run's client_states/ rows and
+        # checkpoints/ (a workdir given by mistake), which no run could then restore.
+        return cli.fail(ValueError(f"--dir={_DIR.value} is not an empty folder; expected a "
+                                   f"new or empty folder for this benchmark's files"))
     # Each line as soon as it is known: a run killed for memory (launch/memory_capped.sh)
     # still shows how far it got.
     print(f"rows: {rows:,} client states of {4 * width / 1e6:,.2f} MB = "

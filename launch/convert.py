@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from absl import app, flags
+from absl import flags
 
 from launch import cli
 
@@ -177,13 +177,15 @@ def main(argv: list[str]) -> None:
         text = first_line(error)
         _fail(f"a file in --source={source} is damaged ({text}); download it again"
               if damaged else text)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (cli.run: cli.Terminated)
         if cli.debug():
             raise
+        terminated = isinstance(interrupt, cli.Terminated)
         # The conversion writes a temporary folder and moves it into place at the end.
-        print(f"interrupted (Ctrl-C); --out={_OUT.value} was left as it was; the same "
-              "command converts again", file=sys.stderr, flush=True)
-        sys.exit(cli.INTERRUPTED)
+        print(f"interrupted ({'SIGTERM' if terminated else 'Ctrl-C'}); --out={_OUT.value} "
+              "was left as it was; the same command converts again", file=sys.stderr,
+              flush=True)
+        sys.exit(cli.TERMINATED if terminated else cli.INTERRUPTED)
     test_only = json.loads((pathlib.Path(out) / "task.json").read_text()).get("test_only_clients")
     if test_only:
         print(f"test clients left out: {test_only}, with no train rows (a client's test "
@@ -193,4 +195,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.parse_flags)
+    # cli.run: SIGTERM (a scheduler's, `kill`'s) unwinds like Ctrl-C, so the temporary
+    # folders are removed and a replaced store is put back; it used to kill outright.
+    cli.run(main)

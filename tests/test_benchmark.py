@@ -152,15 +152,28 @@ def test_projection_is_clients_per_second_and_hours(capsys):
                                        "of 1000 clients: 10.00 h, compiled once in 30 s\n")
 
 
-def test_flags_for_another_model_fail_in_one_line():
+def test_bad_flags_fail_in_one_line_before_anything_is_timed(tmp_path):
+    """A flag for another model, a count the benchmark cannot divide by (it used to end in
+    a traceback after compiling), and a --json_out it could only fail to write after the
+    whole benchmark."""
     import subprocess
     import sys
-    done = subprocess.run([sys.executable, "launch/benchmark.py", "--models=shakespeare_lstm",
-                           "--conv_impl=im2col"], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 2
-    assert done.stderr.strip() == ("error: --conv_impl: shakespeare_lstm does not implement "
-                                   "conv_impl (only emnist_cnn)")
+    missing = tmp_path / "missing" / "bench.json"
+    expected = {
+        ("--models=shakespeare_lstm", "--conv_impl=im2col"):
+            "error: --conv_impl: shakespeare_lstm does not implement conv_impl (only emnist_cnn)",
+        ("--repeats=0",): "error: flag --repeats=0: 0 is not a positive integer",
+        ("--models=emnist_cnn", f"--json_out={missing}"):
+            f"error: --json_out={missing}: expected a file path in an existing folder you "
+            "can write",
+    }
+    running = {args: subprocess.Popen([sys.executable, "launch/benchmark.py", *args],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for args in expected}
+    for args, process in running.items():
+        _, stderr = process.communicate(timeout=300)
+        assert (process.returncode, stderr.strip()) == (2, expected[args]), args
+    assert not missing.parent.exists()
 
 
 @pytest.mark.slow

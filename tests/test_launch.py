@@ -233,6 +233,8 @@ def test_every_launcher_shows_the_traceback_of_a_bad_input_under_debug(tmp_path)
         "benchmark.py": ["--models=mlp"],
         "determinism_check.py": ["--models=mlp"],
         "bench_store.py": ["--num_clients=3", f"--dir={not_a_store}"],
+        # Its disk store would overwrite a workdir's client_states/ given as --dir.
+        "client_state_memory.py": ["--rows=2", "--store=disk", f"--dir={not_a_store}"],
     }
     # All at once: each is an interpreter start and a check of flags or files.
     running = {(script, debug): subprocess.Popen(
