@@ -11,7 +11,8 @@ A run folder holds:
 * ``run.json``: wall time, compilations and warnings (never compared: time varies);
 * ``checkpoints/``: orbax checkpoints by round (``flowjax.checkpoint``);
 * ``tensorboard/``: event files, with ``config.tensorboard`` (``flowjax.tensorboard_log``);
-* ``plots/``: what ``launch/plot.py`` draws.
+* ``plots/``: what ``launch/plot.py`` draws;
+* ``.flowjax-lock``: while a run uses the folder, its lock (``RunLock``).
 
 Example:
   >>> write_json_atomic(path(workdir, RESULTS), {"acc_g": 0.5})
@@ -93,6 +94,91 @@ def remove_run(workdir: str) -> None:
             os.remove(path(workdir, name))
     for name in RUN_FOLDERS:
         shutil.rmtree(path(workdir, name), ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- one run at a time
+LOCK = ".flowjax-lock"
+
+
+class RunLock:
+    """An exclusive lock on a run folder for as long as a run uses it (``flock`` on
+    ``<workdir>/.flowjax-lock``, which holds the owner's pid): a second process given the
+    same workdir, such as the same command started twice, two grids sharing cells or
+    ``launch/parallel_rows.sh`` with a repeated row, is refused in one line instead of
+    truncating the first one's ``metrics.jsonl`` and racing its checkpoints. The file is
+    removed on release; the kernel drops the lock of a process that dies.
+
+    Example:
+      >>> with RunLock("runs/quick"):
+      ...     pass  # train
+    """
+
+    def __init__(self, workdir: str):
+        self.file = path(workdir, LOCK)
+        self._fd: int | None = None
+        self._made: list[str] = []  # folders acquire() created, deepest first
+
+    def acquire(self) -> None:
+        """Raises ValueError (one line) when another process holds the lock, or the
+        folder cannot be written."""
+        import fcntl
+        workdir = os.path.dirname(self.file)
+        folder = os.path.abspath(workdir)
+        while not os.path.exists(folder):
+            self._made.append(folder)
+            folder = os.path.dirname(folder)
+        try:
+            os.makedirs(workdir, exist_ok=True)
+            while self._fd is None:
+                fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                    os.close(fd)
+                    raise ValueError(f"--workdir={workdir} is in use by another process "
+                                     f"(pid {owner}, {self.file}); expected one run per "
+                                     f"workdir at a time: wait for it, or use another "
+                                     f"--workdir") from None
+                try:
+                    same = os.fstat(fd).st_ino == os.stat(self.file).st_ino
+                except FileNotFoundError:
+                    same = False
+                if not same:  # its holder removed it as we opened it: lock the new file
+                    os.close(fd)
+                    continue
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                self._fd = fd
+        except OSError as error:
+            raise ValueError(f"--workdir={workdir}: cannot write it "
+                             f"({error.strerror or error}); expected a directory you can "
+                             f"write") from None
+
+    def release(self) -> None:
+        """Removes the file, then drops the lock (in this order: a process that opened
+        the file meanwhile sees it gone and opens the next one), then the folders
+        ``acquire`` created if a refused run left them empty."""
+        if self._fd is not None:
+            try:
+                os.unlink(self.file)
+            except FileNotFoundError:
+                pass
+            os.close(self._fd)
+            self._fd = None
+        for folder in self._made:
+            try:
+                os.rmdir(folder)
+            except OSError:  # not empty: the run wrote into it
+                break
+        self._made = []
+
+    def __enter__(self) -> "RunLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
 
 
 # ---------------------------------------------------------------------------- reading

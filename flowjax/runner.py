@@ -266,6 +266,27 @@ def run_config_to_workdir(config, workdir: str, *, progress: bool = True,
         error = raised
     distributed.stop_together(error, f"--config for --workdir={workdir}")
     tensorboard = tensorboard if primary else None
+    # One run per workdir at a time; process 0 holds the lock for a multi-host run.
+    lock = run_folder.RunLock(workdir)
+    try:
+        error = None
+        if primary:
+            try:
+                lock.acquire()
+            except ValueError as raised:
+                error = raised
+        distributed.stop_together(error, f"--workdir={workdir}")
+        return _run_in_workdir(config, workdir, run, resolved, tensorboard, progress,
+                               overwrite)
+    finally:
+        lock.release()
+
+
+def _run_in_workdir(config, workdir: str, run: run_config.ResolvedRun, resolved: dict[str, Any],
+                    tensorboard: TensorBoardLog | None, progress: bool,
+                    overwrite: bool) -> dict[str, Any]:
+    """``run_config_to_workdir`` once its checks passed and its lock is held."""
+    primary = distributed.is_primary()
     if prepare_workdir(workdir, resolved, overwrite):
         # Running it again would replace metrics.jsonl from round 0 (without checkpoints
         # the run starts over), so a finished run is reported, not retrained.

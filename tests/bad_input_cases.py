@@ -843,6 +843,14 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               "`--overwrite` to delete it)",
               "tests/test_resume.py::"
               "test_another_programs_config_json_is_neither_replaced_nor_deleted"),
+    Behaviour("a second run on a workdir a run is using (the same command started twice, "
+              "two grids sharing a cell)", "workdir (`flowjax.run_folder.RunLock`)",
+              "one line `--workdir=WORKDIR is in use by another process (pid N, "
+              "WORKDIR/.flowjax-lock); expected one run per workdir at a time: ...`, exit 2, "
+              "the first run untouched (the two used to truncate each other's "
+              "`metrics.jsonl` and race on the checkpoints)",
+              "tests/test_resume.py::"
+              "test_a_workdir_in_use_by_another_run_is_refused_and_left_to_it"),
     Behaviour("`--config.seed=4294967296` (2^32)", "keys (`flowjax/core/prng.py`)", "runs with "
               "its own keys (it used to equal seed 0); seeds below 2^32 keep their keys, so "
               "every committed number is unchanged",

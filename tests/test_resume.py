@@ -304,6 +304,31 @@ def test_checkpoint_every_0_is_refused_where_it_would_drop_a_runs_checkpoints(
     assert file_bytes(tmp_path) == before
 
 
+def test_a_workdir_in_use_by_another_run_is_refused_and_left_to_it(uninterrupted, tmp_path):
+    """Two runs on one workdir (the same command started twice, two grids sharing a cell)
+    truncated each other's metrics.jsonl and raced on the checkpoints. The second is
+    refused while the first holds the workdir's lock; a finished run leaves no lock."""
+    from flowjax.run_folder import LOCK, RunLock
+    from flowjax.runner import run_config_to_workdir
+    assert not (uninterrupted / LOCK).exists()
+    shutil.copytree(uninterrupted, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "results.json").unlink()  # an unfinished run, which would train
+    with RunLock(str(tmp_path)):
+        before = file_bytes(tmp_path)
+        with pytest.raises(ValueError) as refused:
+            run_config_to_workdir(run_config(), str(tmp_path), progress=False)
+        assert file_bytes(tmp_path) == before
+    assert str(refused.value) == (
+        f"--workdir={tmp_path} is in use by another process (pid {os.getpid()}, "
+        f"{tmp_path / LOCK}); expected one run per workdir at a time: wait for it, or use "
+        "another --workdir")
+    assert not (tmp_path / LOCK).exists()
+    # The lock of a run refused later on (a multi-host flag check) leaves no folder.
+    with RunLock(str(tmp_path / "new" / "run")):
+        assert (tmp_path / "new" / "run" / LOCK).read_text() == f"{os.getpid()}\n"
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_another_programs_config_json_is_neither_replaced_nor_deleted(tmp_path, overwrite):
     """A folder holding another program's ``config.json`` (a model folder's) is no run:
