@@ -2,9 +2,11 @@
 
 The compiler knows the peak memory of a compiled computation before it runs. The planner
 compiles (never runs) one vmapped client update for two chunk sizes on abstract inputs,
-fits ``peak = fixed + chunk * per_client`` and solves for the largest chunk under the
-device budget, then compiles that chunk once more to check it. Works on every backend;
-on CPU it plans host memory.
+or, given the run's cohort size, the whole round over that cohort in chunks of those
+sizes (what grows with the cohort, its data and every client's outputs, is then part of
+the fixed cost); it fits ``peak = fixed + chunk * per_client``, solves for the largest
+chunk under the device budget, and compiles that chunk once more to check it. Works on
+every backend; on CPU it plans host memory.
 
 Example:
   >>> plan = plan_chunk_size(algorithm, spec, padded_examples=1008, batch_size=16,
@@ -20,10 +22,13 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from flowjax.algorithms.base import FederatedAlgorithm
+from flowjax.core import prng
 from flowjax.core.cohort import ClientExamples
-from flowjax.core.mapping import chunk_step_counts
+from flowjax.core.mapping import ClientMapping, chunk_step_counts
+from flowjax.engine.round import ServerState, make_round
 
 # The fitted points: small enough to compile quickly, large enough that XLA's per-client
 # buffers dominate its constant ones.
@@ -79,8 +84,19 @@ def _abstract_chunk(algorithm: FederatedAlgorithm, example_spec: Mapping[str, tu
 
 
 def compiled_peak_bytes(algorithm: FederatedAlgorithm, example_spec: Mapping[str, tuple],
-                        padded_examples: int, batch_size: int, clients: int) -> int:
-    """Peak memory XLA plans for ``clients`` vmapped client updates and their mean."""
+                        padded_examples: int, batch_size: int, clients: int,
+                        cohort_clients: int | None = None,
+                        server_optimizer: optax.GradientTransformation | None = None) -> int:
+    """Peak memory XLA plans for ``clients`` vmapped client updates and their mean; with
+    ``cohort_clients``, for the whole round that runs them (``make_round`` over that many
+    clients in chunks of ``clients``, as the ``chunked`` mapping runs it): beyond a chunk's
+    own buffers it holds the whole cohort, its copy sorted by size, every client's outputs
+    and their copy in cohort order, which grow with the cohort, not the chunk.
+    ``server_optimizer`` (default: FedAvg's ``sgd(1.0)``) adds its state."""
+    if cohort_clients is not None:
+        return _compiled_round_peak(algorithm, example_spec, padded_examples, batch_size,
+                                    clients, cohort_clients,
+                                    server_optimizer or optax.sgd(1.0))
     params, examples, states = _abstract_chunk(algorithm, example_spec, padded_examples,
                                                batch_size, clients)
 
@@ -91,7 +107,23 @@ def compiled_peak_bytes(algorithm: FederatedAlgorithm, example_spec: Mapping[str
         updates, new_states = jax.vmap(one)(examples, states)
         return jax.tree.map(lambda u: jnp.mean(u, axis=0), updates), new_states
 
-    compiled = jax.jit(chunk).lower(params, examples, states).compile()
+    return _peak(jax.jit(chunk).lower(params, examples, states).compile())
+
+
+def _compiled_round_peak(algorithm: FederatedAlgorithm, example_spec: Mapping[str, tuple],
+                         padded_examples: int, batch_size: int, chunk: int,
+                         cohort_clients: int,
+                         server_optimizer: optax.GradientTransformation) -> int:
+    params, cohort, states = _abstract_chunk(algorithm, example_spec, padded_examples,
+                                             batch_size, cohort_clients)
+    state = ServerState(params=params, opt_state=jax.eval_shape(server_optimizer.init, params))
+    round_fn = make_round(algorithm, server_optimizer,
+                          ClientMapping("chunked", min(chunk, cohort_clients)))
+    lowered = jax.jit(round_fn).lower(state, cohort, np.int32(0), states, prng.seed_words(0))
+    return _peak(lowered.compile())
+
+
+def _peak(compiled) -> int:
     analysis = compiled.memory_analysis()
     peak = getattr(analysis, "peak_memory_in_bytes", 0) or 0
     if jax.default_backend() == "cpu" or not peak:
@@ -105,8 +137,15 @@ def compiled_peak_bytes(algorithm: FederatedAlgorithm, example_spec: Mapping[str
 
 def plan_chunk_size(algorithm: FederatedAlgorithm, example_spec: Mapping[str, tuple], *,
                     padded_examples: int, batch_size: int, device_bytes: int,
-                    headroom: float = 0.9, max_clients: int | None = None) -> MemoryPlan:
+                    headroom: float = 0.9, max_clients: int | None = None,
+                    cohort_clients: int | None = None,
+                    server_optimizer: optax.GradientTransformation | None = None) -> MemoryPlan:
     """The largest vmapped chunk of clients whose compiled peak fits ``headroom * device_bytes``.
+
+    With ``cohort_clients`` the peak is the whole round's over a cohort of that many
+    (``compiled_peak_bytes``), so ``fixed_bytes`` holds what grows with the cohort; plan
+    a run's chunks this way. Without it, only a chunk's own buffers count: the chunk
+    fits, the round around it may not.
 
     Args:
       algorithm: the method (its client update is what a chunk runs).
@@ -121,17 +160,32 @@ def plan_chunk_size(algorithm: FederatedAlgorithm, example_spec: Mapping[str, tu
         raise ValueError(f"headroom must be in (0, 1], got {headroom}")
     if device_bytes < 1:
         raise ValueError(f"device_bytes must be positive, got {device_bytes}")
-    peaks = [compiled_peak_bytes(algorithm, example_spec, padded_examples, batch_size, k)
-             for k in _PROBES]
-    per_client = max(1, (peaks[1] - peaks[0]) // (_PROBES[1] - _PROBES[0]))
-    fixed = max(0, peaks[0] - _PROBES[0] * per_client)
+    if cohort_clients is not None:
+        if cohort_clients < 1:
+            raise ValueError(f"cohort_clients must be >= 1, got {cohort_clients}")
+        max_clients = min(cohort_clients, max_clients or cohort_clients)
+
+    def peak(k: int) -> int:
+        return compiled_peak_bytes(algorithm, example_spec, padded_examples, batch_size, k,
+                                   cohort_clients, server_optimizer)
+
+    # Two probes fit the line; a cohort of fewer clients than the larger probe has its
+    # chunks probed at 1 and the whole cohort (a cohort of one: per client, all of it).
+    probes = _PROBES if cohort_clients is None or cohort_clients >= _PROBES[1] else (
+        (1, cohort_clients) if cohort_clients > 1 else (1,))
+    peaks = [peak(k) for k in probes]
+    if len(probes) == 1:
+        per_client, fixed = max(1, peaks[0]), 0
+    else:
+        per_client = max(1, (peaks[1] - peaks[0]) // (probes[1] - probes[0]))
+        fixed = max(0, peaks[0] - probes[0] * per_client)
     budget = int(headroom * device_bytes)
     chunk = max(0, (budget - fixed) // per_client)
     if max_clients is not None:
         chunk = min(chunk, max_clients)
     checked = None
     while chunk > 0:
-        checked = compiled_peak_bytes(algorithm, example_spec, padded_examples, batch_size, chunk)
+        checked = peak(chunk)
         if checked <= budget:
             break
         # The linear model was optimistic: shrink by the measured overshoot and recheck.

@@ -355,9 +355,10 @@ def planned_mapping(algorithm, task, batch: int, device_bytes: int,
     """Sorted chunks of the size ``chunk_for_sizes`` picks under the memory plan's cap
     (for the variant's ``steps_per_loop``)."""
     padded = -(-int(np.max(task.train.num_examples("train"))) // batch) * batch
+    # The benchmark's cohort is every client of its task: the plan is the whole round's.
     plan = plan_chunk_size(algorithm, task.train.example_spec, padded_examples=padded,
                            batch_size=batch, device_bytes=device_bytes,
-                           max_clients=len(task.train.client_ids))
+                           cohort_clients=len(task.train.client_ids))
     if plan.clients_per_chunk < 1:
         raise BadFlags(f"memory plan: not one client fits ({plan.describe()})")
     chunk = chunk_for_sizes(client_steps(task, batch), plan.clients_per_chunk,

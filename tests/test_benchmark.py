@@ -112,7 +112,7 @@ def test_planned_mapping_is_the_cost_models_choice_under_the_memory_cap(skewed_f
     padded = -(-int(np.max(task.train.num_examples("train"))) // 4) * 4
     for budget in (2**22, 2**30):
         plan = plan_chunk_size(algorithm, task.train.example_spec, padded_examples=padded,
-                               batch_size=4, device_bytes=budget, max_clients=12)
+                               batch_size=4, device_bytes=budget, cohort_clients=12)
         mapping = benchmark.planned_mapping(algorithm, task, 4, budget)
         assert mapping.strategy == "chunked"
         assert mapping.chunk_size == chunk_for_sizes(benchmark.client_steps(task, 4),

@@ -32,6 +32,31 @@ def test_planned_chunk_fits_and_one_more_does_not(algorithm):
     assert "clients per chunk" in plan.describe()
 
 
+def test_a_runs_plan_counts_the_round_around_its_chunks(algorithm):
+    """A chunk's own buffers leave out what the round holds for its whole cohort: the
+    cohort's data, its copy sorted by size, every client's outputs. At a budget under
+    twice the cohort's data the chunk-only plan still says clients fit, and the round at
+    that chunk needs more than the budget; the round's plan says none fit. With room, the
+    round's plan picks a chunk whose whole round compiles under the budget."""
+    cohort = 32
+    data = cohort * 64 * (28 * 28 * 4 + 4 + 1)  # x, y and mask of 64 examples each
+    tight = int(1.9 * data)
+    chunk_only = plan_chunk_size(algorithm, SPEC, padded_examples=64, batch_size=8,
+                                 device_bytes=tight, headroom=1.0, max_clients=cohort)
+    assert chunk_only.clients_per_chunk > 0
+    assert compiled_peak_bytes(algorithm, SPEC, 64, 8, chunk_only.clients_per_chunk,
+                               cohort_clients=cohort) > tight
+    whole = plan_chunk_size(algorithm, SPEC, padded_examples=64, batch_size=8,
+                            device_bytes=tight, headroom=1.0, cohort_clients=cohort)
+    assert whole.clients_per_chunk == 0 and whole.fixed_bytes >= 2 * data
+    roomy = 4 * data
+    whole = plan_chunk_size(algorithm, SPEC, padded_examples=64, batch_size=8,
+                            device_bytes=roomy, headroom=1.0, cohort_clients=cohort)
+    assert 1 <= whole.clients_per_chunk <= cohort
+    assert whole.checked_peak_bytes == compiled_peak_bytes(
+        algorithm, SPEC, 64, 8, whole.clients_per_chunk, cohort_clients=cohort) <= roomy
+
+
 def test_plan_grows_with_memory_and_shrinks_with_data(algorithm):
     def chunk(budget, examples=64):
         return plan_chunk_size(algorithm, SPEC, padded_examples=examples, batch_size=8,
