@@ -282,20 +282,22 @@ def test_fashion_mnist_configs_are_valid_for_every_method(variant):
 
 
 # The offline CPU runs' data path (mini_reproduction.sh, gain_source.sh): about 25 s.
-def test_fashion_mnist_mini_config_trains_on_generated_files(tmp_path):
+# CI time: the config and its data path are the method's; Flow on the CNN (its routed
+# programs) is test_flow.py's and test_flow_reference.py's, so Flow here runs with -m slow.
+@pytest.mark.parametrize("method", ["fedavg", pytest.param("flow", marks=pytest.mark.slow)])
+def test_fashion_mnist_mini_config_trains_on_generated_files(tmp_path, method):
     from configs import fashion_mnist
     from flowjax import config as run_config
     from flowjax import experiment
 
     write_files(tmp_path, pool(10, 20), pool(10, 10, offset=1))
-    for method in ("fedavg", "flow"):
-        config = fashion_mnist.get_config("mini_0.1")
-        config.data.update(data_dir=str(tmp_path), num_clients=4, train_per_client=20,
-                           test_per_client=5)
-        config.update(algorithm=method, num_rounds=1, clients_per_round=2)
-        config.eval.every = 0
-        result = experiment.run(run_config.build_simulation(config))
-        assert result.summaries["train_clients"].num_clients == 4
+    config = fashion_mnist.get_config("mini_0.1")
+    config.data.update(data_dir=str(tmp_path), num_clients=4, train_per_client=20,
+                       test_per_client=5)
+    config.update(algorithm=method, num_rounds=1, clients_per_round=2)
+    config.eval.every = 0
+    result = experiment.run(run_config.build_simulation(config))
+    assert result.summaries["train_clients"].num_clients == 4
 
 
 def test_majority_baselines_score_the_pooled_and_each_clients_most_common_train_label():
