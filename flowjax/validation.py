@@ -64,6 +64,15 @@ def _seed(value: Any) -> str | None:
     return None if value < SEED_LIMIT else "expected an integer in [0, 2**64)"
 
 
+def _data_seed(value: Any) -> str | None:
+    # The loaders seed NumPy with the data seed alone, and NumPy splits a larger int into
+    # 32-bit words: 7 + 3 * 2**32 would draw seed 7's round-0 client-sampling stream
+    # ([7, 3], flowjax.core.prng.host_rng). Below 2**32 no such stream is a data stream.
+    if not is_int(value) or value < 0:
+        return "expected an integer >= 0"
+    return None if value < 2 ** 32 else "expected an integer in [0, 2**32)"
+
+
 def _devices_visible(value: Any) -> str | None:
     if value == 1 and is_int(value):
         return None  # there is always one device; asking jax would start its backend
@@ -103,7 +112,7 @@ _RULES: tuple[tuple[str, Check], ...] = (
     ("data.train_fraction", Interval(0, 1, closed_low=False)),
     ("data.held_out_fraction", Interval(0, 1)),
     ("data.min_sequences", integer(2)),
-    ("data.seed", integer(0)),
+    ("data.seed", _data_seed),
     ("data.max_train_examples", optional_cap),
     ("data.max_test_examples", optional_cap),
     ("data.train_clients", one_of((None,) + TRAIN_CLIENTS)),

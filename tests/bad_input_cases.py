@@ -197,6 +197,9 @@ CASES: tuple[Case, ...] = (
     _config("checkpoint_every", -5, "config.checkpoint_every=-5: expected an integer >= 0"),
     _config("seed", -1, "config.seed=-1: expected an integer >= 0"),
     _config("data.seed", -1, "config.data.seed=-1: expected an integer >= 0"),
+    # 7 + 3 * 2**32: NumPy would seed the data with seed 7's round-0 sampling stream.
+    _config("data.seed", 7 + 3 * 2 ** 32, "config.data.seed=12884901895: expected an integer "
+            "in [0, 2**32)"),
     _config("mapping.chunk_size", 0, "config.mapping.chunk_size=0: expected an integer >= 1"),
     _config("methods.flow.policy_hidden", (8, 0, 8, 8), "config.methods.flow.policy_hidden="
             "(8, 0, 8, 8): expected a non-empty sequence of integer widths >= 1"),
