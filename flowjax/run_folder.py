@@ -290,7 +290,7 @@ def finished(workdir: str) -> bool:
 
 # Fields every flowjax config.json has held, in every schema: a config.json without them
 # is another program's (a model folder's, say), which a run must neither replace nor delete.
-CONFIG_MARKERS = ("algorithm", "dataset", "num_rounds")
+CONFIG_MARKERS = ("algorithm", "num_rounds")
 
 
 def is_run_config(stored: Any) -> bool:

@@ -838,10 +838,10 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               "reproduce.py refuse it before their first run",
               "tests/test_resume.py::"
               "test_checkpoint_every_0_is_refused_where_it_would_drop_a_runs_checkpoints"),
-    Behaviour("`--workdir` holding another program's `config.json` (no `algorithm`, "
-              "`dataset`, `num_rounds`), with or without `--overwrite`",
+    Behaviour("`--workdir` holding another program's `config.json` (no `algorithm` or "
+              "`num_rounds`), with or without `--overwrite`",
               "workdir (`flowjax.runner.refuse_a_foreign_config`)", "one line `... is not a "
-              "flowjax run's config (it lacks algorithm, dataset, num_rounds); nothing was "
+              "flowjax run's config (it lacks algorithm, num_rounds); nothing was "
               "changed; use another --workdir`, exit 2 (the run used to replace the file, and "
               "`--overwrite` to delete it)",
               "tests/test_resume.py::"
