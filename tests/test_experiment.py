@@ -247,16 +247,19 @@ def test_a_config_json_alone_does_not_block_the_corrected_rerun(tmp_path):
 
     from flowjax.runner import prepare_workdir
 
-    prepare_workdir(str(tmp_path), {"seed": 1, "num_rounds": 2}, overwrite=False)
+    # Stored configs as flowjax writes them carry algorithm and num_rounds
+    # (run_folder.CONFIG_MARKERS); one without is another program's and is refused.
+    first, second = ({"algorithm": "fedavg", "seed": seed, "num_rounds": 2} for seed in (1, 0))
+    prepare_workdir(str(tmp_path), first, overwrite=False)
     # A run that failed before its first round left only config.json: replaced.
-    prepare_workdir(str(tmp_path), {"seed": 0, "num_rounds": 2}, overwrite=False)
-    assert json.loads((tmp_path / "config.json").read_text()) == {"seed": 0, "num_rounds": 2}
+    prepare_workdir(str(tmp_path), second, overwrite=False)
+    assert json.loads((tmp_path / "config.json").read_text()) == second
     # Once a round is logged, a different config is refused and nothing changes.
     (tmp_path / "metrics.jsonl").write_text('{"round": 1, "kind": "train"}\n')
     with pytest.raises(ValueError, match=r"holds a run with a different config \(differs in: "
                                          r"seed\); use --overwrite"):
-        prepare_workdir(str(tmp_path), {"seed": 1, "num_rounds": 2}, overwrite=False)
-    assert json.loads((tmp_path / "config.json").read_text()) == {"seed": 0, "num_rounds": 2}
+        prepare_workdir(str(tmp_path), first, overwrite=False)
+    assert json.loads((tmp_path / "config.json").read_text()) == second
 
 
 def _finished_run(workdir, config) -> dict[str, str]:
