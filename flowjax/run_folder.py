@@ -294,8 +294,11 @@ CONFIG_MARKERS = ("algorithm", "num_rounds")
 
 
 def is_run_config(stored: Any) -> bool:
-    """Whether a parsed ``config.json`` is a flowjax run's (``CONFIG_MARKERS``)."""
-    return isinstance(stored, dict) and all(key in stored for key in CONFIG_MARKERS)
+    """Whether a parsed ``config.json`` is a flowjax run's (``CONFIG_MARKERS``; a config
+    of the schema before ``config.sgd`` may hold ``per_method`` in place of
+    ``num_rounds``)."""
+    return (isinstance(stored, dict) and CONFIG_MARKERS[0] in stored
+            and any(key in stored for key in (*CONFIG_MARKERS[1:], "per_method")))
 
 
 def checkpoint_rounds(workdir: str) -> list[int]:
