@@ -108,9 +108,9 @@ class RunLock:
     truncating the first one's ``metrics.jsonl`` and racing its checkpoints. The file is
     removed on release; the kernel drops the lock of a process that dies.
 
-    Example:
-      >>> with RunLock("runs/quick"):
-      ...     pass  # train
+    ``runner.run_config_to_workdir`` holds it from its config checks to its results; a
+    tool that writes a run folder by other means takes it the same way:
+    ``with RunLock(workdir): write_metrics(workdir, records)``.
     """
 
     def __init__(self, workdir: str):
