@@ -187,19 +187,15 @@ def partialfed(model: RoutableModel, config: PartialFedConfig) -> FederatedAlgor
         sums = plain_loss_sums(model, loaded, batch, key)
         return mean_from_sums(sums[0], sums[1]), sums
 
-    def step_loaded(copies, updates, use_global):
-        """Applies the updates to the copies loaded this step; the others stay put.
+    def step_loaded(copies, updates, loaded):
+        """Applies the updates to the copies ``loaded`` (``loaded_copies``) marks; the
+        others stay put.
 
         Selecting ``p + u`` (rather than adding a masked ``u``) keeps the loaded copy's
         update the same expression as FedAvg's, so XLA contracts it the same way and a
         strategy pinned to global reproduces FedAvg bit for bit.
         """
-        def step_copy(params, copy_updates, loaded):
-            return {name: jax.tree.map(lambda p, u, j=j: jnp.where(loaded[j], p + u, p),
-                                       params[name], copy_updates[name])
-                    for j, name in enumerate(model.layer_names)}
-        return {"global": step_copy(copies["global"], updates["global"], use_global),
-                "previous": step_copy(copies["previous"], updates["previous"], ~use_global)}
+        return jax.tree.map(lambda p, u, m: jnp.where(m, p + u, p), copies, updates, loaded)
 
     def alternating_step(carry, batch, key):
         (copies, weight_state), (logits, strategy_state) = carry
@@ -210,9 +206,9 @@ def partialfed(model: RoutableModel, config: PartialFedConfig) -> FederatedAlgor
         use_global = sample_use_global(logits, jax.random.fold_in(key, _WEIGHT_NOISE))
         grads, sums = jax.grad(weight_loss, has_aux=True)(copies, use_global, batch, key)
         updates, new_state = weight_optimizer.update(grads, weight_state, copies)
-        weight_state = keep_unloaded_state(weight_optimizer, new_state, weight_state,
-                                           loaded_copies(model, copies, use_global))
-        copies = step_loaded(copies, updates, use_global)
+        loaded = loaded_copies(model, copies, use_global)  # one mask: params and state
+        weight_state = keep_unloaded_state(weight_optimizer, new_state, weight_state, loaded)
+        copies = step_loaded(copies, updates, loaded)
         return ((copies, weight_state), (logits, strategy_state)), sums
 
     def train_client(params, examples: ClientExamples, key, client_state):
