@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from flowjax.algorithms import lacks_model
 from flowjax.evaluation.metrics import GROUPS
@@ -77,3 +77,17 @@ def results_table(results: Mapping[str, Mapping[str, Any]]) -> str:
                 *[ABSENT if lacks_model(algorithm, f) else "n/a" if v is None else _pct(v)
                   for f, v in zip(fields, values)]]) + " |")
     return "\n".join(lines)
+
+
+def methods_outside(csv_text: str, methods: Sequence[str]) -> list[str]:
+    """The methods that the ``comparison_csv`` text shows besides ``methods``: what a
+    comparison of ``methods`` would lose by replacing it.
+
+    Raises:
+      ValueError: ``csv_text`` is not a ``comparison_csv``.
+    """
+    lines = csv_text.splitlines()
+    if not lines or not lines[0].startswith("method,population,num_clients,"):
+        raise ValueError("its header is not method,population,num_clients,...")
+    shown = dict.fromkeys(line.split(",", 1)[0] for line in lines[1:] if line)
+    return [method for method in shown if method not in methods]

@@ -26,7 +26,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
@@ -70,6 +70,38 @@ def write_text_atomic(file: str, text: str) -> None:
     except BaseException:
         os.unlink(temporary)
         raise
+
+
+# A table of part of a grid goes here when the grid's table already shows more.
+SUBSET_SUFFIX = "-subset"
+
+
+def table_stem(stem: str, outside: Callable[[str], list[str]]) -> tuple[str, str]:
+    """Where to write the table ``<stem>.md`` and ``.csv`` without replacing a wider one.
+
+    A run of part of a grid (one dataset, a few methods, one seed) would otherwise replace
+    the table of the whole grid with a table of that part. ``outside(csv_text)`` names
+    what an earlier ``<stem>.csv`` shows that the new table does not cover (ValueError:
+    not such a table's CSV).
+
+    Returns:
+      ``(stem, "")`` when there is no earlier table or it shows nothing outside; else
+      ``(stem + SUBSET_SUFFIX, why the earlier one is kept)``.
+    """
+    md, csv_file = stem + ".md", stem + ".csv"
+    if not os.path.exists(md) and not os.path.exists(csv_file):
+        return stem, ""
+    try:
+        with open(csv_file) as handle:
+            shown = outside(handle.read())
+    except FileNotFoundError:
+        return stem + SUBSET_SUFFIX, f"{csv_file} is missing, so what {md} shows is unknown"
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        return stem + SUBSET_SUFFIX, f"{csv_file} cannot be read ({error})"
+    if not shown:
+        return stem, ""
+    return stem + SUBSET_SUFFIX, (f"it shows {len(shown)} result(s) that this table "
+                                  f"does not cover, e.g. {shown[0]}")
 
 
 def write_json_atomic(file: str, payload: Any) -> None:

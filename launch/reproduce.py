@@ -22,7 +22,9 @@ it; cells are shared between tables (Table 3 and soft_hard read Table 2's runs).
 with ``results.json`` is finished and never run again; any other cell is run, resuming
 from its newest checkpoint. Then ``<workdir>/<table>.md`` and ``<table>.csv`` give, per
 evaluated population, each method's mean ± sample std over the seeds with the paper's
-figure beside it (``flowjax/paper/aggregate.py``, ``flowjax/paper/tables.py``).
+figure beside it (``flowjax/paper/aggregate.py``, ``flowjax/paper/tables.py``). A table
+there that shows results outside the grid (a run of more datasets, methods or seeds made
+it) is kept, and this grid's goes to ``<table>-subset.md`` and ``.csv``.
 
 ``--scale=paper`` runs each dataset's paper config (``configs/<dataset>.py:paper``;
 CIFAR: ``configs/cifar.py:cifar10_0.1`` etc.), ``--scale=mini`` the CPU-sized configs of the
@@ -59,7 +61,8 @@ from flowjax.paper.aggregate import load_results, summed_wall_time  # noqa: E402
 from flowjax.paper.plan import (DATASETS, TABLES, Cell, TableSpec, parse_seeds,  # noqa: E402
                                 plan_cells, resolve_datasets, resolve_methods,
                                 resolve_table, variant_overrides)
-from flowjax.paper.tables import table_csv, table_entries, table_markdown  # noqa: E402
+from flowjax.paper.tables import (shown_outside, table_csv, table_entries,  # noqa: E402
+                                  table_markdown)
 from flowjax.runner import (conflicting_fields, resolved_config,  # noqa: E402
                             run_config_to_workdir)
 from flowjax.validation import validate_config  # noqa: E402
@@ -291,8 +294,14 @@ def run_cells(request: Request, configs: dict[Cell, Any], run: Runner = run_conf
     return failed
 
 
-def write_tables(request: Request, command: str, started: float) -> str:
-    """Writes ``<workdir>/<table>.md`` and ``.csv`` from the finished cells; the markdown."""
+def write_tables(request: Request, command: str, started: float) -> tuple[str, str]:
+    """Writes ``<workdir>/<table>.md`` and ``.csv`` from the finished cells; the markdown
+    and the path written without extension.
+
+    Where the table there shows results outside this grid (it came from a run of more
+    datasets, methods or seeds), it is kept and this grid's goes to
+    ``<table>-subset.md``: running part of a grid never hides the rest.
+    """
     cells = request.cells
     results = load_results(request.workdir, cells)
     wall, timed = summed_wall_time(request.workdir, cells)
@@ -303,10 +312,16 @@ def write_tables(request: Request, command: str, started: float) -> str:
                             request.methods, request.skipped)
     markdown = table_markdown(request.table, entries, request.datasets, request.seeds, header)
     os.makedirs(request.workdir, exist_ok=True)
-    stem = os.path.join(request.workdir, request.table.name)
+    stem, kept = run_folder.table_stem(
+        os.path.join(request.workdir, request.table.name),
+        lambda text: shown_outside(text, request.datasets, request.methods, request.seeds))
+    if kept:
+        print(f"kept {request.workdir}/{request.table.name}.md: {kept}; this grid's table "
+              f"goes to {stem}.md (--aggregate_only with the wider grid's flags rebuilds "
+              f"the whole table)", flush=True)
     run_folder.write_text_atomic(stem + ".md", markdown)
     run_folder.write_text_atomic(stem + ".csv", table_csv(entries))
-    return markdown
+    return markdown, stem
 
 
 def describe_plan(request: Request, load: ConfigLoader = load_dataset_config) -> str:
@@ -373,9 +388,9 @@ def execute(request: Request, command: str, *, aggregate_only: bool = False,
     if not aggregate_only:
         check_data(request, configs)
     failed = [] if aggregate_only else run_cells(request, configs, run, progress)
-    markdown = write_tables(request, command, started)
+    markdown, stem = write_tables(request, command, started)
     print(markdown)
-    print(f"wrote {request.workdir}/{request.table.name}.md and .csv")
+    print(f"wrote {stem}.md and .csv")
     if failed:
         print(f"error: {len(failed)} cell(s) diverged and are missing from the table",
               file=sys.stderr)

@@ -123,6 +123,16 @@ def test_compare_writes_one_table_and_resumes(tmp_path):
     rerun = (tmp_path / "comparison.md").read_text()
     assert "summed run time of 1 of the 2 methods (the others lack run.json)" in rerun
     assert [line for line in rerun.splitlines() if line.startswith("| ")] == table_rows
+    # Fewer methods (both finished, reused) keep the comparison of both as it was.
+    full = {name: (tmp_path / name).read_bytes() for name in ("comparison.md", "comparison.csv")}
+    one = launch("compare.py", *[a for a in args if not a.startswith("--methods")],
+                 "--methods=fedavg")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert (f"kept {tmp_path}/comparison.md: it shows 1 result(s) that this table does "
+            f"not cover, e.g. flow; this comparison goes to {tmp_path}/comparison-subset.md") in one.stdout
+    assert {name: (tmp_path / name).read_bytes() for name in full} == full
+    subset = (tmp_path / "comparison-subset.csv").read_text().splitlines()
+    assert subset == [csv[0], *[line for line in csv[1:] if line.startswith("fedavg,")]]
 
 
 def test_hypcluster_kmeans_init_is_set_from_the_command_line(tmp_path):

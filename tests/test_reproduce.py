@@ -628,3 +628,45 @@ def test_precision_effect_pairs_bf16_and_float32_cells_by_seed(tmp_path):
                               text=True, timeout=120)
         assert done.returncode == 2 and message in done.stderr, done.stderr
     assert "in num_rounds; expected the same run but for compute_dtype" in done.stderr
+
+
+def test_a_table_of_part_of_the_grid_keeps_the_whole_grids_table(tmp_path, capsys):
+    def request(methods, seeds=("0", "1")):
+        return reproduce.build_request("table2", str(tmp_path), list(seeds), ["shakespeare"],
+                                       "paper", list(methods), [])
+
+    whole = request(["fedavg", "flow"])
+    for cell in whole.cells:  # finished cells of the grid's config
+        write_cell(tmp_path, cell.dataset, cell.variant, cell.seed,
+                   {"train_clients": summary([0.1 * (cell.seed + 1)] * 4, [0.3] * 4)})
+        with open(os.path.join(cell.path(str(tmp_path)), "config.json"), "w") as handle:
+            json.dump(resolved_config(reproduce.cell_config(cell, whole, tiny_config)), handle)
+
+    def tabulate(req):
+        assert reproduce.execute(req, "cmd", aggregate_only=True, load=tiny_config) == 0
+        return capsys.readouterr().out
+
+    assert "wrote " + str(tmp_path / "table2") + ".md" in tabulate(whole)
+    kept = {name: (tmp_path / name).read_bytes() for name in ("table2.md", "table2.csv")}
+    # One method, then one seed: each table goes beside, the whole one stays as it was.
+    for part, outside in ((request(["fedavg"]), "shakespeare/flow seed 0"),
+                          (request(["fedavg", "flow"], ["0"]), "shakespeare/fedavg seed 1")):
+        out = tabulate(part)
+        assert f"kept {tmp_path}/table2.md: it shows " in out and f"e.g. {outside};" in out
+        assert f"wrote {tmp_path / 'table2-subset'}.md" in out
+        assert {name: (tmp_path / name).read_bytes() for name in kept} == kept
+    subset = csv_rows((tmp_path / "table2-subset.csv").read_text())
+    assert {r["seeds"] for r in subset if r["variant"] in ("fedavg", "flow")} == {"0"}
+    # The whole grid again, and a wider one (a seed without runs), replace it.
+    whole_rows = csv_rows(kept["table2.csv"].decode())
+    tabulate(whole)
+    assert csv_rows((tmp_path / "table2.csv").read_text()) == whole_rows
+    assert "kept" not in tabulate(request(["fedavg", "flow"], ["0", "1", "2"]))
+    assert {r["n_expected"] for r in csv_rows((tmp_path / "table2.csv").read_text())} == {"3"}
+    # A table whose CSV cannot be read is kept too: what it shows is unknown.
+    (tmp_path / "table2.csv").write_text("not,a,table\n")
+    out = tabulate(whole)
+    assert (f"kept {tmp_path}/table2.md: {tmp_path}/table2.csv cannot be read (its header "
+            "is not table,dataset,row,...)") in out
+    (tmp_path / "table2.csv").unlink()
+    assert f"{tmp_path}/table2.csv is missing, so what {tmp_path}/table2.md shows" in tabulate(whole)

@@ -214,3 +214,26 @@ def table_csv(entries: Mapping[str, list[list[Entry]]]) -> str:
                     "" if paper is None or paper.spread is None else f"{paper.spread:.2f}",
                     "" if paper is None else paper.source])
     return out.getvalue()
+
+
+def shown_outside(csv_text: str, datasets: Sequence[str], variants: Sequence[str],
+                  seeds: Sequence[int]) -> list[str]:
+    """The results (``dataset/variant seed N``) that the table ``csv_text`` shows outside
+    a grid of ``datasets`` x ``variants`` x ``seeds``: what a table of that grid would
+    lose by replacing it. A difference ``plus - minus`` is inside when both are.
+
+    Raises:
+      ValueError: ``csv_text`` is not a ``table_csv``.
+    """
+    reader = csv.DictReader(io.StringIO(csv_text))
+    if tuple(reader.fieldnames or ()) != CSV_HEADER:
+        raise ValueError(f"its header is not {','.join(CSV_HEADER[:3])},...")
+    inside_variants, inside_seeds = set(variants), {str(seed) for seed in seeds}
+    outside = []
+    for row in reader:
+        parts = set(row["variant"].split(" - "))
+        for seed in row["seeds"].split():
+            if (row["dataset"] not in datasets or not parts <= inside_variants
+                    or seed not in inside_seeds):
+                outside.append(f"{row['dataset']}/{row['variant']} seed {seed}")
+    return list(dict.fromkeys(outside))
