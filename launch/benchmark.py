@@ -702,12 +702,11 @@ def run(argv):
     if _PROFILE.value and _WARMUP.value:
         raise BadFlags(f"--profile_dir={_PROFILE.value}: expected --nowarmup as well; the "
                        "profiled execution reuses the round compiled ahead of time")
-    if _OUT.value:  # checked before the benchmark, not after its minutes
-        folder = os.path.dirname(os.path.abspath(_OUT.value))
-        if os.path.isdir(_OUT.value) or not os.path.isdir(folder) or not os.access(
-                folder, os.W_OK):
-            raise BadFlags(f"--json_out={_OUT.value}: expected a file path in an existing "
-                           "folder you can write")
+    if _OUT.value:
+        try:
+            cli.check_output_file("json_out", _OUT.value)
+        except ValueError as error:
+            raise BadFlags(str(error)) from None
     clients, steps, repeats = _CLIENTS.value, _STEPS.value, _REPEATS.value
     report = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
               "jax": jax.__version__, "clients": clients, "steps": steps,

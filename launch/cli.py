@@ -154,6 +154,15 @@ def fail(error: BaseException) -> int:
     return 2
 
 
+def check_output_file(flag: str, value: str) -> None:
+    """Raises ValueError (one line) unless ``value`` can become a file: checked before a
+    measurement, not after its minutes."""
+    folder = os.path.dirname(os.path.abspath(value))
+    if os.path.isdir(value) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"--{flag}={value}: expected a file path in an existing folder you "
+                         "can write")
+
+
 # 128 + SIGTERM, for a run stopped by the signal a scheduler (or `kill`) sends first.
 TERMINATED = 143
 

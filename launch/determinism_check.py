@@ -25,6 +25,7 @@ from absl import flags  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from flowjax import run_folder  # noqa: E402
 from flowjax.models import get_model  # noqa: E402
 from launch import cli  # noqa: E402
 from launch.bench_common import (BATCH, build_algorithm, first_batch, run_twice,  # noqa: E402
@@ -44,6 +45,11 @@ def main(argv):
     if _ROUNDS.value < 1 or _CLIENTS.value < 1 or _STEPS.value < 1:
         return cli.fail(ValueError(f"--rounds, --clients and --steps must be >= 1, got "
                                    f"{_ROUNDS.value}, {_CLIENTS.value}, {_STEPS.value}"))
+    if _OUT.value:
+        try:
+            cli.check_output_file("json_out", _OUT.value)
+        except ValueError as error:
+            return cli.fail(error)
     device = jax.devices()[0]
     print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}")
     outcome = {"device": device.device_kind, "platform": device.platform, "cases": {}}
@@ -68,8 +74,8 @@ def main(argv):
             print(f"{model_name} {name}: {verdict} ({_ROUNDS.value} rounds x "
                   f"{_CLIENTS.value} clients, run twice)", flush=True)
     if _OUT.value:
-        with open(_OUT.value, "w") as f:
-            json.dump(outcome, f, indent=1)
+        # Atomically: an earlier outcome there survives a failed write.
+        run_folder.write_text_atomic(_OUT.value, json.dumps(outcome, indent=1))
     return 0
 
 

@@ -964,8 +964,9 @@ def main(argv: list[str] | None = None) -> int:
                                          torch.__version__)
         worst = max(worst, check_worst)
         if args.write_fixture:
-            with open(CHECKS[name].fixture, "w") as f:
-                json.dump(fixture, f)
+            from flowjax import run_folder
+            # Atomically: a killed run leaves the committed fixture whole.
+            run_folder.write_text_atomic(CHECKS[name].fixture, json.dumps(fixture))
             print(f"wrote {os.path.relpath(CHECKS[name].fixture, ROOT)}")
     verdict = "within" if worst <= TOLERANCE else "ABOVE"
     print(f"worst max abs diff {worst:.3e}: {verdict} the {TOLERANCE:g} target")
