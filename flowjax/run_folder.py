@@ -72,6 +72,31 @@ def write_text_atomic(file: str, text: str) -> None:
         raise
 
 
+def write_json_atomic(file: str, payload: Any) -> None:
+    """``write_text_atomic`` of ``payload`` as indented JSON."""
+    write_text_atomic(file, json.dumps(payload, indent=2, sort_keys=True))
+
+
+def metrics_line(record: dict[str, Any]) -> str:
+    """One ``metrics.jsonl`` line."""
+    return json.dumps(record) + "\n"
+
+
+def write_metrics(workdir: str, records: list[dict[str, Any]]) -> None:
+    """Replaces ``metrics.jsonl`` by exactly ``records`` (atomically)."""
+    write_text_atomic(path(workdir, METRICS), "".join(metrics_line(r) for r in records))
+
+
+def remove_run(workdir: str) -> None:
+    """Removes a previous run's files and folders from ``workdir`` (``--overwrite``)."""
+    for name in RUN_FILES:
+        if os.path.exists(path(workdir, name)):
+            os.remove(path(workdir, name))
+    for name in RUN_FOLDERS:
+        shutil.rmtree(path(workdir, name), ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- tables of runs
 # A table of part of a grid goes here when the grid's table already shows more.
 SUBSET_SUFFIX = "-subset"
 
@@ -102,30 +127,6 @@ def table_stem(stem: str, outside: Callable[[str], list[str]]) -> tuple[str, str
         return stem, ""
     return stem + SUBSET_SUFFIX, (f"it shows {len(shown)} result(s) that this table "
                                   f"does not cover, e.g. {shown[0]}")
-
-
-def write_json_atomic(file: str, payload: Any) -> None:
-    """``write_text_atomic`` of ``payload`` as indented JSON."""
-    write_text_atomic(file, json.dumps(payload, indent=2, sort_keys=True))
-
-
-def metrics_line(record: dict[str, Any]) -> str:
-    """One ``metrics.jsonl`` line."""
-    return json.dumps(record) + "\n"
-
-
-def write_metrics(workdir: str, records: list[dict[str, Any]]) -> None:
-    """Replaces ``metrics.jsonl`` by exactly ``records`` (atomically)."""
-    write_text_atomic(path(workdir, METRICS), "".join(metrics_line(r) for r in records))
-
-
-def remove_run(workdir: str) -> None:
-    """Removes a previous run's files and folders from ``workdir`` (``--overwrite``)."""
-    for name in RUN_FILES:
-        if os.path.exists(path(workdir, name)):
-            os.remove(path(workdir, name))
-    for name in RUN_FOLDERS:
-        shutil.rmtree(path(workdir, name), ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- one run at a time

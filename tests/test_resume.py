@@ -356,3 +356,29 @@ def test_skip_clients_goes_on_and_reports_the_dropped_clients(tmp_path):
     # Dropped clients do not count in the round's loss either.
     assert all(r["loss"] is None for r in records if r["kind"] == "train" and r["clients_skipped"] == 3)
     assert (tmp_path / "results.json").exists()
+
+
+def test_metrics_jsonl_is_on_disk_before_results_json_marks_the_run_finished(tmp_path,
+                                                                            monkeypatch):
+    """A finished run is never resumed (which rewrites metrics.jsonl from the checkpoint's
+    history), so its appended lines must reach the disk before results.json is written."""
+    import os as os_module
+    from flowjax.runner import run_config_to_workdir
+    synced, replace = [], os_module.replace
+    fsync = os_module.fsync
+
+    def recording_fsync(fd):
+        name = os_module.path.basename(os_module.readlink(f"/proc/self/fd/{fd}"))
+        synced.append((name, os_module.fstat(fd).st_size))
+        fsync(fd)
+
+    def recording_replace(source, target):
+        synced.append(("replaced", os_module.path.basename(target)))
+        replace(source, target)
+
+    monkeypatch.setattr(os_module, "fsync", recording_fsync)
+    monkeypatch.setattr(os_module, "replace", recording_replace)
+    run_config_to_workdir(run_config(checkpoint_every=0), str(tmp_path), progress=False)
+    size = (tmp_path / "metrics.jsonl").stat().st_size
+    assert size > 0
+    assert synced.index(("metrics.jsonl", size)) < synced.index(("replaced", "results.json"))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -213,6 +214,9 @@ class MetricsFile(Callback):
 
     def on_run_end(self, run: RunState) -> None:
         if self._file is not None:
+            # On disk before results.json marks the run finished: a finished run is never
+            # resumed, so lines a power cut dropped from the cache would stay lost.
+            os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
 
