@@ -170,7 +170,8 @@ def warm_up(run: ResolvedRun) -> dict[str, Any] | None:
     first = int(real[prng.host_rng(seed, int(prng.Purpose.KMEANS_INIT), rounds)
                      .integers(len(real))])
     return {"cluster_starts": kmeans_starts(run.model, run.sgd, state.params, cohort, keys,
-                                            run.method.clusters, first)}
+                                            run.method.clusters, first,
+                                            build_mapping(run.config))}
 
 
 def warmup_rounds(run: ResolvedRun) -> int:

@@ -18,6 +18,7 @@ from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.algorithms.hypcluster import (HypClusterConfig, hypcluster, kmeans_starts,
                                           mean_train_loss)
 from flowjax.core.cohort import assemble_cohort, client_at
+from flowjax.core.mapping import ClientMapping
 from flowjax.engine.callbacks import Callback, ProgressBar
 from flowjax.core.server_opt import server_optimizer
 from flowjax.core.losses import masked_mean_loss
@@ -278,17 +279,25 @@ def test_warm_started_run_trains_and_evaluates():
     assert not _leaves_equal(params["cluster0"], plain)
 
 
-def test_kmeans_starts_pick_a_client_then_the_one_worst_served_so_far(mlp, images_small):
+# The run's own mapping: the whole cohort in one vmap, client by client, and chunks of 3
+# (two whole chunks and a rest of one: the padding client).
+@pytest.mark.parametrize("mapping", [ClientMapping("vmap"), ClientMapping("loop"),
+                                     ClientMapping("chunked", 3)],
+                         ids=lambda m: f"{m.strategy}{m.chunk_size}")
+def test_kmeans_starts_pick_a_client_then_the_one_worst_served_so_far(mlp, images_small,
+                                                                     mapping):
     """FedJAX's kmeans_init: cluster 0 at the first client's trained params, then the
     trained params of the client whose lowest loss under the picks so far is largest;
-    checked against each client trained alone and its losses computed alone."""
+    checked against each client trained alone and its losses computed alone, under each
+    mapping of the clients."""
     sgd = SGDConfig(**SGD)
     cohort = jax.tree.map(jnp.asarray, assemble_cohort(
         images_small.train, "train", [0, 1, 2, 3, 4, 5], num_clients=7, padded_examples=32,
         batch_size=4))  # a padding client last: never picked
     keys = jax.random.split(jax.random.key(3), 7)
     start = mlp.init(jax.random.key(0))
-    starts = kmeans_starts(mlp, sgd, start, cohort, keys, clusters=3, first=2)
+    starts = kmeans_starts(mlp, sgd, start, cohort, keys, clusters=3, first=2,
+                           mapping=mapping)
     alone = [train_plain(mlp, start, sgd.optimizer(), client_at(cohort, i),
                          valid_examples(client_at(cohort, i)), epochs=1, batch_size=4,
                          key=keys[i])[0] for i in range(6)]

@@ -54,3 +54,41 @@ def test_two_emulated_devices_match_one_device(algorithm):
                           text=True, cwd=ROOT, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "sharded == single device" in done.stdout
+
+
+KMEANS_SCRIPT = r'''
+import importlib
+import jax, numpy as np
+from flowjax import config as run_config
+hypcluster = importlib.import_module("flowjax.algorithms.hypcluster")
+from tests.helpers import small_synthetic_config
+
+assert jax.device_count() == 2, jax.devices()
+mapped, map_clients = [], hypcluster.map_clients
+def recording_map_clients(fn, mapping, *args):
+    mapped.append(mapping.num_devices)
+    return map_clients(fn, mapping, *args)
+hypcluster.map_clients = recording_map_clients
+starts = {}
+for devices in (1, 2):
+    config = small_synthetic_config(algorithm="hypcluster", num_rounds=2,
+                                    **{"mapping.num_devices": devices})
+    config.methods.hypcluster.update(warmup_rounds=1, init="kmeans")
+    starts[devices] = run_config.warm_up(run_config.resolve(config))["cluster_starts"]
+for a, b in zip(jax.tree.leaves(starts[1]), jax.tree.leaves(starts[2])):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7)
+assert set(mapped) == {1, 2}, mapped  # the training and the losses, on 1 then 2 devices
+print("kmeans starts: sharded == single device")
+'''
+
+
+def test_hypclusters_kmeans_init_shards_its_cohort_as_the_rounds_do():
+    """Its clients train over the run's mapping, not in one vmap on one device (a cohort
+    whose rounds fit only in chunks or over devices would not fit), with the same picks."""
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+               + " --xla_force_host_platform_device_count=2",
+               PYTHONPATH=ROOT)
+    done = subprocess.run([sys.executable, "-c", KMEANS_SCRIPT], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "kmeans starts: sharded == single device" in done.stdout

@@ -62,6 +62,7 @@ from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictio
                                      valid_examples)
 from flowjax.core.checks import check_fields, integer, non_negative, one_of
 from flowjax.core.cohort import ClientExamples
+from flowjax.core.mapping import ClientMapping, map_clients
 from flowjax.core.losses import mean_from_sums
 from flowjax.core.tree import select_tree
 from flowjax.models.base import Params, RoutableModel, forward
@@ -131,14 +132,15 @@ def perturb(params: Params, key: jax.Array, scale: float) -> Params:
 
 def kmeans_starts(model: RoutableModel, sgd: SGDConfig, start: Params,
                   examples: ClientExamples, keys: jax.Array, clusters: int,
-                  first: int) -> list[Params]:
+                  first: int, mapping: ClientMapping = ClientMapping("vmap")) -> list[Params]:
     """FedJAX's k-means++ variant of HypCluster's init (``hyp_cluster.kmeans_init``).
 
     Every client of ``examples`` (a stacked cohort; padding clients have no examples)
     trains ``sgd.epochs`` epochs from ``start`` with its key of ``keys``. Cluster 0 starts
     at client ``first``'s trained params; each next cluster at those of the real client
     whose lowest mean train loss (``mean_train_loss``) under the clusters chosen so far
-    is the largest.
+    is the largest. Clients are mapped as the run's rounds map them (``mapping``), so a
+    cohort whose rounds fit in memory in chunks or over several devices fits here too.
 
     Returns:
       ``clusters`` params pytrees, cluster 0 first.
@@ -150,10 +152,9 @@ def kmeans_starts(model: RoutableModel, sgd: SGDConfig, start: Params,
                            epochs=sgd.epochs, batch_size=sgd.batch_size, key=key,
                            **sgd.loop)[0]
 
-    trained = jax.jit(jax.vmap(train))(examples, keys)
-    losses_under = jax.jit(jax.vmap(lambda center, client: mean_train_loss(model, center,
-                                                                           client),
-                                    in_axes=(None, 0)))
+    trained = jax.jit(map_clients(train, mapping))(examples, keys)
+    losses_under = jax.jit(lambda center, clients: map_clients(
+        lambda client: mean_train_loss(model, center, client), mapping)(clients))
     real = np.asarray(examples.num_examples) > 0
     chosen, best = [first], np.full(len(real), np.inf)
     for _ in range(1, clusters):
