@@ -4,7 +4,8 @@
 # one core, so N processes compile N cells at a time. Every cell is its own seeded run in its
 # own folder, so the order and grouping of cells change no number; the table is the one
 #   python launch/reproduce.py --table=TABLE --methods=ROWS ARGS...
-# writes (same cells, same files).
+# writes (same cells, same files). A process's table of its own rows goes to
+# <table>-subset.md where a wider table is already there; the last call writes <table>.md.
 #
 #   bash launch/parallel_rows.sh JOBS TABLE ROWS [ARGS...]
 #
