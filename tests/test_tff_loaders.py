@@ -310,6 +310,34 @@ def test_write_store_round_trip_and_atomicity(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["s"]  # no half-written store left behind
 
 
+@pytest.mark.parametrize("x, y, message", [
+    ([0.5, 1e39], [3, 4], "train.x.npy: value 1e+39 cannot be stored as float32"),
+    ([0.5, 1.0], [3.7, 4], "train.y.npy: value 3.7 cannot be stored as int32"),
+    ([0.5, 1.0], [2**32 + 1, 4], "train.y.npy: value 4294967297 cannot be stored as int32"),
+    ([0.5, 1.0], [np.nan, 4], "train.y.npy: value nan cannot be stored as int32"),
+])
+def test_values_the_dtype_cannot_hold_are_refused_not_cast(tmp_path, x, y, message):
+    """A silent cast stored 3 for 3.7, wrapped 2**32 + 1 and overflowed 1e39 to inf,
+    while meta.json's value ranges (what loaders check) described the values given."""
+    spec = {"x": ((), np.float32), "y": ((), np.int32)}
+    good = ("a", {"train": {"x": np.array([0.25]), "y": np.array([1])}})
+    with pytest.raises(ValueError) as refused:
+        write_store(tmp_path / "s", [good, ("b", {"train": {"x": np.array(x),
+                                                            "y": np.array(y)}})], spec)
+    assert str(refused.value) == f"client 'b': {message} without changing it; expected " \
+                                 "values that dtype holds"
+    assert os.listdir(tmp_path) == []
+    # Values a dtype holds are cast (float64 to float32 rounds), and the ranges are the
+    # stored values'.
+    store = write_store(tmp_path / "s", [good, ("b", {"train": {"x": np.array([0.1, 2.0]),
+                                                                "y": np.array([3.0, 4])}})],
+                        spec)
+    meta = json.loads((store / "meta.json").read_text())["value_ranges"]["train"]
+    assert meta["x"] == {"min": float(np.float32(0.1)), "max": 2.0, "nonfinite": 0,
+                         "integral": False}
+    assert meta["y"] == {"min": 1, "max": 4, "nonfinite": 0, "integral": True}
+
+
 def test_missing_or_corrupt_store_is_one_line_error(converted, tmp_path):
     with pytest.raises(ValueError, match="convert.py --dataset=emnist") as info:
         load_task("emnist_tff", {"store_dir": str(tmp_path / "nope")})

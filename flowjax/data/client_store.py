@@ -98,13 +98,35 @@ class _GrowingNpy:
         self.file = open(path, "wb")
         self.file.write(_npy_header(self.dtype, (0,) + self.shape))
 
-    def append(self, rows: np.ndarray) -> None:
-        rows = np.ascontiguousarray(rows, self.dtype)
-        if rows.shape[1:] != self.shape:
-            raise ValueError(f"{self.path.name}: rows of shape {rows.shape[1:]}, "
+    def append(self, rows: np.ndarray) -> np.ndarray:
+        """Writes ``rows`` in the file's dtype; returns them as written.
+
+        Raises:
+          ValueError: a shape other than the file's, or values the dtype cannot hold (a
+            fraction or an out-of-range integer for an integer dtype, a finite value that
+            overflows a float one): a silent cast would store other data than given.
+        """
+        given = np.asarray(rows)
+        with np.errstate(over="ignore", invalid="ignore"):  # refused below, in one line
+            stored = np.ascontiguousarray(given.astype(self.dtype, casting="unsafe"))
+        if stored.shape[1:] != self.shape:
+            raise ValueError(f"{self.path.name}: rows of shape {stored.shape[1:]}, "
                              f"expected {self.shape}")
-        self.file.write(rows.tobytes())
-        self.rows += len(rows)
+        if given.dtype != self.dtype and given.size:
+            if self.dtype.kind in "biu":
+                changed = ~np.equal(stored, given)
+            elif self.dtype.kind in "fc" and given.dtype.kind in "fciub":
+                changed = np.isfinite(given) & ~np.isfinite(stored)
+            else:
+                changed = np.zeros(given.shape, bool)
+            if changed.any():
+                value = given[changed][0].item()
+                raise ValueError(f"{self.path.name}: value {value!r} cannot be stored as "
+                                 f"{self.dtype} without changing it; expected values that "
+                                 f"dtype holds")
+        self.file.write(stored.tobytes())
+        self.rows += len(stored)
+        return stored
 
     def close(self) -> None:
         self.file.seek(0)
@@ -185,23 +207,29 @@ def _fill_store(tmp: pathlib.Path, clients: Iterable[ClientRecord], spec: Spec,
     ranges = {(s, n): _Range() for s in splits for n in spec}
     count, width = 0, 0
     ids_file = tmp / "ids.tmp"
-    with open(ids_file, "wb") as ids_out:
-        for client_id, per_split in clients:
-            unknown = set(per_split) - set(splits)
-            if unknown:
-                raise ValueError(f"client {client_id!r}: unknown splits {sorted(unknown)}")
-            for split in splits:
-                features = per_split.get(split, {})
-                sizes[split].append(_rows_of(client_id, split, features, spec))
-                for name in spec:
-                    if name in features:
-                        files[split, name].append(features[name])
-                        ranges[split, name].update(features[name])
-            encoded = str(client_id).encode("utf-8")
-            ids_out.write(struct.pack("<I", len(encoded)) + encoded)
-            count, width = count + 1, max(width, len(encoded))
-    for f in files.values():
-        f.close()
+    try:
+        with open(ids_file, "wb") as ids_out:
+            for client_id, per_split in clients:
+                unknown = set(per_split) - set(splits)
+                if unknown:
+                    raise ValueError(f"client {client_id!r}: unknown splits {sorted(unknown)}")
+                for split in splits:
+                    features = per_split.get(split, {})
+                    sizes[split].append(_rows_of(client_id, split, features, spec))
+                    for name in spec:
+                        if name in features:
+                            try:
+                                stored = files[split, name].append(features[name])
+                            except ValueError as error:
+                                raise ValueError(f"client {client_id!r}: {error}") from None
+                            # The ranges of what is stored, which loaders check.
+                            ranges[split, name].update(stored)
+                encoded = str(client_id).encode("utf-8")
+                ids_out.write(struct.pack("<I", len(encoded)) + encoded)
+                count, width = count + 1, max(width, len(encoded))
+    finally:  # on an error too: the temporary folder is then removed whole
+        for f in files.values():
+            f.close()
     _write_ids(tmp, ids_file, count, width)
     ids_file.unlink()
     offsets = np.zeros((len(splits), count + 1), np.int64)
