@@ -12,9 +12,14 @@ starts from one pool of labelled examples (CIFAR, the MNIST family):
   each of its shards that does (a class whose count is not a multiple of the shard size
   ends inside a shard).
 
-Every client's test examples follow the same class distribution as its train examples
-(Dirichlet: its ``p``; shards: its train label histogram), drawn without replacement
-from the test pool, so a client's test data looks like its train data.
+Every client's test examples are drawn from the same class distribution as its train
+examples (Dirichlet: its ``p``; shards: its train label histogram), without replacement
+from the test pool, so a client's test data looks like its train data, as long as the
+pool has its classes left. Where the clients take (nearly) the whole pool (the paper's
+CIFAR and Fashion-MNIST: 500 clients x 20 = all 10,000 test examples), the classes run
+out client by client and the last clients' draws are renormalized over the classes still
+there (``dirichlet_partition``), so their test data can differ from their train data; the
+authors' CIFAR loader (``dataloaders/cifar10/cifar10_dataloader.py``) draws the same way.
 """
 
 from __future__ import annotations
