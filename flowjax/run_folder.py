@@ -354,6 +354,15 @@ def is_run(folder: str) -> bool:
     return finished(folder) or os.path.exists(path(folder, METRICS))
 
 
+def run_files_present(workdir: str) -> list[str]:
+    """The names of ``RUN_FILES`` and non-empty ``RUN_FOLDERS`` in ``workdir``: what
+    ``remove_run`` would delete."""
+    files = [name for name in RUN_FILES if os.path.isfile(path(workdir, name))]
+    folders = [f"{name}/" for name in RUN_FOLDERS
+               if os.path.isdir(path(workdir, name)) and os.listdir(path(workdir, name))]
+    return files + folders
+
+
 def run_started(workdir: str) -> bool:
     """Whether ``workdir``'s run got past its start: a result, a training line in
     ``metrics.jsonl`` or anything under ``checkpoints/``. A ``config.json`` alone is a

@@ -42,9 +42,10 @@ def conflicting_fields(workdir: str, resolved: dict, remedy: str) -> list[str]:
     if not run_folder.run_started(workdir):
         return []
     if previous is None:
+        # Not --overwrite: it would delete files that may be another program's.
         raise ValueError(f"{workdir} holds a run (results, metrics or checkpoints) but no "
                          f"config.json, so what made it is unknown; nothing was deleted; "
-                         f"{remedy}")
+                         f"{UNKNOWN_RUN_REMEDY}")
     if older_schema(previous):
         raise ValueError(f"{workdir} holds a run written by an older flowjax config schema "
                          f"(top-level learning_rate/gamma, no config.sgd), so it cannot be "
@@ -58,6 +59,22 @@ def conflicting_fields(workdir: str, resolved: dict, remedy: str) -> list[str]:
                          f"resume: the run would start over and lose them; expected "
                          f"checkpoint_every >= 1 to resume it (any value), or {remedy}")
     return differing
+
+
+UNKNOWN_RUN_REMEDY = ("move its files away to run there (--overwrite deletes only a run "
+                      "whose config.json says it is flowjax's), or use another --workdir")
+
+
+def refuse_an_unknown_run(workdir: str) -> None:
+    """Raises ValueError (for ``--overwrite``) when ``workdir`` has no ``config.json`` but
+    files or folders a run writes: every flowjax run writes ``config.json`` first, so
+    these may be another program's (its ``checkpoints/``, its ``tensorboard/``)."""
+    if os.path.exists(run_folder.path(workdir, run_folder.CONFIG)):
+        return
+    present = run_folder.run_files_present(workdir)
+    if present:
+        raise ValueError(f"{workdir} holds {', '.join(present)} but no config.json, so what "
+                         f"made them is unknown; nothing was deleted; {UNKNOWN_RUN_REMEDY}")
 
 
 def refuse_a_foreign_config(workdir: str, stored: Any) -> None:
@@ -202,6 +219,7 @@ def _checked_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) ->
         except ValueError:
             stored = None
         refuse_a_foreign_config(workdir, stored)
+        refuse_an_unknown_run(workdir)
         return False
     differing = conflicting_fields(
         workdir, resolved, "use --overwrite to replace the run or another --workdir")

@@ -817,8 +817,9 @@ COMMAND_CASES += (
     CommandCase("`train.py` over a folder holding a `results.json` and no `config.json` "
                 "(what made it is unknown)", _TRAIN + _TINY,
                 "error: WORKDIR holds a run (results, metrics or checkpoints) but no "
-                "config.json, so what made it is unknown; nothing was deleted; use --overwrite "
-                "to replace the run or another --workdir", _TRAIN_WHERE),
+                "config.json, so what made it is unknown; nothing was deleted; move its files "
+                "away to run there (--overwrite deletes only a run whose config.json says it "
+                "is flowjax's), or use another --workdir", _TRAIN_WHERE),
 )
 
 BEHAVIOURS: tuple[Behaviour, ...] = (

@@ -346,6 +346,28 @@ def test_another_programs_config_json_is_neither_replaced_nor_deleted(tmp_path, 
     assert file_bytes(tmp_path) == before
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_another_programs_checkpoints_and_events_are_not_deleted(tmp_path, overwrite):
+    """Without a config.json nothing tells whose ``checkpoints/`` and ``tensorboard/``
+    these are: ``--overwrite`` deleted them (and the refusal without it advised it)."""
+    from flowjax.runner import run_config_to_workdir
+    (tmp_path / "checkpoints" / "model_step_1000").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "model_step_1000" / "w.bin").write_bytes(b"weights")
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "tensorboard" / "events.out").write_bytes(b"events")
+    before = file_bytes(tmp_path)
+    with pytest.raises(ValueError) as refused:
+        run_config_to_workdir(run_config(), str(tmp_path), progress=False, overwrite=overwrite)
+    remedy = ("nothing was deleted; move its files away to run there (--overwrite deletes "
+              "only a run whose config.json says it is flowjax's), or use another --workdir")
+    assert str(refused.value) == (
+        f"{tmp_path} holds checkpoints/, tensorboard/ but no config.json, so what made them "
+        f"is unknown; {remedy}" if overwrite else
+        f"{tmp_path} holds a run (results, metrics or checkpoints) but no config.json, so "
+        f"what made it is unknown; {remedy}")
+    assert file_bytes(tmp_path) == before
+
+
 def test_skip_clients_goes_on_and_reports_the_dropped_clients(tmp_path):
     done = train(tmp_path, "--config.sgd.learning_rate=1e30",
                  "--config.on_divergence=skip_clients")
