@@ -106,27 +106,40 @@ def table_stem(stem: str, outside: Callable[[str], list[str]]) -> tuple[str, str
 
     A run of part of a grid (one dataset, a few methods, one seed) would otherwise replace
     the table of the whole grid with a table of that part. ``outside(csv_text)`` names
-    what an earlier ``<stem>.csv`` shows that the new table does not cover (ValueError:
-    not such a table's CSV).
+    what an earlier table's CSV shows that the new table does not cover (ValueError: not
+    such a table's CSV).
 
     Returns:
-      ``(stem, "")`` when there is no earlier table or it shows nothing outside; else
-      ``(stem + SUBSET_SUFFIX, why the earlier one is kept)``.
+      ``(stem, "")`` when there is no earlier table or it shows nothing outside; else the
+      first of ``stem-subset``, ``stem-subset-2``, ... that loses nothing either (the
+      table of another part stays too), and why ``<stem>.md`` is kept.
     """
+    kept = _hides(stem, outside)
+    if not kept:
+        return stem, ""
+    number = 1
+    while True:
+        candidate = stem + SUBSET_SUFFIX + (f"-{number}" if number > 1 else "")
+        if not _hides(candidate, outside):
+            return candidate, kept
+        number += 1
+
+
+def _hides(stem: str, outside: Callable[[str], list[str]]) -> str:
+    """Why writing the table ``stem`` would lose what the one there shows ("": nothing)."""
     md, csv_file = stem + ".md", stem + ".csv"
     if not os.path.exists(md) and not os.path.exists(csv_file):
-        return stem, ""
+        return ""
     try:
         with open(csv_file) as handle:
             shown = outside(handle.read())
     except FileNotFoundError:
-        return stem + SUBSET_SUFFIX, f"{csv_file} is missing, so what {md} shows is unknown"
+        return f"{csv_file} is missing, so what {md} shows is unknown"
     except (OSError, UnicodeDecodeError, ValueError) as error:
-        return stem + SUBSET_SUFFIX, f"{csv_file} cannot be read ({error})"
+        return f"{csv_file} cannot be read ({error})"
     if not shown:
-        return stem, ""
-    return stem + SUBSET_SUFFIX, (f"it shows {len(shown)} result(s) that this table "
-                                  f"does not cover, e.g. {shown[0]}")
+        return ""
+    return f"it shows {len(shown)} result(s) that this table does not cover, e.g. {shown[0]}"
 
 
 # ---------------------------------------------------------------------------- one run at a time

@@ -314,7 +314,8 @@ def write_tables(request: Request, command: str, started: float) -> tuple[str, s
     os.makedirs(request.workdir, exist_ok=True)
     stem, kept = run_folder.table_stem(
         os.path.join(request.workdir, request.table.name),
-        lambda text: shown_outside(text, request.datasets, request.methods, request.seeds))
+        lambda text: shown_outside(text, request.datasets, request.methods, request.seeds,
+                                   request.skipped))
     if kept:
         print(f"kept {request.workdir}/{request.table.name}.md: {kept}; this grid's table "
               f"goes to {stem}.md (--aggregate_only with the wider grid's flags rebuilds "

@@ -648,15 +648,21 @@ def test_a_table_of_part_of_the_grid_keeps_the_whole_grids_table(tmp_path, capsy
 
     assert "wrote " + str(tmp_path / "table2") + ".md" in tabulate(whole)
     kept = {name: (tmp_path / name).read_bytes() for name in ("table2.md", "table2.csv")}
-    # One method, then one seed: each table goes beside, the whole one stays as it was.
-    for part, outside in ((request(["fedavg"]), "shakespeare/flow seed 0"),
-                          (request(["fedavg", "flow"], ["0"]), "shakespeare/fedavg seed 1")):
+    # One method, then one seed: each table goes beside, the whole one stays as it was,
+    # and so does the first part's (the second part's table lacks its seed 1).
+    for part, outside, stem in (
+            (request(["fedavg"]), "shakespeare/flow seed 0", "table2-subset"),
+            (request(["fedavg", "flow"], ["0"]), "shakespeare/fedavg seed 1", "table2-subset-2")):
         out = tabulate(part)
         assert f"kept {tmp_path}/table2.md: it shows " in out and f"e.g. {outside};" in out
-        assert f"wrote {tmp_path / 'table2-subset'}.md" in out
+        assert f"wrote {tmp_path / stem}.md" in out
         assert {name: (tmp_path / name).read_bytes() for name in kept} == kept
-    subset = csv_rows((tmp_path / "table2-subset.csv").read_text())
-    assert {r["seeds"] for r in subset if r["variant"] in ("fedavg", "flow")} == {"0"}
+    first = csv_rows((tmp_path / "table2-subset.csv").read_text())
+    assert {(r["variant"], r["seeds"]) for r in first} == {("fedavg", "0 1")}
+    second = csv_rows((tmp_path / "table2-subset-2.csv").read_text())
+    assert {r["seeds"] for r in second if r["variant"] in ("fedavg", "flow")} == {"0"}
+    # The same part again replaces its own table.
+    assert f"wrote {tmp_path / 'table2-subset'}.md" in tabulate(request(["fedavg"]))
     # The whole grid again, and a wider one (a seed without runs), replace it.
     whole_rows = csv_rows(kept["table2.csv"].decode())
     tabulate(whole)
@@ -670,3 +676,30 @@ def test_a_table_of_part_of_the_grid_keeps_the_whole_grids_table(tmp_path, capsy
             "is not table,dataset,row,...)") in out
     (tmp_path / "table2.csv").unlink()
     assert f"{tmp_path}/table2.csv is missing, so what {tmp_path}/table2.md shows" in tabulate(whole)
+
+
+def test_a_cell_the_paper_skips_is_outside_a_grid_that_leaves_it_out(tmp_path, capsys):
+    """PartialFed on Shakespeare, run when named (``--methods``), is "not run" in a
+    grid of the table's default rows: that grid's table would hide its result."""
+    def load(dataset, scale):  # every row's config valid (HypCluster warms up 1 round)
+        config = tiny_config(dataset, scale)
+        config.methods.hypcluster.warmup_rounds = 1
+        return config
+
+    named = reproduce.build_request("table2", str(tmp_path), ["0"], ["shakespeare"], "paper",
+                                    ["fedavg", "partialfed"], [])
+    assert Cell("shakespeare", "partialfed", 0) in named.cells
+    for cell in named.cells:
+        write_cell(tmp_path, cell.dataset, cell.variant, cell.seed,
+                   {"train_clients": summary([0.2] * 4, [0.3] * 4)})
+        with open(os.path.join(cell.path(str(tmp_path)), "config.json"), "w") as handle:
+            json.dump(resolved_config(reproduce.cell_config(cell, named, load)), handle)
+    assert reproduce.execute(named, "cmd", aggregate_only=True, load=load) == 0
+    kept = (tmp_path / "table2.csv").read_bytes()
+    default = reproduce.build_request("table2", str(tmp_path), ["0"], ["shakespeare"],
+                                      "paper", [], [])
+    assert ("partialfed", "shakespeare") in default.skipped
+    capsys.readouterr()
+    assert reproduce.execute(default, "cmd", aggregate_only=True, load=load) == 0
+    assert "e.g. shakespeare/partialfed seed 0;" in capsys.readouterr().out
+    assert (tmp_path / "table2.csv").read_bytes() == kept

@@ -217,9 +217,10 @@ def table_csv(entries: Mapping[str, list[list[Entry]]]) -> str:
 
 
 def shown_outside(csv_text: str, datasets: Sequence[str], variants: Sequence[str],
-                  seeds: Sequence[int]) -> list[str]:
+                  seeds: Sequence[int], skipped: Iterable[tuple[str, str]] = ()) -> list[str]:
     """The results (``dataset/variant seed N``) that the table ``csv_text`` shows outside
-    a grid of ``datasets`` x ``variants`` x ``seeds``: what a table of that grid would
+    a grid of ``datasets`` x ``variants`` x ``seeds`` less the ``(variant, dataset)``
+    cells it leaves out (``skipped``, shown as not run): what a table of that grid would
     lose by replacing it. A difference ``plus - minus`` is inside when both are.
 
     Raises:
@@ -229,11 +230,13 @@ def shown_outside(csv_text: str, datasets: Sequence[str], variants: Sequence[str
     if tuple(reader.fieldnames or ()) != CSV_HEADER:
         raise ValueError(f"its header is not {','.join(CSV_HEADER[:3])},...")
     inside_variants, inside_seeds = set(variants), {str(seed) for seed in seeds}
+    skipped = set(skipped)
     outside = []
     for row in reader:
         parts = set(row["variant"].split(" - "))
+        left_out = any((part, row["dataset"]) in skipped for part in parts)
         for seed in row["seeds"].split():
-            if (row["dataset"] not in datasets or not parts <= inside_variants
+            if (row["dataset"] not in datasets or not parts <= inside_variants or left_out
                     or seed not in inside_seeds):
                 outside.append(f"{row['dataset']}/{row['variant']} seed {seed}")
     return list(dict.fromkeys(outside))
