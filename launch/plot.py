@@ -8,7 +8,8 @@ r"""Draw the learning curves, instance breakdown and routing figures of runs as 
 Every folder under ``--workdir`` holding ``results.json`` or ``metrics.jsonl`` is a run;
 runs are grouped by dataset, by method (the folder holding the run, or the algorithm of a
 run at ``--workdir`` itself) and by seed (``config.json``). Per dataset it writes into
-``<workdir>/plots/``:
+``<workdir>/plots/`` (``--plot_methods=a,b``: ``<workdir>/plots-a+b/``, so a selection
+never replaces the figures of every run; ``--out_dir`` sets the folder):
 
 * ``learning_curves_<dataset>.png``: Acc_g and Acc_p per round (mean over seeds, +-std);
 * ``breakdown_<dataset>.png``: the instance breakdown of the paper's Figure 3;
@@ -29,6 +30,7 @@ from launch import cli  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
+from flowjax import run_folder  # noqa: E402
 from flowjax.paper import plot_data  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", None,
@@ -37,8 +39,17 @@ _DPI = flags.DEFINE_integer("dpi", 120, "Resolution of the PNGs.")
 _PLOT_METHODS = flags.DEFINE_list("plot_methods", [], "Only these methods' runs (the folder "
                                   "names); default: every run under --workdir.")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the PNGs (default: "
-                               "<workdir>/plots).")
+                               "<workdir>/plots, or <workdir>/plots-a+b for "
+                               "--plot_methods=a,b).")
 cli.define_debug_flag()
+
+
+def default_out_dir(workdir: str, methods: list[str]) -> str:
+    """``<workdir>/plots``, or for a selection of methods its own folder beside it: the
+    selection's figures would replace the full ones and mix with routing figures of the
+    methods left out."""
+    name = run_folder.PLOTS + (f"-{'+'.join(methods)}" if methods else "")
+    return os.path.join(workdir, name)
 
 
 def main(argv):
@@ -47,7 +58,7 @@ def main(argv):
     if not os.path.isdir(workdir):
         print(f"error: --workdir={workdir} is not a directory", file=sys.stderr)
         return 2
-    out = _OUT_DIR.value or os.path.join(workdir, "plots")
+    out = _OUT_DIR.value or default_out_dir(workdir, _PLOT_METHODS.value)
     if _DPI.value < 1:
         return cli.fail(ValueError(f"--dpi={_DPI.value}: expected an integer >= 1"))
     if os.path.exists(out) and not os.path.isdir(out):

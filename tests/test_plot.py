@@ -363,6 +363,19 @@ def test_plot_methods_and_out_dir_select_the_runs_and_the_folder(tmp_path):
     assert sorted(os.listdir(out)) == ["breakdown_toy.png", "learning_curves_toy.png",
                                        "routing_q0_toy_flow.png"]
     assert not (tmp_path / "plots").exists()
+    # Without --out_dir, every run's figures, then one method's beside them.
+    for selection in ([], ["--plot_methods=fedavg"]):
+        done = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "plot.py"),
+                               f"--workdir={tmp_path}", *selection], capture_output=True,
+                              text=True, cwd=ROOT, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path / "plots")) == [
+        "breakdown_toy.png", "learning_curves_toy.png", "routing_q0_toy_flow.png",
+        "routing_q0_toy_flow_ref_halves.png"]
+    assert sorted(os.listdir(tmp_path / "plots-fedavg")) == ["breakdown_toy.png",
+                                                              "learning_curves_toy.png"]
+    assert ((tmp_path / "plots" / "breakdown_toy.png").read_bytes()
+            != (tmp_path / "plots-fedavg" / "breakdown_toy.png").read_bytes())
     runs = plot_data.select_methods(plot_data.load_runs(str(tmp_path)), ["fedavg", "flow"])
     assert sorted(r.method for r in runs) == ["fedavg", "flow"]
     with pytest.raises(ValueError, match=r"^no run of method ditto; the runs' methods are "
