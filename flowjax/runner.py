@@ -92,12 +92,12 @@ def older_schema(stored: dict) -> bool:
     return "sgd" not in stored and ("learning_rate" in stored or "per_method" in stored)
 
 
-def check_workdir(workdir: str | None) -> None:
+def check_workdir(workdir: str | None, writable: bool = True) -> None:
     """Refuses a workdir that cannot hold a run, before anything is loaded or written.
 
     Raises:
-      ValueError: ``workdir`` is empty, is a file (or lies under one), or the folder it
-        would be created in is not writable (one line).
+      ValueError: ``workdir`` is empty, is a file (or lies under one), or (``writable``)
+        the folder it would be created in is not writable (one line).
     """
     if not workdir:
         raise ValueError("--workdir is missing or empty; expected a directory for the run's "
@@ -111,7 +111,7 @@ def check_workdir(workdir: str | None) -> None:
     if not os.path.isdir(existing):
         raise ValueError(f"--workdir={workdir} lies under the file {existing}; expected a "
                          "directory path")
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if writable and not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"--workdir={workdir}: {existing} is not writable; expected a "
                          "directory you can write")
 

@@ -63,8 +63,8 @@ from flowjax.paper.plan import (DATASETS, TABLES, Cell, TableSpec, parse_seeds, 
                                 resolve_table, variant_overrides)
 from flowjax.paper.tables import (shown_outside, table_csv, table_entries,  # noqa: E402
                                   table_markdown)
-from flowjax.runner import (conflicting_fields, resolved_config,  # noqa: E402
-                            run_config_to_workdir)
+from flowjax.runner import (check_workdir, conflicting_fields,  # noqa: E402
+                            resolved_config, run_config_to_workdir)
 from flowjax.validation import validate_config  # noqa: E402
 
 _TABLE = flags.DEFINE_string("table", None, "Paper table: table2, table3, regularization, "
@@ -380,6 +380,8 @@ def execute(request: Request, command: str, *, aggregate_only: bool = False,
       ValueError: a bad config, override or incompatible cell (one line), before any run.
     """
     started = time.perf_counter()
+    # A plan only reads: a grid on a read-only share may be looked at.
+    check_workdir(request.workdir, writable=not dry_run)
     if dry_run:
         print(describe_plan(request, load))
         return 0

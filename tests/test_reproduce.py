@@ -703,3 +703,18 @@ def test_a_cell_the_paper_skips_is_outside_a_grid_that_leaves_it_out(tmp_path, c
     assert reproduce.execute(default, "cmd", aggregate_only=True, load=load) == 0
     assert "e.g. shakespeare/partialfed seed 0;" in capsys.readouterr().out
     assert (tmp_path / "table2.csv").read_bytes() == kept
+
+
+@pytest.mark.parametrize("mode", [{}, {"aggregate_only": True}, {"dry_run": True}])
+def test_a_workdir_that_is_a_file_is_refused_in_one_line_in_every_mode(tmp_path, mode):
+    """It used to end in ``[Errno 17] File exists`` naming no flag, or (a dry run) list
+    cells under the file as new."""
+    a_file = tmp_path / "afile"
+    a_file.write_text("mine")
+    request = reproduce.build_request("table2", str(a_file), ["0"], ["shakespeare"], "paper",
+                                      ["fedavg"], [])
+    with pytest.raises(ValueError) as refused:
+        reproduce.execute(request, "cmd", load=tiny_config, progress=False, **mode)
+    assert str(refused.value) == (f"--workdir={a_file} is a file; expected a directory (new, "
+                                  "or holding a run)")
+    assert a_file.read_text() == "mine"
