@@ -292,6 +292,33 @@ def test_an_unfinished_run_takes_the_dataset_name_of_its_finished_siblings(tmp_p
     assert {r.dataset for r in plot_data.load_runs(str(tmp_path))} == {"toy_0.1"}
 
 
+def test_local_has_no_acc_g_curve_and_no_breakdown_bar(tmp_path):
+    """Local's Acc_g and breakdown score its untrained starting model: the tables show
+    "-" for them, and the figures drew them as results. A finished and an unfinished
+    seed (no results.json: the method is the folder's name)."""
+    write_run(tmp_path / "flow" / "seed_0", dataset="toy", algorithm="flow", seed=0,
+              evals={1: (0.1, 0.2)}, breakdown=BREAKDOWN_A)
+    write_run(tmp_path / "local" / "seed_0", dataset="toy", algorithm="local", seed=0,
+              evals={1: (0.05, 0.6)}, breakdown=BREAKDOWN_B)
+    write_run(tmp_path / "local" / "seed_1", dataset="toy", algorithm="local", seed=1,
+              evals={1: (0.05, 0.5)})
+    write_run(tmp_path / "pi_flow" / "seed_0", dataset="toy", algorithm="flow", seed=0,
+              evals={1: (0.1, 0.3)}, breakdown=BREAKDOWN_A)
+    runs = plot_data.load_runs(str(tmp_path))
+    assert [(r.method, r.results is None) for r in runs] == [
+        ("flow", False), ("local", False), ("local", True), ("pi_flow", False)]
+    curves = plot_data.curve_bands(runs)["train_clients"]
+    assert list(curves["acc_g"]) == ["flow", "pi_flow"]
+    assert list(curves["acc_p"]) == ["flow", "local", "pi_flow"]
+    assert list(curves["acc_p"]["local"].mean) == pytest.approx([0.55])  # both seeds
+    assert list(plot_data.mean_breakdowns(runs)["train_clients"]) == ["flow", "pi_flow"]
+    # Each method keeps its colour in the panel that lacks Local.
+    curves = plot_draw.workdir_figures(runs)["learning_curves_toy.png"]
+    colours = [{line.get_label(): line.get_color() for line in ax.lines} for ax in curves.axes]
+    assert colours[0] == {m: colours[1][m] for m in ("flow", "pi_flow")}
+    assert len(set(colours[1].values())) == 3
+
+
 def test_same_method_name_in_two_folders_is_disambiguated(tmp_path):
     for study in ("a", "b"):
         write_run(tmp_path / study / "flow", dataset="toy", algorithm="flow", seed=0,

@@ -33,6 +33,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from flowjax import run_folder
+from flowjax.algorithms import lacks_model
 from flowjax.paper.stats import seed_stats
 from flowjax.evaluation.metrics import GROUPS
 
@@ -237,10 +238,20 @@ def seed_band(series: Sequence[Mapping[int, float]]) -> Band:
                 seeds=np.asarray([st.n for st in stats], dtype=int))
 
 
+def _without_global_model(run: Run) -> bool:
+    """Whether the run's method learns no global model (Local: its Acc_g and the
+    breakdown score the untrained starting model, the tables' "-")."""
+    algorithm = (run.results or {}).get("algorithm") or run.method
+    return lacks_model(algorithm, "acc_g")
+
+
 def curve_bands(runs: Sequence[Run]) -> dict[str, dict[str, dict[str, Band]]]:
     """``{population: {metric: {method: Band}}}`` of the runs' evaluation records.
 
     A round evaluated twice in one file (a rerun appended to it) counts its last record.
+    A method without a global model has no Acc_g curve. (FedAvg's Acc_p curve, its
+    global model's accuracy, is drawn: the reference a personalized curve is read
+    against.)
     """
     per_run: dict[tuple[str, str], list[dict[str, dict[int, float]]]] = {}
     for run in runs:
@@ -248,6 +259,8 @@ def curve_bands(runs: Sequence[Run]) -> dict[str, dict[str, dict[str, Band]]]:
         for record in run.evals:
             population = record.get("population", PRIMARY)
             for metric in CURVE_METRICS:
+                if metric == "acc_g" and _without_global_model(run):
+                    continue
                 if record.get(metric) is not None:
                     series.setdefault(population, {}).setdefault(metric, {})[
                         int(record["round"])] = float(record[metric])
@@ -259,9 +272,10 @@ def curve_bands(runs: Sequence[Run]) -> dict[str, dict[str, dict[str, Band]]]:
         out[population] = {}
         for metric in CURVE_METRICS:
             out[population][metric] = {
-                method: seed_band([s[metric] for s in per_run[(population, method)]
-                                   if metric in s])
-                for method in methods if (population, method) in per_run}
+                method: seed_band(series)
+                for method in methods if (population, method) in per_run
+                for series in [[s[metric] for s in per_run[(population, method)]
+                                if metric in s]] if series}
     return out
 
 
@@ -271,10 +285,13 @@ def mean_breakdowns(runs: Sequence[Run]) -> dict[str, dict[str, dict[str, float]
     A run's fractions are means over its clients (``breakdown_client_mean``), as the
     paper's Figure 3 averages them and as Acc_g and Acc_p are: both correct + global only
     is then the tables' Acc_g. Results written before that field existed give their
-    instance-pooled ``breakdown``.
+    instance-pooled ``breakdown``. A method without a global model has no bar: its
+    "global" is the untrained starting model.
     """
     collected: dict[str, dict[str, list[Mapping[str, float]]]] = {}
     for run in runs:
+        if _without_global_model(run):
+            continue
         for population, summary in ((run.results or {}).get("populations") or {}).items():
             breakdown = summary.get("breakdown_client_mean") or summary.get("breakdown")
             if breakdown:

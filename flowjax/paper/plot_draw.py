@@ -49,11 +49,16 @@ def learning_curves_figure(bands: Mapping[str, Mapping[str, Mapping[str, Band]]]
     figure = Figure(figsize=(6 * len(CURVE_METRICS), 3.6 * len(populations)),
                     layout="constrained")
     axes = figure.subplots(len(populations), len(CURVE_METRICS), squeeze=False)
+    # One colour per method in every panel, also where a panel lacks a method (Local's
+    # Acc_g): the colour cycle of each axes would shift the methods after it.
+    methods = list(dict.fromkeys(m for curves in bands.values() for per_method in
+                                 curves.values() for m in per_method))
     for row, population in enumerate(populations):
         for col, metric in enumerate(CURVE_METRICS):
             ax = axes[row][col]
             for method, band in bands[population].get(metric, {}).items():
                 (line,) = ax.plot(band.rounds, 100 * band.mean, label=method,
+                                  color=f"C{methods.index(method) % 10}",
                                   marker="o" if len(band.rounds) < 12 else None, markersize=3)
                 spread = band.seeds > 1
                 if np.any(spread):
