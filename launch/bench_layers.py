@@ -17,7 +17,6 @@ compute (``config.compute_dtype``), same seed, and prints each run's test accura
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from typing import Callable
@@ -30,6 +29,7 @@ from jax import lax
 
 from flowjax.models import get_model
 from flowjax.models.base import Params, RoutableModel, forward
+from launch import cli
 
 
 def client_batches(model: RoutableModel, key: jax.Array, clients: int, steps: int,
@@ -117,15 +117,15 @@ def compute_dtype_accuracy(rounds: int, conv_impl: str = "auto") -> dict[str, di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--slow_clients", type=int, default=2,
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=cli.integer_at_least(1), default=10)
+    parser.add_argument("--steps", type=cli.integer_at_least(1), default=20)
+    parser.add_argument("--repeats", type=cli.integer_at_least(1), default=3)
+    parser.add_argument("--slow_clients", type=cli.integer_at_least(1), default=2,
                         help="clients for the slow autodiff-conv baseline")
     parser.add_argument("--compute_dtype_accuracy", action="store_true",
                         help="train with float32 and bf16 compute; print test accuracies")
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rounds", type=cli.integer_at_least(1), default=30)
     args = parser.parse_args()
     if args.compute_dtype_accuracy:
         print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")

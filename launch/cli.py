@@ -13,6 +13,7 @@ This module imports no JAX: the launchers import it before ``xla_env.apply()``.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib.util
 import os
@@ -152,6 +153,30 @@ def fail(error: BaseException) -> int:
         raise error
     print(f"error: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
     return 2
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse`` for the launchers that parse with it (the parity, sensitivity and
+    measurement scripts): a bad command line is one ``error:`` line, exit 2, as with
+    ``parse_flags``, not argparse's usage block."""
+
+    def error(self, message: str):
+        print(f"error: {' '.join(message.split())} (--help lists the options)",
+              file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def integer_at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``low``, else a message naming the value."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= {low}")
+        return value
+    return parse
 
 
 def check_output_file(flag: str, value: str) -> None:

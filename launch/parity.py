@@ -934,8 +934,8 @@ def _passes_json(ours: dict[str, Any]) -> dict[str, list]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from launch import cli
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reference_dir", required=True,
                         help="checkout of github.com/Astuary/Flow")
     parser.add_argument("--model", choices=tuple(CHECKS) + ("all",), default="all")

@@ -43,6 +43,7 @@ from flowjax.algorithms.flow import FlowConfig, flow  # noqa: E402
 from flowjax.core.cohort import ClientExamples  # noqa: E402
 from flowjax.models import get_model  # noqa: E402
 from flowjax.routing.routed import input_outweighs_weights  # noqa: E402
+from launch import cli  # noqa: E402
 
 F32 = 4  # bytes
 BATCH = {"emnist_cnn": 20, "stackoverflow_lstm": 16}
@@ -421,7 +422,7 @@ def hlo_inventory(conv_impl: str, clients: int = 100, batch: int = 20) -> dict[s
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (``sys.argv[1:]`` when ``argv`` is None); exits 2 on a bad flag."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="emnist_cnn,stackoverflow_lstm",
                         help="comma-separated; empty: none")
     parser.add_argument("--no_xla", action="store_true", help="formulas only")

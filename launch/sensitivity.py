@@ -17,13 +17,14 @@ only, and why two correct implementations of it part ways within a few steps.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from launch import cli  # noqa: E402
 
 BATCH = 20
 SIZES = (1, 2, 4)  # batches per client
@@ -84,8 +85,8 @@ def divergence(network: str, batches: int, seed: int = 0) -> tuple[float, float]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seed", type=int, default=0)
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=cli.integer_at_least(0), default=0)
     args = parser.parse_args(argv)
     import jax
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, float32; one Flow client "

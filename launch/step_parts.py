@@ -40,14 +40,15 @@ from flowjax.core.losses import mean_from_sums, weighted_cross_entropy
 from flowjax.models import get_model, model_takes
 from flowjax.models.base import RoutableModel
 from flowjax.models.layers import lstm_weights
+from launch import cli
 from launch.bench_common import BATCH, LEARNING_RATE, median_seconds, synthetic_examples
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="stackoverflow_lstm", choices=sorted(BATCH))
-    parser.add_argument("--clients", type=int, default=19, help="clients in the vmapped step")
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls per part (median)")
+    parser.add_argument("--clients", type=cli.integer_at_least(1), default=19, help="clients in the vmapped step")
+    parser.add_argument("--repeats", type=cli.integer_at_least(1), default=10, help="timed calls per part (median)")
     parser.add_argument("--compute_dtypes", default="float32",
                         help="comma-separated config.compute_dtype values, one table each")
     parser.add_argument("--model_options", default="{}",

@@ -272,3 +272,25 @@ def test_ctrl_c_line_tells_how_to_resume_only_where_a_launcher_trains_run_folder
                             (False, "interrupted (Ctrl-C)")):
         assert cli._quiet_interrupt(interrupted, resumable)([]) == cli.INTERRUPTED == 130
         assert capsys.readouterr().err == line + "\n"
+
+
+def test_argparse_launchers_refuse_bad_values_in_one_line():
+    """The launchers that parse with argparse (no absl: parity, sensitivity and the
+    measurement scripts) print one ``error:`` line, not a usage block, and check ranges
+    before working: ``sensitivity.py --seed=-1`` ended in a traceback after a minute."""
+    expected = {
+        ("sensitivity.py", "--seed=-1"): "argument --seed: '-1': expected an integer >= 0",
+        ("bench_layers.py", "--clients=0"): "argument --clients: '0': expected an integer >= 1",
+        ("step_parts.py", "--repeats=x"): "argument --repeats: 'x': expected an integer >= 1",
+        ("roofline.py", "--device=tpu"): "argument --device: invalid choice: 'tpu'",
+        ("parity.py",): "the following arguments are required: --reference_dir",
+    }
+    running = {args: subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", args[0]),
+                                       *args[1:]], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, cwd=ROOT)
+               for args in expected}
+    for args, process in running.items():
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 2, (args, stderr)
+        assert len(stderr.strip().splitlines()) == 1, (args, stderr)
+        assert stderr.startswith(f"error: {expected[args]}"), (args, stderr)
