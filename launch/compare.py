@@ -58,6 +58,9 @@ def method_configs(base: Any, workdir: str, methods: list[str]) -> dict[str, Any
     if not names:
         raise ValueError("--methods is empty; expected method or ablation names, 'all' or "
                          "'ablations', e.g. --methods=flow,fedavg")
+    if "" in names:
+        raise ValueError(f"--methods={','.join(methods)} holds an empty name; expected "
+                         "comma-separated method or ablation names, e.g. --methods=flow,fedavg")
     configs = {}
     for name in names:
         config = base.copy_and_resolve_references()

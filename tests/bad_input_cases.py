@@ -781,6 +781,10 @@ COMMAND_CASES += (
     CommandCase("`compare.py --methods=` (empty)", _COMPARE + ("--methods=",), "error: --methods "
                 "is empty; expected method or ablation names, 'all' or 'ablations', e.g. "
                 "--methods=flow,fedavg", _COMPARE_WHERE),
+    CommandCase("`compare.py --methods=fedavg,,` (an empty name)",
+                _COMPARE + ("--methods=fedavg,,",), "error: --methods=fedavg,, holds an empty "
+                "name; expected comma-separated method or ablation names, e.g. "
+                "--methods=flow,fedavg", _COMPARE_WHERE),
     CommandCase("`compare.py` over a finished method of other flags (`num_rounds=3 "
                 "sgd.learning_rate=0.5`)", _COMPARE + ("--methods=flow",), "error: WORKDIR/flow "
                 "holds a run of another config (differs in: num_rounds, sgd.learning_rate); use "
