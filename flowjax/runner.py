@@ -15,6 +15,7 @@ import numpy as np
 from flowjax import config as run_config
 from flowjax import distributed, run_folder
 from flowjax.core import client_state
+from flowjax.core.checks import new_folder_problem
 from flowjax.engine import loop
 from flowjax.engine.callbacks import (DivergenceError, DivergenceGuard, ProgressBar,
                                       run_folder_callbacks)
@@ -102,18 +103,15 @@ def check_workdir(workdir: str | None, writable: bool = True) -> None:
     if not workdir:
         raise ValueError("--workdir is missing or empty; expected a directory for the run's "
                          "files, e.g. --workdir=runs/quick")
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
+    problem = new_folder_problem(workdir, writable)
+    if problem == "is a file":
         raise ValueError(f"--workdir={workdir} is a file; expected a directory (new, or "
                          "holding a run)")
-    existing = os.path.abspath(workdir)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ValueError(f"--workdir={workdir} lies under the file {existing}; expected a "
-                         "directory path")
-    if writable and not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"--workdir={workdir}: {existing} is not writable; expected a "
-                         "directory you can write")
+    if problem and problem.startswith("lies under"):
+        raise ValueError(f"--workdir={workdir} {problem}; expected a directory path")
+    if problem:
+        raise ValueError(f"--workdir={workdir}: {problem}; expected a directory you can "
+                         "write")
 
 
 def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> bool:

@@ -544,6 +544,13 @@ def _case_exists(folder):
     return ["--dataset=emnist", "--source=src", "--out=out"]
 
 
+def _case_out_under_a_file(folder):
+    _copy_fixture(folder, "tff_h5")
+    with open(os.path.join(folder, "notes.txt"), "w") as handle:
+        handle.write("mine")
+    return ["--dataset=emnist", "--source=src", "--out=notes.txt/emnist"]
+
+
 def _case_partial(folder):
     import shutil
     os.makedirs(os.path.join(folder, "src"))
@@ -615,6 +622,8 @@ CONVERT_CASES: tuple[ConvertCase, ...] = (
                 "delete it"),
     ConvertCase("`--out` an earlier conversion, without `--overwrite`", _case_exists,
                 "error: out already exists (use --overwrite to replace it)"),
+    ConvertCase("`--out` under a file", _case_out_under_a_file,
+                "error: --out=notes.txt/emnist lies under the file "),
     ConvertCase("a source folder with none of the dataset's files", _case_no_files,
                 "error: no shakespeare files in src: expected TFF SQLite: shakespeare.sqlite or "
                 "shakespeare.sqlite.lzma; TFF h5: "),

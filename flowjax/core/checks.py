@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 from typing import Any, Callable, Sequence
 
 Check = Callable[[Any], "str | None"]  # value -> what is expected, or None when fine
@@ -111,3 +112,18 @@ def widths(value: Any) -> str | None:
     if isinstance(value, (tuple, list)) and value and all(is_int(w) and w >= 1 for w in value):
         return None
     return "expected a non-empty sequence of integer widths >= 1"
+
+
+def new_folder_problem(folder: str, writable: bool = True) -> str | None:
+    """Why ``folder`` cannot become (or be) a directory this process writes, or None:
+    ``is a file``, ``lies under the file F``, ``F is not writable``."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        return "is a file"
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"lies under the file {existing}"
+    if writable and not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None

@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from flowjax.core.checks import first_line
+from flowjax.core.checks import first_line, new_folder_problem
 from flowjax.data import shakespeare
 from flowjax.data.client_store import ClientRecord, Spec, write_store
 
@@ -341,6 +341,11 @@ def check_out_dir(out_dir: str | os.PathLike, overwrite: bool,
     """
     out_dir = pathlib.Path(out_dir)
     if not out_dir.exists() and not out_dir.is_symlink():
+        problem = new_folder_problem(str(out_dir))
+        if problem:  # else only its temporary folder's Errno would say so
+            where = f" {problem}" if problem.startswith("lies under") else f": {problem}"
+            raise ValueError(f"--out={out_dir}{where}; expected a new folder in one you can "
+                             "write")
         return
     if not overwrite:
         raise FileExistsError(f"{out_dir} already exists (use --overwrite to replace it)")
