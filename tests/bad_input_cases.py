@@ -623,7 +623,8 @@ CONVERT_CASES: tuple[ConvertCase, ...] = (
     ConvertCase("`--out` an earlier conversion, without `--overwrite`", _case_exists,
                 "error: out already exists (use --overwrite to replace it)"),
     ConvertCase("`--out` under a file", _case_out_under_a_file,
-                "error: --out=notes.txt/emnist lies under the file "),
+                "error: --out=notes.txt/emnist lies under the file notes.txt; expected a new "
+                "folder in one you can write"),
     ConvertCase("a source folder with none of the dataset's files", _case_no_files,
                 "error: no shakespeare files in src: expected TFF SQLite: shakespeare.sqlite or "
                 "shakespeare.sqlite.lzma; TFF h5: "),

@@ -119,9 +119,9 @@ def new_folder_problem(folder: str, writable: bool = True) -> str | None:
     ``is a file``, ``lies under the file F``, ``F is not writable``."""
     if os.path.exists(folder) and not os.path.isdir(folder):
         return "is a file"
-    existing = os.path.abspath(folder)
+    existing = os.path.normpath(folder)  # named as given: a relative path stays relative
     while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
+        existing = os.path.dirname(existing) or "."
     if not os.path.isdir(existing):
         return f"lies under the file {existing}"
     if writable and not os.access(existing, os.W_OK | os.X_OK):
