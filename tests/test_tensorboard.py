@@ -138,6 +138,9 @@ def test_a_resumed_run_purges_the_earlier_attempts_later_steps(tmp_path):
 
 
 def test_overwrite_removes_the_old_event_files(tmp_path):
+    # An earlier flowjax run's (its config.json says so; a folder without one is refused:
+    # tests/test_resume.py).
+    (tmp_path / "config.json").write_text('{"algorithm": "fedavg", "num_rounds": 3}')
     (tmp_path / "tensorboard").mkdir()
     (tmp_path / "tensorboard" / "events.out.tfevents.1.host.0").write_bytes(b"")
     prepare_workdir(str(tmp_path), {"seed": 1}, overwrite=True)

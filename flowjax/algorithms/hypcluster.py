@@ -132,19 +132,23 @@ def perturb(params: Params, key: jax.Array, scale: float) -> Params:
 
 def kmeans_starts(model: RoutableModel, sgd: SGDConfig, start: Params,
                   examples: ClientExamples, keys: jax.Array, clusters: int,
-                  first: int, mapping: ClientMapping = ClientMapping("vmap")) -> list[Params]:
+                  first: int, mapping: ClientMapping | None = None) -> list[Params]:
     """FedJAX's k-means++ variant of HypCluster's init (``hyp_cluster.kmeans_init``).
 
     Every client of ``examples`` (a stacked cohort; padding clients have no examples)
     trains ``sgd.epochs`` epochs from ``start`` with its key of ``keys``. Cluster 0 starts
     at client ``first``'s trained params; each next cluster at those of the real client
     whose lowest mean train loss (``mean_train_loss``) under the clusters chosen so far
-    is the largest. Clients are mapped as the run's rounds map them (``mapping``), so a
-    cohort whose rounds fit in memory in chunks or over several devices fits here too.
+    is the largest. Clients are mapped as the run's rounds map them (``mapping``; None:
+    one vmap), so a cohort whose rounds fit in memory in chunks or over several devices
+    fits here too.
 
     Returns:
       ``clusters`` params pytrees, cluster 0 first.
     """
+    # Built here, not as a default argument: a ClientMapping counts the devices, which
+    # would start JAX's backend at import, before jax.distributed.initialize.
+    mapping = mapping or ClientMapping("vmap")
     optimizer = sgd.optimizer()
 
     def train(client: ClientExamples, key: jax.Array) -> Params:
