@@ -112,18 +112,17 @@ class _GrowingNpy:
         if stored.shape[1:] != self.shape:
             raise ValueError(f"{self.path.name}: rows of shape {stored.shape[1:]}, "
                              f"expected {self.shape}")
-        if given.dtype != self.dtype and given.size:
-            if self.dtype.kind in "biu":
-                changed = ~np.equal(stored, given)
-            elif self.dtype.kind in "fc" and given.dtype.kind in "fciub":
-                changed = np.isfinite(given) & ~np.isfinite(stored)
-            else:
-                changed = np.zeros(given.shape, bool)
-            if changed.any():
-                value = given[changed][0].item()
-                raise ValueError(f"{self.path.name}: value {value!r} cannot be stored as "
-                                 f"{self.dtype} without changing it; expected values that "
-                                 f"dtype holds")
+        changed = None  # where the cast changed a value
+        if given.dtype != self.dtype and self.dtype.kind in "biu":
+            changed = stored != given
+        elif (given.dtype != self.dtype and self.dtype.kind in "fc"
+              and given.dtype.kind in "fciub"):
+            changed = np.isfinite(given) & ~np.isfinite(stored)
+        if changed is not None and changed.any():
+            value = given[changed][0].item()
+            raise ValueError(f"{self.path.name}: value {value!r} cannot be stored as "
+                             f"{self.dtype} without changing it; expected values that "
+                             f"dtype holds")
         self.file.write(stored.tobytes())
         self.rows += len(stored)
         return stored

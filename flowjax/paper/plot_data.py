@@ -271,11 +271,12 @@ def curve_bands(runs: Sequence[Run]) -> dict[str, dict[str, dict[str, Band]]]:
     for population in _populations_in_order(p for p, _ in per_run):
         out[population] = {}
         for metric in CURVE_METRICS:
-            out[population][metric] = {
-                method: seed_band(series)
-                for method in methods if (population, method) in per_run
-                for series in [[s[metric] for s in per_run[(population, method)]
-                                if metric in s]] if series}
+            out[population][metric] = {}
+            for method in methods:
+                series = [s[metric] for s in per_run.get((population, method), ())
+                          if metric in s]
+                if series:  # none: the method lacks the metric (Local's Acc_g)
+                    out[population][metric][method] = seed_band(series)
     return out
 
 
