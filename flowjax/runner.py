@@ -32,21 +32,17 @@ def conflicting_fields(workdir: str, resolved: dict, remedy: str) -> list[str]:
     """Dotted fields in which the started run in ``workdir`` differs from ``resolved``.
 
     Empty when nothing was started in ``workdir`` (a flowjax config.json alone loses
-    nothing when replaced). Raises ValueError (ending in ``remedy``) when the stored config
-    is not JSON, a started run has no ``config.json`` (nothing tells what made it), or the
-    same config's unfinished run has checkpoints that ``checkpoint_every=0`` would not
-    resume from (it would start over and lose them); and (ending in "use another
-    --workdir") when ``config.json`` is another program's.
+    nothing when replaced). Raises ValueError ending in ``remedy`` when the stored config
+    is not JSON or the same config's unfinished run has checkpoints that
+    ``checkpoint_every=0`` would not resume from (it would start over and lose them);
+    ending in "use another --workdir" when ``config.json`` is another program's, or when
+    a run's files lie there without one (``refuse_an_unknown_run``).
     """
     previous = run_folder.read_config(workdir, remedy)
     refuse_a_foreign_config(workdir, previous)
+    refuse_an_unknown_run(workdir)
     if not run_folder.run_started(workdir):
         return []
-    if previous is None:
-        # Not --overwrite: it would delete files that may be another program's.
-        raise ValueError(f"{workdir} holds a run (results, metrics or checkpoints) but no "
-                         f"config.json, so what made it is unknown; nothing was deleted; "
-                         f"{UNKNOWN_RUN_REMEDY}")
     if older_schema(previous):
         raise ValueError(f"{workdir} holds a run written by an older flowjax config schema "
                          f"(top-level learning_rate/gamma, no config.sgd), so it cannot be "
@@ -67,9 +63,10 @@ UNKNOWN_RUN_REMEDY = ("move its files away to run there (--overwrite deletes onl
 
 
 def refuse_an_unknown_run(workdir: str) -> None:
-    """Raises ValueError (for ``--overwrite``) when ``workdir`` has no ``config.json`` but
-    files or folders a run writes: every flowjax run writes ``config.json`` first, so
-    these may be another program's (its ``checkpoints/``, its ``tensorboard/``)."""
+    """Raises ValueError when ``workdir`` has no ``config.json`` but files or folders a
+    run writes: every flowjax run writes ``config.json`` first, so these may be another
+    program's (its ``checkpoints/``, its ``tensorboard/``), which ``--overwrite`` would
+    delete and a run would write among."""
     if os.path.exists(run_folder.path(workdir, run_folder.CONFIG)):
         return
     present = run_folder.run_files_present(workdir)

@@ -830,8 +830,8 @@ COMMAND_CASES += (
                 workdir="{tmp}/run", trains=True, exit_code=0),
     CommandCase("`train.py` over a folder holding a `results.json` and no `config.json` "
                 "(what made it is unknown)", _TRAIN + _TINY,
-                "error: WORKDIR holds a run (results, metrics or checkpoints) but no "
-                "config.json, so what made it is unknown; nothing was deleted; move its files "
+                "error: WORKDIR holds results.json but no "
+                "config.json, so what made them is unknown; nothing was deleted; move its files "
                 "away to run there (--overwrite deletes only a run whose config.json says it "
                 "is flowjax's), or use another --workdir", _TRAIN_WHERE),
 )

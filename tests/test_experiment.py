@@ -291,8 +291,8 @@ def test_a_finished_run_is_reused_not_retrained_and_an_unknown_one_is_refused(tm
 
     (workdir / "config.json").unlink()
     del files["config.json"]
-    with pytest.raises(ValueError, match=r"holds a run \(results, metrics or checkpoints\) "
-                                         r"but no config.json, so what made it is unknown"):
+    with pytest.raises(ValueError, match=r"holds metrics.jsonl, results.json but no "
+                                         r"config.json, so what made them is unknown"):
         run_config_to_workdir(config, str(workdir), progress=False)
     assert {p.name: p.read_text() for p in workdir.iterdir()} == files
 

@@ -362,9 +362,7 @@ def test_another_programs_checkpoints_and_events_are_not_deleted(tmp_path, overw
               "only a run whose config.json says it is flowjax's), or use another --workdir")
     assert str(refused.value) == (
         f"{tmp_path} holds checkpoints/, tensorboard/ but no config.json, so what made them "
-        f"is unknown; {remedy}" if overwrite else
-        f"{tmp_path} holds a run (results, metrics or checkpoints) but no config.json, so "
-        f"what made it is unknown; {remedy}")
+        f"is unknown; {remedy}")
     assert file_bytes(tmp_path) == before
 
 
