@@ -366,6 +366,18 @@ def test_another_programs_checkpoints_and_events_are_not_deleted(tmp_path, overw
     assert file_bytes(tmp_path) == before
 
 
+def test_a_run_does_not_write_among_another_programs_events(tmp_path):
+    """Without --overwrite too: a folder of event files and no config.json is refused
+    before the run writes its own beside them (it used to be run into)."""
+    from flowjax.runner import run_config_to_workdir
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "tensorboard" / "events.out").write_bytes(b"events")
+    with pytest.raises(ValueError, match=r" holds tensorboard/ but no config.json, so what "
+                                         r"made them is unknown; nothing was deleted; "):
+        run_config_to_workdir(run_config(), str(tmp_path), progress=False)
+    assert file_bytes(tmp_path) == {"tensorboard/events.out": b"events"}
+
+
 def test_skip_clients_goes_on_and_reports_the_dropped_clients(tmp_path):
     done = train(tmp_path, "--config.sgd.learning_rate=1e30",
                  "--config.on_divergence=skip_clients")
