@@ -228,7 +228,17 @@ def _checked_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) ->
 def explain_divergence(simulation, run: run_config.ResolvedRun,
                        error: DivergenceError) -> DivergenceError:
     """``error`` with what went non-finite first: the round's inputs, then its labels (as
-    ``validate_task`` checks them), else the loss and parameters, so the optimization."""
+    ``validate_task`` checks them), else the loss and parameters, so the optimization.
+    A diverged evaluation names the learning rate the clients personalized with."""
+    own = run.config.methods[run.algorithm].get("sgd", {}).get("learning_rate") is not None
+    where = f"methods.{run.algorithm}.sgd" if own else "sgd"
+    knobs = f"config.{where}.learning_rate (now {run.sgd.learning_rate:g})"
+    if run.algorithm == "flow" and run.method.gamma:
+        knobs += f" or config.methods.flow.gamma (now {run.method.gamma:g})"
+    if error.stage == "evaluation":
+        return error.explained(error.cause, f"Lower {knobs}, or set "
+                               "on_divergence='skip_clients' to count such predictions as "
+                               "wrong and go on")
     cohort = simulation.host_cohort(error.round_number - 1)
     model = simulation.algorithm.model
     names = simulation.task.train.client_ids
@@ -242,11 +252,6 @@ def explain_divergence(simulation, run: run_config.ResolvedRun,
                 return error.explained(
                     f"client {names[int(client)]!r} of the round has {what} {bad}",
                     "The data is at fault, not the learning rate: fix it and rerun")
-    own = run.config.methods[run.algorithm].get("sgd", {}).get("learning_rate") is not None
-    where = f"methods.{run.algorithm}.sgd" if own else "sgd"
-    knobs = f"config.{where}.learning_rate (now {run.sgd.learning_rate:g})"
-    if run.algorithm == "flow" and run.method.gamma:
-        knobs += f" or config.methods.flow.gamma (now {run.method.gamma:g})"
     return error.explained(
         f"{error.cause}, while the round's inputs and labels are valid",
         f"Lower {knobs}, or set on_divergence='skip_clients' to drop such clients and go on")

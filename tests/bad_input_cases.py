@@ -869,6 +869,18 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               "`metrics.jsonl` and race on the checkpoints)",
               "tests/test_resume.py::"
               "test_a_workdir_in_use_by_another_run_is_refused_and_left_to_it"),
+    Behaviour("a personalization that diverges at evaluation (Local at "
+              "`--config.methods.local.sgd.learning_rate=1e30`: it trains only there)",
+              "evaluation (`flowjax.engine.callbacks.DivergenceGuard`)", "one line `round 3: "
+              "evaluation diverged: 4 of 4 train_clients client(s) made non-finite "
+              "predictions (first: client 'f_00000'); stopping, the last good checkpoint is "
+              "round 2. Lower config.methods.local.sgd.learning_rate (now 1e+30), or set "
+              "on_divergence='skip_clients' ...`, exit 2, no `results.json`; with "
+              "`skip_clients` the run finishes with one warning, NaN or inf predictions count "
+              "as wrong (they used to score as argmax's class 0: Acc_p 0.25 here) and "
+              "`results.json` counts the clients as `clients_nonfinite` (tests/test_resume.py"
+              "::test_non_finite_predictions_count_as_wrong_with_skip_clients)",
+              "tests/test_resume.py::test_a_diverged_personalization_stops_at_the_evaluation"),
     Behaviour("`--config.seed=4294967296` (2^32)", "keys (`flowjax/core/prng.py`)", "runs with "
               "its own keys (it used to equal seed 0); seeds below 2^32 keep their keys, so "
               "every committed number is unchanged",

@@ -31,7 +31,7 @@ def _counts(groups: np.ndarray) -> ClientCounts:
         q0_sums=np.zeros((clients, 4, 0), np.float32),
         q0_histogram=np.zeros((clients, 4, 0, 20), np.float32),
         correct_global_snapshot=zeros, snapshot_instances=zeros, loss_global=zeros,
-        loss_personal=zeros)
+        loss_personal=zeros, nonfinite=zeros)
 
 
 def test_breakdown_and_accuracies_agree_under_each_average():
@@ -130,6 +130,32 @@ def test_clients_benefiting_over_the_snapshot_counts_strict_gains_over_it():
     s = summarize(counts)
     assert s.clients_benefiting_snapshot == pytest.approx(1 / 3, rel=1e-15)  # 6/10 > 5/10 only
     assert summarize(_counts(GROUP_COUNTS)).clients_benefiting_snapshot is None
+
+
+def test_non_finite_predictions_count_as_wrong_and_are_reported():
+    from flowjax.core.losses import correct
+    logits = jnp.array([[jnp.nan, 0.0, 1.0], [0.0, jnp.inf, 1.0], [0.0, 2.0, 1.0]])
+    # argmax picks the NaN's class 0 and the inf's class 1; both count as wrong.
+    assert correct(logits, jnp.array([0, 1, 1])).tolist() == [False, False, True]
+    counts = _counts(GROUP_COUNTS).replace(nonfinite=np.array([0, 2, 4], np.float32))
+    s = summarize(counts, ["a", "b", "c"])
+    assert (s.clients_nonfinite, s.first_nonfinite_client) == (2, "b")
+    assert (summarize(_counts(GROUP_COUNTS)).clients_nonfinite,
+            summarize(_counts(GROUP_COUNTS)).first_nonfinite_client) == (0, None)
+
+
+def test_routing_client_skips_a_client_whose_loss_difference_is_not_finite():
+    from flowjax.evaluation.metrics import routing_client
+    clients = GROUP_COUNTS.shape[0]
+    routed = _counts(GROUP_COUNTS).replace(
+        q0_sums=np.zeros((clients, 4, 2), np.float32),
+        q0_histogram=np.zeros((clients, 4, 2, 20), np.float32),
+        loss_global=np.array([np.nan, 1.0, 3.0], np.float32),
+        loss_personal=np.array([0.0, 0.5, 1.0], np.float32))
+    # Gaps per instance: NaN, 0.25, 0.5; np.argmax would pick the NaN's client "a".
+    assert routing_client(routed, ["a", "b", "c"])["client_id"] == "c"
+    diverged = routed.replace(loss_personal=np.full(clients, np.nan, np.float32))
+    assert routing_client(diverged, ["a", "b", "c"]) is None
 
 
 @pytest.mark.parametrize("method", ["fedavg_ft", "flow_fixed_q0_0.3"])

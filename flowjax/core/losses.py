@@ -31,5 +31,14 @@ def masked_mean_loss(logits: jax.Array, labels: jax.Array, weights: jax.Array) -
 
 
 def correct(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Per-instance correctness (argmax; ties resolve to the lowest class id)."""
-    return jnp.argmax(logits, axis=-1) == labels
+    """Per-instance correctness (argmax; ties resolve to the lowest class id).
+
+    A prediction with a NaN or inf logit is wrong: argmax would pick the first NaN's
+    class, so a diverged model would score the share of that class.
+    """
+    return (jnp.argmax(logits, axis=-1) == labels) & finite_rows(logits)
+
+
+def finite_rows(logits: jax.Array) -> jax.Array:
+    """Per instance, whether every logit is finite."""
+    return jnp.all(jnp.isfinite(logits), axis=-1)

@@ -234,6 +234,8 @@ def run_folder_callbacks(workdir: str | None, checkpoint_every: int = 0,
 # ---------------------------------------------------------------------------- divergence
 DEFAULT_REMEDY = ("Lower the learning rate, or set on_divergence='skip_clients' to drop "
                   "such clients and go on")
+EVALUATION_REMEDY = ("Lower the learning rate, or set on_divergence='skip_clients' to count "
+                     "such predictions as wrong and go on")
 # A training loss above this multiple of the run's first finite training loss is reported
 # (once per run) as a warning: such growth means the run is diverging even while every
 # value is still finite (FedAvg at learning_rate=1e30 reaches losses near 1e31).
@@ -241,10 +243,11 @@ LOSS_GROWTH_WARNING = 1e3
 
 
 class DivergenceError(RuntimeError):
-    """Training produced a non-finite loss or parameter.
+    """Training produced a non-finite loss or parameter, or an evaluation a non-finite
+    prediction.
 
     Attributes:
-      round_number: the round (1-based) whose training went non-finite.
+      round_number: the round (1-based) whose training (or evaluation) went non-finite.
       loss: its training loss over the clients that stayed finite (None: none did).
       clients_skipped: clients of the round that returned non-finite parameters (their
         update, or their new client state such as APFL's and Ditto's personal model).
@@ -252,17 +255,20 @@ class DivergenceError(RuntimeError):
       cause: what went non-finite first; remedy: what to do about it. The engine sees
         only the loss and the parameters; ``flowjax.runner`` names a data fault instead
         when it finds one (``explained``).
+      stage: ``training``, or ``evaluation`` (a personalization at evaluation time
+        diverged: Local trains only there, FedAvgFT fine-tunes there).
     """
 
     def __init__(self, round_number: int, loss: float | None, clients_skipped: int,
-                 last_good: int | None, cause: str | None = None, remedy: str | None = None):
+                 last_good: int | None, cause: str | None = None, remedy: str | None = None,
+                 stage: str = "training"):
         self.round_number, self.loss = round_number, loss
-        self.clients_skipped, self.last_good = clients_skipped, last_good
+        self.clients_skipped, self.last_good, self.stage = clients_skipped, last_good, stage
         self.cause = cause or self.non_finite_values()
         self.remedy = remedy or DEFAULT_REMEDY
         where = (f"the last good checkpoint is round {last_good}" if last_good is not None
                  else "no checkpoint was written")
-        super().__init__(f"round {round_number}: training diverged: {self.cause}; stopping, "
+        super().__init__(f"round {round_number}: {stage} diverged: {self.cause}; stopping, "
                          f"{where}. {self.remedy}")
 
     def non_finite_values(self) -> str:
@@ -278,7 +284,7 @@ class DivergenceError(RuntimeError):
     def explained(self, cause: str, remedy: str) -> "DivergenceError":
         """The same divergence with its cause and remedy named."""
         return DivergenceError(self.round_number, self.loss, self.clients_skipped,
-                               self.last_good, cause, remedy)
+                               self.last_good, cause, remedy, self.stage)
 
 
 def check_finite(record: Record, last_good: int | None) -> None:
@@ -287,6 +293,23 @@ def check_finite(record: Record, last_good: int | None) -> None:
     skipped = record.get("clients_skipped", 0) or 0
     if skipped or (loss is not None and not np.isfinite(loss)):
         raise DivergenceError(record["round"], loss, int(skipped), last_good)
+
+
+def nonfinite_predictions(record: Record) -> str | None:
+    """What an eval record's non-finite predictions were, as text, or None if none.
+
+    Example:
+      >>> nonfinite_predictions({"kind": "eval", "population": "train_clients",
+      ...                        "num_clients": 8, "clients_nonfinite": 2,
+      ...                        "first_nonfinite_client": "f0001"})
+      "2 of 8 train_clients client(s) made non-finite predictions (first: client 'f0001')"
+    """
+    clients = record.get("clients_nonfinite") or 0
+    if record.get("kind") != "eval" or not clients:
+        return None
+    first = record.get("first_nonfinite_client")
+    return (f"{clients} of {record['num_clients']} {record['population']} client(s) made "
+            f"non-finite predictions" + (f" (first: client {first!r})" if first else ""))
 
 
 def loss_growth(history: Sequence[Record], record: Record) -> str | None:
@@ -340,6 +363,14 @@ class DivergenceGuard(Callback):
                 self.warn(message)
 
     def on_record(self, run: RunState, record: Record) -> None:
+        predictions = nonfinite_predictions(record)
+        if predictions is not None and self.on_divergence == "stop":
+            raise DivergenceError(record["round"], None, 0, run.last_checkpoint, predictions,
+                                  EVALUATION_REMEDY, stage="evaluation")
+        if predictions is not None:
+            self._warn_once("predictions", f"round {record['round']}: {predictions}; they "
+                            "count as wrong (on_divergence='skip_clients'; results.json counts "
+                            "such clients as clients_nonfinite)")
         if record.get("kind") != "train":
             return
         if self.on_divergence == "stop":

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flowjax.core.cohort import ClientExamples
-from flowjax.core.losses import correct, weighted_cross_entropy
+from flowjax.core.losses import correct, finite_rows, weighted_cross_entropy
 from flowjax.engine.protocol import FederatedAlgorithm
 from flowjax.models.base import instance_weights
 
@@ -55,6 +55,8 @@ class ClientCounts:
       loss_global, loss_personal: summed cross-entropy of the global and the (hard-routed)
         personalized model; they pick the client of the paper's single-client routing
         figure (``routing_client``). Both 0 for methods without routing.
+      nonfinite: counted instances with a NaN or inf logit in the global, personalized or
+        soft-routed prediction (a diverged personalization); they count as wrong.
     """
 
     instances: jax.Array
@@ -68,6 +70,7 @@ class ClientCounts:
     snapshot_instances: jax.Array
     loss_global: jax.Array
     loss_personal: jax.Array
+    nonfinite: jax.Array
 
 
 def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: jax.Array,
@@ -79,6 +82,8 @@ def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: j
     global_ok = correct(predictions.global_logits, y)
     personal_ok = correct(predictions.personal_hard, y)
     soft_ok = correct(predictions.personal_soft, y)
+    finite = (finite_rows(predictions.global_logits) & finite_rows(predictions.personal_hard)
+              & finite_rows(predictions.personal_soft))
     group_masks = jnp.stack([global_ok & personal_ok, global_ok & ~personal_ok,
                              ~global_ok & personal_ok, ~global_ok & ~personal_ok])
     group_weights = group_masks.astype(jnp.float32) * weights  # [4, *instance]
@@ -105,7 +110,8 @@ def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: j
         groups=jnp.sum(group_weights.reshape(4, -1), axis=1),
         q0_sums=q0_sums, q0_histogram=q0_histogram,
         correct_global_snapshot=snapshot_correct, snapshot_instances=snapshot_instances,
-        loss_global=loss_global, loss_personal=loss_personal)
+        loss_global=loss_global, loss_personal=loss_personal,
+        nonfinite=jnp.sum(~finite * weights))
 
 
 def evaluate_client(algorithm: FederatedAlgorithm, params: Any, train: ClientExamples,
@@ -167,6 +173,11 @@ class EvalSummary:
     # Routing methods only: the one client of the paper's routing figure (Appendix E),
     # ``routing_client``'s dict; None without routing and in summaries saved before it.
     routing_client: dict[str, Any] | None = None
+    # Clients with a non-finite prediction on some test instance (a diverged
+    # personalization; those predictions count as wrong), and the first of them by
+    # evaluation order (None when there is none or no client names were given).
+    clients_nonfinite: int = 0
+    first_nonfinite_client: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -188,7 +199,8 @@ def routing_client(counts: ClientCounts, client_ids: Sequence[str]) -> dict[str,
     Returns:
       ``client_id``, ``loss_g`` and ``loss_p`` (mean per instance), ``instances``,
       ``groups`` (instances per group), ``q0_by_group`` (``{group: [L]}``, None for an
-      empty group) and ``q0_histogram`` (``{group: [L][bins]}``), as JSON values.
+      empty group) and ``q0_histogram`` (``{group: [L][bins]}``), as JSON values. None
+      too when no client's loss difference is finite.
     """
     counts = jax.tree.map(np.asarray, counts)
     if counts.q0_sums.shape[-1] == 0:
@@ -197,7 +209,10 @@ def routing_client(counts: ClientCounts, client_ids: Sequence[str]) -> dict[str,
     keep = n > 0
     with np.errstate(invalid="ignore", divide="ignore"):
         gap = (counts.loss_global - counts.loss_personal) / n
-    c = int(np.argmax(np.where(keep, gap, -np.inf)))
+    candidates = keep & np.isfinite(gap)  # a diverged client has no loss difference
+    if not np.any(candidates):
+        return None
+    c = int(np.argmax(np.where(candidates, gap, -np.inf)))
     groups = counts.groups[c].astype(np.float64)
     return {
         "client_id": str(client_ids[c]),
@@ -227,7 +242,8 @@ def summarize(counts: ClientCounts, client_ids: Sequence[str] | None = None) -> 
     Per-client accuracy is averaged over clients with at least one counted instance (the
     paper's formula), and so is ``breakdown_client_mean``; ``*_weighted`` and
     ``breakdown`` pool instances. A client benefits when ``Acc_p > Acc_g`` strictly; ties
-    are reported separately. With ``client_ids`` (the rows' clients) a routing method's
+    are reported separately. A prediction with a non-finite logit counts as wrong, and
+    ``clients_nonfinite`` counts the clients that had one. With ``client_ids`` (the rows' clients) a routing method's
     summary also holds ``routing_client``.
     """
     counts = jax.tree.map(np.asarray, counts)
@@ -246,6 +262,7 @@ def summarize(counts: ClientCounts, client_ids: Sequence[str] | None = None) -> 
                    else [None] * q0_sums.shape[1]
                    for g, group in enumerate(GROUPS)}
     difference = acc["personal"] - acc["global"]
+    diverged = np.flatnonzero(keep & (counts.nonfinite > 0))
     snapshot = {}
     if np.sum(counts.snapshot_instances[keep]) > 0:
         snapshot_acc = counts.correct_global_snapshot[keep] / n
@@ -274,4 +291,7 @@ def summarize(counts: ClientCounts, client_ids: Sequence[str] | None = None) -> 
         q0_histogram={group: counts.q0_histogram[keep].sum(axis=0)[g].tolist()
                       for g, group in enumerate(GROUPS)},
         routing_client=None if client_ids is None else routing_client(counts, client_ids),
+        clients_nonfinite=len(diverged),
+        first_nonfinite_client=(str(client_ids[diverged[0]]) if len(diverged)
+                                and client_ids is not None else None),
         **snapshot)
