@@ -28,6 +28,8 @@ import shutil
 import tempfile
 from typing import Any, Callable
 
+from flowjax.core import file_modes
+
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 RESULTS = "results.json"
@@ -62,10 +64,7 @@ def write_text_atomic(file: str, text: str) -> None:
             out.write(text)
             out.flush()
             os.fsync(out.fileno())
-        # mkstemp creates 0600; the result files are for everyone the umask allows.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)
+        file_modes.as_if_created(temporary)  # mkstemp's 0600 would hide the results
         os.replace(temporary, file)
     except BaseException:
         os.unlink(temporary)

@@ -603,6 +603,58 @@ def _case_truncated_lzma(folder):
     return ["--dataset=emnist", "--source=src", "--out=out"]
 
 
+def _tff_h5_edited(folder: Any, name: str, edit: Callable[[Any], None]) -> None:
+    """The TFF h5 fixture in ``folder/src``, its file ``name`` edited in place with h5py."""
+    import h5py
+    _copy_fixture(folder, "tff_h5")
+    with h5py.File(os.path.join(folder, "src", name), "r+") as f:
+        edit(f)
+
+
+def _replace_feature(client: str, feature: str, values: np.ndarray) -> Callable[[Any], None]:
+    def edit(f):
+        import h5py
+        group = f["examples"][client]
+        del group[feature]
+        if values.dtype == object:  # variable-length bytes, as TFF writes text
+            group.create_dataset(feature, data=values, dtype=h5py.special_dtype(vlen=bytes))
+        else:
+            group.create_dataset(feature, data=values)
+    return edit
+
+
+def _case_truncated_h5(folder):
+    _copy_fixture(folder, "tff_h5")
+    path = os.path.join(folder, "src", "fed_emnist_train.h5")
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[:len(data) // 2])
+    return ["--dataset=emnist", "--source=src", "--out=out"]
+
+
+def _case_h5_examples_dataset(folder):
+    def edit(f):
+        del f["examples"]
+        f["examples"] = np.zeros(3)
+    _tff_h5_edited(folder, "fed_emnist_train.h5", edit)
+    return ["--dataset=emnist", "--source=src", "--out=out"]
+
+
+def _case_h5_numeric_snippets(folder):
+    _tff_h5_edited(folder, "shakespeare_train.h5", _replace_feature(
+        "TWELFTH_NIGHT_VIOLA", "snippets", np.arange(3, dtype=np.int64)))
+    return ["--dataset=shakespeare", "--source=src", "--out=out"]
+
+
+def _case_h5_non_utf8_word(folder):
+    tokens = np.empty(2, object)
+    tokens[:] = [b"how do i sort", b"a caf\xe9 list"]  # Latin-1, not UTF-8
+    _tff_h5_edited(folder, "stackoverflow_train.h5",
+                   _replace_feature("00000010", "tokens", tokens))
+    return ["--dataset=stackoverflow", "--source=src", "--out=out"]
+
+
 _REFUSE = "refusing to replace it; choose another --out"
 CONVERT_CASES: tuple[ConvertCase, ...] = (
     ConvertCase("`--out` equal to `--source`, with `--overwrite`", _case_out_is_source,
@@ -661,6 +713,25 @@ CONVERT_CASES: tuple[ConvertCase, ...] = (
                     folder, lambda f: f.update(pixels=(f["pixels"] * 255).astype(np.uint8))),
                 "error: src/federated_emnist_train.sqlite: client 'f0000_14': pixel 255.0 "
                 "(uint8 source): expected finite values in [0, 1]"),
+    ConvertCase("14x56 images in a FedJAX EMNIST file (784 pixels each, another layout: "
+                "they used to be read as 28x28)", lambda folder: _fedjax_emnist(
+                    folder, lambda f: f.update(pixels=f["pixels"].reshape(3, 14, 56))),
+                "error: src/federated_emnist_train.sqlite: client 'f0000_14': pixels of shape "
+                "(3, 14, 56): expected [n, 28, 28] images (TFF's EMNIST) or [n, 784]"),
+    ConvertCase("a truncated TFF h5 download", _case_truncated_h5,
+                "error: src/fed_emnist_train.h5: cannot be read as HDF5 ("),
+    ConvertCase("a TFF h5 file whose `examples` is a dataset, not a group",
+                _case_h5_examples_dataset,
+                "error: src/fed_emnist_train.h5: a Dataset, not a group, as top-level "
+                "'examples'; expected a group of client groups (not a TFF h5 file)"),
+    ConvertCase("numbers where a TFF h5 Shakespeare file holds snippets",
+                _case_h5_numeric_snippets,
+                "error: src/shakespeare_train.h5: client 'TWELFTH_NIGHT_VIOLA': snippet "
+                "np.int64(0) (int64): expected text (bytes or str)"),
+    ConvertCase("a Latin-1 word in a TFF h5 Stack Overflow file (no `--vocab_file`: the "
+                "vocabulary is counted)", _case_h5_non_utf8_word,
+                "error: src/stackoverflow_train.h5: the vocabulary word b'caf\\xe9' is not "
+                "UTF-8: expected UTF-8 sentences (TFF's Stack Overflow), or pass --vocab_file"),
     ConvertCase("a TFF SQLite row that is not a tf.train.Example", _case_bad_proto,
                 "error: src/shakespeare.sqlite[train]: client "),
     ConvertCase("a truncated TFF `.sqlite.lzma` download", _case_truncated_lzma,

@@ -70,6 +70,25 @@ def test_overwrite_replaces_an_earlier_conversion(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["emnist"]  # no temp or old copy left behind
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_a_conversion_is_as_readable_as_the_umask_allows(tmp_path, umask):
+    # Written in temporary folders (mkdtemp: 0700) and moved into place: a dataset folder
+    # shared by a group must still be readable by it.
+    source = os.path.join(ROOT, "tests", "fixtures", "tff_h5")
+    out = tmp_path / "emnist"
+    done = subprocess.run(["/bin/sh", "-c", f"umask {umask:03o} && exec \"$@\"", "sh",
+                           sys.executable, SCRIPT, "--dataset=emnist", f"--source={source}",
+                           f"--out={out}"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    modes = {os.path.relpath(os.path.join(folder, name), tmp_path): os.stat(
+                 os.path.join(folder, name)).st_mode & 0o777
+             for folder, dirs, names in os.walk(out) for name in dirs + names}
+    modes["emnist"] = out.stat().st_mode & 0o777
+    folders = {"emnist", os.path.join("emnist", "train")}
+    assert folders <= set(modes) and len(modes) > len(folders)
+    assert modes == {path: (0o777 if path in folders else 0o666) & ~umask for path in modes}
+
+
 def test_write_store_replaces_only_a_store(tmp_path):
     import numpy as np
 

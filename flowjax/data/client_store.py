@@ -35,6 +35,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from flowjax.core import file_modes
 from flowjax.data.federated import SPLITS
 
 FORMAT = "flowjax-client-store"
@@ -188,6 +189,7 @@ def write_store(path: str | os.PathLike, clients: Iterable[ClientRecord], spec: 
                              "it") from None
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    file_modes.as_if_created(tmp)  # mkdtemp's 0700 would hide the data from a shared group
     try:
         _fill_store(tmp, clients, spec, splits, source or {})
         _replace_dir(tmp, path)

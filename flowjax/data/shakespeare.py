@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from flowjax.data.text import text_bytes
+
 # TFF's vocabulary, re-used from its "Federated Learning for Text Generation" tutorial.
 # The order matters: a character's id is its position here plus one.
 CHAR_VOCAB = ('dhlptx@DHLPTX $(,048cgkoswCGKOSW[_#\'/37;?bfjnrvzBFJNRVZ"&*.26:\n'
@@ -39,8 +41,11 @@ def encode(text: str | bytes) -> np.ndarray:
 
     ``str`` is encoded as UTF-8 first, so ``str`` and ``bytes`` snippets (TFF's h5
     files store bytes) give identical ids.
+
+    Raises:
+      ValueError: ``text`` is not text (a number), in one line.
     """
-    data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+    data = text_bytes(text, "snippet")
     return _BYTE_TO_ID[np.frombuffer(data, np.uint8)]
 
 

@@ -50,9 +50,11 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from flowjax.core import file_modes
 from flowjax.core.checks import first_line, new_folder_problem
 from flowjax.data import shakespeare
 from flowjax.data.client_store import ClientRecord, Spec, write_store
+from flowjax.data.text import text_bytes
 
 TASK_FORMAT = "flowjax-federated-task"
 TASK_VERSION = 1
@@ -86,11 +88,21 @@ class H5Source:
     def __init__(self, path: str | os.PathLike, features: Sequence[str]):
         import h5py
         self.name = str(path)
-        self._file = h5py.File(path, "r")
-        if "examples" not in self._file:
-            raise ValueError(f"{path}: no top-level 'examples' group; not a TFF h5 file")
-        self._examples = self._file["examples"]
+        try:
+            self._file = h5py.File(path, "r")
+        except OSError as error:  # h5py's message names no file
+            raise ValueError(f"{path}: cannot be read as HDF5 ({first_line(error)}); expected "
+                             "TFF's h5 file (damaged or incompletely downloaded? download it "
+                             "again)") from None
+        examples = self._file.get("examples")
+        if not isinstance(examples, h5py.Group):
+            self._file.close()
+            found = "no" if examples is None else f"a {type(examples).__name__}, not a group, as"
+            raise ValueError(f"{path}: {found} top-level 'examples'; expected a group of "
+                             "client groups (not a TFF h5 file)")
+        self._examples = examples
         self._features = tuple(features)
+        self._group_type, self._dataset_type = h5py.Group, h5py.Dataset
 
     def client_ids(self) -> Iterator[str]:
         # Sorted, as TFF's HDF5ClientData sorts them: a file written with creation-order
@@ -103,11 +115,27 @@ class H5Source:
 
     def read(self, client_id: str) -> RawClient:
         group = self._examples[client_id]
+        if not isinstance(group, self._group_type):
+            raise ValueError(f"{self.name}: examples/{client_id} is a "
+                             f"{type(group).__name__}, not a group: expected one group per "
+                             "client holding its features")
         missing = [f for f in self._features if f not in group]
         if missing:
             raise ValueError(f"{self.name}: client {client_id!r} lacks {missing} "
                              f"(has {sorted(group)})")
-        return {f: group[f][()] for f in self._features}
+        values = {}
+        for feature in self._features:
+            item = group[feature]
+            if not isinstance(item, self._dataset_type):
+                raise ValueError(f"{self.name}: client {client_id!r}'s {feature!r} is a "
+                                 f"{type(item).__name__}: expected a dataset")
+            try:
+                values[feature] = item[()]
+            except (OSError, RuntimeError) as error:  # a damaged chunk; h5py names no file
+                raise ValueError(f"{self.name}: client {client_id!r}'s {feature!r} cannot be "
+                                 f"read ({first_line(error)}); the file is damaged, download "
+                                 "it again") from None
+        return values
 
     def close(self) -> None:
         self._file.close()
@@ -128,8 +156,9 @@ def emnist_examples(raw: RawClient, num_classes: int = EMNIST_CLASSES) -> dict[s
     """EMNIST pixels and labels as ``x float32 [n, 28, 28]``, ``y int32 [n]``.
 
     Raises:
-      ValueError: a label that is not an integer in ``[0, num_classes)`` or a pixel that
-        is not a finite value in ``[0, 1]`` (TFF's convention), named in one line.
+      ValueError: a label that is not an integer in ``[0, num_classes)``, a pixel that
+        is not a finite value in ``[0, 1]`` (TFF's convention), images that are not
+        ``[n, 28, 28]`` (or ``[n, 784]``) or not one per label, named in one line.
     """
     pixels, labels = np.asarray(raw["pixels"]), np.asarray(raw["label"]).reshape(-1)
     if labels.dtype.kind not in "iuf" or pixels.dtype.kind not in "iuf":
@@ -141,14 +170,17 @@ def emnist_examples(raw: RawClient, num_classes: int = EMNIST_CLASSES) -> dict[s
     bad = (labels < 0) | (labels >= num_classes)
     if bad.any():
         raise ValueError(f"label {_first(labels, bad)}: expected labels in [0, {num_classes})")
+    if pixels.shape[1:] not in ((28, 28), (784,)):
+        raise ValueError(f"pixels of shape {pixels.shape}: expected [n, 28, 28] images "
+                         "(TFF's EMNIST) or [n, 784]")
+    if len(pixels) != len(labels):
+        raise ValueError(f"{len(pixels)} images but {len(labels)} labels")
     x = pixels.astype(np.float32).reshape(-1, 28, 28)
     bad = ~np.isfinite(x) | (x < 0) | (x > 1)
     if bad.any():
         raise ValueError(f"pixel {_first(x, bad)} ({pixels.dtype} source): expected finite "
                          "values in [0, 1] (TFF's EMNIST, 1.0 = background)")
     y = labels.astype(np.int32)
-    if len(x) != len(y):
-        raise ValueError(f"{len(x)} images but {len(y)} labels")
     return {"x": x, "y": y}
 
 
@@ -172,7 +204,7 @@ class WordIds:
 
     def sentence(self, text: bytes | str, length: int = SO_SEQUENCE_LENGTH) -> np.ndarray:
         """``int32 [length + 1]``: bos, the first ``length`` word ids, eos if room, pads."""
-        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        data = text_bytes(text, "sentence")
         # TFF splits on single spaces (tf.strings.split(sep=' ')): an empty word between
         # two spaces, or of an empty sentence, is out of vocabulary.
         ids = [self._ids.get(w, self.oov) for w in data.split(b" ")][:length]
@@ -197,7 +229,11 @@ def count_words(source: ClientSource) -> collections.Counter:
     counts: collections.Counter = collections.Counter()
     for client_id in source.client_ids():
         for sentence in np.asarray(source.read(client_id)["tokens"]).reshape(-1):
-            counts.update(w for w in bytes(sentence).split(b" ") if w)
+            try:
+                words = text_bytes(sentence, "sentence").split(b" ")
+            except ValueError as error:
+                raise ValueError(f"{source.name}: client {client_id!r}: {error}") from None
+            counts.update(w for w in words if w)
     return counts
 
 
@@ -232,9 +268,20 @@ def read_word_counts(path: str | os.PathLike, size: int = VOCAB_SIZE) -> list[st
 
 
 def top_words(counts: Mapping[bytes, int], size: int = VOCAB_SIZE) -> list[str]:
-    """The ``size`` most frequent words, by descending count then ascending bytes."""
+    """The ``size`` most frequent words, by descending count then ascending bytes.
+
+    Raises:
+      ValueError: a chosen word is not UTF-8 (vocab.json holds text), naming it.
+    """
     ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:size]
-    return [w.decode("utf-8") for w, _ in ranked]
+    words = []
+    for word, _ in ranked:
+        try:
+            words.append(word.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ValueError(f"the vocabulary word {word[:40]!r} is not UTF-8: expected UTF-8 "
+                             "sentences (TFF's Stack Overflow), or pass --vocab_file") from None
+    return words
 
 
 # ----------------------------------------------------------------------- conversion
@@ -372,6 +419,7 @@ def _write_task_dir(out_dir: pathlib.Path, build: Callable[[pathlib.Path], dict[
     check_out_dir(out_dir, overwrite, protected)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    file_modes.as_if_created(tmp)  # mkdtemp's 0700 would hide the data from a shared group
     old = None
     try:
         fields = build(tmp)
@@ -452,8 +500,13 @@ def convert_sources(kind: str, sources: Mapping[str, ClientSource], out_dir: str
         dropped: dict[str, int] = {}
         source_meta = {"dataset": kind, "origin": origin, **options}
         if kind == "stackoverflow":
-            words = (listed if listed is not None
-                     else top_words(count_words(sources["train"]), vocab_size))
+            try:
+                words = (listed if listed is not None
+                         else top_words(count_words(sources["train"]), vocab_size))
+            except ValueError as error:
+                text = str(error)
+                raise ValueError(text if text.startswith(sources["train"].name)
+                                 else f"{sources['train'].name}: {text}") from None
             vocab = WordIds(words)
             (tmp / "vocab.json").write_text(json.dumps(
                 {"words": words, "pad": vocab.pad, "oov": vocab.oov, "bos": vocab.bos,

@@ -1,0 +1,24 @@
+"""Text values of federated sources (snippets, sentences) as the bytes they tokenize to."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def text_bytes(value: Any, what: str = "text") -> bytes:
+    """``value`` as bytes: UTF-8 for ``str``, itself for ``bytes``-like values.
+
+    TFF's h5 and SQLite files store text as bytes; a number where text belongs (a numeric
+    ``tokens`` or ``snippets`` feature) is refused, since ``bytes(5)`` would silently read
+    as five NUL bytes.
+
+    Raises:
+      ValueError: ``value`` is not text, in one line naming it (``what`` says what it is).
+    """
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    raise ValueError(f"{what} {shown} ({type(value).__name__}): expected text (bytes or str)")
