@@ -41,7 +41,9 @@ implemented") does not fix them: the initial strategy (zero logits); strategy-fi
 alternation with fresh noise for each sample; the strategy gradient through the mixed layer
 outputs (so the strategy step runs both copies of every layer, twice the forward cost; the
 weight step runs the loaded model only); the final choice by argmax rather than a last
-sample; copies not loaded stay put; the strategy's SGD uses the client momentum setting too.
+sample; copies not loaded stay put; the strategy's SGD uses the client momentum setting too;
+a "layer" is one of the model's routable layers (``model.layer_names``, Flow's units), so on
+ResNet-18 the choice is per stage (stem, 4 stages, fc: 6 choices), not per convolution.
 With the strategy pinned to global (logits ``(+inf, -inf)`` in effect) a client trains
 exactly as FedAvg: same shuffles, same dropout keys, same steps on ``G``.
 """
