@@ -134,9 +134,14 @@ def test_clients_benefiting_over_the_snapshot_counts_strict_gains_over_it():
 
 def test_non_finite_predictions_count_as_wrong_and_are_reported():
     from flowjax.core.losses import correct
-    logits = jnp.array([[jnp.nan, 0.0, 1.0], [0.0, jnp.inf, 1.0], [0.0, 2.0, 1.0]])
-    # argmax picks the NaN's class 0 and the inf's class 1; both count as wrong.
-    assert correct(logits, jnp.array([0, 1, 1])).tolist() == [False, False, True]
+    inf = jnp.inf
+    logits = jnp.array([[jnp.nan, 0.0, 1.0], [0.0, inf, 1.0], [-inf, -inf, -inf],
+                        [0.0, 2.0, 1.0], [-inf, 0.0, -inf]])
+    # argmax picks the NaN's class 0, the inf's class 1 and class 0 of an all -inf row:
+    # all three count as wrong. -inf beside a finite maximum is a log-probability of 0
+    # (kNN-Per at lam=1), a valid prediction.
+    assert correct(logits, jnp.array([0, 1, 0, 1, 1])).tolist() == [False, False, False,
+                                                                     True, True]
     counts = _counts(GROUP_COUNTS).replace(nonfinite=np.array([0, 2, 4], np.float32))
     s = summarize(counts, ["a", "b", "c"])
     assert (s.clients_nonfinite, s.first_nonfinite_client) == (2, "b")

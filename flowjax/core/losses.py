@@ -33,12 +33,16 @@ def masked_mean_loss(logits: jax.Array, labels: jax.Array, weights: jax.Array) -
 def correct(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Per-instance correctness (argmax; ties resolve to the lowest class id).
 
-    A prediction with a NaN or inf logit is wrong: argmax would pick the first NaN's
+    A diverged prediction (``finite_rows``) is wrong: argmax would pick the first NaN's
     class, so a diverged model would score the share of that class.
     """
     return (jnp.argmax(logits, axis=-1) == labels) & finite_rows(logits)
 
 
 def finite_rows(logits: jax.Array) -> jax.Array:
-    """Per instance, whether every logit is finite."""
-    return jnp.all(jnp.isfinite(logits), axis=-1)
+    """Per instance, whether its prediction is usable: no NaN and a finite largest logit.
+
+    ``-inf`` beside a finite maximum is a log-probability of 0, not a divergence
+    (kNN-Per at ``lam=1`` predicts ``log p_kNN``, ``-inf`` for classes no neighbour has).
+    """
+    return (~jnp.any(jnp.isnan(logits), axis=-1)) & jnp.isfinite(jnp.max(logits, axis=-1))

@@ -55,8 +55,9 @@ class ClientCounts:
       loss_global, loss_personal: summed cross-entropy of the global and the (hard-routed)
         personalized model; they pick the client of the paper's single-client routing
         figure (``routing_client``). Both 0 for methods without routing.
-      nonfinite: counted instances with a NaN or inf logit in the global, personalized or
-        soft-routed prediction (a diverged personalization); they count as wrong.
+      nonfinite: counted instances whose global, personalized, soft-routed or snapshot
+        prediction has a NaN or no finite largest logit (a diverged personalization,
+        ``losses.finite_rows``); they count as wrong.
     """
 
     instances: jax.Array
@@ -84,6 +85,8 @@ def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: j
     soft_ok = correct(predictions.personal_soft, y)
     finite = (finite_rows(predictions.global_logits) & finite_rows(predictions.personal_hard)
               & finite_rows(predictions.personal_soft))
+    if predictions.global_snapshot is not None:  # scored too, so counted too
+        finite &= finite_rows(predictions.global_snapshot)
     group_masks = jnp.stack([global_ok & personal_ok, global_ok & ~personal_ok,
                              ~global_ok & personal_ok, ~global_ok & ~personal_ok])
     group_weights = group_masks.astype(jnp.float32) * weights  # [4, *instance]
