@@ -75,18 +75,24 @@ def test_a_conversion_is_as_readable_as_the_umask_allows(tmp_path, umask):
     # Written in temporary folders (mkdtemp: 0700) and moved into place: a dataset folder
     # shared by a group must still be readable by it.
     source = os.path.join(ROOT, "tests", "fixtures", "tff_h5")
+    # A group's shared folder: setgid, so folders made in it inherit the bit and files its group.
+    os.chmod(tmp_path, 0o2770)
     out = tmp_path / "emnist"
     done = subprocess.run(["/bin/sh", "-c", f"umask {umask:03o} && exec \"$@\"", "sh",
                            sys.executable, SCRIPT, "--dataset=emnist", f"--source={source}",
                            f"--out={out}"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     modes = {os.path.relpath(os.path.join(folder, name), tmp_path): os.stat(
-                 os.path.join(folder, name)).st_mode & 0o777
+                 os.path.join(folder, name)).st_mode & 0o7777
              for folder, dirs, names in os.walk(out) for name in dirs + names}
-    modes["emnist"] = out.stat().st_mode & 0o777
+    modes["emnist"] = out.stat().st_mode & 0o7777
     folders = {"emnist", os.path.join("emnist", "train")}
     assert folders <= set(modes) and len(modes) > len(folders)
-    assert modes == {path: (0o777 if path in folders else 0o666) & ~umask for path in modes}
+    assert modes == {path: 0o2000 | 0o777 & ~umask if path in folders else 0o666 & ~umask
+                     for path in modes}
+    groups = {os.stat(os.path.join(folder, name)).st_gid
+              for folder, dirs, names in os.walk(out) for name in dirs + names}
+    assert groups == {tmp_path.stat().st_gid}
 
 
 def test_write_store_replaces_only_a_store(tmp_path):

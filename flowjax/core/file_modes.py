@@ -19,7 +19,8 @@ def umask() -> int:
 
 
 def as_if_created(path: str | os.PathLike) -> None:
-    """Gives the file or folder ``path`` the mode ``open()`` (0666) or ``mkdir()`` (0777)
-    would have given it under the umask."""
+    """Gives the file or folder ``path`` the permissions ``open()`` (0666) or ``mkdir()``
+    (0777) would have given it under the umask, keeping its special bits: a folder made
+    in a setgid folder inherits the bit (and with it the shared group its files get)."""
     base = 0o777 if os.path.isdir(path) else 0o666
-    os.chmod(path, base & ~umask())
+    os.chmod(path, (os.stat(path).st_mode & 0o7000) | (base & ~umask()))
