@@ -235,10 +235,10 @@ def explain_divergence(simulation, run: run_config.ResolvedRun,
     knobs = f"config.{where}.learning_rate (now {run.sgd.learning_rate:g})"
     if run.algorithm == "flow" and run.method.gamma:
         knobs += f" or config.methods.flow.gamma (now {run.method.gamma:g})"
+    # The guard's remedy ("Lower the learning rate, or ...") with the values to lower.
+    remedy = error.remedy.replace("the learning rate", knobs, 1)
     if error.stage == "evaluation":
-        return error.explained(error.cause, f"Lower {knobs}, or set "
-                               "on_divergence='skip_clients' to count such predictions as "
-                               "wrong and go on")
+        return error.explained(error.cause, remedy)
     cohort = simulation.host_cohort(error.round_number - 1)
     model = simulation.algorithm.model
     names = simulation.task.train.client_ids
@@ -252,9 +252,8 @@ def explain_divergence(simulation, run: run_config.ResolvedRun,
                 return error.explained(
                     f"client {names[int(client)]!r} of the round has {what} {bad}",
                     "The data is at fault, not the learning rate: fix it and rerun")
-    return error.explained(
-        f"{error.cause}, while the round's inputs and labels are valid",
-        f"Lower {knobs}, or set on_divergence='skip_clients' to drop such clients and go on")
+    return error.explained(f"{error.cause}, while the round's inputs and labels are valid",
+                           remedy)
 
 
 def run_config_to_workdir(config, workdir: str, *, progress: bool = True,

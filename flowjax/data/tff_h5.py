@@ -500,13 +500,13 @@ def convert_sources(kind: str, sources: Mapping[str, ClientSource], out_dir: str
         dropped: dict[str, int] = {}
         source_meta = {"dataset": kind, "origin": origin, **options}
         if kind == "stackoverflow":
-            try:
-                words = (listed if listed is not None
-                         else top_words(count_words(sources["train"]), vocab_size))
-            except ValueError as error:
-                text = str(error)
-                raise ValueError(text if text.startswith(sources["train"].name)
-                                 else f"{sources['train'].name}: {text}") from None
+            words = listed
+            if words is None:
+                counts = count_words(sources["train"])  # its errors name file and client
+                try:
+                    words = top_words(counts, vocab_size)
+                except ValueError as error:
+                    raise ValueError(f"{sources['train'].name}: {error}") from None
             vocab = WordIds(words)
             (tmp / "vocab.json").write_text(json.dumps(
                 {"words": words, "pad": vocab.pad, "oov": vocab.oov, "bos": vocab.bos,

@@ -245,9 +245,9 @@ def summarize(counts: ClientCounts, client_ids: Sequence[str] | None = None) -> 
     Per-client accuracy is averaged over clients with at least one counted instance (the
     paper's formula), and so is ``breakdown_client_mean``; ``*_weighted`` and
     ``breakdown`` pool instances. A client benefits when ``Acc_p > Acc_g`` strictly; ties
-    are reported separately. A prediction with a non-finite logit counts as wrong, and
-    ``clients_nonfinite`` counts the clients that had one. With ``client_ids`` (the rows' clients) a routing method's
-    summary also holds ``routing_client``.
+    are reported separately. A diverged prediction (``losses.finite_rows``) counts as
+    wrong, and ``clients_nonfinite`` counts the clients that had one. With ``client_ids``
+    (the rows' clients) a routing method's summary also holds ``routing_client``.
     """
     counts = jax.tree.map(np.asarray, counts)
     keep = counts.instances > 0
