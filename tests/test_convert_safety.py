@@ -95,6 +95,28 @@ def test_a_conversion_is_as_readable_as_the_umask_allows(tmp_path, umask):
     assert groups == {tmp_path.stat().st_gid}
 
 
+def _proc_reports_umask() -> bool:
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            return any(line.startswith("Umask:") for line in status)
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _proc_reports_umask(), reason="needs Linux 4.7+ /proc/self/status")
+def test_the_umask_is_read_without_setting_it(monkeypatch):
+    # Setting it to read it would let another thread (orbax's checkpoint writers) create
+    # world-writable files meanwhile.
+    from flowjax.core import file_modes
+    before = os.umask(0o027)
+    try:
+        monkeypatch.setattr(os, "umask", lambda mask: pytest.fail(f"os.umask({mask:o}) called"))
+        assert file_modes.umask() == 0o027
+    finally:
+        monkeypatch.undo()
+        os.umask(before)
+
+
 def test_write_store_replaces_only_a_store(tmp_path):
     import numpy as np
 

@@ -12,7 +12,19 @@ import os
 
 
 def umask() -> int:
-    """The process's umask (read by setting it and setting it back)."""
+    """The process's umask.
+
+    Read from ``/proc/self/status`` (Linux 4.7+) where it can be: setting the umask to
+    read it opens a window in which another thread (orbax's checkpoint writers) would
+    create world-writable files. Elsewhere, set and set back.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask
