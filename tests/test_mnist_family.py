@@ -251,6 +251,23 @@ def test_tfds_source_partitions_the_same_way(name, classes):
         np.testing.assert_array_equal(data[split].features["y"], labels[rows.reshape(-1)])
 
 
+@pytest.mark.parametrize("image, found", [
+    (np.zeros((14, 56, 1), np.uint8), "uint8 of shape (14, 56, 1)"),
+    (np.zeros(784, np.uint8), "uint8 of shape (784,)"),
+    (np.full((28, 28, 1), 0.5, np.float32), "float32 of shape (28, 28, 1)")])
+def test_tfds_images_not_uint8_28x28_are_refused_not_reshaped_or_cast(image, found):
+    def data_source(builder, split, *args, **kwargs):
+        good = {"image": np.zeros((28, 28, 1), np.uint8), "label": 1}
+        return [good, good, {"image": image, "label": 3}, good]
+
+    with tfds.testing.mock_data(as_data_source_fn=data_source):
+        with pytest.raises(ValueError) as error:
+            load_task("mnist_family_tfds", dict(name="fashion_mnist", num_clients=2,
+                                                train_per_client=2, test_per_client=1))
+    assert str(error.value) == (f"fashion_mnist train image 2: {found}; expected uint8 "
+                                "[28, 28, 1] (TFDS's fashion_mnist images)")
+
+
 def test_fashion_mnist_config_without_files_exits_2_in_one_line(tmp_path):
     command = [sys.executable, "launch/train.py", "--config=configs/fashion_mnist.py:mini_0.1",
                f"--config.data.data_dir={tmp_path}", f"--workdir={tmp_path / 'run'}"]

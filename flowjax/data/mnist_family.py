@@ -141,7 +141,8 @@ def load_tfds_task(*, name: str = "fashion_mnist", data_dir: str | None = None,
     """The federated task from TFDS's ``name`` (``mnist``, ``fashion_mnist``, ``emnist``).
 
     Raises:
-      ValueError: an unknown ``name`` or a bad partition value (one line).
+      ValueError: an unknown ``name``, a bad partition value, or an image that is not
+        uint8 ``[28, 28, 1]`` (one line).
     """
     if name.split("/")[0] not in TFDS_NAMES:
         raise ValueError(f"unknown TFDS name {name!r}; expected one of {list(TFDS_NAMES)} "
@@ -151,7 +152,17 @@ def load_tfds_task(*, name: str = "fashion_mnist", data_dir: str | None = None,
     pools = {}
     for split, source in prepared_sources(name, ("train", "test"), data_dir).items():
         examples = [source[i] for i in range(len(source))]
-        images = np.stack([np.asarray(e["image"], np.uint8).reshape(28, 28) for e in examples])
+        images = [np.asarray(e["image"]) for e in examples]
+        # TFDS's images are uint8 [28, 28, 1]; any other shape or type would be reshaped
+        # or cast silently (a flat 784 vector reads as an image, floats in [0, 1] as 0).
+        bad = next((i for i, image in enumerate(images)
+                    if image.shape not in ((28, 28, 1), (28, 28)) or image.dtype != np.uint8),
+                   None)
+        if bad is not None:
+            raise ValueError(f"{name} {split} image {bad}: {images[bad].dtype} of shape "
+                             f"{images[bad].shape}; expected uint8 [28, 28, 1] (TFDS's "
+                             f"{name.split('/')[0]} images)")
+        images = np.stack([image.reshape(28, 28) for image in images])
         pools[split] = (images, np.array([int(e["label"]) for e in examples], np.int64))
     return _to_task(pools, spec, seed, name.replace("/", "_"))
 
