@@ -170,7 +170,8 @@ def main(argv: list[str]) -> None:
         out = convert(_DATASET.value, source, _OUT.value, fmt, **options)
     except (ValueError, OSError, sqlite3.DatabaseError, RuntimeError) as error:
         # sqlite3.DatabaseError / h5py's RuntimeError: a file damaged inside, which
-        # opened fine (a truncated one is refused on opening).
+        # opened fine (a truncated one is refused on opening). The sources' reads name
+        # the file (flowjax/data/source_damage.py); this is for damage met elsewhere.
         if cli.debug():
             raise
         damaged = isinstance(error, (sqlite3.DatabaseError, RuntimeError))

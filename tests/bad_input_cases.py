@@ -579,19 +579,33 @@ def _case_bad_proto(folder):
     return ["--dataset=shakespeare", "--source=src", "--out=out"]
 
 
-def _case_damaged_sqlite(folder):
-    """TFF's EMNIST SQLite with one page in its middle overwritten (it opens, then a
-    read hits the damage)."""
-    import lzma
-    os.makedirs(os.path.join(folder, "src"))
-    with lzma.open(os.path.join(FIXTURES, "tff_sqlite", "emnist_all.sqlite.lzma")) as f:
+def _damage_middle_page(path: str) -> None:
+    """Overwrites the SQLite file's middle page (it opens, then a read hits the damage)."""
+    with open(path, "rb") as f:
         data = bytearray(f.read())
     page = int.from_bytes(data[16:18], "big")  # the SQLite header's page size
     middle = len(data) // page // 2
     data[middle * page:(middle + 1) * page] = b"\xab" * page
-    with open(os.path.join(folder, "src", "emnist_all.sqlite"), "wb") as f:
+    with open(path, "wb") as f:
         f.write(bytes(data))
+
+
+def _case_damaged_sqlite(folder):
+    """TFF's EMNIST SQLite with one page in its middle overwritten."""
+    import lzma
+    os.makedirs(os.path.join(folder, "src"))
+    path = os.path.join(folder, "src", "emnist_all.sqlite")
+    with lzma.open(os.path.join(FIXTURES, "tff_sqlite", "emnist_all.sqlite.lzma")) as f, \
+            open(path, "wb") as out:
+        out.write(f.read())
+    _damage_middle_page(path)
     return ["--dataset=emnist", "--source=src", "--out=out"]
+
+
+def _case_damaged_fedjax(folder):
+    args = _fedjax_emnist(folder)
+    _damage_middle_page(os.path.join(folder, "src", "federated_emnist_train.sqlite"))
+    return args
 
 
 def _case_truncated_lzma(folder):
@@ -639,6 +653,49 @@ def _case_h5_examples_dataset(folder):
         f["examples"] = np.zeros(3)
     _tff_h5_edited(folder, "fed_emnist_train.h5", edit)
     return ["--dataset=emnist", "--source=src", "--out=out"]
+
+
+def _case_h5_damaged_listing(folder):
+    """The local heap that holds the client names of ``examples`` overwritten (the file
+    opens; listing its clients hits the damage)."""
+    _copy_fixture(folder, "tff_h5")
+    path = os.path.join(folder, "src", "fed_emnist_train.h5")
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    heap = data.rindex(b"HEAP", 0, data.index(b"f0000_14\x00"))  # the heap's signature
+    data[heap:heap + 4] = b"XXXX"
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+    return ["--dataset=emnist", "--source=src", "--out=out"]
+
+
+def _case_h5_damaged_chunk(folder):
+    """A client's pixels rewritten by h5py as one gzip chunk, then bytes of the chunk
+    overwritten (TFF-style files may be chunked and compressed)."""
+    chunk = {}
+
+    def edit(f):
+        group = f["examples"]["f0001_41"]
+        pixels = group["pixels"][()]
+        del group["pixels"]
+        dataset = group.create_dataset("pixels", data=pixels, chunks=pixels.shape,
+                                       compression="gzip")
+        info = dataset.id.get_chunk_info(0)
+        chunk.update(offset=info.byte_offset, size=info.size)
+    _tff_h5_edited(folder, "fed_emnist_train.h5", edit)
+    path = os.path.join(folder, "src", "fed_emnist_train.h5")
+    with open(path, "r+b") as f:
+        f.seek(chunk["offset"] + chunk["size"] // 2)
+        f.write(b"\xab" * 16)
+    return ["--dataset=emnist", "--source=src", "--out=out"]
+
+
+def _case_h5_sentence_matrix(folder):
+    tokens = np.empty((2, 2), object)
+    tokens[:] = [[b"how do", b"i sort"], [b"a list", b"in python"]]
+    _tff_h5_edited(folder, "stackoverflow_train.h5",
+                   _replace_feature("00000010", "tokens", tokens))
+    return ["--dataset=stackoverflow", "--source=src", "--out=out"]
 
 
 def _case_h5_numeric_snippets(folder):
@@ -737,7 +794,23 @@ CONVERT_CASES: tuple[ConvertCase, ...] = (
     ConvertCase("a truncated TFF `.sqlite.lzma` download", _case_truncated_lzma,
                 "error: src/emnist_all.sqlite.lzma: not a complete LZMA file"),
     ConvertCase("a TFF SQLite file damaged inside (a page overwritten)", _case_damaged_sqlite,
-                "error: a file in --source=src is damaged ("),
+                "error: src/emnist_all.sqlite[all_train]: cannot be read (database disk image "
+                "is malformed); the file is damaged, download it again"),
+    ConvertCase("a FedJAX SQLite file damaged inside (a page overwritten)",
+                _case_damaged_fedjax,
+                "error: src/federated_emnist_train.sqlite: cannot be read (database disk image "
+                "is malformed); the file is damaged, download it again"),
+    ConvertCase("a TFF h5 file whose client listing is damaged (a local heap overwritten)",
+                _case_h5_damaged_listing,
+                "error: src/fed_emnist_train.h5: cannot be read (Link iteration failed (bad "
+                "local heap signature)); the file is damaged, download it again"),
+    ConvertCase("a TFF h5 file with a damaged compressed chunk", _case_h5_damaged_chunk,
+                "error: src/fed_emnist_train.h5: client 'f0001_41' feature 'pixels': cannot be read "
+                "("),
+    ConvertCase("a TFF h5 Stack Overflow client whose `tokens` is a 2x2 array (it used to be "
+                "read as four sentences)", _case_h5_sentence_matrix,
+                "error: src/stackoverflow_train.h5: client '00000010': 'tokens' of shape "
+                "(2, 2): expected one text per row, shape [n] (TFF's layout)"),
 )
 
 

@@ -37,6 +37,7 @@ reads dict keys stored as bytes.
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import sqlite3
@@ -46,7 +47,7 @@ from typing import Any, Iterator, Mapping
 import msgpack
 import numpy as np
 
-from flowjax.data import tff_h5
+from flowjax.data import source_damage, tff_h5
 
 EXT_NDARRAY = 1
 EXT_NPSCALAR = 3
@@ -134,6 +135,9 @@ class SqliteSource:
             raise FileNotFoundError(f"no such SQLite file: {path}")
         self._db = sqlite3.connect(pathlib.Path(path).resolve().as_uri() + "?mode=ro", uri=True)
         self._feature_map = dict(feature_map)
+        # A malformed page found mid-read; sqlite3's message names no file.
+        self._intact = functools.partial(source_damage.reading, self.name,
+                                         sqlite3.DatabaseError)
         try:
             self._db.execute("SELECT client_id, data FROM federated_data LIMIT 1").fetchall()
         except sqlite3.DatabaseError as e:
@@ -141,19 +145,23 @@ class SqliteSource:
 
     def client_ids(self) -> Iterator[str]:
         # Its own cursor, so that reads by id can interleave with this listing.
-        for (client_id,) in self._db.cursor().execute(
-                "SELECT client_id FROM federated_data ORDER BY rowid"):
-            # FedJAX writes BLOB ids; its reader passes on TEXT ones as they are, so a
-            # file written with TEXT ids is read here too.
-            yield client_id if isinstance(client_id, str) else bytes(client_id).decode("utf-8")
+        with self._intact():
+            for (client_id,) in self._db.cursor().execute(
+                    "SELECT client_id FROM federated_data ORDER BY rowid"):
+                # FedJAX writes BLOB ids; its reader passes on TEXT ones as they are, so a
+                # file written with TEXT ids is read here too.
+                yield (client_id if isinstance(client_id, str)
+                       else bytes(client_id).decode("utf-8"))
 
     def __contains__(self, client_id: str) -> bool:
-        return self._db.execute("SELECT 1 FROM federated_data WHERE client_id IN (?, ?)",
-                                _id_values(client_id)).fetchone() is not None
+        with self._intact():
+            return self._db.execute("SELECT 1 FROM federated_data WHERE client_id IN (?, ?)",
+                                    _id_values(client_id)).fetchone() is not None
 
     def read(self, client_id: str) -> dict[str, np.ndarray]:
-        row = self._db.execute("SELECT data FROM federated_data WHERE client_id IN (?, ?)",
-                               _id_values(client_id)).fetchone()
+        with self._intact():
+            row = self._db.execute("SELECT data FROM federated_data WHERE client_id IN (?, ?)",
+                                   _id_values(client_id)).fetchone()
         if row is None:
             raise KeyError(f"{self.name}: no client {client_id!r}")
         try:

@@ -52,9 +52,9 @@ import numpy as np
 
 from flowjax.core import file_modes
 from flowjax.core.checks import first_line, new_folder_problem
-from flowjax.data import shakespeare
+from flowjax.data import shakespeare, source_damage
 from flowjax.data.client_store import ClientRecord, Spec, write_store
-from flowjax.data.text import text_bytes
+from flowjax.data.text import text_bytes, text_rows
 
 TASK_FORMAT = "flowjax-federated-task"
 TASK_VERSION = 1
@@ -94,7 +94,16 @@ class H5Source:
             raise ValueError(f"{path}: cannot be read as HDF5 ({first_line(error)}); expected "
                              "TFF's h5 file (damaged or incompletely downloaded? download it "
                              "again)") from None
-        examples = self._file.get("examples")
+        # Every lookup below is of a name the file's listing holds, so h5py's KeyError
+        # there is damage (a broken B-tree or heap), as are its OSError and RuntimeError.
+        self._intact = functools.partial(source_damage.reading, self.name, OSError,
+                                         RuntimeError, KeyError)
+        try:
+            with self._intact():
+                examples = self._file["examples"] if "examples" in self._file else None
+        except ValueError:
+            self._file.close()
+            raise
         if not isinstance(examples, h5py.Group):
             self._file.close()
             found = "no" if examples is None else f"a {type(examples).__name__}, not a group, as"
@@ -108,33 +117,35 @@ class H5Source:
         # Sorted, as TFF's HDF5ClientData sorts them: a file written with creation-order
         # tracking lists its groups in that order. h5py lists the names without touching
         # the data.
-        yield from sorted(self._examples.keys())
+        with self._intact():
+            ids = sorted(self._examples.keys())
+        yield from ids
 
     def __contains__(self, client_id: str) -> bool:
-        return client_id in self._examples
+        with self._intact():
+            return client_id in self._examples
 
     def read(self, client_id: str) -> RawClient:
-        group = self._examples[client_id]
-        if not isinstance(group, self._group_type):
-            raise ValueError(f"{self.name}: examples/{client_id} is a "
-                             f"{type(group).__name__}, not a group: expected one group per "
-                             "client holding its features")
-        missing = [f for f in self._features if f not in group]
-        if missing:
-            raise ValueError(f"{self.name}: client {client_id!r} lacks {missing} "
-                             f"(has {sorted(group)})")
-        values = {}
-        for feature in self._features:
-            item = group[feature]
-            if not isinstance(item, self._dataset_type):
-                raise ValueError(f"{self.name}: client {client_id!r}'s {feature!r} is a "
-                                 f"{type(item).__name__}: expected a dataset")
-            try:
-                values[feature] = item[()]
-            except (OSError, RuntimeError) as error:  # a damaged chunk; h5py names no file
-                raise ValueError(f"{self.name}: client {client_id!r}'s {feature!r} cannot be "
-                                 f"read ({first_line(error)}); the file is damaged, download "
-                                 "it again") from None
+        with self._intact():
+            group = self._examples[client_id]
+            if not isinstance(group, self._group_type):
+                raise ValueError(f"{self.name}: examples/{client_id} is a "
+                                 f"{type(group).__name__}, not a group: expected one group per "
+                                 "client holding its features")
+            names = sorted(group)
+            missing = [f for f in self._features if f not in names]
+            if missing:
+                raise ValueError(f"{self.name}: client {client_id!r} lacks {missing} "
+                                 f"(has {names})")
+            values = {}
+            for feature in self._features:
+                item = group[feature]
+                if not isinstance(item, self._dataset_type):
+                    raise ValueError(f"{self.name}: client {client_id!r} feature {feature!r} is a "
+                                     f"{type(item).__name__}: expected a dataset")
+                with source_damage.reading(f"{self.name}: client {client_id!r} "
+                                           f"feature {feature!r}", OSError, RuntimeError):
+                    values[feature] = item[()]  # a damaged chunk
         return values
 
     def close(self) -> None:
@@ -186,7 +197,7 @@ def emnist_examples(raw: RawClient, num_classes: int = EMNIST_CLASSES) -> dict[s
 
 def shakespeare_examples(raw: RawClient) -> dict[str, np.ndarray]:
     """Every snippet cut into ``int32 [80]`` next-character pairs."""
-    pairs = [shakespeare.snippet_to_sequences(s) for s in np.asarray(raw["snippets"]).reshape(-1)]
+    pairs = [shakespeare.snippet_to_sequences(s) for s in text_rows(raw["snippets"], "snippets")]
     empty = np.zeros((0, shakespeare.SEQUENCE_LENGTH), np.int32)
     return {"x": np.concatenate([x for x, _ in pairs]) if pairs else empty,
             "y": np.concatenate([y for _, y in pairs]) if pairs else empty}
@@ -217,7 +228,7 @@ class WordIds:
 
     def examples(self, raw: RawClient) -> dict[str, np.ndarray]:
         """A client's ``tokens`` sentences as ``x``/``y`` ``int32 [n, 20]``."""
-        rows = [self.sentence(s) for s in np.asarray(raw["tokens"]).reshape(-1)]
+        rows = [self.sentence(s) for s in text_rows(raw["tokens"], "tokens")]
         tokens = (np.stack(rows) if rows
                   else np.zeros((0, SO_SEQUENCE_LENGTH + 1), np.int32))
         return {"x": tokens[:, :-1].copy(), "y": tokens[:, 1:].copy()}
@@ -228,12 +239,13 @@ def count_words(source: ClientSource) -> collections.Counter:
     (the empty word is not counted)."""
     counts: collections.Counter = collections.Counter()
     for client_id in source.client_ids():
-        for sentence in np.asarray(source.read(client_id)["tokens"]).reshape(-1):
-            try:
-                words = text_bytes(sentence, "sentence").split(b" ")
-            except ValueError as error:
-                raise ValueError(f"{source.name}: client {client_id!r}: {error}") from None
-            counts.update(w for w in words if w)
+        tokens = source.read(client_id)["tokens"]  # its errors name the file
+        try:
+            sentences = [text_bytes(s, "sentence") for s in text_rows(tokens, "tokens")]
+        except ValueError as error:
+            raise ValueError(f"{source.name}: client {client_id!r}: {error}") from None
+        for sentence in sentences:
+            counts.update(w for w in sentence.split(b" ") if w)
     return counts
 
 

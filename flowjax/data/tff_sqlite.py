@@ -40,6 +40,7 @@ The decoded examples go through the same per-dataset encoders as TFF's h5 files
 from __future__ import annotations
 
 import contextlib
+import functools
 import lzma
 import os
 import pathlib
@@ -50,7 +51,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from flowjax.data import tff_h5
+from flowjax.data import source_damage, tff_h5
 
 # dataset -> (file stem, {our split: TFF split_name}); EMNIST's depends on only_digits.
 FILE_STEMS = {"emnist": "emnist_all", "shakespeare": "shakespeare",
@@ -241,21 +242,27 @@ class TffSqliteSource:
                  spec: Mapping[str, tuple[str, tuple[int, ...]]]):
         self.name = f"{path}[{split_name}]"
         self._db, self._split, self._spec = db, split_name, dict(spec)
+        # A malformed page found mid-read; sqlite3's message names no file.
+        self._intact = functools.partial(source_damage.reading, self.name,
+                                         sqlite3.DatabaseError)
 
     def client_ids(self) -> Iterator[str]:
-        rows = self._db.execute("SELECT DISTINCT client_id FROM client_metadata "
-                                "WHERE split_name = ?", (self._split,)).fetchall()
+        with self._intact():
+            rows = self._db.execute("SELECT DISTINCT client_id FROM client_metadata "
+                                    "WHERE split_name = ?", (self._split,)).fetchall()
         yield from sorted(str(r[0]) for r in rows)
 
     def __contains__(self, client_id: str) -> bool:
-        return self._db.execute("SELECT 1 FROM client_metadata WHERE split_name = ? AND "
-                                "client_id = ? LIMIT 1", (self._split, client_id)
-                                ).fetchone() is not None
+        with self._intact():
+            return self._db.execute("SELECT 1 FROM client_metadata WHERE split_name = ? AND "
+                                    "client_id = ? LIMIT 1", (self._split, client_id)
+                                    ).fetchone() is not None
 
     def read(self, client_id: str) -> dict[str, np.ndarray]:
-        rows = self._db.execute(
-            "SELECT serialized_example_proto FROM examples WHERE split_name = ? AND "
-            "client_id = ? ORDER BY rowid", (self._split, client_id)).fetchall()
+        with self._intact():
+            rows = self._db.execute(
+                "SELECT serialized_example_proto FROM examples WHERE split_name = ? AND "
+                "client_id = ? ORDER BY rowid", (self._split, client_id)).fetchall()
         parsed = []
         for k, (blob,) in enumerate(rows):
             try:
@@ -326,7 +333,9 @@ def convert_tff_sqlite(kind: str, source_dir: str | os.PathLike, out_dir: str | 
     with decompressed(path, out_dir.parent) as database:
         db = open_database(database)
         try:
-            known = {r[0] for r in db.execute("SELECT DISTINCT split_name FROM client_metadata")}
+            with source_damage.reading(str(path), sqlite3.DatabaseError):
+                known = {r[0] for r in db.execute(
+                    "SELECT DISTINCT split_name FROM client_metadata")}
             missing = [s for s in splits.values() if s not in known]
             if missing:
                 raise ValueError(f"{path}: no split {missing[0]!r} in client_metadata "
