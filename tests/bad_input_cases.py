@@ -564,14 +564,20 @@ def _case_no_files(folder):
     return ["--dataset=shakespeare", "--source=src", "--out=out"]
 
 
-def _case_bad_proto(folder):
+def _unpacked_tff_sqlite(folder: str, name: str) -> str:
+    """The TFF SQLite fixture ``name`` unpacked into ``folder/src``; returns its path."""
     import lzma
-    import sqlite3
     os.makedirs(os.path.join(folder, "src"))
-    path = os.path.join(folder, "src", "shakespeare.sqlite")
-    with lzma.open(os.path.join(FIXTURES, "tff_sqlite", "shakespeare.sqlite.lzma")) as f, \
+    path = os.path.join(folder, "src", name)
+    with lzma.open(os.path.join(FIXTURES, "tff_sqlite", name + ".lzma")) as f, \
             open(path, "wb") as out:
         out.write(f.read())
+    return path
+
+
+def _case_bad_proto(folder):
+    import sqlite3
+    path = _unpacked_tff_sqlite(folder, "shakespeare.sqlite")
     with sqlite3.connect(path) as db:
         db.execute("UPDATE examples SET serialized_example_proto = ? WHERE rowid = 1",
                    (b"\x0a\x05garbage",))
@@ -592,13 +598,7 @@ def _damage_middle_page(path: str) -> None:
 
 def _case_damaged_sqlite(folder):
     """TFF's EMNIST SQLite with one page in its middle overwritten."""
-    import lzma
-    os.makedirs(os.path.join(folder, "src"))
-    path = os.path.join(folder, "src", "emnist_all.sqlite")
-    with lzma.open(os.path.join(FIXTURES, "tff_sqlite", "emnist_all.sqlite.lzma")) as f, \
-            open(path, "wb") as out:
-        out.write(f.read())
-    _damage_middle_page(path)
+    _damage_middle_page(_unpacked_tff_sqlite(folder, "emnist_all.sqlite"))
     return ["--dataset=emnist", "--source=src", "--out=out"]
 
 
