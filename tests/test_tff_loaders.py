@@ -426,6 +426,23 @@ def test_h5_clients_are_in_tffs_sorted_order_whatever_the_files_creation_order(t
     np.testing.assert_array_equal(task.train.num_examples("train"), [3, 0, 2])
 
 
+def test_h5_read_of_an_unlisted_client_is_no_client_not_damage(tmp_path):
+    """Only a name the file lists reads as damage when h5py cannot find it."""
+    from flowjax.data.tff_h5 import H5Source
+    path = tmp_path / "fed_emnist_train.h5"
+    with h5py.File(path, "w") as f:
+        _emnist_client(f.create_group("examples").create_group("f0001_00"),
+                       EMNIST["train"]["f0001_00"])
+    source = H5Source(path, ("label", "pixels"))
+    try:
+        assert list(source.client_ids()) == ["f0001_00"]
+        assert source.read("f0001_00")["label"].shape == (3,)
+        with pytest.raises(KeyError, match=r"fed_emnist_train.h5: no client 'f9999_99'"):
+            source.read("f9999_99")
+    finally:
+        source.close()
+
+
 def test_test_split_of_other_clients_is_refused_and_nothing_is_written(tmp_path):
     """A test file sharing no client with the train file (another download, or ids written
     differently) would leave every client without test rows: one line, no task directory."""

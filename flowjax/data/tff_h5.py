@@ -126,6 +126,8 @@ class H5Source:
             return client_id in self._examples
 
     def read(self, client_id: str) -> RawClient:
+        if client_id not in self:  # else h5py's KeyError would read as damage
+            raise KeyError(f"{self.name}: no client {client_id!r}")
         with self._intact():
             group = self._examples[client_id]
             if not isinstance(group, self._group_type):
