@@ -136,6 +136,32 @@ def test_write_store_replaces_only_a_store(tmp_path):
     assert list(ClientStore(store).client_ids) == ["b"]
 
 
+@pytest.mark.parametrize("fault", [KeyboardInterrupt, OSError])
+def test_a_store_replacement_that_fails_puts_the_old_store_back(tmp_path, monkeypatch, fault):
+    """``write_store(overwrite=True)`` moves the old store aside, then the new one in;
+    should the second move fail, the old store is back where it was, nothing else left."""
+    import numpy as np
+
+    from flowjax.data.client_store import ClientStore, write_store
+
+    spec = {"y": ((), np.int32)}
+    store = write_store(tmp_path / "s", [("a", {"train": {"y": np.array([3])}})], spec)
+    before = _tree(tmp_path)
+    real_replace = os.replace
+
+    def failing_replace(src, dst):
+        if ".tmp" in os.path.basename(str(src)):  # the new store moving into place
+            raise fault("the move failed")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(fault):
+        write_store(store, [("b", {})], spec, overwrite=True)
+    monkeypatch.undo()
+    assert _tree(tmp_path) == before
+    assert list(ClientStore(store).client_ids) == ["a"]
+
+
 def test_ctrl_c_while_replacing_a_task_directory_puts_the_old_one_back(tmp_path, monkeypatch):
     """``--overwrite`` moves the old task directory aside before moving the new one in;
     an interruption between the two moves restores the old one."""

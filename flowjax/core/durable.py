@@ -1,4 +1,5 @@
-"""Making written files durable: ``fsync`` of files, folders and whole trees.
+"""Making written files durable: ``fsync`` of files, folders and whole trees, and a
+folder replaced without a moment in which it is missing.
 
 A rename or a new file is only durable once its folder is synced too; libraries that
 write checkpoints (orbax 0.12) rename without either, so a power loss right after a
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import errno
 import os
+import pathlib
+import shutil
 
 
 def fsync_path(path: str) -> None:
@@ -48,3 +51,23 @@ def fsync_tree(root: str) -> None:
                 fsync_path(file)
         fsync_path(folder)
     fsync_path(os.path.dirname(os.path.abspath(root)))
+
+
+def replace_folder(new: pathlib.Path, path: pathlib.Path) -> None:
+    """Moves the folder ``new`` to ``path``, replacing a folder there.
+
+    ``os.replace`` cannot overwrite a non-empty folder, so the old one is moved aside
+    first and removed after; should moving ``new`` in fail or be interrupted (Ctrl-C
+    included), the old one is put back: ``path`` is never missing nor half-written.
+    """
+    old = path.with_name(f".{path.name}.old-{os.getpid()}") if path.exists() else None
+    try:  # the move aside too: a Ctrl-C right after it must still put the old one back
+        if old is not None:
+            os.replace(path, old)
+        os.replace(new, path)
+    except BaseException:
+        if old is not None and old.exists() and not path.exists():
+            os.replace(old, path)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -35,7 +35,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from flowjax.core import file_modes
+from flowjax.core import durable, file_modes
 from flowjax.data.federated import SPLITS
 
 FORMAT = "flowjax-client-store"
@@ -192,7 +192,7 @@ def write_store(path: str | os.PathLike, clients: Iterable[ClientRecord], spec: 
     file_modes.as_if_created(tmp)  # mkdtemp's 0700 would hide the data from a shared group
     try:
         _fill_store(tmp, clients, spec, splits, source or {})
-        _replace_dir(tmp, path)
+        durable.replace_folder(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -244,18 +244,6 @@ def _fill_store(tmp: pathlib.Path, clients: Iterable[ClientRecord], spec: Spec,
             "value_ranges": {s: {n: ranges[s, n].as_json() for n in spec} for s in splits},
             "source": dict(source)}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
-
-
-def _replace_dir(tmp: pathlib.Path, path: pathlib.Path) -> None:
-    # os.replace cannot overwrite a non-empty directory: move the old one aside first
-    # so that ``path`` is never a half-written store.
-    old = None
-    if path.exists():
-        old = path.with_name(f".{path.name}.old-{os.getpid()}")
-        os.replace(path, old)
-    os.replace(tmp, path)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 class ClientIds(collections.abc.Sequence):

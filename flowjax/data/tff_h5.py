@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from flowjax.core import file_modes
+from flowjax.core import durable, file_modes
 from flowjax.core.checks import first_line, new_folder_problem
 from flowjax.data import shakespeare, source_damage
 from flowjax.data.client_store import ClientRecord, Spec, write_store
@@ -434,21 +434,14 @@ def _write_task_dir(out_dir: pathlib.Path, build: Callable[[pathlib.Path], dict[
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     file_modes.as_if_created(tmp)  # mkdtemp's 0700 would hide the data from a shared group
-    old = None
     try:
         fields = build(tmp)
         task = {"format": TASK_FORMAT, "version": TASK_VERSION, **fields}
         (tmp / "task.json").write_text(json.dumps(task, indent=1, sort_keys=True))
         if out_dir.exists():
             check_out_dir(out_dir, overwrite, protected)  # unchanged while we converted
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:  # Ctrl-C included: the previous task directory is put back
-        if old is not None and old.exists() and not out_dir.exists():
-            os.replace(old, out_dir)
+        durable.replace_folder(tmp, out_dir)  # Ctrl-C included: the old one is put back
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
