@@ -97,24 +97,34 @@ def test_a_conversion_is_as_readable_as_the_umask_allows(tmp_path, umask):
 
 def _proc_reports_umask() -> bool:
     try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            return any(line.startswith("Umask:") for line in status)
+        with open("/proc/self/status", "rb") as status:
+            return any(line.startswith(b"Umask:") for line in status)
     except OSError:
         return False
 
 
 @pytest.mark.skipif(not _proc_reports_umask(), reason="needs Linux 4.7+ /proc/self/status")
-def test_the_umask_is_read_without_setting_it(monkeypatch):
+@pytest.mark.parametrize("thread_name", [None, "café-py".encode()])
+def test_the_umask_is_read_without_setting_it(monkeypatch, thread_name):
     # Setting it to read it would let another thread (orbax's checkpoint writers) create
-    # world-writable files meanwhile.
+    # world-writable files meanwhile; /proc/self/status's Name: line holds the thread's
+    # name as it was set, bytes in no particular encoding.
+    import ctypes
+
     from flowjax.core import file_modes
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    with open("/proc/thread-self/comm", "rb") as f:
+        name_before = f.read().rstrip(b"\n")
     before = os.umask(0o027)
     try:
+        if thread_name is not None:
+            assert prctl(15, ctypes.c_char_p(thread_name), 0, 0, 0) == 0  # PR_SET_NAME
         monkeypatch.setattr(os, "umask", lambda mask: pytest.fail(f"os.umask({mask:o}) called"))
         assert file_modes.umask() == 0o027
     finally:
         monkeypatch.undo()
         os.umask(before)
+        prctl(15, ctypes.c_char_p(name_before), 0, 0, 0)
 
 
 def test_write_store_replaces_only_a_store(tmp_path):

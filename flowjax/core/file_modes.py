@@ -19,9 +19,9 @@ def umask() -> int:
     create world-writable files. Elsewhere, set and set back.
     """
     try:
-        with open("/proc/self/status", encoding="ascii") as status:
+        with open("/proc/self/status", "rb") as status:  # its Name: line may be any bytes
             for line in status:
-                if line.startswith("Umask:"):
+                if line.startswith(b"Umask:"):
                     return int(line.split()[1], 8)
     except (OSError, ValueError, IndexError):
         pass
