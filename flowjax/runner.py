@@ -101,10 +101,10 @@ def check_workdir(workdir: str | None, writable: bool = True) -> None:
         raise ValueError("--workdir is missing or empty; expected a directory for the run's "
                          "files, e.g. --workdir=runs/quick")
     problem = new_folder_problem(workdir, writable)
-    if problem == "is a file":
+    if problem and problem.kind == "file":
         raise ValueError(f"--workdir={workdir} is a file; expected a directory (new, or "
                          "holding a run)")
-    if problem and problem.startswith("lies under"):
+    if problem and problem.kind == "under_file":
         raise ValueError(f"--workdir={workdir} {problem}; expected a directory path")
     if problem:
         raise ValueError(f"--workdir={workdir}: {problem}; expected a directory you can "

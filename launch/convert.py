@@ -33,7 +33,7 @@ from absl import flags
 from launch import cli
 
 from flowjax.core.checks import first_line
-from flowjax.data import fedjax_sqlite, tff_h5, tff_sqlite
+from flowjax.data import fedjax_sqlite, source_damage, tff_h5, tff_sqlite
 
 # In the order --format=auto prefers them when several are complete.
 FORMATS = ("tff_sqlite", "tff_h5", "fedjax_sqlite")
@@ -174,7 +174,8 @@ def main(argv: list[str]) -> None:
         # the file (flowjax/data/source_damage.py); this is for damage met elsewhere.
         if cli.debug():
             raise
-        damaged = isinstance(error, (sqlite3.DatabaseError, RuntimeError))
+        damaged = (isinstance(error, (sqlite3.DatabaseError, RuntimeError))
+                   and not isinstance(error, source_damage.SQLITE_NOT_DAMAGE))
         text = first_line(error)
         _fail(f"a file in --source={source} is damaged ({text}); download it again"
               if damaged else text)

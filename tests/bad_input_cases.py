@@ -805,10 +805,10 @@ CONVERT_CASES: tuple[ConvertCase, ...] = (
                 "error: src/fed_emnist_train.h5: cannot be read (Link iteration failed (bad "
                 "local heap signature)); the file is damaged, download it again"),
     ConvertCase("a TFF h5 file with a damaged compressed chunk", _case_h5_damaged_chunk,
-                "error: src/fed_emnist_train.h5: client 'f0001_41' feature 'pixels': cannot be read "
-                "("),
-    ConvertCase("a TFF h5 Stack Overflow client whose `tokens` is a 2x2 array (it used to be "
-                "read as four sentences)", _case_h5_sentence_matrix,
+                "error: src/fed_emnist_train.h5: client 'f0001_41' feature 'pixels': cannot "
+                "be read ("),
+    ConvertCase("a TFF h5 Stack Overflow client whose `tokens` is a 2x2 array (refused, not "
+                "flattened into four sentences)", _case_h5_sentence_matrix,
                 "error: src/stackoverflow_train.h5: client '00000010': 'tokens' of shape "
                 "(2, 2): expected one text per row, shape [n] (TFF's layout)"),
 )

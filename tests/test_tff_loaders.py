@@ -443,6 +443,61 @@ def test_h5_read_of_an_unlisted_client_is_no_client_not_damage(tmp_path):
         source.close()
 
 
+def test_sqlite_sources_tell_a_missing_client_and_a_misuse_from_damage(tmp_path):
+    """An unlisted id is 'no client' and a closed connection is sqlite3's own error: only
+    a malformed file reads as 'damaged, download it again'."""
+    import lzma
+
+    from flowjax.data import fedjax_sqlite, tff_sqlite
+
+    fixtures = os.path.join(ROOT, "tests", "fixtures")
+    fedjax = fedjax_sqlite.SqliteSource(
+        os.path.join(fixtures, "fedjax_sqlite", "shakespeare_train.sqlite"),
+        fedjax_sqlite.DEFAULT_FEATURE_MAPS["shakespeare"])
+    listed = next(fedjax.client_ids())
+    with pytest.raises(KeyError, match=r"shakespeare_train.sqlite: no client 'nobody'"):
+        fedjax.read("nobody")
+    fedjax.close()
+    with pytest.raises(sqlite3.ProgrammingError, match="closed database"):
+        fedjax.read(listed)
+
+    path = tmp_path / "shakespeare.sqlite"
+    with lzma.open(os.path.join(fixtures, "tff_sqlite", "shakespeare.sqlite.lzma")) as f:
+        path.write_bytes(f.read())
+    db = tff_sqlite.open_database(path)
+    tff = tff_sqlite.TffSqliteSource(db, path, "train", tff_sqlite.FEATURES["shakespeare"])
+    listed = next(tff.client_ids())
+    assert len(tff.read(listed)["snippets"]) > 0
+    with pytest.raises(KeyError, match=r"shakespeare.sqlite\[train\]: no client 'nobody'"):
+        tff.read("nobody")
+    db.close()
+    with pytest.raises(sqlite3.ProgrammingError, match="closed database"):
+        tff.read(listed)
+
+
+def test_sources_opened_before_one_that_fails_to_open_are_closed():
+    from flowjax.data.tff_h5 import opened
+
+    closed = []
+
+    class Source:
+        def __init__(self, path):
+            if path == "bad":
+                raise ValueError("bad: cannot be read")
+            self.path = path
+
+        def close(self):
+            closed.append(self.path)
+
+    with pytest.raises(ValueError, match="bad: cannot be read"):
+        with opened(Source, {"train": "a", "test": "bad"}):
+            pass
+    assert closed == ["a"]
+    with opened(Source, {"train": "b", "test": "c"}) as sources:
+        assert [s.path for s in sources.values()] == ["b", "c"] and closed == ["a"]
+    assert sorted(closed) == ["a", "b", "c"]
+
+
 def test_test_split_of_other_clients_is_refused_and_nothing_is_written(tmp_path):
     """A test file sharing no client with the train file (another download, or ids written
     differently) would leave every client without test rows: one line, no task directory."""

@@ -114,16 +114,33 @@ def widths(value: Any) -> str | None:
     return "expected a non-empty sequence of integer widths >= 1"
 
 
-def new_folder_problem(folder: str, writable: bool = True) -> str | None:
-    """Why ``folder`` cannot become (or be) a directory this process writes, or None:
-    ``is a file``, ``lies under the file F``, ``F is not writable``."""
+@dataclasses.dataclass(frozen=True)
+class FolderProblem:
+    """Why a path cannot become (or be) a directory this process writes.
+
+    Attributes:
+      kind: ``"file"`` (the path is a file), ``"under_file"`` (a file lies on its way)
+        or ``"not_writable"`` (the nearest existing folder cannot be written).
+      blocker: the file or folder in the way.
+    """
+
+    kind: str
+    blocker: str
+
+    def __str__(self) -> str:
+        return {"file": "is a file", "under_file": f"lies under the file {self.blocker}",
+                "not_writable": f"{self.blocker} is not writable"}[self.kind]
+
+
+def new_folder_problem(folder: str, writable: bool = True) -> FolderProblem | None:
+    """Why ``folder`` cannot become (or be) a directory this process writes, or None."""
     if os.path.exists(folder) and not os.path.isdir(folder):
-        return "is a file"
+        return FolderProblem("file", folder)
     existing = os.path.normpath(folder)  # named as given: a relative path stays relative
     while not os.path.exists(existing):
         existing = os.path.dirname(existing) or "."
     if not os.path.isdir(existing):
-        return f"lies under the file {existing}"
+        return FolderProblem("under_file", existing)
     if writable and not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable"
+        return FolderProblem("not_writable", existing)
     return None

@@ -136,11 +136,11 @@ class SqliteSource:
         self._db = sqlite3.connect(pathlib.Path(path).resolve().as_uri() + "?mode=ro", uri=True)
         self._feature_map = dict(feature_map)
         # A malformed page found mid-read; sqlite3's message names no file.
-        self._intact = functools.partial(source_damage.reading, self.name,
-                                         sqlite3.DatabaseError)
+        self._intact = functools.partial(source_damage.reading_sqlite, self.name)
         try:
             self._db.execute("SELECT client_id, data FROM federated_data LIMIT 1").fetchall()
         except sqlite3.DatabaseError as e:
+            self._db.close()
             raise ValueError(f"{path}: not a FedJAX federated_data file ({e})") from None
 
     def client_ids(self) -> Iterator[str]:
@@ -229,11 +229,7 @@ def convert_fedjax_sqlite(kind: str, path: str | os.PathLike, out_dir: str | os.
         raise ValueError(f"unknown dataset {kind!r}; expected one of {list(tff_h5.KINDS)}")
     feature_map = dict(feature_map or DEFAULT_FEATURE_MAPS[kind])
     files = fedjax_sqlite_files(kind, path, only_digits)
-    sources = {s: SqliteSource(p, feature_map) for s, p in files.items()}
-    try:
+    with tff_h5.opened(lambda file: SqliteSource(file, feature_map), files) as sources:
         return tff_h5.convert_sources(kind, sources, out_dir, origin=f"fedjax_sqlite:{path}",
                                       num_classes=tff_h5.EMNIST_DIGITS if only_digits else None,
                                       **options)
-    finally:
-        for source in sources.values():
-            source.close()

@@ -40,6 +40,7 @@ Examples (the stored ``x``/``y``):
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import json
 import os
@@ -152,6 +153,19 @@ class H5Source:
 
     def close(self) -> None:
         self._file.close()
+
+
+@contextlib.contextmanager
+def opened(open_source: Callable[[Any], Any], paths: Mapping[str, Any]
+           ) -> Iterator[dict[str, Any]]:
+    """``{split: open_source(path)}``, each closed on leaving, and those already open
+    closed should a later one fail to open."""
+    with contextlib.ExitStack() as stack:
+        sources = {}
+        for split, path in paths.items():
+            sources[split] = open_source(path)
+            stack.callback(sources[split].close)
+        yield sources
 
 
 # ----------------------------------------------------------------- per-dataset encoders
@@ -404,7 +418,7 @@ def check_out_dir(out_dir: str | os.PathLike, overwrite: bool,
     if not out_dir.exists() and not out_dir.is_symlink():
         problem = new_folder_problem(str(out_dir))
         if problem:  # else only its temporary folder's Errno would say so
-            where = f" {problem}" if problem.startswith("lies under") else f": {problem}"
+            where = f" {problem}" if problem.kind == "under_file" else f": {problem}"
             raise ValueError(f"--out={out_dir}{where}; expected a new folder in one you can "
                              "write")
         return
@@ -574,10 +588,6 @@ def convert_tff(kind: str, source_dir: str | os.PathLike, out_dir: str | os.Path
       **options: passed to :func:`convert_sources`.
     """
     paths = tff_h5_files(kind, source_dir, only_digits)
-    sources = {s: H5Source(p, RAW_FEATURES[kind]) for s, p in paths.items()}
-    try:
+    with opened(lambda path: H5Source(path, RAW_FEATURES[kind]), paths) as sources:
         return convert_sources(kind, sources, out_dir, origin=f"tff_h5:{source_dir}",
                                num_classes=EMNIST_DIGITS if only_digits else None, **options)
-    finally:
-        for source in sources.values():
-            source.close()

@@ -243,8 +243,7 @@ class TffSqliteSource:
         self.name = f"{path}[{split_name}]"
         self._db, self._split, self._spec = db, split_name, dict(spec)
         # A malformed page found mid-read; sqlite3's message names no file.
-        self._intact = functools.partial(source_damage.reading, self.name,
-                                         sqlite3.DatabaseError)
+        self._intact = functools.partial(source_damage.reading_sqlite, self.name)
 
     def client_ids(self) -> Iterator[str]:
         with self._intact():
@@ -263,6 +262,8 @@ class TffSqliteSource:
             rows = self._db.execute(
                 "SELECT serialized_example_proto FROM examples WHERE split_name = ? AND "
                 "client_id = ? ORDER BY rowid", (self._split, client_id)).fetchall()
+        if not rows and client_id not in self:  # a listed client may hold no examples
+            raise KeyError(f"{self.name}: no client {client_id!r}")
         parsed = []
         for k, (blob,) in enumerate(rows):
             try:
@@ -333,7 +334,7 @@ def convert_tff_sqlite(kind: str, source_dir: str | os.PathLike, out_dir: str | 
     with decompressed(path, out_dir.parent) as database:
         db = open_database(database)
         try:
-            with source_damage.reading(str(path), sqlite3.DatabaseError):
+            with source_damage.reading_sqlite(str(path)):
                 known = {r[0] for r in db.execute(
                     "SELECT DISTINCT split_name FROM client_metadata")}
             missing = [s for s in splits.values() if s not in known]
