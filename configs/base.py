@@ -46,6 +46,7 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
             regularizer=config_dict.placeholder(str),  # reference / paper
             local_init=config_dict.placeholder(str),  # server / global
             policy_eval_dropout=config_dict.placeholder(bool),
+            hard_tie=config_dict.placeholder(str),  # zeroed / global (an exact q0 = 1/2)
             evaluation=config_dict.placeholder(str),  # reference / paper
             policy_last=config_dict.placeholder(str),  # dense / exit
             global_step=config_dict.placeholder(str),  # global_only / routed (Eq. 4)

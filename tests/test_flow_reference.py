@@ -17,6 +17,7 @@ from flowjax.algorithms import method_config
 from flowjax.algorithms.flow_reference import (PAPER, group_sgd_step, reference_options,
                                                reference_regularizer_mean, resolve,
                                                shard_batches_fn, shard_member)
+from flowjax.core.checks import FieldError
 from flowjax.core.losses import mean_from_sums
 from flowjax.evaluation.metrics import evaluate_client, summarize
 from flowjax.validation import validate_config
@@ -339,6 +340,41 @@ def test_policy_eval_dropout_makes_routing_random_at_evaluation(cnn, images_smal
                                   algorithm.predict(params, personal, x).q0)
 
 
+@pytest.mark.parametrize("hard_tie", ["global", "zeroed"])
+def test_an_exact_tie_routes_global_or_as_torch_round_zeroes_the_layer(cnn, images_small,
+                                                                       hard_tie):
+    """At q0 = 1/2 the paper's round(q) picks global; the authors' torch.round of both
+    entries (round half to even) weighs both branches 0, so every layer's output is 0."""
+    x = jnp.asarray(images_small.train.client(0, "train")["x"][:8])
+    config = {**BASE, "policy_hidden": (16, 16, 16, 16), "fixed_q0": 0.5}
+    algorithm = flow(cnn, FlowConfig(**config, hard_tie=hard_tie), x)
+    params = algorithm.init(jax.random.key(0))
+    personal = {"global": params["global"], "local": cnn.init(jax.random.key(1)),
+                "policy": params["policy"]}
+    predictions = algorithm.predict(params, personal, x)
+    expected = (predictions.global_logits if hard_tie == "global"
+                else jnp.zeros_like(predictions.global_logits))
+    np.testing.assert_array_equal(predictions.personal_hard, expected)
+    assert differs(predictions.personal_hard, predictions.personal_soft)
+    paper = flow(cnn, FlowConfig(**config), x)  # soft routes are unchanged
+    np.testing.assert_array_equal(paper.predict(params, personal, x).personal_soft,
+                                  predictions.personal_soft)
+
+
+def test_their_code_zeroes_tied_routes_and_mixed_state_cells_refuse_to():
+    config = {**BASE, "policy_hidden": (8, 8, 8, 8)}
+    assert resolve(FlowConfig(**config), "emnist_cnn").hard_tie == "global"
+    assert resolve(FlowConfig(**config, semantics="reference"),
+                   "emnist_cnn").hard_tie == "zeroed"
+    from flowjax.models import get_model
+    model = get_model("shakespeare_lstm", hidden=8)
+    x = jnp.zeros((2, 80), jnp.int32)
+    flow(model, FlowConfig(**config, hard_tie="zeroed"), x)  # separate: layers routed whole
+    with pytest.raises(FieldError, match=r"^hard_tie='zeroed': expected 'global' with "
+                       r"recurrence='mixed_state'"):
+        flow(model, FlowConfig(**config, hard_tie="zeroed", recurrence="mixed_state"), x)
+
+
 def test_flow_semantics_reference_builds_the_authors_emnist_procedure(cnn):
     config = emnist.get_config()
     config.methods.flow.semantics = "reference"
@@ -355,7 +391,8 @@ def test_each_departure_can_be_switched_on_alone_from_the_config(cnn):
     x = jnp.zeros((2, 28, 28), jnp.float32)
     for field, value in (("halves", "shard"), ("frozen_momentum", "zero_grad"),
                          ("regularizer", "reference"), ("local_init", "server"),
-                         ("evaluation", "reference"), ("policy_eval_dropout", True)):
+                         ("evaluation", "reference"), ("policy_eval_dropout", True),
+                         ("hard_tie", "zeroed")):
         config = emnist.get_config()
         config.methods.flow[field] = value
         build_algorithm("flow", cnn, config, x)

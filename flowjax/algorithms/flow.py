@@ -29,7 +29,7 @@ weight stays ``|zeta_g|``), ``global_step="global_only"`` (the authors' code: th
 global step runs the global branch alone), ``momentum`` (their SGD momentum 0.9), and the
 other departures of the authors' code, each alone or all at once (``halves``,
 ``frozen_momentum``, ``regularizer``, ``local_init``, ``policy_eval_dropout``,
-``evaluation``, ``policy_last``; see ``flowjax.algorithms.flow_reference``; on the
+``hard_tie``, ``evaluation``, ``policy_last``; see ``flowjax.algorithms.flow_reference``; on the
 LSTMs and the CIFAR ResNet, ``semantics="reference"`` is their network and procedure whole,
 ``flowjax.algorithms.flow_reference_networks``).
 pc-Flow is FedAvgFT (``flowjax.algorithms.fedavg``).
@@ -105,6 +105,8 @@ class FlowConfig:
         ``predict`` takes no key; the authors' ``F.dropout`` draws anew at every call). The
         mask follows an instance's position in its batch, so the k-th instance of every
         test batch gets the same one, and another eval batch size gives other routes.
+      hard_tie: hard routes at an exact ``q0 = 1/2``: ``global`` (paper) or ``zeroed``
+        (the authors' ``torch.round`` of both entries; ``flow_reference``).
       evaluation: ``paper``, or the authors' ``*_generalized_test``: ``reference`` (their
         EMNIST code) or ``reference_policy`` (their CIFAR code).
       policy_last: ``exit`` or ``dense`` (the authors' EMNIST/CIFAR policy head).
@@ -134,6 +136,7 @@ class FlowConfig:
     regularizer: str | None = None
     local_init: str | None = None
     policy_eval_dropout: bool | None = None
+    hard_tie: str | None = None
     evaluation: str | None = None
     policy_last: str | None = None
     recurrence: str | None = None
@@ -203,6 +206,10 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
         network.check_unused(config, model.name)
         return network.build(model, resolve(config, model.name))
     config = resolve(config, model.name)
+    if (config.hard_tie != "global" and config.recurrence == "mixed_state"
+            and model.recurrent_layers):
+        raise FieldError("hard_tie", config.hard_tie, "expected 'global' with "
+                         "recurrence='mixed_state' (its cells mix their state per step)")
     policy = build_policy(model, example_x, config.policy_hidden,
                           dropout_rate=config.policy_dropout, last=config.policy_last)
     num_layers = model.num_layers
@@ -390,7 +397,8 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
             q0 = route_q0(route_log_probs(personal["policy"], x, train=False))
         route = dict(model=model, global_params=personal["global"],
                      local_params=personal["local"], q0=q0, x=x,
-                     recurrence=config.recurrence, fuse_branches=bool(config.fuse_branches))
+                     recurrence=config.recurrence, fuse_branches=bool(config.fuse_branches),
+                     hard_tie=config.hard_tie)
         snapshot = personal.get("snapshot")
         return Predictions(global_logits=forward(model, params["global"], x),
                            personal_hard=routed_forward(**route, hard=True),

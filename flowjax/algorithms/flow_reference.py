@@ -25,6 +25,10 @@ Each piece is one ``FlowConfig`` field, so each departure can be switched on alo
   the server averages every weight, local and policy included);
 * ``policy_eval_dropout``: their LSTM policies call ``F.dropout`` (always on), so routing is
   random at evaluation too;
+* ``hard_tie``: ``"global"`` (paper: ``round(q)``, an exact ``q0 = 1/2`` rounds up to
+  the global branch) or ``"zeroed"`` (theirs: ``torch.round`` of both softmax entries
+  rounds half to even, so an exact tie weighs both branches 0 and zeroes the layer; a
+  trained policy meets it almost never, ``fixed_q0=0.5`` at every layer);
 * ``evaluation``: ``"paper"``, ``"reference"`` or ``"reference_policy"``
   (``*_generalized_test``: a fresh SGD state; the local branch trained K epochs on half 0,
   then K epochs on half 1 of one step on routed loss + regularizer, which trains the policy
@@ -61,7 +65,7 @@ from flowjax.core.checks import FieldError
 from flowjax.core.local_training import packed_batches, run_epochs
 from flowjax.core.losses import mean_from_sums
 from flowjax.routing.policy import LAST_KINDS
-from flowjax.routing.routed import RECURRENCES
+from flowjax.routing.routed import HARD_TIES, RECURRENCES
 
 HALVES = ("random", "shard", "shard_reshuffled", "none")
 FROZEN_MOMENTUM = ("set_to_none", "zero_grad")
@@ -102,7 +106,8 @@ REFERENCE_MODELS = tuple(sorted(_REFERENCE))
 REFERENCE_MOMENTUM = 0.9  # their SGD's, for every phase
 _COMMON_REFERENCE = dict(frozen_momentum="zero_grad", regularizer="reference",
                          global_step="global_only", local_init="server",
-                         evaluation="reference", momentum=REFERENCE_MOMENTUM)
+                         evaluation="reference", momentum=REFERENCE_MOMENTUM,
+                         hard_tie="zeroed")
 
 
 def reference_options(model_name: str) -> dict[str, Any]:
@@ -299,11 +304,12 @@ DEPARTURES: dict[str, tuple[Any, ...]] = {
     "halves": HALVES, "frozen_momentum": FROZEN_MOMENTUM, "regularizer": REGULARIZERS,
     "local_init": LOCAL_INITS, "policy_eval_dropout": (False, True),
     "evaluation": EVALUATIONS, "policy_last": LAST_KINDS, "recurrence": RECURRENCES,
-    "global_step": GLOBAL_STEPS,
+    "global_step": GLOBAL_STEPS, "hard_tie": HARD_TIES,
 }
 PAPER = dict(halves="random", frozen_momentum="set_to_none", regularizer="paper",
              local_init="global", policy_eval_dropout=False, evaluation="paper",
-             policy_last="exit", recurrence="separate", global_step="routed")
+             policy_last="exit", recurrence="separate", global_step="routed",
+             hard_tie="global")
 
 
 def resolve(config: Any, model_name: str) -> Any:

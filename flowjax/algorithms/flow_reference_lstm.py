@@ -149,7 +149,7 @@ OUTPUT_POLICY_HIDDEN = (75, 30, 10)
 # to anything else is refused (``check_config``).
 FIXED = dict(halves="shard_reshuffled", regularizer="reference", global_step="global_only",
              local_init="server", evaluation="reference", order="alternating",
-             local_route="local", fixed_q0=None)
+             local_route="local", fixed_q0=None, hard_tie="zeroed")
 
 
 class StatePolicy(nn.Module):

@@ -94,7 +94,7 @@ GROUPS = ("shared", "global", "local", "policy")
 FIXED = dict(halves="none", regularizer="reference", global_step="global_only",
              local_init="server", evaluation="reference_policy", order="alternating",
              local_route="local", fixed_q0=None, policy_eval_dropout=False,
-             policy_last="dense", policy_dropout=0.0)
+             policy_last="dense", policy_dropout=0.0, hard_tie="zeroed")
 # Fields of the paper's routed model their network has no use for (``check_unused``).
 UNUSED = ("recurrence", "fuse_branches")
 

@@ -1,7 +1,10 @@
 """The routed (dynamic personalized) forward pass, built from a model's own layers (Eq. 3).
 
 ``h_j = q0_j * G_j(h_{j-1}) + (1 - q0_j) * Loc_j(h_{j-1})`` for soft routing, and per
-instance exactly one branch (``q0_j >= 1/2`` picks global) for hard routing. Hard routing
+instance exactly one branch for hard routing: ``round(q)``, which at an exact tie
+``q0_j = 1/2`` picks global (``hard_tie="global"``, rounding half up) or, as the authors'
+``torch.round`` of both entries (round half to even) does, zeroes the layer's output
+(``hard_tie="zeroed"``). Hard routing
 is computed with ``jnp.where`` over both branches: under jit on any backend both branches
 run, which costs compute but keeps the pass one static, vmappable graph.
 
@@ -34,6 +37,7 @@ import jax.numpy as jnp
 from flowjax.models.base import Params, RoutableModel, layer_key, mix, select
 
 RECURRENCES = ("mixed_state", "separate")
+HARD_TIES = ("global", "zeroed")
 
 
 def input_outweighs_weights(num_weights: int, num_inputs: int) -> bool:
@@ -63,7 +67,7 @@ def branch_outputs(model: RoutableModel, j: int, global_layer: Params, local_lay
 def routed_forward(model: RoutableModel, global_params: Params, local_params: Params,
                    q0: jax.Array, x: jax.Array, *, hard: bool = False, train: bool = False,
                    key: jax.Array | None = None, recurrence: str = "separate",
-                   fuse_branches: bool = False) -> jax.Array:
+                   fuse_branches: bool = False, hard_tie: str = "global") -> jax.Array:
     """Logits of the routed model.
 
     Args:
@@ -77,17 +81,24 @@ def routed_forward(model: RoutableModel, global_params: Params, local_params: Pa
       recurrence: ``"mixed_state"`` or ``"separate"`` for LSTM layers (module docstring).
       fuse_branches: both branches of a layer in one call where that reads less
         (``branch_outputs``; module docstring).
+      hard_tie: hard routing at ``q0_j = 1/2`` exactly: ``"global"`` or ``"zeroed"``
+        (module docstring; ``"mixed_state"`` layers take ``"global"`` only).
 
     Returns:
       ``[*instance, num_classes]`` logits.
     """
     if recurrence not in RECURRENCES:
         raise ValueError(f"unknown recurrence {recurrence!r}; expected one of {RECURRENCES}")
+    if hard_tie not in HARD_TIES:
+        raise ValueError(f"unknown hard_tie {hard_tie!r}; expected one of {HARD_TIES}")
     if key is None:
         key = jax.random.key(0)
     h = model.embed_input(x)
     for j, name in enumerate(model.layer_names):
         if recurrence == "mixed_state" and name in model.recurrent_layers:
+            if hard and hard_tie != "global":
+                raise ValueError(f"hard_tie={hard_tie!r} with recurrence='mixed_state': "
+                                 "expected 'global' (its cells mix their state per step)")
             h = model.routed_recurrence(j, global_params[name], local_params[name], h,
                                         q0[..., j], hard)
         else:
@@ -95,6 +106,8 @@ def routed_forward(model: RoutableModel, global_params: Params, local_params: Pa
                                                    local_params[name], h, fuse_branches)
             if hard:
                 h = select(q0[..., j] >= 0.5, out_global, out_local)
+                if hard_tie == "zeroed":  # torch.round(1/2) = 0 on both entries
+                    h = select(q0[..., j] != 0.5, h, jnp.zeros_like(h))
             else:
                 h = mix(q0[..., j], out_global, out_local)
         h = model.glue_apply(j, h, train, layer_key(key, j))
