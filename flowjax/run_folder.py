@@ -263,8 +263,18 @@ def differing_run_fields(stored: dict[str, Any], requested: dict[str, Any]) -> l
     """``differing_fields`` of the parts of two run configs that decide a run's numbers,
     for telling whether a run folder may be resumed or reused: the other methods'
     settings are left out, so a sweep over one method's field reuses the other methods'
-    finished runs, and so are ``OUTPUT_ONLY_FIELDS``."""
-    return differing_fields(_result_config(stored), _result_config(requested))
+    finished runs, and so are ``OUTPUT_ONLY_FIELDS``.
+
+    A run stored under ``on_divergence="stop"`` may be resumed or reused under
+    ``"skip_clients"``: until a divergence both write the same records and checkpoints,
+    and "stop" raises at the diverged round's record, before its checkpoint. Not the other
+    way: a "skip_clients" run may have gone on past a divergence.
+    """
+    differing = differing_fields(_result_config(stored), _result_config(requested))
+    if (stored.get("on_divergence", "stop") == "stop"
+            and requested.get("on_divergence") == "skip_clients"):
+        differing = [field for field in differing if field != "on_divergence"]
+    return differing
 
 
 def differing_fields(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:

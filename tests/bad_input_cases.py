@@ -1022,9 +1022,11 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               "on_divergence='skip_clients' ...`, exit 2, no `results.json`; with "
               "`skip_clients` the run finishes with one warning, NaN or inf predictions count "
               "as wrong (they used to score as argmax's class 0: Acc_p 0.25 here) and "
-              "`results.json` counts the clients as `clients_nonfinite` (tests/test_resume.py"
-              "::test_non_finite_predictions_count_as_wrong_with_skip_clients)",
-              "tests/test_resume.py::test_a_diverged_personalization_stops_at_the_evaluation"),
+              "`results.json` counts the clients as `clients_nonfinite`; rerun so in the "
+              "stopped run's workdir, it resumes from round 2's checkpoint to a fresh "
+              "`skip_clients` run's bytes (a `skip_clients` run is not resumed under `stop`)",
+              "tests/test_resume.py::"
+              "test_a_diverged_personalization_stops_and_skip_clients_resumes_it"),
     Behaviour("`--config.seed=4294967296` (2^32)", "keys (`flowjax/core/prng.py`)", "runs with "
               "its own keys (it used to equal seed 0); seeds below 2^32 keep their keys, so "
               "every committed number is unchanged",

@@ -390,34 +390,45 @@ def test_skip_clients_goes_on_and_reports_the_dropped_clients(tmp_path):
     assert (tmp_path / "results.json").exists()
 
 
-def test_a_diverged_personalization_stops_at_the_evaluation(tmp_path):
+LOCAL_DIVERGES = ("--config.algorithm=local", "--config.methods.local.sgd.learning_rate=1e30")
+
+
+def test_a_diverged_personalization_stops_and_skip_clients_resumes_it(tmp_path):
     # Local trains only at evaluation time, so training stays finite and the evaluation
     # (rounds 3 and 6) is where it diverges.
-    diverged = train(tmp_path, "--config.algorithm=local",
-                     "--config.methods.local.sgd.learning_rate=1e30")
+    diverged = train(tmp_path / "run", *LOCAL_DIVERGES)
     assert diverged.returncode == 2, diverged.stderr[-3000:]
     assert diverged.stderr.strip().splitlines()[-1] == (
         "error: round 3: evaluation diverged: 4 of 4 train_clients client(s) made non-finite "
         "predictions (first: client 'f_00000'); stopping, the last good checkpoint is round "
         "2. Lower config.methods.local.sgd.learning_rate (now 1e+30), or set "
         "on_divergence='skip_clients' to count such predictions as wrong and go on")
-    assert not (tmp_path / "results.json").exists()
-
-
-def test_non_finite_predictions_count_as_wrong_with_skip_clients(tmp_path):
+    assert not (tmp_path / "run" / "results.json").exists()
+    # The remedy, in the same workdir: "stop" never goes past a divergence, so the run
+    # resumes from round 2's checkpoint and gives a fresh skip_clients run's bytes.
+    resumed = train(tmp_path / "run", *LOCAL_DIVERGES, "--config.on_divergence=skip_clients")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["resumed_from_round"] == 2
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["on_divergence"] == (
+        "skip_clients")
+    fresh = train(tmp_path / "fresh", *LOCAL_DIVERGES, "--config.on_divergence=skip_clients")
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    for name in ("results.json", "metrics.jsonl"):
+        assert (tmp_path / "run" / name).read_bytes() == (tmp_path / "fresh" / name).read_bytes()
     # argmax over NaN logits picks class 0, which would score the share of label 0.
-    done = train(tmp_path, "--config.algorithm=local",
-                 "--config.methods.local.sgd.learning_rate=1e30",
-                 "--config.on_divergence=skip_clients")
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = json.loads((tmp_path / "fresh" / "results.json").read_text())
     summary = results["populations"]["train_clients"]
     assert (results["acc_p"], results["acc_p_soft"]) == (0.0, 0.0)
     assert (summary["clients_nonfinite"], summary["first_nonfinite_client"]) == (4, "f_00000")
-    assert json.loads((tmp_path / "run.json").read_text())["warnings"] == [
+    assert json.loads((tmp_path / "fresh" / "run.json").read_text())["warnings"] == [
         "round 3: 4 of 4 train_clients client(s) made non-finite predictions (first: client "
         "'f_00000'); they count as wrong (on_divergence='skip_clients'; results.json counts "
         "such clients as clients_nonfinite)"]
+    # Not the other way: a skip_clients run may have gone on past a divergence.
+    back = train(tmp_path / "fresh", *LOCAL_DIVERGES)
+    assert back.returncode == 2
+    assert "holds a run with a different config (differs in: on_divergence)" in back.stderr
 
 
 def test_metrics_jsonl_is_on_disk_before_results_json_marks_the_run_finished(tmp_path,
