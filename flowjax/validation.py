@@ -193,6 +193,7 @@ def _check_flow_departures(flow: Any, model: RoutableModel) -> None:
             network.check_unused(flow, model.name)
             network.check_config(resolved, model)
             return  # their procedure indexes its own regularizer
+        flow_reference.check_hard_tie(resolved, model)
     except FieldError as error:  # a departure the reference mode sets clashes with a field
         raise error.at("methods.flow.") from None
     if (resolved.regularizer == "reference"

@@ -172,6 +172,32 @@ def test_a_store_replacement_that_fails_puts_the_old_store_back(tmp_path, monkey
     assert list(ClientStore(store).client_ids) == ["a"]
 
 
+def test_a_ctrl_c_while_the_old_store_is_removed_leaves_no_copy_behind(tmp_path, monkeypatch):
+    import shutil
+
+    import numpy as np
+
+    from flowjax.core import durable
+    from flowjax.data.client_store import ClientStore, write_store
+
+    spec = {"y": ((), np.int32)}
+    store = write_store(tmp_path / "s", [("a", {"train": {"y": np.array([3])}})], spec)
+    real_rmtree, calls = shutil.rmtree, []
+
+    def interrupted_rmtree(path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 1 and ".old-" in str(path):
+            raise KeyboardInterrupt
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(durable.shutil, "rmtree", interrupted_rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        write_store(store, [("b", {})], spec, overwrite=True)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+    assert list(ClientStore(store).client_ids) == ["b"]
+
+
 def test_ctrl_c_while_replacing_a_task_directory_puts_the_old_one_back(tmp_path, monkeypatch):
     """``--overwrite`` moves the old task directory aside before moving the new one in;
     an interruption between the two moves restores the old one."""

@@ -373,6 +373,15 @@ def test_their_code_zeroes_tied_routes_and_mixed_state_cells_refuse_to():
     with pytest.raises(FieldError, match=r"^hard_tie='zeroed': expected 'global' with "
                        r"recurrence='mixed_state'"):
         flow(model, FlowConfig(**config, hard_tie="zeroed", recurrence="mixed_state"), x)
+    # ... and validate_config refuses it first, before any data is loaded.
+    from configs import shakespeare
+    run = shakespeare.get_config("quick")
+    run.methods.flow.hard_tie, run.methods.flow.recurrence = "zeroed", "mixed_state"
+    with pytest.raises(ValueError) as refused:
+        validate_config(run)
+    assert str(refused.value) == (
+        "config.methods.flow.hard_tie='zeroed': expected 'global' with "
+        "recurrence='mixed_state' (its cells mix their state per step)")
 
 
 def test_flow_semantics_reference_builds_the_authors_emnist_procedure(cnn):

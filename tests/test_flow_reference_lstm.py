@@ -119,7 +119,7 @@ def test_stackoverflow_reference_has_their_second_policy_path(so_model):
 @pytest.mark.parametrize("field, value, expected", [
     ("order", "policy_first", "'alternating'"), ("halves", "shard", "'shard_reshuffled'"),
     ("fixed_q0", 0.5, "None"), ("regularizer", "paper", "'reference'"),
-    ("evaluation", "paper", "'reference'")])
+    ("evaluation", "paper", "'reference'"), ("hard_tie", "global", "'zeroed'")])
 @pytest.mark.parametrize("dataset", ["shakespeare", "stackoverflow"])
 def test_what_their_procedure_does_not_run_is_refused_in_one_line(dataset, field, value,
                                                                   expected):

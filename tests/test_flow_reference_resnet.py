@@ -132,6 +132,7 @@ NOT_IN_THEIR_NETWORK = ("expected None with semantics='reference' on resnet18_gn
     ("evaluation", "reference", FIXED_BY_THEM.format("'reference_policy'")),
     ("order", "policy_first", FIXED_BY_THEM.format("'alternating'")),
     ("policy_eval_dropout", True, FIXED_BY_THEM.format("False")),
+    ("hard_tie", "global", FIXED_BY_THEM.format("'zeroed'")),
     # Options of the paper's routed model, which their network would silently ignore.
     ("recurrence", "mixed_state", NOT_IN_THEIR_NETWORK),
     ("fuse_branches", True, NOT_IN_THEIR_NETWORK)])

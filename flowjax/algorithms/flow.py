@@ -53,8 +53,9 @@ import numpy as np
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions, SGDConfig,
                                      instance_weights, plain_loss_sums, valid_examples)
-from flowjax.algorithms.flow_reference import (DEPARTURES, SEMANTICS, group_sgd_step,
-                                               reference_regularizer_mean, resolve,
+from flowjax.algorithms.flow_reference import (DEPARTURES, SEMANTICS, check_hard_tie,
+                                               group_sgd_step, reference_regularizer_mean,
+                                               resolve,
                                                shard_batches_fn, shard_member)
 from flowjax.algorithms.flow_reference_networks import NETWORKS
 from flowjax.core.checks import (FieldError, Interval, check_fields, integer, non_negative,
@@ -206,10 +207,7 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
         network.check_unused(config, model.name)
         return network.build(model, resolve(config, model.name))
     config = resolve(config, model.name)
-    if (config.hard_tie != "global" and config.recurrence == "mixed_state"
-            and model.recurrent_layers):
-        raise FieldError("hard_tie", config.hard_tie, "expected 'global' with "
-                         "recurrence='mixed_state' (its cells mix their state per step)")
+    check_hard_tie(config, model)  # validate_config checks it first, with its config path
     policy = build_policy(model, example_x, config.policy_hidden,
                           dropout_rate=config.policy_dropout, last=config.policy_last)
     num_layers = model.num_layers

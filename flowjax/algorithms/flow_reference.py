@@ -27,8 +27,9 @@ Each piece is one ``FlowConfig`` field, so each departure can be switched on alo
   random at evaluation too;
 * ``hard_tie``: ``"global"`` (paper: ``round(q)``, an exact ``q0 = 1/2`` rounds up to
   the global branch) or ``"zeroed"`` (theirs: ``torch.round`` of both softmax entries
-  rounds half to even, so an exact tie weighs both branches 0 and zeroes the layer; a
-  trained policy meets it almost never, ``fixed_q0=0.5`` at every layer);
+  rounds half to even, so an exact tie weighs both branches 0 and zeroes the layer;
+  flowjax's policy heads, raw logits, tie almost never, ``fixed_q0=0.5`` at every layer,
+  and their LSTM policies' ReLU head whenever it cuts both logits to 0);
 * ``evaluation``: ``"paper"``, ``"reference"`` or ``"reference_policy"``
   (``*_generalized_test``: a fresh SGD state; the local branch trained K epochs on half 0,
   then K epochs on half 1 of one step on routed loss + regularizer, which trains the policy
@@ -310,6 +311,19 @@ PAPER = dict(halves="random", frozen_momentum="set_to_none", regularizer="paper"
              local_init="global", policy_eval_dropout=False, evaluation="paper",
              policy_last="exit", recurrence="separate", global_step="routed",
              hard_tie="global")
+
+
+def check_hard_tie(config: Any, model: Any) -> None:
+    """Refuses ``hard_tie="zeroed"`` where the resolved ``config`` routes LSTM cells with
+    ``recurrence="mixed_state"``: their hard routes pick a cell's state per step.
+
+    Raises:
+      FieldError: naming ``hard_tie``.
+    """
+    if (config.hard_tie != "global" and config.recurrence == "mixed_state"
+            and model.recurrent_layers):
+        raise FieldError("hard_tie", config.hard_tie, "expected 'global' with "
+                         "recurrence='mixed_state' (its cells mix their state per step)")
 
 
 def resolve(config: Any, model_name: str) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import pathlib
+import secrets
 import shutil
 
 
@@ -54,20 +55,38 @@ def fsync_tree(root: str) -> None:
 
 
 def replace_folder(new: pathlib.Path, path: pathlib.Path) -> None:
-    """Moves the folder ``new`` to ``path``, replacing a folder there.
+    """Moves the folder ``new`` to ``path``, replacing a folder (or a link) there.
 
     ``os.replace`` cannot overwrite a non-empty folder, so the old one is moved aside
-    first and removed after; should moving ``new`` in fail or be interrupted (Ctrl-C
-    included), the old one is put back: ``path`` is never missing nor half-written.
+    under a hidden name of its own first and removed after. Should moving ``new`` in fail
+    or be interrupted (Ctrl-C included), the old one is put back; once ``new`` is in
+    place, the old one is removed even if that removal is interrupted. Only a kill or a
+    power loss between the two renames leaves ``path`` missing, its old folder beside it.
     """
-    old = path.with_name(f".{path.name}.old-{os.getpid()}") if path.exists() else None
+    old = None
+    if os.path.lexists(path):
+        old = path.with_name(f".{path.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
     try:  # the move aside too: a Ctrl-C right after it must still put the old one back
         if old is not None:
             os.replace(path, old)
         os.replace(new, path)
     except BaseException:
-        if old is not None and old.exists() and not path.exists():
-            os.replace(old, path)
+        if old is not None and os.path.lexists(old):
+            if os.path.lexists(path):  # the new folder is in place
+                _discard(old)
+            else:
+                os.replace(old, path)
         raise
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        try:
+            _discard(old)
+        finally:  # a Ctrl-C in the removal: finish it, the new folder is in place
+            if os.path.lexists(old):
+                _discard(old)
+
+
+def _discard(path: pathlib.Path) -> None:
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)

@@ -31,8 +31,9 @@ ABLATIONS = {
     "flow_global_first": {"methods.flow.order": "global_first"},
     **{f"flow_split_{r}": {"methods.flow.split_ratio": r} for r in (0.25, 0.75)},
 }
-# The authors' code (flowjax.algorithms.flow_reference): all its departures, each alone on
-# top of the paper's Flow, and the baselines with the client optimizer their code gives
+# The authors' code (flowjax.algorithms.flow_reference): its departures, each alone on top
+# of the paper's Flow (all but hard_tie, which acts only at an exact q0 = 1/2, which the
+# paper's policy head, raw logits, almost never gives), and the baselines with the client optimizer their code gives
 # every method (SGD momentum 0.9), so no row has an advantage the others lack. Not part of
 # --methods=ablations; the `gain_source` table runs them.
 REFERENCE_VARIANTS = {
