@@ -1,5 +1,5 @@
 """Making written files durable: ``fsync`` of files, folders and whole trees, and a
-folder replaced without a moment in which it is missing.
+folder filled beside its path and moved into place.
 
 A rename or a new file is only durable once its folder is synced too; libraries that
 write checkpoints (orbax 0.12) rename without either, so a power loss right after a
@@ -9,11 +9,16 @@ the previous state (the disk store's undo log) must first make the new one durab
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pathlib
 import secrets
 import shutil
+import tempfile
+from typing import Iterator
+
+from flowjax.core import file_modes
 
 
 def fsync_path(path: str) -> None:
@@ -52,6 +57,25 @@ def fsync_tree(root: str) -> None:
                 fsync_path(file)
         fsync_path(folder)
     fsync_path(os.path.dirname(os.path.abspath(root)))
+
+
+@contextlib.contextmanager
+def replacing_folder(path: pathlib.Path) -> Iterator[pathlib.Path]:
+    """A new hidden folder beside ``path`` to fill; on leaving the block it replaces
+    ``path`` (``replace_folder``), on an error (Ctrl-C included) it is removed.
+
+    It has mkdir's mode under the umask: ``mkdtemp``'s 0700 would hide the data from a
+    shared group.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        file_modes.as_if_created(tmp)
+        yield tmp
+        replace_folder(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def replace_folder(new: pathlib.Path, path: pathlib.Path) -> None:

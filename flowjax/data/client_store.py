@@ -28,14 +28,12 @@ import collections.abc
 import json
 import os
 import pathlib
-import shutil
 import struct
-import tempfile
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from flowjax.core import durable, file_modes
+from flowjax.core import durable
 from flowjax.data.federated import SPLITS
 
 FORMAT = "flowjax-client-store"
@@ -187,15 +185,8 @@ def write_store(path: str | os.PathLike, clients: Iterable[ClientRecord], spec: 
         except StoreError as e:
             raise StoreError(f"{path} is not a client store ({e}): refusing to replace "
                              "it") from None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    file_modes.as_if_created(tmp)  # mkdtemp's 0700 would hide the data from a shared group
-    try:
+    with durable.replacing_folder(path) as tmp:
         _fill_store(tmp, clients, spec, splits, source or {})
-        durable.replace_folder(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 

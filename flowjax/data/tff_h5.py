@@ -45,13 +45,11 @@ import functools
 import json
 import os
 import pathlib
-import shutil
-import tempfile
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from flowjax.core import durable, file_modes
+from flowjax.core import durable
 from flowjax.core.checks import first_line, new_folder_problem
 from flowjax.data import shakespeare, source_damage
 from flowjax.data.client_store import ClientRecord, Spec, write_store
@@ -127,10 +125,14 @@ class H5Source:
             return client_id in self._examples
 
     def read(self, client_id: str) -> RawClient:
-        if client_id not in self:  # else h5py's KeyError would read as damage
-            raise KeyError(f"{self.name}: no client {client_id!r}")
+        try:
+            with self._intact():
+                group = self._examples[client_id]
+        except ValueError:  # a name h5py cannot open is damage only if the file lists it
+            if client_id not in self:
+                raise KeyError(f"{self.name}: no client {client_id!r}") from None
+            raise
         with self._intact():
-            group = self._examples[client_id]
             if not isinstance(group, self._group_type):
                 raise ValueError(f"{self.name}: examples/{client_id} is a "
                                  f"{type(group).__name__}, not a group: expected one group per "
@@ -445,19 +447,13 @@ def _write_task_dir(out_dir: pathlib.Path, build: Callable[[pathlib.Path], dict[
                     overwrite: bool, protected: Sequence[str | os.PathLike] = ()) -> pathlib.Path:
     """Runs ``build(tmp_dir) -> task.json fields`` and moves the result to ``out_dir``."""
     check_out_dir(out_dir, overwrite, protected)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    file_modes.as_if_created(tmp)  # mkdtemp's 0700 would hide the data from a shared group
-    try:
+    # Ctrl-C included: the old one is put back (durable.replace_folder).
+    with durable.replacing_folder(out_dir) as tmp:
         fields = build(tmp)
         task = {"format": TASK_FORMAT, "version": TASK_VERSION, **fields}
         (tmp / "task.json").write_text(json.dumps(task, indent=1, sort_keys=True))
         if out_dir.exists():
             check_out_dir(out_dir, overwrite, protected)  # unchanged while we converted
-        durable.replace_folder(tmp, out_dir)  # Ctrl-C included: the old one is put back
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
