@@ -25,6 +25,7 @@ if ROOT not in sys.path:
 from configs import shakespeare  # noqa: E402
 from flowjax import config as run_config  # noqa: E402
 from flowjax.data.federated import ArrayFederatedData, FederatedTask, RaggedSplit  # noqa: E402
+from tests import forkserver  # noqa: E402
 from tests.helpers import apply_overrides  # noqa: E402
 
 GENERATE = "python tests/bad_input_cases.py > docs/bad-inputs.md"
@@ -817,7 +818,7 @@ CONVERT_CASES: tuple[ConvertCase, ...] = (
 def run_convert(case: ConvertCase, folder: Any) -> subprocess.CompletedProcess:
     """Lays out ``case`` in ``folder`` and runs ``launch/convert.py`` there."""
     args = case.setup(folder)
-    return subprocess.run([sys.executable, os.path.join(ROOT, "launch", "convert.py"), *args],
+    return forkserver.run([sys.executable, os.path.join(ROOT, "launch", "convert.py"), *args],
                           capture_output=True, text=True, cwd=folder, timeout=120)
 
 
@@ -1062,7 +1063,7 @@ def run_command(case: CommandCase, workdir: str) -> subprocess.CompletedProcess:
     """Runs the launcher of ``case`` from the repository root with ``--workdir`` as the
     case says (``{tmp}`` = ``workdir``, already set up)."""
     script, *args = case.args
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *args,
+    return forkserver.run([sys.executable, os.path.join(ROOT, script), *args,
                            f"--workdir={case.workdir.format(tmp=workdir)}"],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 
 import jax
@@ -18,6 +17,7 @@ from flowjax import experiment
 from flowjax.core.cohort import ClientExamples, assemble_cohort, client_at
 from flowjax.models.base import RoutableModel
 from flowjax.models.layers import Dense, chain_model
+from tests import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,7 +67,7 @@ def cifar_round_in_child(semantics: str) -> dict:
     in a child compiled as a default build: under the suite's XLA flags the routed
     ResNet-18 runs about 12x slower (this round took 35 min on the 2-core machine against
     2.5 min, jax 0.10.2). Returns the train clients' ``acc_p`` and client-snapshot Acc_g."""
-    done = subprocess.run([sys.executable, "-c", _CIFAR_ROUND_CHILD, semantics],
+    done = forkserver.run([sys.executable, "-c", _CIFAR_ROUND_CHILD, semantics],
                           env=default_xla_env(), cwd=ROOT, capture_output=True, text=True,
                           timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]

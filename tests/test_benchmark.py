@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from launch import benchmark
+from tests import forkserver
 from tests.helpers import loops
 
 
@@ -169,7 +170,7 @@ def test_bad_flags_fail_in_one_line_before_anything_is_timed(tmp_path):
         # Its runs take minutes on a GPU: the file is checked first too.
         ("determinism_check.py", f"--json_out={missing}"): unwritable,
     }
-    running = {args: subprocess.Popen([sys.executable, f"launch/{args[0]}", *args[1:]],
+    running = {args: forkserver.Popen([sys.executable, f"launch/{args[0]}", *args[1:]],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for args in expected}
     for args, process in running.items():

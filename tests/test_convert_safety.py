@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("h5py")
 
+from tests import forkserver  # noqa: E402
 from tests.bad_input_cases import CONVERT_CASES, run_convert  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,7 +57,7 @@ def test_overwrite_replaces_an_earlier_conversion(tmp_path):
     out = tmp_path / "emnist"
 
     def run(*extra):
-        return subprocess.run([sys.executable, SCRIPT, "--dataset=emnist", f"--source={source}",
+        return forkserver.run([sys.executable, SCRIPT, "--dataset=emnist", f"--source={source}",
                                f"--out={out}", *extra], capture_output=True, text=True,
                               timeout=120)
 

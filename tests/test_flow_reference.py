@@ -1,6 +1,5 @@
 """Flow's reference-code departures (flow_reference), each through ``flow()`` / the config."""
 
-import subprocess
 import sys
 
 import jax
@@ -21,6 +20,7 @@ from flowjax.core.checks import FieldError
 from flowjax.core.losses import mean_from_sums
 from flowjax.evaluation.metrics import evaluate_client, summarize
 from flowjax.validation import validate_config
+from tests import forkserver
 from tests.helpers import ROOT, assert_trees_equal, default_xla_env, differs, one_client
 
 SGD = dict(learning_rate=0.05, epochs=1, batch_size=4)
@@ -262,7 +262,7 @@ print("bit-identical")
 
 @pytest.mark.slow  # a child compiling as a default build; CI keeps the 1-epoch check below
 def test_two_epochs_snapshot_is_the_one_epoch_evaluations_global_branch():
-    done = subprocess.run([sys.executable, "-c", _SNAPSHOT_CHILD], env=default_xla_env(),
+    done = forkserver.run([sys.executable, "-c", _SNAPSHOT_CHILD], env=default_xla_env(),
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "bit-identical"

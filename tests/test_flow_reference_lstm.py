@@ -2,7 +2,6 @@
 and ``launch/train.py``. Parity with their PyTorch code: ``tests/test_parity.py``."""
 
 import json
-import subprocess
 import sys
 
 import jax
@@ -18,6 +17,7 @@ from flowjax.models import get_model
 from flowjax.models.base import forward
 from flowjax.validation import validate_config
 from launch.parity import _examples, token_client_data
+from tests import forkserver
 from tests.helpers import default_xla_env, one_client
 from tests.test_launch import ROOT, TINY, launch
 
@@ -206,7 +206,7 @@ def test_padded_examples_change_no_result(model_name):
     """Bit for bit, as XLA compiles by default (a child process): the suite's cheaper
     compiler flags (``conftest.TEST_XLA_FLAGS``) fuse the two shapes' programs differently
     and move the LSTMs' weights by an ulp, in the paper's Flow too (measured)."""
-    done = subprocess.run([sys.executable, "-c", _PADDING_CHILD, model_name],
+    done = forkserver.run([sys.executable, "-c", _PADDING_CHILD, model_name],
                           env=default_xla_env(), cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,7 +1,6 @@
 """HypCluster: cluster choice, per-cluster aggregation, warm start, and k = 1 = FedAvg."""
 
 import os
-import subprocess
 import sys
 
 import jax
@@ -26,6 +25,7 @@ from flowjax.experiment import RunSettings, Simulation
 from flowjax.models import get_model
 from flowjax.models.base import forward
 from flowjax.models.layers import Dense, chain_model
+from tests import forkserver
 from tests.helpers import default_xla_env, small_config, small_synthetic_config
 
 SGD = dict(learning_rate=0.05, epochs=1, batch_size=4)
@@ -126,7 +126,7 @@ def test_one_cluster_is_fedavg_exactly_through_the_engine():
     continues FedAvg's rounds rather than replaying them: two different programs
     agreeing bit for bit, so checked as a user's default build compiles them (in a child
     without the suite's XLA flags, under which their sums may be ordered differently)."""
-    done = subprocess.run([sys.executable, "-c", _ONE_CLUSTER_CHILD], capture_output=True,
+    done = forkserver.run([sys.executable, "-c", _ONE_CLUSTER_CHILD], capture_output=True,
                           text=True, cwd=ROOT, env=default_xla_env(), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "one cluster == FedAvg" in done.stdout

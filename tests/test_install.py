@@ -6,15 +6,16 @@ still finds ``launch.cli`` and a config file still finds its sibling configs.
 """
 
 import os
-import subprocess
 import sys
+
+from tests import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_from(folder, script, *args):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, os.path.join(ROOT, "launch", script), *args],
+    return forkserver.run([sys.executable, os.path.join(ROOT, "launch", script), *args],
                           capture_output=True, text=True, cwd=folder, env=env, timeout=300)
 
 

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests import forkserver
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config.data.plays=('macbeth',)", "--config.num_rounds=2", "--config.clients_per_round=3",
         "--config.data.max_train_examples=4", "--config.data.max_test_examples=4",
@@ -22,7 +24,7 @@ SMALL = ["--config=configs/synthetic.py:quick", "--config.data.num_clients=12",
 
 
 def launch(script, *args, env=None):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "launch", script), *args],
+    return forkserver.run([sys.executable, os.path.join(ROOT, "launch", script), *args],
                           capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
 
 
@@ -247,7 +249,7 @@ def test_every_launcher_shows_the_traceback_of_a_bad_input_under_debug(tmp_path)
         "client_state_memory.py": ["--rows=2", "--store=disk", f"--dir={not_a_store}"],
     }
     # All at once: each is an interpreter start and a check of flags or files.
-    running = {(script, debug): subprocess.Popen(
+    running = {(script, debug): forkserver.Popen(
         [sys.executable, os.path.join(ROOT, "launch", script), *args, *debug],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
         for script, args in bad_inputs.items() for debug in ((), ("--debug",))}
@@ -285,7 +287,7 @@ def test_argparse_launchers_refuse_bad_values_in_one_line():
         ("roofline.py", "--device=tpu"): "argument --device: invalid choice: 'tpu'",
         ("parity.py",): "the following arguments are required: --reference_dir",
     }
-    running = {args: subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", args[0]),
+    running = {args: forkserver.Popen([sys.executable, os.path.join(ROOT, "launch", args[0]),
                                        *args[1:]], stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, cwd=ROOT)
                for args in expected}

@@ -1,7 +1,6 @@
 """FedProx's Synthetic(alpha, beta) generator, the routed MLP and the quick config on them."""
 
 import os
-import subprocess
 import sys
 
 import jax
@@ -12,6 +11,7 @@ from flowjax.data import load_task
 from flowjax.data.leaf_synthetic import generate_synthetic
 from flowjax.models import get_model
 from flowjax.models.base import forward
+from tests import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,7 +100,7 @@ def test_quick_config_compares_fedavg_and_flow_through_compare_py(tmp_path):
     command = [sys.executable, "launch/compare.py", "--config=configs/synthetic.py:quick",
                "--methods=fedavg,flow", f"--workdir={tmp_path}", "--config.num_rounds=3",
                "--config.data.num_clients=12", "--config.checkpoint_every=0"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = forkserver.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| fedavg")
             or line.startswith("| flow")]

@@ -4,7 +4,6 @@ and the label partitions shared with CIFAR."""
 import gzip
 import os
 import struct
-import subprocess
 import sys
 
 import numpy as np
@@ -15,6 +14,7 @@ from flowjax.data import load_task
 from flowjax.data.idx import parse_idx, read_idx
 from flowjax.data.partition import (LabelPartition, dirichlet_partition, label_skew,
                                     majority_baselines, partition_indices, shard_partition)
+from tests import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -271,7 +271,7 @@ def test_tfds_images_not_uint8_28x28_are_refused_not_reshaped_or_cast(image, fou
 def test_fashion_mnist_config_without_files_exits_2_in_one_line(tmp_path):
     command = [sys.executable, "launch/train.py", "--config=configs/fashion_mnist.py:mini_0.1",
                f"--config.data.data_dir={tmp_path}", f"--workdir={tmp_path / 'run'}"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = forkserver.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert lines[-1].startswith("error: fashion_mnist IDX files not found in data_dir="), lines
@@ -332,7 +332,7 @@ def test_label_baselines_launcher_prints_the_floors_of_a_configs_clients(tmp_pat
     config = ["--config=configs/fashion_mnist.py:mini_0.1", f"--config.data.data_dir={tmp_path}",
               "--config.data.num_clients=4", "--config.data.train_per_client=20",
               "--config.data.test_per_client=5"]
-    done = subprocess.run([sys.executable, "launch/label_baselines.py", *config], cwd=ROOT,
+    done = forkserver.run([sys.executable, "launch/label_baselines.py", *config], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     data = load_task("mnist_family_idx", dict(data_dir=str(tmp_path), alpha=0.1, num_clients=4,
@@ -343,7 +343,7 @@ def test_label_baselines_launcher_prints_the_floors_of_a_configs_clients(tmp_pat
             in done.stdout)
     assert (f"each client's majority train label (floor for Acc_p): "
             f"{100 * floors['client_majority']:.2f}%" in done.stdout)
-    bad = subprocess.run([sys.executable, "launch/label_baselines.py", *config, "--label=z"],
+    bad = forkserver.run([sys.executable, "launch/label_baselines.py", *config, "--label=z"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.strip() == (
         "error: --label='z': not a feature of mnist_family_idx; expected one of ['x', 'y']")

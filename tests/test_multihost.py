@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from tests import forkserver
 from tests.test_launch import ROOT, TINY
 
 FLAGS = ["--config=configs/shakespeare.py:quick", *TINY, "--config.clients_per_round=4",
@@ -34,7 +35,7 @@ def train(workdir, *args, devices_per_process: int = 1, flags=FLAGS, fault=None)
                XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
                + f" --xla_force_host_platform_device_count={devices_per_process}")
     script = ["tests/crashing_train.py", fault] if fault else ["launch/train.py"]
-    return subprocess.Popen([sys.executable, *script, *flags, f"--workdir={workdir}", *args],
+    return forkserver.Popen([sys.executable, *script, *flags, f"--workdir={workdir}", *args],
                             cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
 
@@ -82,7 +83,7 @@ def test_two_processes_equal_one_process_with_two_devices(tmp_path, algorithm, c
 
 
 def test_bad_process_flags_are_one_line_errors(tmp_path):
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), *FLAGS,
+    done = forkserver.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), *FLAGS,
                            f"--workdir={tmp_path}", "--num_processes=2", "--process_id=2",
                            "--coordinator_address=localhost:1"],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)

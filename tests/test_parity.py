@@ -15,13 +15,13 @@ Shakespeare's recomputations are marked slow (``SLOW_MODELS``).
 
 import json
 import pickle
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 from launch import parity
+from tests import forkserver
 from tests.helpers import default_xla_env, untuned_xla_env
 
 FIXTURES = {}
@@ -82,7 +82,7 @@ def _flowjax_sides_in_a_child(out: str, models: list[str]) -> dict:
     # One child for the selection: with CIFAR in it (-m slow, or -m ""), all as a default
     # build, which the other figures meet too.
     env = default_xla_env() if "cifar" in models else untuned_xla_env()
-    subprocess.run([sys.executable, "-c", _CHILD, out, *models], env=env,
+    forkserver.run([sys.executable, "-c", _CHILD, out, *models], env=env,
                    check=True, cwd=parity.ROOT)
     with open(out, "rb") as f:
         return pickle.load(f)

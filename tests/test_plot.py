@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -12,6 +11,7 @@ pytest.importorskip("matplotlib")
 
 from flowjax.paper import plot_data, plot_draw  # noqa: E402
 from flowjax.evaluation.metrics import GROUPS, Q0_BINS  # noqa: E402
+from tests import forkserver  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -74,7 +74,7 @@ Q0 = {"both_correct": histogram([{0: 5}, {Q0_BINS - 1: 5}, dict.fromkeys(range(Q
 
 
 def plot(workdir, *flags):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "launch", "plot.py"),
+    return forkserver.run([sys.executable, os.path.join(ROOT, "launch", "plot.py"),
                            f"--workdir={workdir}", *flags], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
 
@@ -262,7 +262,7 @@ def test_plot_data_needs_no_matplotlib(tmp_path):
         f"plots = plot_data.workdir_plots(plot_data.load_runs({str(tmp_path)!r}))\n"
         "print(json.dumps({name: [p.kind, p.title] for name, p in plots.items()}))\n"
         "print(json.dumps(plots['breakdown_toy.png'].data))\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+    done = forkserver.run([sys.executable, "-c", script], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     kinds, breakdown = map(json.loads, done.stdout.splitlines())
@@ -382,7 +382,7 @@ def test_plot_methods_and_out_dir_select_the_runs_and_the_folder(tmp_path):
                   seed=0, evals={1: (0.1, 0.2)}, breakdown=BREAKDOWN_A,
                   q0=Q0 if algorithm == "flow" else None)
     out = tmp_path / "only"
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "plot.py"),
+    done = forkserver.run([sys.executable, os.path.join(ROOT, "launch", "plot.py"),
                            f"--workdir={tmp_path}", "--plot_methods=fedavg,flow",
                            f"--out_dir={out}"], capture_output=True, text=True, cwd=ROOT,
                           timeout=120)
@@ -392,7 +392,7 @@ def test_plot_methods_and_out_dir_select_the_runs_and_the_folder(tmp_path):
     assert not (tmp_path / "plots").exists()
     # Without --out_dir, every run's figures, then one method's beside them.
     for selection in ([], ["--plot_methods=fedavg"]):
-        done = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "plot.py"),
+        done = forkserver.run([sys.executable, os.path.join(ROOT, "launch", "plot.py"),
                                f"--workdir={tmp_path}", *selection], capture_output=True,
                               text=True, cwd=ROOT, timeout=120)
         assert done.returncode == 0, done.stderr[-3000:]

@@ -7,7 +7,6 @@ import io
 import json
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
@@ -22,6 +21,7 @@ from flowjax.paper.stats import seed_stats
 from flowjax.paper.tables import table_csv, table_entries, table_markdown
 from flowjax.runner import resolved_config
 from launch import reproduce
+from tests import forkserver
 from tests.helpers import small_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -564,7 +564,7 @@ def test_bad_command_lines_name_the_bad_value(args, message):
 
 
 def test_bad_table_exits_2_with_one_line(tmp_path):
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "reproduce.py"),
+    done = forkserver.run([sys.executable, os.path.join(ROOT, "launch", "reproduce.py"),
                            "--table=tabel2", f"--workdir={tmp_path}", "--seeds=0,x"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 2
@@ -596,7 +596,7 @@ def test_precision_effect_pairs_bf16_and_float32_cells_by_seed(tmp_path):
     script = os.path.join(ROOT, "launch", "precision_effect.py")
     args = [sys.executable, script, "--dataset=fashion_mnist_0.1", "--methods=fedavg,flow",
             "--seeds=0,44,56", f"--out={out}"]
-    done = subprocess.run([*args, f"--float32_workdir={f32}", f"--bfloat16_workdir={bf16}"],
+    done = forkserver.run([*args, f"--float32_workdir={f32}", f"--bfloat16_workdir={bf16}"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = (out.parent / "table.csv").read_text().splitlines()
@@ -611,7 +611,7 @@ def test_precision_effect_pairs_bf16_and_float32_cells_by_seed(tmp_path):
     table = (out.parent / "table.md").read_text()
     assert ("| flow | acc_p | 85.0 ± 7.1 [n=2 of 3] | 84.5 ± 7.8 [n=2 of 3] | -0.5 | "
             "0: -1.0, 44: +0.0 |") in table
-    missing = subprocess.run([*args, f"--float32_workdir={tmp_path / 'nope'}",
+    missing = forkserver.run([*args, f"--float32_workdir={tmp_path / 'nope'}",
                               f"--bfloat16_workdir={bf16}"], capture_output=True, text=True,
                              timeout=120)
     assert missing.returncode == 2
@@ -623,7 +623,7 @@ def test_precision_effect_pairs_bf16_and_float32_cells_by_seed(tmp_path):
             (bf16, f32, "compute_dtype='bfloat16'; expected 'float32' (are the two workdirs "
                         "given the right way round?)"),
             (f32, other, "differs from"), ):
-        done = subprocess.run([*args, f"--float32_workdir={f32_dir}",
+        done = forkserver.run([*args, f"--float32_workdir={f32_dir}",
                                f"--bfloat16_workdir={bf16_dir}"], capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 2 and message in done.stderr, done.stderr

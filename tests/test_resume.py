@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from flowjax.core.client_state_disk import UNDO_HEADER_BYTES
+from tests import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The synthetic MLP task: what is checked here (kill, resume, refuse, one-line errors) is
@@ -27,18 +28,21 @@ RUN = ["--config=configs/synthetic.py:quick", "--config.data.num_clients=12",
        "--config.eval.clients=4", "--config.eval.every=3"]
 
 
-def train(workdir, *extra, fault=None):
+def train(workdir, *extra, fault=None, fresh=False):
     """``launch/train.py`` with ``RUN`` and ``extra``; with ``fault`` (``round:3``,
-    ``checkpoint:4``, ``checkpoint:6:SIGINT``) the run crashes there."""
+    ``checkpoint:4``, ``checkpoint:6:SIGINT``) the run crashes there. Forked from the
+    test process's preloaded interpreter (``tests/forkserver.py``) unless ``fresh``."""
     script = (["tests/crashing_train.py", fault] if fault else ["launch/train.py"])
-    return subprocess.run([sys.executable, *script, *RUN, f"--workdir={workdir}", *extra],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    return forkserver.run([sys.executable, *script, *RUN, f"--workdir={workdir}", *extra],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600, fresh=fresh)
 
 
+# The runs the others are compared with byte for byte start a new interpreter: forked
+# runs share their server's string hash seed, a fresh one draws its own.
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("clean")
-    done = train(workdir)
+    done = train(workdir, fresh=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return workdir
 
@@ -100,7 +104,7 @@ def test_ctrl_c_mid_checkpoint_is_one_line_and_resumes_exactly(uninterrupted, tm
 @pytest.fixture(scope="module")
 def ditto_in_memory(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("ditto_memory")
-    done = train(workdir, "--config.algorithm=ditto")
+    done = train(workdir, "--config.algorithm=ditto", fresh=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return workdir
 

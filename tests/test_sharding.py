@@ -1,10 +1,11 @@
 """The clients axis sharded over 2 emulated CPU devices gives the 1-device results."""
 
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,7 +51,7 @@ def test_two_emulated_devices_match_one_device(algorithm):
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
                + " --xla_force_host_platform_device_count=2",
                PYTHONPATH=ROOT)
-    done = subprocess.run([sys.executable, "-c", SCRIPT, algorithm], capture_output=True,
+    done = forkserver.run([sys.executable, "-c", SCRIPT, algorithm], capture_output=True,
                           text=True, cwd=ROOT, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "sharded == single device" in done.stdout
@@ -88,7 +89,7 @@ def test_hypclusters_kmeans_init_shards_its_cohort_as_the_rounds_do():
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
                + " --xla_force_host_platform_device_count=2",
                PYTHONPATH=ROOT)
-    done = subprocess.run([sys.executable, "-c", KMEANS_SCRIPT], capture_output=True,
+    done = forkserver.run([sys.executable, "-c", KMEANS_SCRIPT], capture_output=True,
                           text=True, cwd=ROOT, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "kmeans starts: sharded == single device" in done.stdout

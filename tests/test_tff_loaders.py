@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import sqlite3
-import subprocess
 import sys
 import zlib
 
@@ -23,6 +22,7 @@ from flowjax.data import load_task, shakespeare  # noqa: E402
 from flowjax.data.client_store import ClientStore, write_store  # noqa: E402
 from flowjax.data.fedjax_sqlite import decode_client, encode_client, write_sqlite  # noqa: E402
 from launch.convert import convert  # noqa: E402
+from tests import forkserver  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RNG = np.random.default_rng(0)
@@ -517,13 +517,13 @@ def test_test_split_of_other_clients_is_refused_and_nothing_is_written(tmp_path)
 def test_convert_cli(tff_dir, tmp_path):
     script = os.path.join(ROOT, "launch", "convert.py")
     out = tmp_path / "emnist"
-    done = subprocess.run([sys.executable, script, "--dataset=emnist", f"--source={tff_dir}",
+    done = forkserver.run([sys.executable, script, "--dataset=emnist", f"--source={tff_dir}",
                            f"--out={out}"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert len(load_task("emnist_tff", {"store_dir": str(out)}).train.client_ids) == 3
     # f9999_99 is in the test file only: said, not silently dropped.
     assert "test clients left out: 1, with no train rows" in done.stdout
-    failed = subprocess.run([sys.executable, script, "--dataset=emnist", f"--source={tmp_path}",
+    failed = forkserver.run([sys.executable, script, "--dataset=emnist", f"--source={tmp_path}",
                              f"--out={tmp_path / 'x'}"], capture_output=True, text=True,
                             timeout=60)
     assert failed.returncode == 2

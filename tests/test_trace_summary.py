@@ -1,7 +1,6 @@
 """launch/trace_summary.py on traces that JAX's own profiler wrote, and benchmark.py's
 --profile_dir through the compiled round."""
 
-import subprocess
 import sys
 
 import jax
@@ -10,6 +9,7 @@ import pytest
 from absl import flags
 
 from launch import benchmark, trace_summary
+from tests import forkserver
 
 
 def test_busy_time_is_the_union_of_the_intervals():
@@ -220,7 +220,7 @@ def test_benchmark_profiles_the_compiled_round(tmp_path):
 
 
 def test_profile_dir_without_nowarmup_fails_in_one_line():
-    done = subprocess.run([sys.executable, "launch/benchmark.py", "--models=emnist_cnn",
+    done = forkserver.run([sys.executable, "launch/benchmark.py", "--models=emnist_cnn",
                            "--profile_dir=/tmp/x"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert done.stderr.strip() == ("error: --profile_dir=/tmp/x: expected --nowarmup as well; "

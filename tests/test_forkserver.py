@@ -1,0 +1,91 @@
+"""The fork server's children behave as new interpreters do: each program runs both ways
+and the two are compared (tests/forkserver.py)."""
+
+import os
+import signal
+import sys
+
+import pytest
+
+from tests import forkserver
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = """
+import atexit, os, sys, threading, time
+print(__name__, __file__ if '__file__' in globals() else None, sys.argv, sys.path[0])
+print(os.getcwd(), oct(os.umask(0o022)), os.environ.get('XLA_FLAGS'))
+print(sys.stdin.read().upper())
+atexit.register(lambda: print('exit handlers run', flush=True))
+def late():
+    time.sleep(0.2)
+    print('a thread still running is waited for', flush=True)
+threading.Thread(target=late).start()
+print('to stderr', file=sys.stderr)
+"""
+
+ENDINGS = {
+    "status": "raise SystemExit(3)",
+    "exception": "import json\njson.loads('{')",
+    "ctrl-c": "raise KeyboardInterrupt",
+    "killed": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
+    "exit-code-text": "import sys\nsys.exit('stopped: reason')",
+}
+
+
+def both(args, **kwargs):
+    """The fresh interpreter's and the forked child's ``CompletedProcess``."""
+    return [forkserver.run(args, capture_output=True, text=True, timeout=120, fresh=fresh,
+                           **kwargs) for fresh in (True, False)]
+
+
+def test_a_forked_script_sees_and_does_what_a_new_interpreter_does(tmp_path):
+    script = tmp_path / "program.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, XLA_FLAGS="--xla_dump_to=nowhere")
+    old = os.umask(0o027)
+    try:
+        fresh, forked = both([sys.executable, str(script), "a b", "--flag"], cwd=tmp_path,
+                             env=env, input="some input\r\n")
+    finally:
+        os.umask(old)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (
+        fresh.returncode, fresh.stdout, fresh.stderr)
+    assert fresh.stdout.splitlines() == [
+        f"__main__ {script} ['{script}', 'a b', '--flag'] {tmp_path}",
+        f"{tmp_path} 0o27 --xla_dump_to=nowhere", "SOME INPUT", "",
+        "a thread still running is waited for", "exit handlers run"]
+
+
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_a_forked_program_ends_with_a_new_interpreters_status(ending):
+    fresh, forked = both([sys.executable, "-c", ENDINGS[ending]], cwd=ROOT)
+    assert forked.returncode == fresh.returncode
+    assert forked.stderr.splitlines()[-1:] == fresh.stderr.splitlines()[-1:]
+    assert fresh.returncode == {"status": 3, "exception": 1, "ctrl-c": -signal.SIGINT,
+                                "killed": -signal.SIGKILL, "exit-code-text": 1}[ending]
+
+
+def test_children_are_forked_where_they_can_be_and_started_where_they_cannot():
+    """A forked child has no interpreter of its own to start: if the server stopped
+    serving, every launcher test would quietly take its old time again."""
+    if os.environ.get(forkserver.DISABLE) == "0":
+        pytest.skip(f"{forkserver.DISABLE}=0 starts every child fresh")
+    code = [sys.executable, "-c", "pass"]
+    assert isinstance(forkserver.Popen(code, cwd=ROOT), forkserver.ForkedProcess)
+    # JAX reads JAX_* at import: a child that sets one needs its own interpreter.
+    other = dict(os.environ, JAX_ENABLE_X64="1")
+    assert not isinstance(forkserver.Popen(code, cwd=ROOT, env=other),
+                          forkserver.ForkedProcess)
+    assert not isinstance(forkserver.Popen(code, cwd=ROOT, fresh=True),
+                          forkserver.ForkedProcess)
+
+
+def test_a_signal_reaches_the_forked_child_and_a_timeout_kills_it():
+    loop = [sys.executable, "-c", "import time\nprint('ready', flush=True)\ntime.sleep(60)"]
+    process = forkserver.Popen(loop, cwd=ROOT, stdout=forkserver.PIPE, text=True)
+    assert process.stdout.readline() == "ready\n"
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == -signal.SIGTERM
+    with pytest.raises(forkserver.subprocess.TimeoutExpired):
+        forkserver.run(loop, cwd=ROOT, capture_output=True, timeout=1)
