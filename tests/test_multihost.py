@@ -31,8 +31,7 @@ def free_port() -> int:
 
 def train(workdir, *args, devices_per_process: int = 1, flags=FLAGS, fault=None):
     """A ``launch/train.py`` process; with ``fault``, ``tests/crashing_train.py``'s."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
                + f" --xla_force_host_platform_device_count={devices_per_process}")
     script = ["tests/crashing_train.py", fault] if fault else ["launch/train.py"]
     return forkserver.Popen([sys.executable, *script, *flags, f"--workdir={workdir}", *args],
