@@ -74,27 +74,29 @@ if os.environ.get("FLOWJAX_TEST_XLA_O2") != "1":
 # Seconds of each test file's CI tests (``-m "not slow"``, pytest --durations=0: setup,
 # call and teardown, subprocesses included), measured in one fresh-clone run of the whole
 # suite with TEST_XLA_FLAGS on the 2-core machine (two workers; files under 4 s left out;
-# 2026-11-29, test_sharding and test_tff_loaders less the checks then moved to -m slow).
+# 2026-12-03, the launcher children forked by tests/forkserver.py).
 # CI runs two xdist workers with ``--dist loadfile``: each takes one file at a time, and
 # the heaviest files started last would leave one worker running alone at the end.
 # Remeasure a file when its tests change much; a file not listed runs last.
 FILE_SECONDS = {
-    "tests/test_resume.py": 176, "tests/test_conformance.py": 91, "tests/test_launch.py": 82,
-    "tests/test_validation.py": 79, "tests/test_routing.py": 72, "tests/test_conv_impl.py": 65,
-    "tests/test_experiment.py": 59, "tests/test_layers.py": 58, "tests/test_parity.py": 58,
-    "tests/test_flow_reference.py": 57, "tests/test_schema.py": 51, "tests/test_flow.py": 48,
-    "tests/test_models_large.py": 42, "tests/test_multihost.py": 42, "tests/test_ditto.py": 38,
-    "tests/test_fedrep.py": 38, "tests/test_mnist_family.py": 37, "tests/test_apfl.py": 35,
-    "tests/test_knn_per.py": 33, "tests/test_hypcluster.py": 33, "tests/test_metrics.py": 33,
-    "tests/test_lg_fedavg.py": 31, "tests/test_global_model.py": 31,
-    "tests/test_partialfed.py": 30, "tests/test_bucketing.py": 29,
-    "tests/test_flow_reference_resnet.py": 28, "tests/test_memory_plan.py": 28,
-    "tests/test_benchmark.py": 26, "tests/test_flow_reference_lstm.py": 25,
-    "tests/test_models.py": 22, "tests/test_plot.py": 21, "tests/test_tff_loaders.py": 19,
-    "tests/test_reproduce.py": 17, "tests/test_core.py": 15,
-    "tests/test_leaf_synthetic.py": 12, "tests/test_sharding.py": 10, "tests/test_local.py": 9,
-    "tests/test_convert_safety.py": 7, "tests/test_trace_summary.py": 6,
-    "tests/test_client_state_disk.py": 5, "tests/test_install.py": 5,
+    "tests/test_resume.py": 129, "tests/test_conformance.py": 76,
+    "tests/test_launch.py": 56, "tests/test_conv_impl.py": 50,
+    "tests/test_experiment.py": 50, "tests/test_parity.py": 45, "tests/test_layers.py": 44,
+    "tests/test_flow.py": 44, "tests/test_validation.py": 44,
+    "tests/test_flow_reference.py": 44, "tests/test_multihost.py": 42,
+    "tests/test_routing.py": 40, "tests/test_ditto.py": 32, "tests/test_benchmark.py": 31,
+    "tests/test_hypcluster.py": 29, "tests/test_knn_per.py": 29,
+    "tests/test_flow_reference_lstm.py": 29, "tests/test_memory_plan.py": 28,
+    "tests/test_models_large.py": 25, "tests/test_schema.py": 24,
+    "tests/test_flow_reference_resnet.py": 24, "tests/test_fedrep.py": 23,
+    "tests/test_apfl.py": 22, "tests/test_convert_safety.py": 21,
+    "tests/test_partialfed.py": 20, "tests/test_bucketing.py": 20,
+    "tests/test_global_model.py": 20, "tests/test_lg_fedavg.py": 18,
+    "tests/test_plot.py": 15, "tests/test_tff_loaders.py": 15, "tests/test_models.py": 14,
+    "tests/test_sharding.py": 14, "tests/test_core.py": 13, "tests/test_reproduce.py": 10,
+    "tests/test_trace_summary.py": 8, "tests/test_metrics.py": 8, "tests/test_local.py": 7,
+    "tests/test_mnist_family.py": 6, "tests/test_client_state_disk.py": 5,
+    "tests/test_forkserver.py": 5, "tests/test_tensorboard.py": 4,
 }
 
 
