@@ -22,7 +22,11 @@ What is switched off on both sides, and why: dropout (the CNN's 0.25/0.5 and the
 0.3). PyTorch and JAX draw different masks, so with dropout on no two runs agree even in
 distribution-free terms; everything else -- shared SGD momentum 0.9, frozen groups,
 even/odd batches, their regularizer, the global-only step, the joint evaluation phase and
-its snapshot -- runs as in their code. ``--zero_grad=both`` runs their optimizer under
+its snapshot -- runs as in their code. The EMNIST check then runs once more with dropout
+on: flowjax's masks are recorded as its programs draw them (``recorded_dropout_masks``)
+and their ``F.dropout`` multiplies by them instead of drawing its own
+(``_replayed_dropout``), so where the masks apply, with what scale, in which phases and
+how their gradient flows is compared too. ``--zero_grad=both`` runs their optimizer under
 PyTorch 2.x ``zero_grad()`` (frozen groups skipped; flowjax ``frozen_momentum=set_to_none``)
 and under ``zero_grad(set_to_none=False)`` (the pre-2.0 default their code was written for:
 frozen groups keep moving by momentum; flowjax ``frozen_momentum=zero_grad``).
@@ -148,7 +152,7 @@ def client_data(seed: int, train_examples: int, test_examples: int, num_classes:
 # ----------------------------------------------------------------------------- flowjax
 
 
-def _flowjax_algorithm(frozen_momentum: str, settings: dict):
+def _flowjax_algorithm(frozen_momentum: str, settings: dict, dropout: bool = False):
     import jax.numpy as jnp
     from flowjax.algorithms.base import SGDConfig
     from flowjax.algorithms.flow import FlowConfig, flow
@@ -156,14 +160,51 @@ def _flowjax_algorithm(frozen_momentum: str, settings: dict):
     from flowjax.models import get_model
 
     model = get_model("emnist_cnn", num_classes=settings["num_classes"])
-    # Dropout off (see the module docstring): the plain glue with train=False.
-    glue = model.glue_apply
-    model = dataclasses.replace(model, glue_apply=lambda j, h, train, key: glue(j, h, False, key))
+    if not dropout:  # off (module docstring): the plain glue with train=False
+        glue = model.glue_apply
+        model = dataclasses.replace(
+            model, glue_apply=lambda j, h, train, key: glue(j, h, False, key))
     options = {**reference_options("emnist_cnn"), "frozen_momentum": frozen_momentum}
     sgd = SGDConfig(learning_rate=settings["learning_rate"], epochs=settings["epochs"],
                     batch_size=settings["batch_size"], momentum=options.pop("momentum"))
-    config = FlowConfig(sgd=sgd, gamma=settings["gamma"], policy_dropout=0.0, **options)
+    off = {} if dropout else {"policy_dropout": 0.0}  # on: the exits' 0.3, theirs too
+    config = FlowConfig(sgd=sgd, gamma=settings["gamma"], **off, **options)
     return flow(model, config, jnp.zeros((2, 28, 28), jnp.float32))
+
+
+@contextlib.contextmanager
+def recorded_dropout_masks():
+    """Collects every mask ``jax.random.bernoulli`` draws in the programs traced inside
+    (flowjax's dropout and flax's ``nn.Dropout`` both draw theirs with it): a list of
+    ``(keep probability, bool mask)`` in the order the programs draw them when they run
+    (ordered callbacks), which is the order of the steps."""
+    import jax
+    masks = []
+    draw = jax.random.bernoulli
+
+    def recording(key, p=0.5, shape=None, *args, **kwargs):
+        mask = draw(key, p, shape, *args, **kwargs)
+        keep = float(p)  # a Python number in both callers: fixed per call site
+        jax.debug.callback(lambda m: masks.append((keep, np.asarray(m))), mask, ordered=True)
+        return mask
+
+    jax.random.bernoulli = recording
+    try:
+        yield masks
+    finally:
+        jax.random.bernoulli = draw
+
+
+def masks_digest(masks: dict[str, list]) -> str:
+    """SHA-256 of the recorded masks (keep probabilities, shapes, bits), phase by phase:
+    the fixture's record of the masks their code was fed."""
+    import hashlib
+    digest = hashlib.sha256()
+    for phase in sorted(masks):
+        for keep, mask in masks[phase]:
+            digest.update(f"{phase}:{keep!r}:{mask.shape}:".encode())
+            digest.update(np.packbits(mask.astype(bool)).tobytes())
+    return digest.hexdigest()
 
 
 def _examples(x: np.ndarray, y: np.ndarray, batch_size: int):
@@ -205,25 +246,39 @@ def to_torch_layout(params: dict) -> dict[str, np.ndarray]:
     return state
 
 
-def flowjax_side(frozen_momentum: str, settings: dict = SETTINGS) -> dict[str, Any]:
+def flowjax_side(frozen_momentum: str, settings: dict = SETTINGS,
+                 dropout: bool = False) -> dict[str, Any]:
     """Initial weights, weights after one client update, and the reference evaluation's
-    logits and metrics, all in the authors' layouts (numpy); no PyTorch needed."""
+    logits and metrics, all in the authors' layouts (numpy); no PyTorch needed. With
+    ``dropout``, the CNN's and the policy's dropout are on, and ``dropout_masks`` holds
+    the masks drawn, per phase, for the PyTorch side to replay."""
     import jax
     import jax.numpy as jnp
 
-    algorithm = _flowjax_algorithm(frozen_momentum, settings)
+    algorithm = _flowjax_algorithm(frozen_momentum, settings, dropout)
     data = client_data(**settings)
     params = algorithm.init(jax.random.key(settings["seed"]))
     train = _examples(data["train_x"], data["train_y"], settings["batch_size"])
-    key = jax.random.key(settings["seed"] + 1)  # unused by the shard halves without dropout
-    result = jax.jit(algorithm.client_update)(params, train, key)
-    personal = jax.jit(algorithm.personalize)(params, train, key)
-    predictions = jax.jit(algorithm.predict)(params, personal, jnp.asarray(data["test_x"]))
+    # Drawn from by dropout only (the shard halves are fixed).
+    key = jax.random.key(settings["seed"] + 1)
+    masks = {}
+    with recorded_dropout_masks() as masks["train"]:
+        result = jax.jit(algorithm.client_update)(params, train, key)
+        jax.effects_barrier()
+    with recorded_dropout_masks() as masks["evaluation"]:
+        personal = jax.jit(algorithm.personalize)(params, train, key)
+        predictions = jax.jit(algorithm.predict)(params, personal, jnp.asarray(data["test_x"]))
+        jax.effects_barrier()
     snapshot = np.asarray(predictions.global_snapshot)
     personal_logits = np.asarray(predictions.personal_hard)
-    return dict(initial=to_torch_layout(params), updated=to_torch_layout(result.params),
+    side = dict(initial=to_torch_layout(params), updated=to_torch_layout(result.params),
                 eval_snapshot_logits=snapshot, eval_personal_logits=personal_logits,
                 metrics=_metrics(snapshot, personal_logits, data["test_y"]))
+    if dropout:
+        side["dropout_masks"] = masks
+    elif any(masks.values()):
+        raise AssertionError("flowjax drew dropout masks with dropout off")
+    return side
 
 
 def _metrics(before_logits: np.ndarray, after_logits: np.ndarray, y: np.ndarray,
@@ -642,15 +697,57 @@ def _zero_grad(mode: str):
         torch.optim.Optimizer.zero_grad = original
 
 
-def _their_net(trainer, state: dict[str, np.ndarray]):
+def _their_net(trainer, state: dict[str, np.ndarray], dropout: bool = False):
     import torch
     net = trainer.EMNISTNet()
     net.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()},
                         strict=True)
-    for module in net.modules():  # dropout off on both sides (module docstring)
-        if isinstance(module, torch.nn.Dropout):
+    for module in net.modules():
+        if isinstance(module, torch.nn.Dropout) and not dropout:  # off (module docstring)
             module.p = 0.0
     return net
+
+
+@contextlib.contextmanager
+def _replayed_dropout(masks: list[tuple[float, np.ndarray]]):
+    """Their ``F.dropout`` (every ``nn.Dropout`` calls it) multiplies by flowjax's masks
+    instead of drawing its own, as PyTorch does with its own (``input * mask / (1 - p)``):
+    each call takes the next recorded mask of its keep probability and feature shape
+    (NHWC masks as their NCHW), its first rows for a batch shorter than flowjax's padded
+    one. A call with no mask left, or a mask never taken, fails the run."""
+    import collections
+
+    import torch
+    import torch.nn.functional as F
+
+    queues = collections.defaultdict(collections.deque)
+    for keep, mask in masks:
+        mask = mask.transpose(0, 3, 1, 2) if mask.ndim == 4 else mask
+        queues[(round(keep, 9), mask.shape[1:])].append(mask)
+    original = F.dropout
+
+    def replayed(input, p=0.5, training=True, inplace=False):
+        if not training or p == 0.0:
+            return input
+        queue = queues[(round(1.0 - p, 9), tuple(input.shape[1:]))]
+        if not queue:
+            raise AssertionError(f"their code drew a dropout mask (p={p}, input "
+                                 f"{tuple(input.shape)}) that flowjax did not")
+        mask = queue.popleft()
+        if mask.shape[0] < input.shape[0]:
+            raise AssertionError(f"flowjax's mask {mask.shape} has fewer rows than their "
+                                 f"batch {tuple(input.shape)}")
+        noise = torch.from_numpy(mask[:input.shape[0]].astype(np.float32)).div_(1.0 - p)
+        return input * noise
+
+    F.dropout = replayed
+    try:
+        yield
+    finally:
+        F.dropout = original
+    left = sum(len(queue) for queue in queues.values())
+    if left:
+        raise AssertionError(f"{left} of flowjax's dropout masks were never drawn by their code")
 
 
 def _their_evaluation(net, evaluate, layout=None) -> tuple[tuple, np.ndarray, np.ndarray]:
@@ -699,14 +796,19 @@ def torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
     train = _BatchedDataset(data["train_x"], data["train_y"], settings["batch_size"])
     test = _BatchedDataset(data["test_x"], data["test_y"], 100)
 
+    masks = ours.get("dropout_masks")
+    replay = (lambda phase: _replayed_dropout(masks[phase])) if masks else (
+        lambda phase: contextlib.nullcontext())
     with _zero_grad(mode):
-        net = _their_net(trainer, initial)
-        trainer.emnist_train(net, train, test)
+        net = _their_net(trainer, initial, dropout=masks is not None)
+        with replay("train"):
+            trainer.emnist_train(net, train, test)
         updated = {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
 
-        figures, snapshot, personal = _their_evaluation(
-            _their_net(trainer, initial),
-            lambda net: trainer.emnist_generalized_test(net, train, test))
+        with replay("evaluation"):
+            figures, snapshot, personal = _their_evaluation(
+                _their_net(trainer, initial, dropout=masks is not None),
+                lambda net: trainer.emnist_generalized_test(net, train, test))
     return dict(updated=updated, eval_snapshot_logits=snapshot, eval_personal_logits=personal,
                 metrics=_reported_metrics(figures))
 
@@ -868,6 +970,10 @@ class Check:
     fixture: str
     flowjax_side: Any
     torch_side: Any
+    # Also run with dropout on, their dropout fed flowjax's masks (``flowjax_side`` takes
+    # ``dropout=True``); their LSTMs call ``F.dropout`` on in evaluation too, and CIFAR's
+    # network has none.
+    dropout: bool = False
 
 
 def _lstm_check(title: str, settings: dict, fixture: str) -> Check:
@@ -885,7 +991,7 @@ def _cifar_check(settings: dict) -> Check:
 
 
 CHECKS = {
-    "emnist": Check("EMNIST CNN", SETTINGS, FIXTURE, flowjax_side, torch_side),
+    "emnist": Check("EMNIST CNN", SETTINGS, FIXTURE, flowjax_side, torch_side, dropout=True),
     "cifar": _cifar_check(CIFAR_SETTINGS),
     "shakespeare": _lstm_check("Shakespeare LSTM", SHAKESPEARE_SETTINGS, SHAKESPEARE_FIXTURE),
     "stackoverflow": _lstm_check("Stack Overflow LSTM", STACKOVERFLOW_SETTINGS,
@@ -902,21 +1008,11 @@ def run_check(check: Check, reference_dir: str, modes: tuple[str, ...], torch_ve
     runs = {}
     print(f"{check.title}, one Flow client update + reference evaluation "
           f"(torch {torch_version}, {check.settings.get('dtype', 'float32')}, dropout off on "
-          f"both sides)")
+          f"both sides{', then on' if check.dropout else ''})")
     for mode in modes:
         ours = check.flowjax_side(mode)
         theirs = check.torch_side(reference_dir, ours, mode)
-        diffs = compare(ours, theirs)
-        worst = max(worst, diffs["params"], diffs["snapshot_logits"], diffs["personal_logits"],
-                    diffs["metrics"])
-        torch_call = "zero_grad()" if mode == "set_to_none" else "zero_grad(set_to_none=False)"
-        print(f"  their optimizer.{torch_call:<30} flowjax frozen_momentum={mode}")
-        print(f"    max abs diff, every parameter after the update: {diffs['params']:.3e}"
-              f"  (largest move from the init: {diffs['params_moved']:.3e})")
-        print(f"    max abs diff, evaluation snapshot (Acc_g) logits: {diffs['snapshot_logits']:.3e}")
-        print(f"    max abs diff, evaluation routed (Acc_p) logits:   {diffs['personal_logits']:.3e}")
-        print(f"    max abs diff, evaluation metrics:                 {diffs['metrics']:.3e}"
-              f"  (theirs: {theirs['metrics']})")
+        worst = max(worst, _print_diffs(mode, ours, theirs))
         fixture["modes"][mode] = fixture_entry(theirs)
         if "train_passes" in ours:  # the batches both sides trained on
             fixture["modes"][mode]["passes"] = _passes_json(ours)
@@ -925,7 +1021,43 @@ def run_check(check: Check, reference_dir: str, modes: tuple[str, ...], torch_ve
         control = compare(runs["set_to_none"][0], runs["zero_grad"][1])
         print(f"  control, flowjax set_to_none vs their set_to_none=False: max abs diff "
               f"{control['params']:.3e} (parameters), {control['personal_logits']:.3e} (logits)")
+    if check.dropout:
+        print("  dropout on on both sides (the CNN's 0.25 and 0.5, the policy exits' 0.3), "
+              "their dropout multiplying by the masks flowjax drew")
+        fixture["dropout"] = dict(modes={})
+        for mode in modes:
+            ours = check.flowjax_side(mode, dropout=True)
+            theirs = check.torch_side(reference_dir, ours, mode)
+            worst = max(worst, _print_diffs(mode, ours, theirs))
+            digest = masks_digest(ours["dropout_masks"])
+            if fixture["dropout"].setdefault("masks_sha256", digest) != digest:
+                raise AssertionError("flowjax drew other dropout masks under another mode")
+            fixture["dropout"]["modes"][mode] = fixture_entry(theirs)
+            counts = {phase: len(m) for phase, m in ours["dropout_masks"].items()}
+            dropped = np.mean([1 - m.mean() for _, m in ours["dropout_masks"]["train"]])
+            print(f"    masks drawn and replayed: {counts} (mean share dropped in "
+                  f"training {dropped:.3f})")
+            no_dropout = runs.get(mode, (None,))[0]
+            if no_dropout is not None:  # dropout moves the update far beyond the target
+                control = compare(no_dropout, theirs)
+                print(f"    control, flowjax without dropout vs theirs with it: max abs diff "
+                      f"{control['params']:.3e} (parameters)")
     return worst, fixture
+
+
+def _print_diffs(mode: str, ours: dict[str, Any], theirs: dict[str, Any]) -> float:
+    """Prints one comparison's figures; returns its worst max abs diff."""
+    diffs = compare(ours, theirs)
+    torch_call = "zero_grad()" if mode == "set_to_none" else "zero_grad(set_to_none=False)"
+    print(f"  their optimizer.{torch_call:<30} flowjax frozen_momentum={mode}")
+    print(f"    max abs diff, every parameter after the update: {diffs['params']:.3e}"
+          f"  (largest move from the init: {diffs['params_moved']:.3e})")
+    print(f"    max abs diff, evaluation snapshot (Acc_g) logits: {diffs['snapshot_logits']:.3e}")
+    print(f"    max abs diff, evaluation routed (Acc_p) logits:   {diffs['personal_logits']:.3e}")
+    print(f"    max abs diff, evaluation metrics:                 {diffs['metrics']:.3e}"
+          f"  (theirs: {theirs['metrics']})")
+    return max(diffs["params"], diffs["snapshot_logits"], diffs["personal_logits"],
+               diffs["metrics"])
 
 
 def _passes_json(ours: dict[str, Any]) -> dict[str, list]:

@@ -10,7 +10,9 @@ squares and values at evenly spaced flat indices, plus the evaluation's metrics.
 recomputes flowjax's reference mode from the same initial weights and minibatches, without
 PyTorch, and checks each sampled value to the script's 1e-4 target, the sums to what that
 target allows (``|sum a - sum b| <= 1e-4 * size``) and the metrics exactly. CIFAR's and
-Shakespeare's recomputations are marked slow (``SLOW_MODELS``).
+Shakespeare's recomputations are marked slow (``SLOW_MODELS``). The EMNIST fixture also
+holds a run with dropout on, their dropout fed the masks flowjax drew (their digest in the
+fixture): flowjax must draw the same masks again and reach the same figures.
 """
 
 import json
@@ -42,6 +44,8 @@ def _check(ours: np.ndarray, theirs: dict, name: str, tolerance: float) -> None:
 def test_fixture_was_written_for_the_settings_the_script_uses(model):
     assert FIXTURES[model]["settings"] == parity.CHECKS[model].settings
     assert set(FIXTURES[model]["modes"]) == set(parity.ZERO_GRAD_MODES)
+    if parity.CHECKS[model].dropout:
+        assert set(FIXTURES[model]["dropout"]["modes"]) == set(parity.ZERO_GRAD_MODES)
 
 
 # Their resnet18 in float64 takes about 100 s of the child's 200 alone (2-core AMD EPYC,
@@ -55,16 +59,28 @@ MODELS = [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_MODELS else
 _CHILD = """
 import pickle, sys
 from launch import parity
+
+def side(name, mode):
+    check = parity.CHECKS[name]
+    if not mode.startswith("dropout-"):
+        return check.flowjax_side(mode)
+    found = check.flowjax_side(mode.removeprefix("dropout-"), dropout=True)
+    found["masks_sha256"] = parity.masks_digest(found.pop("dropout_masks"))
+    return found
+
+sides = {}
+for spec in sys.argv[2:]:
+    name, mode = spec.split(":")
+    sides.setdefault(name, {})[mode] = side(name, mode)
 with open(sys.argv[1], "wb") as f:
-    pickle.dump({name: {mode: parity.CHECKS[name].flowjax_side(mode)
-                        for mode in parity.ZERO_GRAD_MODES} for name in sys.argv[2:]}, f)
+    pickle.dump(sides, f)
 """
 
 
-def _flowjax_sides_in_a_child(out: str, models: list[str]) -> dict:
-    """The flowjax side of ``models``' checks for every mode, in one fresh process (one
-    start and its shared compilations instead of one per mode) without the launchers'
-    XLA tuning.
+def _flowjax_sides_in_a_child(out: str, runs: list[tuple[str, str]]) -> dict:
+    """The flowjax side of each ``(model, mode)`` (a mode ``dropout-<mode>`` runs with
+    dropout on), in one fresh process (one start and its shared compilations instead of
+    one per mode) without the launchers' XLA tuning.
 
     The parity figures hold for XLA's default CPU matmuls, as ``launch/parity.py`` runs.
     Importing any launcher sets ``xla_env.CPU_FLAGS`` (YNNPACK dots) for the whole test
@@ -81,21 +97,26 @@ def _flowjax_sides_in_a_child(out: str, models: list[str]) -> dict:
     """
     # One child for the selection: with CIFAR in it (-m slow, or -m ""), all as a default
     # build, which the other figures meet too.
-    env = default_xla_env() if "cifar" in models else untuned_xla_env()
-    forkserver.run([sys.executable, "-c", _CHILD, out, *models], env=env,
-                   check=True, cwd=parity.ROOT)
+    cifar = any(model == "cifar" for model, _ in runs)
+    env = default_xla_env() if cifar else untuned_xla_env()
+    forkserver.run([sys.executable, "-c", _CHILD, out, *(f"{m}:{mode}" for m, mode in runs)],
+                   env=env, check=True, cwd=parity.ROOT)
     with open(out, "rb") as f:
         return pickle.load(f)
 
 
 @pytest.fixture(scope="module")
 def flowjax_sides(request, tmp_path_factory):
-    """The sides of the models whose tests this session selected (``-m`` deselects before
-    fixtures run), so a default run never computes a slow model's."""
-    models = sorted({item.callspec.params["model"] for item in request.session.items
-                     if item.module is request.module and "flowjax_sides" in item.fixturenames})
+    """The sides of the models and modes whose tests this session selected (``-m``
+    deselects before fixtures run), so a default run never computes a slow one's."""
+    def run(item):
+        model, mode = item.callspec.params["model"], item.callspec.params["mode"]
+        return model, f"dropout-{mode}" if "dropout" in item.originalname else mode
+
+    runs = sorted({run(item) for item in request.session.items
+                   if item.module is request.module and "flowjax_sides" in item.fixturenames})
     return _flowjax_sides_in_a_child(str(tmp_path_factory.mktemp("parity") / "ours.pkl"),
-                                     models)
+                                     runs)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -103,9 +124,38 @@ def flowjax_sides(request, tmp_path_factory):
 def test_flowjax_reference_mode_matches_the_authors_client_update(model, mode, flowjax_sides):
     ours = flowjax_sides[model][mode]
     theirs = FIXTURES[model]["modes"][mode]
-    tolerance = FIXTURES[model]["tolerance"]
     if "passes" in theirs:  # their loop was fed flowjax's batches: still the same ones?
         assert parity._passes_json(ours) == theirs["passes"]
+    _assert_matches(ours, theirs, FIXTURES[model]["tolerance"])
+
+
+DROPOUT_MODELS = [name for name in sorted(parity.CHECKS) if parity.CHECKS[name].dropout]
+
+
+# CI checks dropout under PyTorch 2.x's rule (7 s of the child); the pre-2.0 rule, whose
+# dropout-off rows CI checks above, with -m slow.
+@pytest.mark.parametrize("model", DROPOUT_MODELS)
+@pytest.mark.parametrize("mode", [
+    mode if mode == "set_to_none" else pytest.param(mode, marks=pytest.mark.slow)
+    for mode in parity.ZERO_GRAD_MODES])
+def test_with_dropout_on_the_authors_code_fed_flowjaxs_masks_matches(model, mode,
+                                                                    flowjax_sides):
+    """Dropout on (the CNN's and the policy exits'): their ``F.dropout`` multiplied by the
+    masks flowjax drew, whose digest the fixture holds; flowjax's run must still draw
+    those very masks and reach their figures."""
+    ours = flowjax_sides[model][f"dropout-{mode}"]
+    fixture = FIXTURES[model]["dropout"]
+    assert ours["masks_sha256"] == fixture["masks_sha256"]
+    _assert_matches(ours, fixture["modes"][mode], FIXTURES[model]["tolerance"])
+    # Dropout changed the update: the check without it would not pass here.
+    gap = max(np.max(np.abs(np.subtract(
+        fixture["modes"][mode]["tensors"][name]["values"],
+        FIXTURES[model]["modes"][mode]["tensors"][name]["values"])))
+        for name in fixture["modes"][mode]["tensors"])
+    assert gap > 100 * FIXTURES[model]["tolerance"]
+
+
+def _assert_matches(ours: dict, theirs: dict, tolerance: float) -> None:
     assert set(ours["updated"]) == set(theirs["tensors"])
     for name, summary in theirs["tensors"].items():
         _check(ours["updated"][name], summary, name, tolerance)
