@@ -71,13 +71,16 @@ class _Server:
         atexit.register(self.close)
 
     def ready(self, timeout: float = 120.0) -> bool:
-        """Whether the server listens (it has imported ``PRELOAD``); False if it refused."""
+        """Whether the server listens (it has imported ``PRELOAD``); False if it refused,
+        did not start in time or has ended."""
         deadline = time.monotonic() + timeout
         while not os.path.exists(self.path):
             if self.process.poll() is not None or time.monotonic() > deadline:
-                return False
+                self.process.kill()  # no second wait for a server that will not serve
+                self.process.wait()
+                break
             time.sleep(0.02)
-        return True
+        return self.process.poll() is None
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -335,8 +338,12 @@ def _serve(path: str) -> dict[str, Any] | None:
                 if key.fileobj is not listener:
                     return None  # stdin closed: the test process is gone
                 connection, _ = listener.accept()
-                header, fds, _, _ = socket.recv_fds(connection, _HEADER.size, 3)
-                request = _receive(connection, _HEADER.unpack(header)[0])
+                try:
+                    header, fds, _, _ = socket.recv_fds(connection, _HEADER.size, 3)
+                    request = _receive(connection, _HEADER.unpack(header)[0])
+                except (OSError, RuntimeError, ValueError, struct.error):
+                    connection.close()  # a client gone mid-request; serve the next
+                    continue
                 if os.fork() == 0:
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                     selector.close()
