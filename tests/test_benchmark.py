@@ -111,9 +111,13 @@ def test_planned_mapping_is_the_cost_models_choice_under_the_memory_cap(skewed_f
     from flowjax.memory_plan import chunk_for_sizes, plan_chunk_size
     task, algorithm = skewed_fedavg
     padded = -(-int(np.max(task.train.num_examples("train"))) // 4) * 4
-    for budget in (2**22, 2**30):
+    # A budget under which the cap binds (the round's plan holds 7.2 MiB for the whole
+    # cohort and 0.4 MiB per chunk client: 28e02c4 planned the whole round, and 4 MiB, the
+    # budget before it, no longer fits one client) and one under which it does not.
+    for budget, capped in ((10 * 2**20, True), (2**30, False)):
         plan = plan_chunk_size(algorithm, task.train.example_spec, padded_examples=padded,
                                batch_size=4, device_bytes=budget, cohort_clients=12)
+        assert (plan.clients_per_chunk < 12) == capped, plan.describe()
         mapping = benchmark.planned_mapping(algorithm, task, 4, budget)
         assert mapping.strategy == "chunked"
         assert mapping.chunk_size == chunk_for_sizes(benchmark.client_steps(task, 4),
