@@ -188,21 +188,13 @@ class ForkedProcess:
         while b"\n" not in self._status:
             try:
                 chunk = self._socket.recv(64)
-            except (socket.timeout, BlockingIOError):
+            except (socket.timeout, BlockingIOError):  # BlockingIOError: timeout 0
                 raise subprocess.TimeoutExpired(self.args, timeout) from None
             if not chunk:
                 raise RuntimeError(f"the fork server lost child {self.args}")
             self._status += chunk
         line, self._status = self._status.split(b"\n", 1)
         return line
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                self.wait(timeout=0)
-            except subprocess.TimeoutExpired:
-                pass
-        return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
@@ -217,9 +209,6 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
     def communicate(self, input=None, timeout: float | None = None):
         """``subprocess.Popen.communicate``: writes ``input``, reads both pipes to their
