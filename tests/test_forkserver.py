@@ -81,6 +81,22 @@ def test_children_are_forked_where_they_can_be_and_started_where_they_cannot():
                           forkserver.ForkedProcess)
 
 
+def test_xla_reads_the_flags_of_the_childs_environment(tmp_path):
+    """XLA parses XLA_FLAGS when JAX starts its first backend, in the child, not at the
+    server's imports: a child given a default build's flags (``helpers.default_xla_env``)
+    compiles with them, not with the suite's."""
+    program = ("import jax, jax.numpy as jnp\n"
+               "print(jax.jit(lambda x: x * 3)(jnp.ones(3)).tolist())")
+    for fresh in (True, False):
+        dumps = tmp_path / f"fresh_{fresh}"
+        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
+                                         f"--xla_dump_to={dumps}")
+        done = forkserver.run([sys.executable, "-c", program], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120, fresh=fresh)
+        assert done.stdout == "[3.0, 3.0, 3.0]\n", done.stderr[-2000:]
+        assert any(name.endswith(".txt") for name in os.listdir(dumps)), fresh
+
+
 def test_a_signal_reaches_the_forked_child_and_a_timeout_kills_it():
     loop = [sys.executable, "-c", "import time\nprint('ready', flush=True)\ntime.sleep(60)"]
     process = forkserver.Popen(loop, cwd=ROOT, stdout=forkserver.PIPE, text=True)
