@@ -147,12 +147,6 @@ def test_with_dropout_on_the_authors_code_fed_flowjaxs_masks_matches(model, mode
     fixture = FIXTURES[model]["dropout"]
     assert ours["masks_sha256"] == fixture["masks_sha256"]
     _assert_matches(ours, fixture["modes"][mode], FIXTURES[model]["tolerance"])
-    # Dropout changed the update: the check without it would not pass here.
-    gap = max(np.max(np.abs(np.subtract(
-        fixture["modes"][mode]["tensors"][name]["values"],
-        FIXTURES[model]["modes"][mode]["tensors"][name]["values"])))
-        for name in fixture["modes"][mode]["tensors"])
-    assert gap > 100 * FIXTURES[model]["tolerance"]
 
 
 def _assert_matches(ours: dict, theirs: dict, tolerance: float) -> None:
@@ -166,11 +160,24 @@ def _assert_matches(ours: dict, theirs: dict, tolerance: float) -> None:
     assert ours["metrics"] == theirs["metrics"]
 
 
+def _largest_gap(a: dict, b: dict) -> float:
+    """The largest difference between two fixture entries' sampled tensor values."""
+    return max(np.max(np.abs(np.subtract(a["tensors"][k]["values"], b["tensors"][k]["values"])))
+               for k in a["tensors"])
+
+
 @pytest.mark.parametrize("model", sorted(parity.CHECKS))
 def test_the_fixture_tells_the_two_frozen_group_rules_apart(model):
     """The check can fail: the other rule's figures are far outside the tolerance."""
     fixture = FIXTURES[model]
-    a = fixture["modes"]["set_to_none"]["tensors"]
-    b = fixture["modes"]["zero_grad"]["tensors"]
-    gap = max(np.max(np.abs(np.subtract(a[k]["values"], b[k]["values"]))) for k in a)
-    assert gap > 100 * fixture["tolerance"]
+    assert _largest_gap(fixture["modes"]["set_to_none"], fixture["modes"]["zero_grad"]) > (
+        100 * fixture["tolerance"])
+
+
+@pytest.mark.parametrize("model", DROPOUT_MODELS)
+@pytest.mark.parametrize("mode", parity.ZERO_GRAD_MODES)
+def test_the_fixture_tells_dropout_on_from_off(model, mode):
+    """The dropout check can fail: their update without dropout is far from it with."""
+    fixture = FIXTURES[model]
+    assert _largest_gap(fixture["dropout"]["modes"][mode], fixture["modes"][mode]) > (
+        100 * fixture["tolerance"])
