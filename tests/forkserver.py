@@ -53,6 +53,12 @@ _HEADER = struct.Struct("!Q")
 
 PIPE, STDOUT, DEVNULL = subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL
 
+# The server's environment: the test process's at import (collection time, after
+# conftest.py set it up), not at the first request, which may come from a test that
+# patched a variable for itself: the server would then refuse every later, unpatched
+# request for the rest of the process.
+_ENVIRON_AT_IMPORT = dict(os.environ)
+
 
 # ----------------------------------------------------------------------------- client
 
@@ -63,7 +69,7 @@ class _Server:
     def __init__(self) -> None:
         self.folder = tempfile.mkdtemp(prefix="flowjax-forkserver-")
         self.path = os.path.join(self.folder, "socket")
-        self.environ = dict(os.environ)
+        self.environ = _ENVIRON_AT_IMPORT
         # stdin is the server's lifeline: it ends when this process closes the pipe.
         self.process = subprocess.Popen([sys.executable, os.path.abspath(__file__), self.path],
                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,

@@ -81,6 +81,25 @@ def test_children_are_forked_where_they_can_be_and_started_where_they_cannot():
                           forkserver.ForkedProcess)
 
 
+def test_a_variable_patched_at_the_first_request_does_not_stop_the_forking():
+    """The server keeps the environment the test process was imported under: a first
+    request from a test that set a variable of its own starts fresh, and the requests
+    after it are forked again (before, the server took the patched environment and
+    refused every later request of its process)."""
+    program = ("import os, sys\n"
+               "from tests import forkserver\n"
+               "code = [sys.executable, '-c', 'pass']\n"
+               "os.environ['FLOWJAX_SHARED_FS_WAIT_S'] = '1'  # as monkeypatch.setenv\n"
+               "patched = forkserver.Popen(code)\n"
+               "del os.environ['FLOWJAX_SHARED_FS_WAIT_S']\n"
+               "after = forkserver.Popen(code)\n"
+               "print(*(isinstance(p, forkserver.ForkedProcess) for p in (patched, after)))\n"
+               "print(patched.wait(), after.wait())\n")
+    done = forkserver.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, fresh=True)
+    assert done.stdout == "False True\n0 0\n", done.stderr[-2000:]
+
+
 def test_xla_reads_the_flags_of_the_childs_environment(tmp_path):
     """XLA parses XLA_FLAGS when JAX starts its first backend, in the child, not at the
     server's imports: a child given a default build's flags (``helpers.default_xla_env``)
