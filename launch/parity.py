@@ -22,8 +22,8 @@ What is switched off on both sides, and why: dropout (the CNN's 0.25/0.5 and the
 0.3). PyTorch and JAX draw different masks, so with dropout on no two runs agree even in
 distribution-free terms; everything else -- shared SGD momentum 0.9, frozen groups,
 even/odd batches, their regularizer, the global-only step, the joint evaluation phase and
-its snapshot -- runs as in their code. The EMNIST check then runs once more with dropout
-on: flowjax's masks are recorded as its programs draw them (``recorded_dropout_masks``)
+its snapshot -- runs as in their code. The EMNIST and LSTM checks then run once more
+with dropout on: flowjax's masks are recorded as its programs draw them (``recorded_dropout_masks``)
 and their ``F.dropout`` multiplies by them instead of drawing its own
 (``_replayed_dropout``), so where the masks apply, with what scale, in which phases and
 how their gradient flows is compared too. ``--zero_grad=both`` runs their optimizer under
@@ -40,8 +40,12 @@ The LSTMs (``--model=shakespeare``, ``--model=stackoverflow``): their ``Shakespe
 each on a synthetic client. Their loaders reshuffle on every pass; here each pass their
 loop asks for (``.shard(2, i)`` or every batch) is the next pass of flowjax's own plan for
 the client's key, checked to be of the same kind, so both sides see the same batches in
-the same order. Their policies' ``F.dropout`` is swapped for the identity in their model
-module's globals for the run.
+the same order. With dropout off, their policies' ``F.dropout`` (on even in evaluation)
+is swapped for the identity in their model module's globals; with it on, it takes
+flowjax's masks in training and in evaluation (flowjax's evaluation routes hard and soft
+with one key, so draws each mask twice: checked equal, their hard routing takes one). The
+test their ``*_train`` runs at its end for its log changes no weight and has no flowjax
+counterpart: it runs with their policies' dropout off.
 
 The CIFAR ResNet (``--model=cifar``): their ``resnet18`` (``models/cifar100_resnet_dynamic_v4.py``)
 with ``cifar10_train`` / ``cifar10_generalized_test`` against flowjax's reference mode for
@@ -120,11 +124,13 @@ _THEIR_STATE_POLICY = {"dense0": "lstm_linear_1", "dense1": "lstm_linear_2",
 THEIR_LSTM = {
     "shakespeare_lstm": dict(
         net="ShakespeareNet", embedding="embeddings", train="shakespeare_train",
+        test="shakespeare_test",
         evaluate="shakespeare_generalized_test", total_clients=715,
         layers={"lstm1": "{}_lstm_1", "lstm2": "{}_lstm_2", "dense": "{}_fc"},
         policy={"states": _THEIR_STATE_POLICY}),
     "stackoverflow_lstm": dict(
         net="StackoverflowNWPNet", embedding="embedding", train="stackoverflow_nwp_train",
+        test="stackoverflow_nwp_test",
         evaluate="stackoverflow_nwp_generalized_test", total_clients=195303,
         layers={"lstm": "{}_lstm", "dense1": "{}_linear_1", "dense2": "{}_linear_2"},
         policy={"states": _THEIR_STATE_POLICY,
@@ -316,7 +322,7 @@ def token_client_data(seed: int, train_examples: int, test_examples: int, vocab_
                 test_x=x[train_examples:], test_y=y[train_examples:])
 
 
-def _flowjax_lstm_algorithm(frozen_momentum: str, settings: dict):
+def _flowjax_lstm_algorithm(frozen_momentum: str, settings: dict, dropout: bool = False):
     import jax.numpy as jnp
     from flowjax.algorithms.base import SGDConfig
     from flowjax.algorithms.flow import FlowConfig, flow
@@ -329,9 +335,9 @@ def _flowjax_lstm_algorithm(frozen_momentum: str, settings: dict):
     model = get_model(settings["model"], **sizes)
     sgd = SGDConfig(learning_rate=settings["learning_rate"], epochs=settings["epochs"],
                     batch_size=settings["batch_size"])
-    # Policy dropout off (module docstring).
+    # Policy dropout off (module docstring); on: their 0.3, in evaluation too.
     config = FlowConfig(sgd=sgd, gamma=settings["gamma"], policy_hidden=(500, 250, 100, 50),
-                        policy_dropout=0.0, semantics="reference",
+                        policy_dropout=0.3 if dropout else 0.0, semantics="reference",
                         frozen_momentum=frozen_momentum)
     algorithm = flow(model, config, jnp.zeros((2, settings["sequence_length"]), jnp.int32))
     return algorithm, model
@@ -385,24 +391,51 @@ def _planned_passes(plan: dict, order: list[tuple[str, str, int]]) -> list[tuple
     return passes
 
 
-def lstm_flowjax_side(frozen_momentum: str, settings: dict) -> dict[str, Any]:
+def _hard_routes_masks(masks: list[tuple[float, np.ndarray]]) -> list[tuple[float, np.ndarray]]:
+    """The masks of ``predict``'s hard routing, which their evaluation runs: ``predict``
+    routes hard and then soft with one key, so it draws every mask twice; the second
+    half must repeat the first."""
+    half = len(masks) // 2
+    repeated = len(masks) == 2 * half and all(
+        a[0] == b[0] and np.array_equal(a[1], b[1]) for a, b in zip(masks[:half], masks[half:]))
+    if not repeated:
+        raise AssertionError(f"flowjax's soft routing drew other masks than its hard routing "
+                             f"({len(masks)} masks in all)")
+    return masks[:half]
+
+
+def lstm_flowjax_side(frozen_momentum: str, settings: dict,
+                      dropout: bool = False) -> dict[str, Any]:
     """flowjax's reference LSTM: initial and updated weights (their layout, effective
     biases), the evaluation's logits and metrics, and the batches it trained on; no
-    PyTorch needed."""
+    PyTorch needed. With ``dropout``, the policies' dropout is on (their 0.3, on in
+    evaluation too) and ``dropout_masks`` holds the masks drawn, per phase, in the order
+    their code draws them."""
     import jax
     import jax.numpy as jnp
     from flowjax.algorithms import flow_reference_lstm as reference
 
-    algorithm, model = _flowjax_lstm_algorithm(frozen_momentum, settings)
+    algorithm, model = _flowjax_lstm_algorithm(frozen_momentum, settings, dropout)
     data = token_client_data(**settings)
     params = algorithm.init(jax.random.key(settings["seed"]))
     train = _examples(data["train_x"].astype(np.int32), data["train_y"].astype(np.int32),
                       settings["batch_size"])
     key = jax.random.key(settings["seed"] + 1)
-    result = jax.jit(algorithm.client_update)(params, train, key)
-    personal = jax.jit(algorithm.personalize)(params, train, key)
-    predictions = jax.jit(algorithm.predict)(params, personal,
-                                             jnp.asarray(data["test_x"].astype(np.int32)))
+    masks = {}
+    with recorded_dropout_masks() as masks["train"]:
+        result = jax.jit(algorithm.client_update)(params, train, key)
+        jax.effects_barrier()
+    with recorded_dropout_masks() as masks["evaluation"]:
+        personal = jax.jit(algorithm.personalize)(params, train, key)
+        jax.effects_barrier()
+    with recorded_dropout_masks() as routed:
+        predictions = jax.jit(algorithm.predict)(params, personal,
+                                                 jnp.asarray(data["test_x"].astype(np.int32)))
+        jax.effects_barrier()
+    if dropout:
+        masks["evaluation"] += _hard_routes_masks(routed)
+    elif masks["train"] or masks["evaluation"] or routed:
+        raise AssertionError("flowjax drew dropout masks with dropout off")
     snapshot = np.asarray(predictions.global_snapshot)
     personal_logits = np.asarray(predictions.personal_hard)
     valid = train.flat()[2]
@@ -420,13 +453,16 @@ def lstm_flowjax_side(frozen_momentum: str, settings: dict) -> dict[str, Any]:
     eval_order = ([("local", "all" if every else "shard0", e) for e in range(k1)]
                   + [("joint", "all" if every else "shard1", e) for e in range(k2)])
     layout = lambda p: lstm_to_torch_layout(p, model.name)  # noqa: E731
-    return dict(initial=lstm_effective(layout(params)), torch_state=layout(params),
+    side = dict(initial=lstm_effective(layout(params)), torch_state=layout(params),
                 updated=lstm_effective(layout(result.params)),
                 eval_snapshot_logits=snapshot, eval_personal_logits=personal_logits,
                 metrics=_metrics(snapshot, personal_logits, data["test_y"],
                                  real=data["test_y"] != 0),
                 train_passes=_planned_passes(train_plan, train_order),
                 eval_passes=_planned_passes(eval_plan, eval_order))
+    if dropout:
+        side["dropout_masks"] = masks
+    return side
 
 
 # ----------------------------------------------------------------------------- CIFAR ResNet
@@ -867,6 +903,24 @@ def _policy_dropout_off(net_class):
         namespace["F"] = functional
 
 
+@contextlib.contextmanager
+def _logged_test_without_dropout(trainer, test_name: str, net_class):
+    """Their ``*_train`` ends with their ``*_test`` on the test data, for their log only
+    (it changes no weight; flowjax's update has no such test): here it runs with their
+    policies' dropout off, so it takes none of the masks flowjax drew for the update."""
+    test = getattr(trainer, test_name)
+
+    def without_dropout(net, test_data):
+        with _policy_dropout_off(net_class):
+            return test(net, test_data)
+
+    setattr(trainer, test_name, without_dropout)
+    try:
+        yield
+    finally:
+        setattr(trainer, test_name, test)
+
+
 def _their_lstm_net(net_class, state: dict[str, np.ndarray], settings: dict):
     import torch
     if settings["model"] == "shakespeare_lstm":
@@ -893,18 +947,23 @@ def lstm_torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
     data = token_client_data(**settings)
     test = _Batches(data["test_x"], data["test_y"])
 
-    with _zero_grad(mode), _policy_dropout_off(net_class):
+    masks = ours.get("dropout_masks")
+    replay = (lambda phase: _replayed_dropout(masks[phase])) if masks else (
+        lambda phase: _policy_dropout_off(net_class))
+    with _zero_grad(mode):
         train = _ScriptedDataset(data["train_x"], data["train_y"], ours["train_passes"])
         net = _their_lstm_net(net_class, ours["torch_state"], settings)
-        getattr(trainer, names["train"])(net, train, test)
+        with replay("train"), _logged_test_without_dropout(trainer, names["test"], net_class):
+            getattr(trainer, names["train"])(net, train, test)
         assert train.exhausted(), "their loop left passes of flowjax's plan unread"
         updated = {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
 
         train = _ScriptedDataset(data["train_x"], data["train_y"], ours["eval_passes"])
         evaluate = getattr(trainer, names["evaluate"])
-        figures, snapshot, personal = _their_evaluation(  # [B, V, T] -> [B, T, V]
-            _their_lstm_net(net_class, ours["torch_state"], settings),
-            lambda net: evaluate(net, train, test), layout=lambda a: a.transpose(0, 2, 1))
+        with replay("evaluation"):
+            figures, snapshot, personal = _their_evaluation(  # [B, V, T] -> [B, T, V]
+                _their_lstm_net(net_class, ours["torch_state"], settings),
+                lambda net: evaluate(net, train, test), layout=lambda a: a.transpose(0, 2, 1))
         assert train.exhausted(), "their evaluation left passes of flowjax's plan unread"
     updated = lstm_effective(updated)
     assert set(ours["updated"]) <= set(updated), set(ours["updated"]) - set(updated)
@@ -970,17 +1029,18 @@ class Check:
     fixture: str
     flowjax_side: Any
     torch_side: Any
-    # Also run with dropout on, their dropout fed flowjax's masks (``flowjax_side`` takes
-    # ``dropout=True``); their LSTMs call ``F.dropout`` on in evaluation too, and CIFAR's
-    # network has none.
-    dropout: bool = False
+    # Which dropouts a second run turns on, their dropout fed flowjax's masks
+    # (``flowjax_side`` takes ``dropout=True``); empty: no such run (CIFAR's network has
+    # no dropout).
+    dropout: str = ""
 
 
 def _lstm_check(title: str, settings: dict, fixture: str) -> Check:
     return Check(title, settings, fixture,
-                 lambda mode: lstm_flowjax_side(mode, settings),
+                 lambda mode, dropout=False: lstm_flowjax_side(mode, settings, dropout),
                  lambda reference_dir, ours, mode: lstm_torch_side(reference_dir, ours, mode,
-                                                                   settings))
+                                                                   settings),
+                 dropout="the policies' 0.3, on in evaluation too")
 
 
 def _cifar_check(settings: dict) -> Check:
@@ -991,7 +1051,8 @@ def _cifar_check(settings: dict) -> Check:
 
 
 CHECKS = {
-    "emnist": Check("EMNIST CNN", SETTINGS, FIXTURE, flowjax_side, torch_side, dropout=True),
+    "emnist": Check("EMNIST CNN", SETTINGS, FIXTURE, flowjax_side, torch_side,
+                    dropout="the CNN's 0.25 and 0.5, the policy exits' 0.3"),
     "cifar": _cifar_check(CIFAR_SETTINGS),
     "shakespeare": _lstm_check("Shakespeare LSTM", SHAKESPEARE_SETTINGS, SHAKESPEARE_FIXTURE),
     "stackoverflow": _lstm_check("Stack Overflow LSTM", STACKOVERFLOW_SETTINGS,
@@ -1022,8 +1083,8 @@ def run_check(check: Check, reference_dir: str, modes: tuple[str, ...], torch_ve
         print(f"  control, flowjax set_to_none vs their set_to_none=False: max abs diff "
               f"{control['params']:.3e} (parameters), {control['personal_logits']:.3e} (logits)")
     if check.dropout:
-        print("  dropout on on both sides (the CNN's 0.25 and 0.5, the policy exits' 0.3), "
-              "their dropout multiplying by the masks flowjax drew")
+        print(f"  dropout on on both sides ({check.dropout}), their dropout multiplying by "
+              f"the masks flowjax drew")
         fixture["dropout"] = dict(modes={})
         for mode in modes:
             ours = check.flowjax_side(mode, dropout=True)
@@ -1040,7 +1101,8 @@ def run_check(check: Check, reference_dir: str, modes: tuple[str, ...], torch_ve
             if mode in runs:  # dropout moves the update far beyond the target
                 control = compare(runs[mode][0], theirs)
                 print(f"    control, flowjax without dropout vs theirs with it: max abs diff "
-                      f"{control['params']:.3e} (parameters)")
+                      f"{control['params']:.3e} (parameters), {control['personal_logits']:.3e} "
+                      f"(routed logits)")
     return worst, fixture
 
 
