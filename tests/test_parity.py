@@ -8,8 +8,9 @@
 ``*_generalized_test``, the sum, the sum of
 squares and values at evenly spaced flat indices, plus the evaluation's metrics. This test
 recomputes flowjax's reference mode from the same initial weights and minibatches, without
-PyTorch, and checks each sampled value to the script's 1e-4 target, the sums to what that
-target allows (``|sum a - sum b| <= 1e-4 * size``) and the metrics exactly. CIFAR's and
+PyTorch, and checks each sampled value to the script's target (1e-4; the LSTMs' 1e-5), the
+sums to what that target allows (``|sum a - sum b| <= target * size``) and the metrics
+exactly. CIFAR's and
 Shakespeare's recomputations are marked slow (``SLOW_MODELS``). The EMNIST and LSTM
 fixtures also hold a run with dropout on, their dropout fed the masks flowjax drew (their
 digest in the fixture): flowjax must draw the same masks again and reach the same figures.
@@ -162,11 +163,11 @@ def _assert_matches(ours: dict, theirs: dict, tolerance: float) -> None:
     assert ours["metrics"] == theirs["metrics"]
 
 
-def _largest_gap(a: dict, b: dict) -> float:
-    """The largest difference between two fixture entries' sampled values: of the tensors
-    and of the routed logits (where the LSTMs' evaluation dropout shows most)."""
-    pairs = [(a["tensors"][k], b["tensors"][k]) for k in a["tensors"]]
-    pairs.append((a["eval_personal_logits"], b["eval_personal_logits"]))
+def _largest_gap(a: dict, b: dict, part: str = "tensors") -> float:
+    """The largest difference between two fixture entries' sampled values of ``part``:
+    the tensors after the update, or ``eval_personal_logits``."""
+    pairs = ([(a[part], b[part])] if part != "tensors"
+             else [(a["tensors"][k], b["tensors"][k]) for k in a["tensors"]])
     return max(np.max(np.abs(np.subtract(x["values"], y["values"]))) for x, y in pairs)
 
 
@@ -181,7 +182,11 @@ def test_the_fixture_tells_the_two_frozen_group_rules_apart(model):
 @pytest.mark.parametrize("model", DROPOUT_NAMES)
 @pytest.mark.parametrize("mode", parity.ZERO_GRAD_MODES)
 def test_the_fixture_tells_dropout_on_from_off(model, mode):
-    """The dropout check can fail: their update without dropout is far from it with."""
+    """The dropout check can fail: their figures without dropout are outside the target of
+    those with it, the update's (the training's dropout) by 10x and the routed logits
+    (the evaluation's) by 100x. The LSTMs' policy dropout moves their update least:
+    1.4e-04 at the least, against their 1e-5 target."""
     fixture = FIXTURES[model]
-    assert _largest_gap(fixture["dropout"]["modes"][mode], fixture["modes"][mode]) > (
-        100 * fixture["tolerance"])
+    on, off = fixture["dropout"]["modes"][mode], fixture["modes"][mode]
+    assert _largest_gap(on, off) > 10 * fixture["tolerance"]
+    assert _largest_gap(on, off, "eval_personal_logits") > 100 * fixture["tolerance"]
