@@ -10,11 +10,15 @@ its own ``sys.argv``, ``sys.path[0]``, working directory, umask and standard str
 the interpreter's own exit (exit handlers, waiting for threads, the exit status of an
 uncaught exception or a signal).
 
-Only a child whose environment is the server's, but for ``RUNTIME_VARIABLES``, is forked:
-JAX reads its ``JAX_*`` settings at import, which in the server happened under the
-server's environment. Any other request (another environment, another interpreter or
-program, options not handled here, or ``FLOWJAX_TEST_FORKSERVER=0``) runs as a plain
-``subprocess`` child.
+Only a child whose environment is the server's, but for variables no preloaded library
+reads at import, is forked: JAX reads its ``JAX_*`` settings at import, which in the
+server happened under the server's environment. Those other variables are
+``RUNTIME_VARIABLES``, this project's own ``FLOWJAX_*`` (it is never preloaded), and
+those the preloaded imports set themselves (JAX sets ``TF_CPP_MIN_LOG_LEVEL``), which the
+test process gains when it imports JAX after this module: a child may carry the value
+the imports set, and gets it where its environment lacks it, as a fresh import would.
+Any other request (another environment, another interpreter or program, options not
+handled here, or ``FLOWJAX_TEST_FORKSERVER=0``) runs as a plain ``subprocess`` child.
 
 What a forked child shares with its siblings is the server's: string hash seed and the
 libraries' import-time state (``numpy``'s global generator is reseeded). A check that two
@@ -46,9 +50,11 @@ PRELOAD = ("numpy", "jax", "jax.numpy", "flax", "flax.linen", "optax", "orbax.ch
            "absl.logging", "tqdm", "msgpack")
 DISABLE = "FLOWJAX_TEST_FORKSERVER"
 # Read when a program runs, not when PRELOAD is imported: XLA parses its flags when JAX
-# starts its first backend, launch/xla_env.py reads the tuning switch, and pytest names
-# the running test in the environment its children inherit.
-RUNTIME_VARIABLES = frozenset({"XLA_FLAGS", "FLOWJAX_XLA_TUNING", "PYTEST_CURRENT_TEST"})
+# starts its first backend, and pytest names the running test in the environment its
+# children inherit. The test process itself gains the others from libraries it imports
+# that the server never does (tensorboardX's crc32c mode, torch's inductor cache).
+RUNTIME_VARIABLES = frozenset({"XLA_FLAGS", "PYTEST_CURRENT_TEST", "CRC32C_SW_MODE",
+                               "TORCHINDUCTOR_CACHE_DIR"})
 _HEADER = struct.Struct("!Q")
 
 PIPE, STDOUT, DEVNULL = subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL
@@ -70,6 +76,7 @@ class _Server:
         self.folder = tempfile.mkdtemp(prefix="flowjax-forkserver-")
         self.path = os.path.join(self.folder, "socket")
         self.environ = _ENVIRON_AT_IMPORT
+        self.set_by_imports: dict[str, str] | None = None
         # stdin is the server's lifeline: it ends when this process closes the pipe.
         self.process = subprocess.Popen([sys.executable, os.path.abspath(__file__), self.path],
                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
@@ -86,7 +93,12 @@ class _Server:
                 self.process.wait()
                 break
             time.sleep(0.02)
-        return self.process.poll() is None
+        if self.process.poll() is not None:
+            return False
+        if self.set_by_imports is None:  # written before the socket appeared
+            with open(self.path + ".environ") as file:
+                self.set_by_imports = json.load(file)
+        return True
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -130,14 +142,34 @@ def _forkable(args, cwd, env) -> bool:
     if "JAX_COMPILATION_CACHE_DIR" not in env:
         return False
     server = _running_server()
-    return server is not None and _imported_alike(env, server.environ)
+    return server is not None and not environment_differences(env, server)
 
 
-def _imported_alike(env: dict[str, str], server: dict[str, str]) -> bool:
-    """Whether ``env`` differs from the server's only in variables read after the
-    imports (``RUNTIME_VARIABLES``)."""
-    return ({k: v for k, v in env.items() if k not in RUNTIME_VARIABLES}
-            == {k: v for k, v in server.items() if k not in RUNTIME_VARIABLES})
+def environment_differences(env: dict[str, str], server: _Server) -> list[str]:
+    """The variables of ``env`` that would make a fresh interpreter import ``PRELOAD``
+    otherwise than the server did (module docstring): where its value is neither the
+    server's nor, for a variable the imports set, the value they set."""
+    def alike(name):
+        if name in RUNTIME_VARIABLES or name.startswith("FLOWJAX_"):
+            return True
+        imported = (server.set_by_imports[name],) if name in server.set_by_imports else ()
+        return env.get(name) in (server.environ.get(name), *imported)
+
+    return sorted(name for name in set(env) | set(server.environ) if not alike(name))
+
+
+def refusal(args, cwd=None, env=None) -> str | None:
+    """Why ``args`` would start a fresh interpreter rather than a forked child (None: it
+    would be forked), for a test's message."""
+    if _forkable(args, cwd, env):
+        return None
+    server = _running_server()
+    if server is None:
+        return "no fork server is serving"
+    differences = environment_differences(dict(os.environ if env is None else env), server)
+    return (f"its environment differs from the server's in {differences}" if differences
+            else f"not python with a script or -c, with the suite's compilation cache and "
+                 f"without {DISABLE}=0")
 
 
 class ForkedProcess:
@@ -312,6 +344,7 @@ def _serve(path: str) -> dict[str, Any] | None:
     """Imports ``PRELOAD``, listens at ``path`` and forks a child per request; returns the
     request in that child and None in the server once its lifeline (stdin) closes."""
     import importlib
+    before = dict(os.environ)
     for name in PRELOAD:
         importlib.import_module(name)
     from jax._src import xla_bridge
@@ -319,6 +352,10 @@ def _serve(path: str) -> dict[str, Any] | None:
         print(f"forkserver: not serving: {threading.active_count()} Python threads or a "
               "JAX backend after the imports", file=sys.stderr)
         return None
+    set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    with open(path + ".environ.tmp", "w") as file:
+        json.dump(set_by_imports, file)
+    os.rename(path + ".environ.tmp", path + ".environ")  # before the socket's name
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     listener.listen(64)
@@ -343,7 +380,8 @@ def _serve(path: str) -> dict[str, Any] | None:
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                     selector.close()
                     listener.close()
-                    return _supervise(connection, fds, request)
+                    return _supervise(connection, fds, dict(request,
+                                                            set_by_imports=set_by_imports))
                 connection.close()
                 for fd in fds:
                     os.close(fd)
@@ -386,6 +424,8 @@ def _become(request: dict[str, Any]) -> None:
     os.umask(request["umask"])
     os.environ.clear()
     os.environ.update(request["env"])
+    for name, value in request["set_by_imports"].items():  # as a fresh import would
+        os.environ.setdefault(name, value)
     import numpy
     numpy.random.seed()  # a fresh interpreter seeds it from the OS
     argv = request["argv"]

@@ -72,7 +72,8 @@ def test_children_are_forked_where_they_can_be_and_started_where_they_cannot():
     if os.environ.get(forkserver.DISABLE) == "0":
         pytest.skip(f"{forkserver.DISABLE}=0 starts every child fresh")
     code = [sys.executable, "-c", "pass"]
-    assert isinstance(forkserver.Popen(code, cwd=ROOT), forkserver.ForkedProcess)
+    assert isinstance(forkserver.Popen(code, cwd=ROOT), forkserver.ForkedProcess), (
+        forkserver.refusal(code, ROOT))
     # JAX reads JAX_* at import: a child that sets one needs its own interpreter.
     other = dict(os.environ, JAX_ENABLE_X64="1")
     assert not isinstance(forkserver.Popen(code, cwd=ROOT, env=other),
@@ -81,23 +82,37 @@ def test_children_are_forked_where_they_can_be_and_started_where_they_cannot():
                           forkserver.ForkedProcess)
 
 
-def test_a_variable_patched_at_the_first_request_does_not_stop_the_forking():
-    """The server keeps the environment the test process was imported under: a first
-    request from a test that set a variable of its own starts fresh, and the requests
-    after it are forked again (before, the server took the patched environment and
-    refused every later request of its process)."""
+def test_what_the_test_process_gains_in_its_environment_does_not_stop_the_forking():
+    """In a fresh test process: a first request with a variable JAX reads at import
+    starts fresh (the server keeps the environment this module was imported under); then
+    the process gains what its own imports set (JAX's, at import and at its backend;
+    tensorboardX's) and a patched FLOWJAX_* variable, none of which the server's imports
+    read, and its requests are forked again. (Before, the server took the environment of
+    the first request and refused every request after any such change, and the suite's
+    forking stopped for the rest of a worker, depending on xdist's order.)"""
     program = ("import os, sys\n"
                "from tests import forkserver\n"
                "code = [sys.executable, '-c', 'pass']\n"
+               "os.environ['JAX_ENABLE_X64'] = '1'\n"
+               "first = forkserver.Popen(code)\n"
+               "del os.environ['JAX_ENABLE_X64']\n"
+               "import jax, tensorboardX\n"
+               "jax.devices()\n"
                "os.environ['FLOWJAX_SHARED_FS_WAIT_S'] = '1'  # as monkeypatch.setenv\n"
-               "patched = forkserver.Popen(code)\n"
-               "del os.environ['FLOWJAX_SHARED_FS_WAIT_S']\n"
                "after = forkserver.Popen(code)\n"
-               "print(*(isinstance(p, forkserver.ForkedProcess) for p in (patched, after)))\n"
-               "print(patched.wait(), after.wait())\n")
+               "print(*(isinstance(p, forkserver.ForkedProcess) for p in (first, after)))\n"
+               "print(first.wait(), after.wait(), forkserver.refusal(code))\n"
+               # Where a child's environment lacks what JAX's import sets, it gets it,
+               # as a fresh interpreter does from its own import.
+               "env = {k: v for k, v in os.environ.items() if k != 'TF_CPP_MIN_LOG_LEVEL'}\n"
+               "show = [sys.executable, '-c', 'import os, jax\\n"
+               "print(os.environ.get(\"TF_CPP_MIN_LOG_LEVEL\"))']\n"
+               "print(*(forkserver.run(show, env=env, capture_output=True, text=True,\n"
+               "                       fresh=fresh).stdout.strip() for fresh in (True, False)),\n"
+               "      forkserver.refusal(show, env=env))\n")
     done = forkserver.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, fresh=True)
-    assert done.stdout == "False True\n0 0\n", done.stderr[-2000:]
+    assert done.stdout == "False True\n0 0 None\n1 1 None\n", done.stderr[-2000:]
 
 
 def test_xla_reads_the_flags_of_the_childs_environment(tmp_path):
