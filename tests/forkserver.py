@@ -16,7 +16,9 @@ server happened under the server's environment. Those other variables are
 ``RUNTIME_VARIABLES``, this project's own ``FLOWJAX_*`` (it is never preloaded), and
 those the preloaded imports set themselves (JAX sets ``TF_CPP_MIN_LOG_LEVEL``), which the
 test process gains when it imports JAX after this module: a child may carry the value
-the imports set, and gets it where its environment lacks it, as a fresh import would.
+the imports set, and gets it where its environment lacks it, as a fresh import would
+(where this process had such a variable at import already, the server cannot tell it
+from the user's, and a child without it starts fresh).
 Any other request (another environment, another interpreter or program, options not
 handled here, or ``FLOWJAX_TEST_FORKSERVER=0``) runs as a plain ``subprocess`` child.
 
