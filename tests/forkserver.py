@@ -13,12 +13,13 @@ uncaught exception or a signal).
 Only a child whose environment is the server's, but for variables no preloaded library
 reads at import, is forked: JAX reads its ``JAX_*`` settings at import, which in the
 server happened under the server's environment. Those other variables are
-``RUNTIME_VARIABLES``, this project's own ``FLOWJAX_*`` (it is never preloaded), and
-those the preloaded imports set themselves (JAX sets ``TF_CPP_MIN_LOG_LEVEL``), which the
-test process gains when it imports JAX after this module: a child may carry the value
-the imports set, and gets it where its environment lacks it, as a fresh import would
-(where this process had such a variable at import already, the server cannot tell it
-from the user's, and a child without it starts fresh).
+``NOT_READ_AT_IMPORT``, this project's own ``FLOWJAX_*`` (it is never preloaded), and
+those the preloaded imports set themselves (JAX sets ``TF_CPP_MIN_LOG_LEVEL`` and
+``TPU_SKIP_MDS_QUERY``), which a test process gains when it imports JAX after this
+module: a child may carry the value the imports set, and has it from its start, as a
+fresh interpreter has once it imported ``PRELOAD`` (where this process had such a
+variable at import already, the server cannot tell it from the user's, and a child
+without it starts fresh).
 Any other request (another environment, another interpreter or program, options not
 handled here, or ``FLOWJAX_TEST_FORKSERVER=0``) runs as a plain ``subprocess`` child.
 
@@ -51,12 +52,13 @@ PRELOAD = ("numpy", "jax", "jax.numpy", "flax", "flax.linen", "optax", "orbax.ch
            "ml_collections", "ml_collections.config_flags", "absl.app", "absl.flags",
            "absl.logging", "tqdm", "msgpack")
 DISABLE = "FLOWJAX_TEST_FORKSERVER"
-# Read when a program runs, not when PRELOAD is imported: XLA parses its flags when JAX
-# starts its first backend, and pytest names the running test in the environment its
-# children inherit. The test process itself gains the others from libraries it imports
-# that the server never does (tensorboardX's crc32c mode, torch's inductor cache).
-RUNTIME_VARIABLES = frozenset({"XLA_FLAGS", "PYTEST_CURRENT_TEST", "CRC32C_SW_MODE",
-                               "TORCHINDUCTOR_CACHE_DIR"})
+# Not read when PRELOAD is imported (traced, Python and C reads alike): XLA parses its
+# flags when JAX starts its first backend; pytest names the running test in the
+# environment its children inherit; the test process gains the last two from libraries
+# it imports in-process, which PRELOAD does not load (tensorboardX sets its crc32c mode,
+# torch its inductor cache), and reads them there.
+NOT_READ_AT_IMPORT = frozenset({"XLA_FLAGS", "PYTEST_CURRENT_TEST", "CRC32C_SW_MODE",
+                                "TORCHINDUCTOR_CACHE_DIR"})
 _HEADER = struct.Struct("!Q")
 
 PIPE, STDOUT, DEVNULL = subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL
@@ -126,25 +128,31 @@ def _running_server() -> _Server | None:
         return _server if _server.ready() else None
 
 
-def _forkable(args, cwd, env) -> bool:
-    """Whether ``args`` is ``python script.py ...`` or ``python -c code ...`` in the
-    server's environment (when the server can start)."""
-    if os.environ.get(DISABLE) == "0" or len(args) < 2 or args[0] != sys.executable:
-        return False
-    program = str(args[1])
-    if program == "-c":
-        if len(args) < 3:
-            return False
-    elif program.startswith("-") or not os.path.isfile(os.path.join(cwd or ".", program)):
-        return False
+def refusal(args, cwd=None, env=None) -> str | None:
+    """Why ``args`` would start a fresh interpreter rather than a forked child; None
+    where it is forked: ``python script.py ...`` or ``python -c code ...`` in the
+    server's environment (module docstring), once the server serves."""
     env = dict(os.environ if env is None else env)
+    if "0" in (os.environ.get(DISABLE), env.get(DISABLE)):
+        return f"{DISABLE}=0"
+    if len(args) < 2 or args[0] != sys.executable:
+        return "not this interpreter with a program"
+    program = str(args[1])
+    if program == "-c" and len(args) < 3:
+        return "-c without code"
+    if program != "-c" and (program.startswith("-")
+                            or not os.path.isfile(os.path.join(cwd or ".", program))):
+        return f"{program}: not a script file or -c"
     # The launchers point JAX at their compilation cache before importing it
     # (launch/xla_env.py), which a forked child cannot do; with the suite's cache set
     # (tests/conftest.py) they leave it alone.
     if "JAX_COMPILATION_CACHE_DIR" not in env:
-        return False
+        return "no JAX_COMPILATION_CACHE_DIR: the launcher would choose its own"
     server = _running_server()
-    return server is not None and not environment_differences(env, server)
+    if server is None:
+        return "no fork server is serving"
+    differences = environment_differences(env, server)
+    return f"its environment differs from the server's in {differences}" if differences else None
 
 
 def environment_differences(env: dict[str, str], server: _Server) -> list[str]:
@@ -152,26 +160,12 @@ def environment_differences(env: dict[str, str], server: _Server) -> list[str]:
     otherwise than the server did (module docstring): where its value is neither the
     server's nor, for a variable the imports set, the value they set."""
     def alike(name):
-        if name in RUNTIME_VARIABLES or name.startswith("FLOWJAX_"):
+        if name in NOT_READ_AT_IMPORT or name.startswith("FLOWJAX_"):
             return True
         imported = (server.set_by_imports[name],) if name in server.set_by_imports else ()
         return env.get(name) in (server.environ.get(name), *imported)
 
     return sorted(name for name in set(env) | set(server.environ) if not alike(name))
-
-
-def refusal(args, cwd=None, env=None) -> str | None:
-    """Why ``args`` would start a fresh interpreter rather than a forked child (None: it
-    would be forked), for a test's message."""
-    if _forkable(args, cwd, env):
-        return None
-    server = _running_server()
-    if server is None:
-        return "no fork server is serving"
-    differences = environment_differences(dict(os.environ if env is None else env), server)
-    return (f"its environment differs from the server's in {differences}" if differences
-            else f"not python with a script or -c, with the suite's compilation cache and "
-                 f"without {DISABLE}=0")
 
 
 class ForkedProcess:
@@ -309,7 +303,7 @@ def Popen(args, *, cwd=None, env=None, stdin=None, stdout=None, stderr=None, tex
           fresh: bool = False):
     """``subprocess.Popen`` of ``args``, forked from the server where it can be;
     ``fresh=True`` always starts a new interpreter."""
-    if not fresh and _forkable(args, cwd, env):
+    if not fresh and refusal(args, cwd, env) is None:
         return ForkedProcess(args, cwd=cwd, env=env, stdin=stdin, stdout=stdout,
                              stderr=stderr, text=text)
     return subprocess.Popen(args, cwd=cwd, env=env, stdin=stdin, stdout=stdout,
@@ -353,6 +347,10 @@ def _serve(path: str) -> dict[str, Any] | None:
     if threading.active_count() != 1 or xla_bridge._backends:
         print(f"forkserver: not serving: {threading.active_count()} Python threads or a "
               "JAX backend after the imports", file=sys.stderr)
+        return None
+    if set(before) - set(os.environ):  # a child could not have it removed as they did
+        print(f"forkserver: not serving: the imports removed {set(before) - set(os.environ)} "
+              "from the environment", file=sys.stderr)
         return None
     set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}
     with open(path + ".environ.tmp", "w") as file:
@@ -426,8 +424,9 @@ def _become(request: dict[str, Any]) -> None:
     os.umask(request["umask"])
     os.environ.clear()
     os.environ.update(request["env"])
-    for name, value in request["set_by_imports"].items():  # as a fresh import would
-        os.environ.setdefault(name, value)
+    # As a fresh import does: only the value from before the imports or the one they set
+    # is let through (environment_differences), and an import turns both into the latter.
+    os.environ.update(request["set_by_imports"])
     import numpy
     numpy.random.seed()  # a fresh interpreter seeds it from the OS
     argv = request["argv"]

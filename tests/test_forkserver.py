@@ -85,25 +85,28 @@ def test_children_are_forked_where_they_can_be_and_started_where_they_cannot():
 def test_what_the_test_process_gains_in_its_environment_does_not_stop_the_forking():
     """In a fresh test process: a first request with a variable JAX reads at import
     starts fresh (the server keeps the environment this module was imported under); then
-    the process gains what its own imports set (JAX's, at import and at its backend;
-    tensorboardX's) and a patched FLOWJAX_* variable, none of which the server's imports
-    read, and its requests are forked again. (Before, the server took the environment of
-    the first request and refused every request after any such change, and the suite's
-    forking stopped for the rest of a worker, depending on xdist's order.)"""
+    the process gains what its own imports set (JAX's and tensorboardX's) and a patched
+    FLOWJAX_* variable, none of which the server's imports read, and its requests are
+    forked again; another value of a variable JAX's import sets still starts fresh.
+    (Before, the server took the environment of the first request and refused every
+    request after any such change: the suite's forking stopped for the rest of a worker,
+    depending on xdist's order.)"""
+    if os.environ.get(forkserver.DISABLE) == "0":
+        pytest.skip(f"{forkserver.DISABLE}=0 starts every child fresh")
     program = ("import os, sys\n"
                "from tests import forkserver\n"
                "code = [sys.executable, '-c', 'pass']\n"
                "os.environ['JAX_ENABLE_X64'] = '1'\n"
                "first = forkserver.Popen(code)\n"
-               "del os.environ['JAX_ENABLE_X64']\n"
+               "os.environ.pop('JAX_ENABLE_X64')\n"
                "import jax, tensorboardX\n"
-               "jax.devices()\n"
                "os.environ['FLOWJAX_SHARED_FS_WAIT_S'] = '1'  # as monkeypatch.setenv\n"
                "after = forkserver.Popen(code)\n"
                "print(*(isinstance(p, forkserver.ForkedProcess) for p in (first, after)))\n"
                "print(first.wait(), after.wait(), forkserver.refusal(code))\n"
-               # Where a child's environment lacks what JAX's import sets, it gets it,
-               # as a fresh interpreter does from its own import.
+               "print(forkserver.refusal(code, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='0')))\n"
+               # Where a child's environment lacks what JAX's import sets, it has it, as a
+               # fresh interpreter has once it imported JAX.
                "env = {k: v for k, v in os.environ.items() if k != 'TF_CPP_MIN_LOG_LEVEL'}\n"
                "show = [sys.executable, '-c', 'import os, jax\\n"
                "print(os.environ.get(\"TF_CPP_MIN_LOG_LEVEL\"))']\n"
@@ -111,12 +114,15 @@ def test_what_the_test_process_gains_in_its_environment_does_not_stop_the_forkin
                "                       fresh=fresh).stdout.strip() for fresh in (True, False)),\n"
                "      forkserver.refusal(show, env=env))\n")
     # As a test process starts: without what imports of JAX or tensorboardX set (this
-    # one's workers have imported JAX by now).
-    gained = ("TF_CPP_MIN_LOG_LEVEL", "TPU_SKIP_MDS_QUERY", "CRC32C_SW_MODE")
+    # one's workers have imported JAX by now), nor a JAX_ENABLE_X64 of the caller's.
+    gained = ("TF_CPP_MIN_LOG_LEVEL", "TPU_SKIP_MDS_QUERY", "CRC32C_SW_MODE",
+              "JAX_ENABLE_X64")
     env = {k: v for k, v in os.environ.items() if k not in gained}
     done = forkserver.run([sys.executable, "-c", program], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120, fresh=True)
-    assert done.stdout == "False True\n0 0 None\n1 1 None\n", done.stderr[-2000:]
+    assert done.stdout == ("False True\n0 0 None\n"
+                           "its environment differs from the server's in "
+                           "['TF_CPP_MIN_LOG_LEVEL']\n1 1 None\n"), done.stderr[-2000:]
 
 
 def test_xla_reads_the_flags_of_the_childs_environment(tmp_path):
