@@ -36,6 +36,7 @@ import json
 import locale
 import os
 import selectors
+import shutil
 import signal
 import socket
 import struct
@@ -111,9 +112,7 @@ class _Server:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-        for name in os.listdir(self.folder):
-            os.unlink(os.path.join(self.folder, name))
-        os.rmdir(self.folder)
+        shutil.rmtree(self.folder, ignore_errors=True)  # the server removed it if it could
 
 
 _server: _Server | None = None
@@ -222,7 +221,7 @@ class ForkedProcess:
         while b"\n" not in self._status:
             try:
                 chunk = self._socket.recv(64)
-            except (socket.timeout, BlockingIOError):  # BlockingIOError: timeout 0
+            except (TimeoutError, BlockingIOError):  # BlockingIOError: timeout 0
                 raise subprocess.TimeoutExpired(self.args, timeout) from None
             if not chunk:
                 raise RuntimeError(f"the fork server lost child {self.args}")
@@ -445,10 +444,17 @@ def _become(request: dict[str, Any]) -> None:
     sys.modules["__main__"] = main
     code = compile(source, filename, "exec", dont_inherit=True)
     del request, source
-    exec(code, main.__dict__)
+    exec(code, main.__dict__)  # noqa: S102 -- running the program is the point
 
 
 if __name__ == "__main__":
-    _request = _serve(sys.argv[1])
+    _SERVER_PID = os.getpid()  # _serve returns in each forked child too
+    try:
+        _request = _serve(sys.argv[1])
+    finally:
+        if os.getpid() == _SERVER_PID:
+            # The server removes its folder when it ends, whether or not the test
+            # process's atexit ran (a killed pytest worker left one behind per run).
+            shutil.rmtree(os.path.dirname(sys.argv[1]), ignore_errors=True)
     if _request is not None:
         _become(_request)

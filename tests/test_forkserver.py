@@ -4,6 +4,7 @@ and the two are compared (tests/forkserver.py)."""
 import os
 import signal
 import sys
+import time
 
 import pytest
 
@@ -149,3 +150,26 @@ def test_a_signal_reaches_the_forked_child_and_a_timeout_kills_it():
     assert process.wait(timeout=30) == -signal.SIGTERM
     with pytest.raises(forkserver.subprocess.TimeoutExpired):
         forkserver.run(loop, cwd=ROOT, capture_output=True, timeout=1)
+
+
+def test_the_server_removes_its_folder_when_the_test_process_is_killed():
+    """A test process killed before its exit handlers run (a pytest worker at a
+    timeout) leaves no server folder behind: the server removes it when its lifeline
+    ends. (Before, only the test process's atexit removed it.)"""
+    if os.environ.get(forkserver.DISABLE) == "0":
+        pytest.skip(f"{forkserver.DISABLE}=0 starts no server")
+    program = ("import os, signal, sys\n"
+               "from tests import forkserver\n"
+               "assert forkserver.run([sys.executable, '-c', 'pass']).returncode == 0\n"
+               "print(forkserver._server.folder, os.listdir(forkserver._server.folder),\n"
+               "      flush=True)\n"
+               "os.kill(os.getpid(), signal.SIGKILL)\n")
+    done = forkserver.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, fresh=True)
+    folder, listing = done.stdout.split(" ", 1)
+    assert (done.returncode, listing) == (-signal.SIGKILL,
+                                          "['socket', 'socket.environ']\n"), done.stderr
+    deadline = time.monotonic() + 30
+    while os.path.exists(folder) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(folder)
