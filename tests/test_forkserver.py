@@ -25,6 +25,10 @@ threading.Thread(target=late).start()
 print('to stderr', file=sys.stderr)
 """
 
+# The tests of the server itself; with it disabled every child starts fresh.
+NEEDS_SERVER = pytest.mark.skipif(os.environ.get(forkserver.DISABLE) == "0",
+                                  reason=f"{forkserver.DISABLE}=0 starts no server")
+
 ENDINGS = {
     "status": "raise SystemExit(3)",
     "exception": "import json\njson.loads('{')",
@@ -67,11 +71,10 @@ def test_a_forked_program_ends_with_a_new_interpreters_status(ending):
                                 "killed": -signal.SIGKILL, "exit-code-text": 1}[ending]
 
 
+@NEEDS_SERVER
 def test_children_are_forked_where_they_can_be_and_started_where_they_cannot():
     """A forked child has no interpreter of its own to start: if the server stopped
     serving, every launcher test would quietly take its old time again."""
-    if os.environ.get(forkserver.DISABLE) == "0":
-        pytest.skip(f"{forkserver.DISABLE}=0 starts every child fresh")
     code = [sys.executable, "-c", "pass"]
     assert isinstance(forkserver.Popen(code, cwd=ROOT), forkserver.ForkedProcess), (
         forkserver.refusal(code, ROOT))
@@ -83,6 +86,7 @@ def test_children_are_forked_where_they_can_be_and_started_where_they_cannot():
                           forkserver.ForkedProcess)
 
 
+@NEEDS_SERVER
 def test_what_the_test_process_gains_in_its_environment_does_not_stop_the_forking():
     """In a fresh test process: a first request with a variable JAX reads at import
     starts fresh (the server keeps the environment this module was imported under); then
@@ -92,8 +96,6 @@ def test_what_the_test_process_gains_in_its_environment_does_not_stop_the_forkin
     (Before, the server took the environment of the first request and refused every
     request after any such change: the suite's forking stopped for the rest of a worker,
     depending on xdist's order.)"""
-    if os.environ.get(forkserver.DISABLE) == "0":
-        pytest.skip(f"{forkserver.DISABLE}=0 starts every child fresh")
     program = ("import os, sys\n"
                "from tests import forkserver\n"
                "code = [sys.executable, '-c', 'pass']\n"
@@ -152,12 +154,11 @@ def test_a_signal_reaches_the_forked_child_and_a_timeout_kills_it():
         forkserver.run(loop, cwd=ROOT, capture_output=True, timeout=1)
 
 
+@NEEDS_SERVER
 def test_the_server_removes_its_folder_when_the_test_process_is_killed():
     """A test process killed before its exit handlers run (a pytest worker at a
     timeout) leaves no server folder behind: the server removes it when its lifeline
     ends. (Before, only the test process's atexit removed it.)"""
-    if os.environ.get(forkserver.DISABLE) == "0":
-        pytest.skip(f"{forkserver.DISABLE}=0 starts no server")
     program = ("import os, signal, sys\n"
                "from tests import forkserver\n"
                "assert forkserver.run([sys.executable, '-c', 'pass']).returncode == 0\n"
