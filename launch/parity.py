@@ -95,20 +95,24 @@ SAMPLED_VALUES = 64  # per tensor in the fixture, at evenly spaced flat indices
 SHAKESPEARE_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "parity_shakespeare.json")
 # Their shakespeare_flowv4 hyperparameters (configs/hyperparameters.py): embedding 8,
 # vocabulary 90, LSTM 256, batch 4, lr 0.11, epsilon 1e-6; K = 2 epochs (theirs 5) and 11
-# sequences of 80 tokens (batches of 4, 4, 3: two even, one odd) keep it short. lambda is
+# sequences of 80 tokens (batches of 4, 4, 3: two even, one odd) keep it short; 5 test
+# sequences in batches of 3 and 2, each routed with its own dropout masks. lambda is
 # 0.1, not their 0.001: at 0.001 the regularizer moves no weight by the 1e-4 tolerance in
 # one update, so the check could not see which routes it reads.
 SHAKESPEARE_SETTINGS = dict(model="shakespeare_lstm", seed=0, train_examples=11,
-                            test_examples=5, epochs=2, batch_size=4, learning_rate=0.11,
+                            test_examples=5, test_batch_size=3, epochs=2, batch_size=4,
+                            learning_rate=0.11,
                             gamma=0.1, vocab_size=90, embed_dim=8, hidden=256,
                             sequence_length=80)
 STACKOVERFLOW_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "parity_stackoverflow.json")
 # Their stackoverflow_nwp_flowv4 hyperparameters: embedding 96 (their policy's second path
 # reads 2 x 96 inputs, written in), sequence length 20 (also written in), batch 16, lr 0.1,
 # K = 2 epochs (theirs 3); a 200-word vocabulary and an LSTM of 64 (theirs 10,004 and 670)
-# keep it short; 37 sequences are batches of 16, 16, 5. lambda 0.1 as for Shakespeare.
+# keep it short; 37 sequences are batches of 16, 16, 5, and 6 test sequences batches of
+# 4 and 2. lambda 0.1 as for Shakespeare.
 STACKOVERFLOW_SETTINGS = dict(model="stackoverflow_lstm", seed=0, train_examples=37,
-                              test_examples=6, epochs=2, batch_size=16, learning_rate=0.1,
+                              test_examples=6, test_batch_size=4, epochs=2, batch_size=16,
+                              learning_rate=0.1,
                               gamma=0.1, vocab_size=200, embed_dim=96, hidden=64,
                               sequence_length=20)
 CIFAR_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "parity_cifar.json")
@@ -288,13 +292,16 @@ def flowjax_side(frozen_momentum: str, settings: dict = SETTINGS,
     return side
 
 
-def _recorded_client_run(algorithm, params, train, test_x, key):
+def _recorded_client_run(algorithm, params, train, test_x, key, test_batch_size=None):
     """A client update, the evaluation's personalization and its predictions on
-    ``test_x``, each jitted, and the dropout masks they drew:
-    ``(client result, predictions, masks, count)``. ``masks`` holds per phase
-    (``train``, ``evaluation``) what their code takes: the evaluation's are the
-    personalization's ``count`` and then the hard routing's (``_hard_routes_masks``)."""
+    ``test_x`` in consecutive batches of ``test_batch_size`` (default: one batch), each
+    jitted, and the dropout masks they drew: ``(client result, predictions, masks,
+    count)``. ``masks`` holds per phase (``train``, ``evaluation``) what their code takes:
+    the evaluation's are the personalization's ``count`` and then the hard routing's of
+    each test batch in turn (``_hard_routes_masks``). Each batch is predicted with its
+    own personal state (``for_test_batch``), as the evaluation does."""
     import jax
+    import numpy as np
     masks = {}
     with recorded_dropout_masks() as masks["train"]:
         result = jax.jit(algorithm.client_update)(params, train, key)
@@ -302,11 +309,17 @@ def _recorded_client_run(algorithm, params, train, test_x, key):
     with recorded_dropout_masks() as masks["evaluation"]:
         personal = jax.jit(algorithm.personalize)(params, train, key)
         jax.effects_barrier()
-    with recorded_dropout_masks() as routed:
-        predictions = jax.jit(algorithm.predict)(params, personal, test_x)
-        jax.effects_barrier()
     count = len(masks["evaluation"])
-    masks["evaluation"] += _hard_routes_masks(routed)
+    size = len(test_x) if test_batch_size is None else test_batch_size
+    predict, batches = jax.jit(algorithm.predict), []
+    for index, start in enumerate(range(0, len(test_x), size)):
+        batch_personal = personal if algorithm.for_test_batch is None else (
+            algorithm.for_test_batch(personal, np.int32(index)))
+        with recorded_dropout_masks() as routed:
+            batches.append(predict(params, batch_personal, test_x[start:start + size]))
+            jax.effects_barrier()
+        masks["evaluation"] += _hard_routes_masks(routed)
+    predictions = jax.tree.map(lambda *parts: np.concatenate(parts), *batches)
     return result, predictions, masks, count
 
 
@@ -446,7 +459,8 @@ def lstm_flowjax_side(frozen_momentum: str, settings: dict,
                       settings["batch_size"])
     key = jax.random.key(settings["seed"] + 1)
     result, predictions, masks, personalization_masks = _recorded_client_run(
-        algorithm, params, train, jnp.asarray(data["test_x"].astype(np.int32)), key)
+        algorithm, params, train, jnp.asarray(data["test_x"].astype(np.int32)), key,
+        settings["test_batch_size"])
     if not dropout and any(masks.values()):
         raise AssertionError("flowjax drew dropout masks with dropout off")
     snapshot = np.asarray(predictions.global_snapshot)
@@ -603,7 +617,8 @@ def resnet_torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
     trainer = _their_trainer(reference_dir, settings, total_clients=500, total_rounds=4000)
     data = image_client_data(**settings)
     labels = ours["their_labels"]
-    test = _Batches(ours["their_test_images"], data["test_y"].astype(np.int64))
+    test = _Batches(ours["their_test_images"], data["test_y"].astype(np.int64),
+                    len(data["test_y"]))  # one batch (their test batch is 100)
 
     def their_net():
         net = trainer.CifarResNet(num_classes=settings["num_classes"])
@@ -892,13 +907,14 @@ class _ScriptedDataset:
 
 
 class _Batches:
-    """Every pass over the test examples: one batch (their test batch is 100)."""
+    """Every pass over the test examples: consecutive batches of ``batch_size``."""
 
-    def __init__(self, x: np.ndarray, y: np.ndarray):
-        self._batch = (_Tensorish(x), _Tensorish(y))
+    def __init__(self, x: np.ndarray, y: np.ndarray, batch_size: int):
+        self._batches = [(_Tensorish(x[i: i + batch_size]), _Tensorish(y[i: i + batch_size]))
+                         for i in range(0, len(x), batch_size)]
 
     def __iter__(self):
-        return iter([self._batch])
+        return iter(self._batches)
 
 
 @contextlib.contextmanager
@@ -959,7 +975,7 @@ def lstm_torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
                              total_rounds=1500)
     net_class = getattr(trainer, names["net"])
     data = token_client_data(**settings)
-    test = _Batches(data["test_x"], data["test_y"])
+    test = _Batches(data["test_x"], data["test_y"], settings["test_batch_size"])
 
     masks = ours.get("dropout_masks")
     replay = (lambda phase: _replayed_dropout(masks[phase])) if masks else (
@@ -1123,23 +1139,30 @@ def run_check(check: Check, reference_dir: str, modes: tuple[str, ...], torch_ve
     return worst, fixture
 
 
-def _one_example_off(masks: dict[str, list], phase: str, count: int | None
+def _one_example_off(masks: dict[str, list], phase: str, start: int, stop: int | None
                      ) -> dict[str, list]:
-    """flowjax's masks with the first ``count`` (None: all) of ``phase`` rolled by one
-    row: what their code would take if its examples and flowjax's were one apart."""
-    moved = [(keep, np.roll(mask, 1, axis=0)) for keep, mask in masks[phase][:count]]
-    return {**masks, phase: moved + masks[phase][len(moved):]}
+    """flowjax's masks with those of ``phase`` from ``start`` to ``stop`` (None: the end)
+    rolled by one row: what their code would take if its examples and flowjax's were one
+    apart."""
+    drawn = masks[phase]
+    moved = [(keep, np.roll(mask, 1, axis=0)) for keep, mask in drawn[start:stop]]
+    return {**masks, phase: drawn[:start] + moved + drawn[start + len(moved):]}
 
 
 def _misplaced_masks_control(check: Check, reference_dir: str, ours: dict[str, Any],
                              mode: str) -> None:
-    """Their run again with the masks of one phase one example off (the client update's;
-    the evaluation's training's): the figures must move beyond the check's target, or
+    """Their run again with the masks of one part one example off (the client update's;
+    the evaluation's training's; where the policy's dropout stays on at evaluation, the
+    routing of its test batches): the figures must move beyond the check's target, or
     the check could not tell the masks' placement, and this fails."""
-    for phase, count, label in (("train", None, "client update"),
-                                ("evaluation", ours["personalization_masks"],
-                                 "evaluation's training")):
-        off = dict(ours, dropout_masks=_one_example_off(ours["dropout_masks"], phase, count))
+    trained = ours["personalization_masks"]
+    parts = [("train", 0, None, "client update"),
+             ("evaluation", 0, trained, "evaluation's training")]
+    if len(ours["dropout_masks"]["evaluation"]) > trained:
+        parts.append(("evaluation", trained, None, "evaluation's routing of the test batches"))
+    for phase, start, stop, label in parts:
+        off = dict(ours, dropout_masks=_one_example_off(ours["dropout_masks"], phase, start,
+                                                        stop))
         diffs = compare(ours, check.torch_side(reference_dir, off, mode))
         print(f"    control, their {label} fed flowjax's masks one example off: max abs diff "
               f"{diffs['params']:.3e} (parameters), {diffs['personal_logits']:.3e} (routed "

@@ -18,7 +18,7 @@ from flowjax.algorithms.flow_reference import (PAPER, group_sgd_step, reference_
                                                shard_batches_fn, shard_member)
 from flowjax.core.checks import FieldError
 from flowjax.core.losses import mean_from_sums
-from flowjax.evaluation.metrics import evaluate_client, summarize
+from flowjax.evaluation.metrics import batch_counts, evaluate_client, summarize
 from flowjax.validation import validate_config
 from tests import forkserver
 from tests.helpers import ROOT, assert_trees_equal, default_xla_env, differs, one_client
@@ -338,6 +338,38 @@ def test_policy_eval_dropout_makes_routing_random_at_evaluation(cnn, images_smal
     assert not np.array_equal(q0[0], q0[1])
     np.testing.assert_array_equal(algorithm.predict(params, personal, x).q0,
                                   algorithm.predict(params, personal, x).q0)
+
+
+@pytest.mark.parametrize("eval_dropout", [True, False])
+def test_policy_eval_dropout_draws_new_masks_for_every_test_batch(cnn, images_small,
+                                                                  eval_dropout):
+    """As their ``F.dropout`` draws anew at every call, each test batch routes with its own
+    key (``for_test_batch``): two identical test batches get other routes, and the
+    client's counts are the sum of each batch's with its own key. (Before, one draw per
+    client served every batch: the counts were twice the first batch's.) With the
+    dropout off at evaluation every batch routes alike."""
+    train = _client_of_size(images_small, 16)
+    test = train.replace(**{name: jnp.stack([getattr(train, name)[0]] * 2)
+                            for name in ("x", "y", "mask")},
+                         num_examples=jnp.int32(2 * train.x.shape[1]))
+    algorithm = flow(cnn, FlowConfig(**{**BASE, "policy_hidden": (16, 16, 16, 16),
+                                        "policy_eval_dropout": eval_dropout,
+                                        "policy_dropout": 0.5}), train.x[0])
+    params = algorithm.init(jax.random.key(0))
+
+    def evaluated(params, train, test, key):
+        personal = algorithm.personalize(params, train, key, None)
+        per_batch = [batch_counts(algorithm, params, algorithm.for_test_batch(
+            personal, jnp.int32(i)), test.x[i], test.y[i], test.mask[i]) for i in range(2)]
+        return evaluate_client(algorithm, params, train, test, key), per_batch
+
+    total, (first, second) = jax.jit(evaluated)(params, train, test, jax.random.key(1))
+    assert_trees_equal(total, jax.tree.map(jnp.add, first, second))
+    assert float(total.instances) == 2 * train.x.shape[1]
+    if eval_dropout:
+        assert not np.array_equal(first.q0_sums, second.q0_sums)
+    else:
+        assert_trees_equal(first, second)
 
 
 @pytest.mark.parametrize("hard_tie", ["global", "zeroed"])

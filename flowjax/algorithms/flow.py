@@ -55,7 +55,7 @@ from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictio
                                      instance_weights, plain_loss_sums, valid_examples)
 from flowjax.algorithms.flow_reference import (DEPARTURES, SEMANTICS, check_hard_tie,
                                                group_sgd_step, reference_regularizer_mean,
-                                               resolve,
+                                               resolve, route_key_for_test_batch,
                                                shard_batches_fn, shard_member)
 from flowjax.algorithms.flow_reference_networks import NETWORKS
 from flowjax.core.checks import (FieldError, Interval, check_fields, integer, non_negative,
@@ -101,11 +101,10 @@ class FlowConfig:
       regularizer: ``paper`` or ``reference`` (``gamma * mean(-log(q^2 + 1e-6))``).
       local_init: ``global`` (paper) or ``server`` (separate random init of the local
         branch, averaged by the server with global and policy).
-      policy_eval_dropout: keep the policy's dropout on when routing at evaluation (one
-        draw of dropout masks per evaluated client, the same for each of its test batches:
-        ``predict`` takes no key; the authors' ``F.dropout`` draws anew at every call). The
-        mask follows an instance's position in its batch, so the k-th instance of every
-        test batch gets the same one, and another eval batch size gives other routes.
+      policy_eval_dropout: keep the policy's dropout on when routing at evaluation, with
+        new masks for every test batch (``for_test_batch``: each batch's key folded from
+        the client's), as the authors' ``F.dropout`` draws anew at every call; another
+        eval batch size therefore gives other routes, as it does in their code.
       hard_tie: hard routes at an exact ``q0 = 1/2``: ``global`` (paper) or ``zeroed``
         (the authors' ``torch.round`` of both entries; ``flow_reference``).
       evaluation: ``paper``, or the authors' ``*_generalized_test``: ``reference`` (their
@@ -405,4 +404,5 @@ def flow(model: RoutableModel, config: FlowConfig, example_x: jax.Array) -> Fede
                            forward(model, snapshot, x))
 
     return FederatedAlgorithm(name="flow", model=model, init=init, client_update=client_update,
-                              personalize=personalize, predict=predict)
+                              personalize=personalize, predict=predict,
+                              for_test_batch=route_key_for_test_batch)

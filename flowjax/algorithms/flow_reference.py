@@ -24,7 +24,8 @@ Each piece is one ``FlowConfig`` field, so each departure can be switched on alo
   model) or ``"server"`` (theirs: global and local branches have separate random inits and
   the server averages every weight, local and policy included);
 * ``policy_eval_dropout``: their LSTM policies call ``F.dropout`` (always on), so routing is
-  random at evaluation too;
+  random at evaluation too, with new masks at every call: each test batch routes with its
+  own key (``route_key_for_test_batch``);
 * ``hard_tie``: ``"global"`` (paper: ``round(q)``, an exact ``q0 = 1/2`` rounds up to
   the global branch) or ``"zeroed"`` (theirs: ``torch.round`` of both softmax entries
   rounds half to even, so an exact tie weighs both branches 0 and zeroes the layer;
@@ -120,6 +121,17 @@ def reference_options(model_name: str) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- halves
+
+
+def route_key_for_test_batch(personal: dict[str, Any], index: jax.Array) -> dict[str, Any]:
+    """``FederatedAlgorithm.for_test_batch`` of Flow: where the policy's dropout stays on
+    at evaluation (``personal["route_key"]``), test batch ``index`` routes with its own
+    key, folded from the client's, as their ``F.dropout`` draws new masks at every call;
+    otherwise ``personal`` is every batch's."""
+    if "route_key" not in personal:
+        return personal
+    key = jax.random.fold_in(jax.random.wrap_key_data(personal["route_key"]), index)
+    return dict(personal, route_key=jax.random.key_data(key))
 
 
 def batch_index(valid: jax.Array, batch_size: int, sort_key: jax.Array | None = None) -> jax.Array:

@@ -92,7 +92,8 @@ from flowjax.algorithms.base import ClientResult, FederatedAlgorithm, Prediction
 from flowjax.algorithms.flow_reference import (epochs_with_snapshot, group_sgd_step,
                                                instance_mean, reference_terms,
                                                refuse_other_values, refuse_set_fields,
-                                               run_planned, shard_batches_fn)
+                                               route_key_for_test_batch, run_planned,
+                                               shard_batches_fn)
 from flowjax.core.checks import FieldError
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import epoch_batches
@@ -521,4 +522,5 @@ def build(model: RoutableModel, config: Any) -> FederatedAlgorithm:
                            global_snapshot=branch_logits(personal["snapshot"], "global", x))
 
     return FederatedAlgorithm(name="flow", model=model, init=init, client_update=client_update,
-                              personalize=personalize, predict=predict)
+                              personalize=personalize, predict=predict,
+                              for_test_batch=route_key_for_test_batch)

@@ -122,15 +122,21 @@ def evaluate_client(algorithm: FederatedAlgorithm, params: Any, train: ClientExa
     """Personalize on ``train`` and count on ``test`` (one client; map it for many)."""
     personal = algorithm.personalize(params, train, key, client_state)
 
+    def batch_personal(index):
+        if algorithm.for_test_batch is None:
+            return personal
+        return algorithm.for_test_batch(personal, index)
+
     def step(total, batch):
-        x, y, mask = batch
-        counts = batch_counts(algorithm, params, personal, x, y, mask)
+        index, x, y, mask = batch
+        counts = batch_counts(algorithm, params, batch_personal(index), x, y, mask)
         return jax.tree.map(jnp.add, total, counts), None
 
-    first = jax.tree.map(lambda a: a[0], (test.x, test.y, test.mask))
+    batches = (jnp.arange(test.x.shape[0], dtype=jnp.int32), test.x, test.y, test.mask)
+    first = jax.tree.map(lambda a: a[0], batches)
     zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
-        lambda b: batch_counts(algorithm, params, personal, *b), first))
-    total, _ = jax.lax.scan(step, zeros, (test.x, test.y, test.mask))
+        lambda b: batch_counts(algorithm, params, batch_personal(b[0]), *b[1:]), first))
+    total, _ = jax.lax.scan(step, zeros, batches)
     return total
 
 
