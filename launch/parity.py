@@ -311,14 +311,22 @@ def _recorded_client_run(algorithm, params, train, test_x, key, test_batch_size=
         jax.effects_barrier()
     count = len(masks["evaluation"])
     size = len(test_x) if test_batch_size is None else test_batch_size
-    predict, batches = jax.jit(algorithm.predict), []
+    predict, batches, first = jax.jit(algorithm.predict), [], None
     for index, start in enumerate(range(0, len(test_x), size)):
         batch_personal = personal if algorithm.for_test_batch is None else (
             algorithm.for_test_batch(personal, np.int32(index)))
         with recorded_dropout_masks() as routed:
             batches.append(predict(params, batch_personal, test_x[start:start + size]))
             jax.effects_barrier()
-        masks["evaluation"] += _hard_routes_masks(routed)
+        routes = _hard_routes_masks(routed)
+        first = routes if first is None else first
+        if index and routes and all(np.array_equal(mask, earlier[:len(mask)])
+                                    for (_, mask), (_, earlier) in zip(routes, first)):
+            # With one key, a shorter batch's masks are the first rows of a longer one's:
+            # replayed, those would match their code's figures as well as fresh ones do.
+            raise AssertionError(f"flowjax routed test batch {index} with the first batch's "
+                                 "dropout masks, not its own")
+        masks["evaluation"] += routes
     predictions = jax.tree.map(lambda *parts: np.concatenate(parts), *batches)
     return result, predictions, masks, count
 

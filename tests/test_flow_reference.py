@@ -346,8 +346,8 @@ def test_policy_eval_dropout_draws_new_masks_for_every_test_batch(cnn, images_sm
     """As their ``F.dropout`` draws anew at every call, each test batch routes with its own
     key (``for_test_batch``): two identical test batches get other routes, and the
     client's counts are the sum of each batch's with its own key. (Before, one draw per
-    client served every batch: the counts were twice the first batch's.) With the
-    dropout off at evaluation every batch routes alike."""
+    client served every batch: the counts were twice one batch's under the client's
+    key.) With the dropout off at evaluation every batch routes alike."""
     train = _client_of_size(images_small, 16)
     test = train.replace(**{name: jnp.stack([getattr(train, name)[0]] * 2)
                             for name in ("x", "y", "mask")},

@@ -74,6 +74,7 @@ class FederatedAlgorithm:
     personalize: Callable[[PyTree, ClientExamples, jax.Array, PyTree], PyTree]
     predict: Callable[[PyTree, PyTree, jax.Array], Predictions]
     init_client_state: Callable[[PyTree], PyTree] | None = None
+    # Methods whose prediction draws randomness: each test batch's own personal state.
     for_test_batch: Callable[[PyTree, jax.Array], PyTree] | None = None
 
     @property

@@ -119,7 +119,9 @@ def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: j
 
 def evaluate_client(algorithm: FederatedAlgorithm, params: Any, train: ClientExamples,
                     test: ClientExamples, key: jax.Array, client_state: Any = None) -> ClientCounts:
-    """Personalize on ``train`` and count on ``test`` (one client; map it for many)."""
+    """Personalize on ``train`` and count on ``test`` (one client; map it for many); the
+    ``index``-th test batch is predicted with ``algorithm.for_test_batch(personal, index)``
+    where the method has one."""
     personal = algorithm.personalize(params, train, key, client_state)
 
     def batch_personal(index):
