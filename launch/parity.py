@@ -277,31 +277,27 @@ def flowjax_side(frozen_momentum: str, settings: dict = SETTINGS,
     train = _examples(data["train_x"], data["train_y"], settings["batch_size"])
     # Drawn from by dropout only (the shard halves are fixed).
     key = jax.random.key(settings["seed"] + 1)
-    result, predictions, masks, personalization_masks = _recorded_client_run(
-        algorithm, params, train, jnp.asarray(data["test_x"]), key)
+    result, predictions, mask_fields = _recorded_client_run(
+        algorithm, params, train, jnp.asarray(data["test_x"]), key, dropout)
     snapshot = np.asarray(predictions.global_snapshot)
     personal_logits = np.asarray(predictions.personal_hard)
-    side = dict(initial=to_torch_layout(params), updated=to_torch_layout(result.params),
+    return dict(initial=to_torch_layout(params), updated=to_torch_layout(result.params),
                 eval_snapshot_logits=snapshot, eval_personal_logits=personal_logits,
-                metrics=_metrics(snapshot, personal_logits, data["test_y"]))
-    if dropout:
-        side["dropout_masks"] = masks
-        side["personalization_masks"] = personalization_masks  # the rest route the test
-    elif any(masks.values()):
-        raise AssertionError("flowjax drew dropout masks with dropout off")
-    return side
+                metrics=_metrics(snapshot, personal_logits, data["test_y"]), **mask_fields)
 
 
-def _recorded_client_run(algorithm, params, train, test_x, key, test_batch_size=None):
+def _recorded_client_run(algorithm, params, train, test_x, key, dropout: bool,
+                         test_batch_size=None):
     """A client update, the evaluation's personalization and its predictions on
     ``test_x`` in consecutive batches of ``test_batch_size`` (default: one batch), each
-    jitted, and the dropout masks they drew: ``(client result, predictions, masks,
-    count)``. ``masks`` holds per phase (``train``, ``evaluation``) what their code takes:
-    the evaluation's are the personalization's ``count`` and then the hard routing's of
-    each test batch in turn (``_hard_routes_masks``). Each batch is predicted with its
-    own personal state (``for_test_batch``), as the evaluation does."""
+    jitted, and the dropout masks they drew: ``(client result, predictions, mask
+    fields)``. With ``dropout`` the fields are ``dropout_masks``, per phase (``train``,
+    ``evaluation``) what their code takes: the evaluation's are the personalization's
+    ``personalization_masks`` and then the hard routing's of each test batch in turn
+    (``_hard_routes_masks``); without it there are none, and a mask drawn fails. Each
+    batch is predicted with its own personal state (``for_test_batch``), as the
+    evaluation does."""
     import jax
-    import numpy as np
     masks = {}
     with recorded_dropout_masks() as masks["train"]:
         result = jax.jit(algorithm.client_update)(params, train, key)
@@ -313,8 +309,7 @@ def _recorded_client_run(algorithm, params, train, test_x, key, test_batch_size=
     size = len(test_x) if test_batch_size is None else test_batch_size
     predict, batches, first = jax.jit(algorithm.predict), [], None
     for index, start in enumerate(range(0, len(test_x), size)):
-        batch_personal = personal if algorithm.for_test_batch is None else (
-            algorithm.for_test_batch(personal, np.int32(index)))
+        batch_personal = algorithm.for_test_batch(personal, np.int32(index))
         with recorded_dropout_masks() as routed:
             batches.append(predict(params, batch_personal, test_x[start:start + size]))
             jax.effects_barrier()
@@ -328,7 +323,12 @@ def _recorded_client_run(algorithm, params, train, test_x, key, test_batch_size=
                                  "dropout masks, not its own")
         masks["evaluation"] += routes
     predictions = jax.tree.map(lambda *parts: np.concatenate(parts), *batches)
-    return result, predictions, masks, count
+    if not dropout:
+        if any(masks.values()):
+            raise AssertionError("flowjax drew dropout masks with dropout off")
+        return result, predictions, {}
+    # The personalization's masks come first; the rest route the test batches.
+    return result, predictions, dict(dropout_masks=masks, personalization_masks=count)
 
 
 def _hard_routes_masks(masks: list[tuple[float, np.ndarray]]) -> list[tuple[float, np.ndarray]]:
@@ -466,11 +466,9 @@ def lstm_flowjax_side(frozen_momentum: str, settings: dict,
     train = _examples(data["train_x"].astype(np.int32), data["train_y"].astype(np.int32),
                       settings["batch_size"])
     key = jax.random.key(settings["seed"] + 1)
-    result, predictions, masks, personalization_masks = _recorded_client_run(
-        algorithm, params, train, jnp.asarray(data["test_x"].astype(np.int32)), key,
+    result, predictions, mask_fields = _recorded_client_run(
+        algorithm, params, train, jnp.asarray(data["test_x"].astype(np.int32)), key, dropout,
         settings["test_batch_size"])
-    if not dropout and any(masks.values()):
-        raise AssertionError("flowjax drew dropout masks with dropout off")
     snapshot = np.asarray(predictions.global_snapshot)
     personal_logits = np.asarray(predictions.personal_hard)
     valid = train.flat()[2]
@@ -488,17 +486,13 @@ def lstm_flowjax_side(frozen_momentum: str, settings: dict,
     eval_order = ([("local", "all" if every else "shard0", e) for e in range(k1)]
                   + [("joint", "all" if every else "shard1", e) for e in range(k2)])
     layout = lambda p: lstm_to_torch_layout(p, model.name)  # noqa: E731
-    side = dict(initial=lstm_effective(layout(params)), torch_state=layout(params),
+    return dict(initial=lstm_effective(layout(params)), torch_state=layout(params),
                 updated=lstm_effective(layout(result.params)),
                 eval_snapshot_logits=snapshot, eval_personal_logits=personal_logits,
                 metrics=_metrics(snapshot, personal_logits, data["test_y"],
                                  real=data["test_y"] != 0),
                 train_passes=_planned_passes(train_plan, train_order),
-                eval_passes=_planned_passes(eval_plan, eval_order))
-    if dropout:
-        side["dropout_masks"] = masks
-        side["personalization_masks"] = personalization_masks  # the rest route the test
-    return side
+                eval_passes=_planned_passes(eval_plan, eval_order), **mask_fields)
 
 
 # ----------------------------------------------------------------------------- CIFAR ResNet

@@ -12,9 +12,9 @@ An algorithm is a frozen dataclass of pure functions, in the spirit of FedJAX's
 * ``personalize(params, train_examples, key, client_state) -> personal``: what the
   evaluation builds for a client from the current server params and its train split;
 * ``predict(params, personal, x) -> Predictions``: global and personalized logits;
-* ``for_test_batch(personal, index) -> personal`` (methods whose prediction draws
-  randomness only): what ``predict`` gets for the client's ``index``-th test batch (an
-  int32 scalar), so that each batch draws its own; without it, ``personal`` itself;
+* ``for_test_batch(personal, index) -> personal``: what ``predict`` gets for the
+  client's ``index``-th test batch (an int32 scalar); a method whose prediction draws
+  randomness gives each batch its own, the default is ``personal`` itself;
 * ``init_client_state(params) -> state`` (stateful methods only): the state of a client
   that has not trained yet. The engine keeps each visited client's state in a host store
   (``core.client_state``), hands the cohort's states to ``client_update`` and stores the

@@ -63,6 +63,13 @@ class Predictions:
     global_snapshot: jax.Array | None = None
 
 
+def same_for_every_batch(personal: PyTree, index: jax.Array) -> PyTree:
+    """``FederatedAlgorithm.for_test_batch`` of a method whose prediction draws no
+    randomness: every test batch is predicted with ``personal`` itself."""
+    del index
+    return personal
+
+
 @dataclasses.dataclass(frozen=True)
 class FederatedAlgorithm:
     """A federated method as pure functions (see the module docstring)."""
@@ -75,7 +82,7 @@ class FederatedAlgorithm:
     predict: Callable[[PyTree, PyTree, jax.Array], Predictions]
     init_client_state: Callable[[PyTree], PyTree] | None = None
     # Methods whose prediction draws randomness: each test batch's own personal state.
-    for_test_batch: Callable[[PyTree, jax.Array], PyTree] | None = None
+    for_test_batch: Callable[[PyTree, jax.Array], PyTree] = same_for_every_batch
 
     @property
     def stateful(self) -> bool:

@@ -120,24 +120,20 @@ def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: j
 def evaluate_client(algorithm: FederatedAlgorithm, params: Any, train: ClientExamples,
                     test: ClientExamples, key: jax.Array, client_state: Any = None) -> ClientCounts:
     """Personalize on ``train`` and count on ``test`` (one client; map it for many); the
-    ``index``-th test batch is predicted with ``algorithm.for_test_batch(personal, index)``
-    where the method has one."""
+    ``index``-th test batch is predicted with ``algorithm.for_test_batch(personal, index)``."""
     personal = algorithm.personalize(params, train, key, client_state)
 
-    def batch_personal(index):
-        if algorithm.for_test_batch is None:
-            return personal
-        return algorithm.for_test_batch(personal, index)
+    def counts(batch):
+        index, x, y, mask = batch
+        return batch_counts(algorithm, params, algorithm.for_test_batch(personal, index),
+                            x, y, mask)
 
     def step(total, batch):
-        index, x, y, mask = batch
-        counts = batch_counts(algorithm, params, batch_personal(index), x, y, mask)
-        return jax.tree.map(jnp.add, total, counts), None
+        return jax.tree.map(jnp.add, total, counts(batch)), None
 
     batches = (jnp.arange(test.x.shape[0], dtype=jnp.int32), test.x, test.y, test.mask)
-    first = jax.tree.map(lambda a: a[0], batches)
-    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
-        lambda b: batch_counts(algorithm, params, batch_personal(b[0]), *b[1:]), first))
+    zeros = jax.tree.map(jnp.zeros_like,
+                         jax.eval_shape(counts, jax.tree.map(lambda a: a[0], batches)))
     total, _ = jax.lax.scan(step, zeros, batches)
     return total
 
