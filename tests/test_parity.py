@@ -54,8 +54,13 @@ def test_fixture_was_written_for_the_settings_the_script_uses(model):
 # 82 s (2026-11-29): CI checks the EMNIST CNN and the Stack Overflow LSTM (the same LSTM
 # procedure, flow_reference_lstm, with its second policy path), `-m slow` these two.
 SLOW_MODELS = ("cifar", "shakespeare")
-MODELS = [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_MODELS else name
-          for name in sorted(parity.CHECKS)]
+
+
+def _model_param(name: str):
+    return pytest.param(name, marks=pytest.mark.slow) if name in SLOW_MODELS else name
+
+
+MODELS = [_model_param(name) for name in sorted(parity.CHECKS)]
 
 _CHILD = """
 import pickle, sys
@@ -131,8 +136,7 @@ def test_flowjax_reference_mode_matches_the_authors_client_update(model, mode, f
 
 
 DROPOUT_NAMES = [name for name in sorted(parity.CHECKS) if parity.CHECKS[name].dropout]
-DROPOUT_MODELS = [param for param, name in zip(MODELS, sorted(parity.CHECKS))
-                  if name in DROPOUT_NAMES]
+DROPOUT_MODELS = [_model_param(name) for name in DROPOUT_NAMES]
 
 
 # CI checks dropout under PyTorch 2.x's rule (EMNIST's 7 s and Stack Overflow's 8 s of the
