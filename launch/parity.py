@@ -776,12 +776,13 @@ def _their_net(trainer, state: dict[str, np.ndarray], dropout: bool = False):
 
 
 @contextlib.contextmanager
-def _replayed_dropout(masks: list[tuple[float, np.ndarray]]):
+def _replayed_dropout(masks: list[tuple[float, np.ndarray]], padded_rows: int):
     """Their ``F.dropout`` (every ``nn.Dropout`` calls it) multiplies by flowjax's masks
     instead of drawing its own, as PyTorch does with its own (``input * mask / (1 - p)``):
     each call takes the next recorded mask of its keep probability and feature shape
-    (NHWC masks as their NCHW), its first rows for a batch shorter than flowjax's padded
-    one. A call with no mask left, or a mask never taken, fails the run."""
+    (NHWC masks as their NCHW). A mask has their batch's rows, or ``padded_rows`` (flowjax's
+    padded training batch) for their shorter last batch, which takes its first rows. A
+    call with no mask left, a mask of other rows, or a mask never taken fails the run."""
     import collections
 
     import torch
@@ -801,9 +802,10 @@ def _replayed_dropout(masks: list[tuple[float, np.ndarray]]):
             raise AssertionError(f"their code drew a dropout mask (p={p}, input "
                                  f"{tuple(input.shape)}) that flowjax did not")
         mask = queue.popleft()
-        if mask.shape[0] < input.shape[0]:
-            raise AssertionError(f"flowjax's mask {mask.shape} has fewer rows than their "
-                                 f"batch {tuple(input.shape)}")
+        rows = input.shape[0]
+        if mask.shape[0] != rows and not mask.shape[0] == padded_rows > rows:
+            raise AssertionError(f"flowjax's mask {mask.shape} is neither for their batch "
+                                 f"{tuple(input.shape)} nor a padded batch of {padded_rows}")
         noise = torch.from_numpy(mask[:input.shape[0]].astype(np.float32)).div_(1.0 - p)
         return input * noise
 
@@ -864,7 +866,8 @@ def torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
     test = _BatchedDataset(data["test_x"], data["test_y"], 100)
 
     masks = ours.get("dropout_masks")
-    replay = (lambda phase: _replayed_dropout(masks[phase])) if masks else (
+    padded = settings["batch_size"]  # flowjax's training batches, padded to it
+    replay = (lambda phase: _replayed_dropout(masks[phase], padded)) if masks else (
         lambda phase: contextlib.nullcontext())
     with _zero_grad(mode):
         net = _their_net(trainer, initial, dropout=masks is not None)
@@ -980,7 +983,8 @@ def lstm_torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
     test = _Batches(data["test_x"], data["test_y"], settings["test_batch_size"])
 
     masks = ours.get("dropout_masks")
-    replay = (lambda phase: _replayed_dropout(masks[phase])) if masks else (
+    padded = settings["batch_size"]  # flowjax's training batches, padded to it
+    replay = (lambda phase: _replayed_dropout(masks[phase], padded)) if masks else (
         lambda phase: _policy_dropout_off(net_class))
     with _zero_grad(mode):
         train = _ScriptedDataset(data["train_x"], data["train_y"], ours["train_passes"])

@@ -194,3 +194,27 @@ def test_the_fixture_tells_dropout_on_from_off(model, mode):
     on, off = fixture["dropout"]["modes"][mode], fixture["modes"][mode]
     assert _largest_gap(on, off) > 10 * fixture["tolerance"]
     assert _largest_gap(on, off, "eval_personal_logits") > 100 * fixture["tolerance"]
+
+
+def test_their_dropout_takes_masks_of_their_batch_or_of_flowjaxs_padded_one():
+    """The replay's row rule, with PyTorch (skipped without it): a mask has their batch's
+    rows, or flowjax's padded batch's for their shorter last batch (its first rows scale
+    their input); any other count, a call with no mask left, or a mask never taken fails."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    masks = np.array([[1, 0, 1], [0, 1, 1], [1, 1, 0], [0, 0, 1]], np.bool_)
+    x = torch.ones(2, 3)
+    with parity._replayed_dropout([(0.5, masks), (0.5, masks)], padded_rows=4):
+        np.testing.assert_array_equal(F.dropout(x, 0.5).numpy(), 2.0 * masks[:2])
+        np.testing.assert_array_equal(F.dropout(torch.ones(4, 3), 0.5).numpy(), 2.0 * masks)
+    for rows in (1, 3, 5):  # neither their 2 rows nor the padded batch's 4
+        with pytest.raises(AssertionError, match=rf"mask \({rows}, 3\) is neither"):
+            with parity._replayed_dropout([(0.5, np.ones((rows, 3), np.bool_))], 4):
+                F.dropout(x, 0.5)
+    with pytest.raises(AssertionError, match="that flowjax did not"):
+        with parity._replayed_dropout([], padded_rows=4):
+            F.dropout(x, 0.5)
+    with pytest.raises(AssertionError, match="1 of flowjax's dropout masks were never"):
+        with parity._replayed_dropout([(0.5, masks)], padded_rows=4):
+            pass
