@@ -48,10 +48,11 @@ def epoch_batches(key: jax.Array, member: jax.Array, batch_size: int,
     (``packed_batches`` in the order of one uniform draw per example)."""
     # One draw per example index (not one draw of shape [N]) so the order of the real
     # examples does not depend on how much padding follows them. Example i's draw uses
-    # fold_in(key, i), the key ``run_epochs`` gives step i: its bits are the key data of
-    # fold_in(step key, 0) (threefry), which the steps use only as a key (dropout of
-    # layer 0, Flow's policy key), never for bits, so nothing is drawn twice. Separate
-    # tags would be cleaner but would change every result.
+    # fold_in(key, i), the key ``run_epochs`` gives step i: its bits are made of the key
+    # data of fold_in(step key, 0) (threefry: the XOR of its two words, under JAX's
+    # default jax_threefry_partitionable; the first word without it), a key the steps use
+    # only as a key (dropout of layer 0, Flow's policy key), never for bits, so nothing is
+    # drawn twice. Separate tags would be cleaner but would change every result.
     draws = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(key, i)))(
         jnp.arange(member.shape[0]))
     return packed_batches(draws, member, batch_size, max_members)
