@@ -10,7 +10,10 @@ evaluation, from the current global model ``w``:
    label (the reference code stores predicted labels: a pitfall not repeated here);
 2. for a test instance with embedding ``phi(x)``, its ``k`` nearest datastore entries by
    Euclidean distance ``d`` (not squared) and
-   ``p_kNN(c) = sum_{neighbours j with y_j = c} exp(-d_j) / sum_{neighbours j} exp(-d_j)``;
+   ``p_kNN(c) = sum_{neighbours j with y_j = c} exp(-d_j) / sum_{neighbours j} exp(-d_j)``
+   (the spec's kernel, ``baselines.md``, and the Flow authors': their
+   ``trainers/client_knnper.py`` adds ``exp(-d)`` per neighbour; Marfoq et al.'s own code
+   weighs by ``exp(-d^2 / dim)`` with faiss's squared L2 distances, not offered here);
 3. ``p(c) = lam * p_kNN(c) + (1 - lam) * softmax(w(x))_c``.
 
 ``predict`` returns ``log p`` as the personalized logits (computed in log space, so
