@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.util
+import os
 import sys
 from typing import Any
 
@@ -81,12 +83,26 @@ def flowjax_policy_size(dataset: str, variant: str, semantics: str) -> PolicySiz
                                        if name not in ("policy", "local")))
 
 
+def check_reference_dir(reference_dir: str) -> None:
+    """Fails in one line unless ``reference_dir`` holds the authors' networks and PyTorch
+    is installed to build them."""
+    for module, *_ in THEIR_NETS.values():
+        path = os.path.join(*module.split(".")) + ".py"
+        if not os.path.isfile(os.path.join(reference_dir, path)):
+            raise SystemExit(f"--reference_dir={reference_dir!r}: expected a checkout of "
+                             f"github.com/Astuary/Flow ({path} not found)")
+    if importlib.util.find_spec("torch") is None:
+        raise SystemExit("--reference_dir needs PyTorch to build the authors' networks: "
+                         "pip install -e '.[parity]'")
+
+
 def their_policy_size(reference_dir: str, dataset: str) -> PolicySize:
     """The authors' network for ``dataset``: its policy module(s) and the rest but its
     ``local_*`` layers."""
+    check_reference_dir(reference_dir)
+    module, constructor, args, kwargs = THEIR_NETS[dataset]
     sys.path.insert(0, reference_dir)
     try:
-        module, constructor, args, kwargs = THEIR_NETS[dataset]
         net = getattr(importlib.import_module(module), constructor)(*args, **kwargs)
     finally:
         sys.path.remove(reference_dir)
@@ -117,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reference_dir", help="checkout of github.com/Astuary/Flow")
     args = parser.parse_args(argv)
+    if args.reference_dir:
+        check_reference_dir(args.reference_dir)
     print(f"{'dataset':<14} {'whose':<28} {'policy':>10} {'w_g':>12} {'share':>8}")
     for dataset, whose, size in rows(args.reference_dir):
         if isinstance(size, float):

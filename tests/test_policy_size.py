@@ -40,3 +40,10 @@ def test_the_command_prints_every_row(capsys):
     assert len(lines) == 1 + 4 * 3
     assert lines[2].split() == ["emnist", "flowjax", "semantics=reference", "336,158",
                                 "1,206,590", "27.86%"]
+
+
+def test_a_folder_that_is_not_their_checkout_is_a_one_line_error(tmp_path, capsys):
+    with pytest.raises(SystemExit, match=r"^--reference_dir='.*': expected a checkout of "
+                       r"github.com/Astuary/Flow \(models/emnist_cnn_dynamic_v4.py not found\)$"):
+        policy_size.main([f"--reference_dir={tmp_path}"])
+    assert capsys.readouterr().out == ""  # refused before any row
