@@ -776,22 +776,26 @@ def _their_net(trainer, state: dict[str, np.ndarray], dropout: bool = False):
 
 
 @contextlib.contextmanager
-def _replayed_dropout(masks: list[tuple[float, np.ndarray]], padded_rows: int):
+def _replayed_dropout(masks: list[tuple[float, np.ndarray]], padded_rows: int,
+                      trained: int | None = None):
     """Their ``F.dropout`` (every ``nn.Dropout`` calls it) multiplies by flowjax's masks
     instead of drawing its own, as PyTorch does with its own (``input * mask / (1 - p)``):
     each call takes the next recorded mask of its keep probability and feature shape
     (NHWC masks as their NCHW). A mask has their batch's rows, or ``padded_rows`` (flowjax's
-    padded training batch) for their shorter last batch, which takes its first rows. A
-    call with no mask left, a mask of other rows, or a mask never taken fails the run."""
+    padded training batch) for their shorter last batch, which takes its first rows; the
+    masks from index ``trained`` on (the test batches' routing, not padded) only their
+    batch's. A call with no mask left, a mask of other rows, or a mask never taken fails
+    the run."""
     import collections
 
     import torch
     import torch.nn.functional as F
 
     queues = collections.defaultdict(collections.deque)
-    for keep, mask in masks:
+    for index, (keep, mask) in enumerate(masks):
         mask = mask.transpose(0, 3, 1, 2) if mask.ndim == 4 else mask
-        queues[(round(keep, 9), mask.shape[1:])].append(mask)
+        padded = padded_rows if trained is None or index < trained else None
+        queues[(round(keep, 9), mask.shape[1:])].append((mask, padded))
     original = F.dropout
 
     def replayed(input, p=0.5, training=True, inplace=False):
@@ -801,11 +805,12 @@ def _replayed_dropout(masks: list[tuple[float, np.ndarray]], padded_rows: int):
         if not queue:
             raise AssertionError(f"their code drew a dropout mask (p={p}, input "
                                  f"{tuple(input.shape)}) that flowjax did not")
-        mask = queue.popleft()
+        mask, padded = queue.popleft()
         rows = input.shape[0]
-        if mask.shape[0] != rows and not mask.shape[0] == padded_rows > rows:
+        if mask.shape[0] != rows and not (padded is not None and mask.shape[0] == padded > rows):
             raise AssertionError(f"flowjax's mask {mask.shape} is neither for their batch "
-                                 f"{tuple(input.shape)} nor a padded batch of {padded_rows}")
+                                 f"{tuple(input.shape)} nor a padded training batch of "
+                                 f"{padded_rows}")
         noise = torch.from_numpy(mask[:input.shape[0]].astype(np.float32)).div_(1.0 - p)
         return input * noise
 
@@ -867,7 +872,8 @@ def torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
 
     masks = ours.get("dropout_masks")
     padded = settings["batch_size"]  # flowjax's training batches, padded to it
-    replay = (lambda phase: _replayed_dropout(masks[phase], padded)) if masks else (
+    replay = (lambda phase: _replayed_dropout(masks[phase], padded, trained=ours.get(
+        "personalization_masks") if phase == "evaluation" else None)) if masks else (
         lambda phase: contextlib.nullcontext())
     with _zero_grad(mode):
         net = _their_net(trainer, initial, dropout=masks is not None)
@@ -984,7 +990,8 @@ def lstm_torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
 
     masks = ours.get("dropout_masks")
     padded = settings["batch_size"]  # flowjax's training batches, padded to it
-    replay = (lambda phase: _replayed_dropout(masks[phase], padded)) if masks else (
+    replay = (lambda phase: _replayed_dropout(masks[phase], padded, trained=ours.get(
+        "personalization_masks") if phase == "evaluation" else None)) if masks else (
         lambda phase: _policy_dropout_off(net_class))
     with _zero_grad(mode):
         train = _ScriptedDataset(data["train_x"], data["train_y"], ours["train_passes"])

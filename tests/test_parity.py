@@ -199,7 +199,8 @@ def test_the_fixture_tells_dropout_on_from_off(model, mode):
 def test_their_dropout_takes_masks_of_their_batch_or_of_flowjaxs_padded_one():
     """The replay's row rule, with PyTorch (skipped without it): a mask has their batch's
     rows, or flowjax's padded batch's for their shorter last batch (its first rows scale
-    their input); any other count, a call with no mask left, or a mask never taken fails."""
+    their input) but in the test batches' routing; any other count, a call with no mask
+    left, or a mask never taken fails."""
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
 
@@ -212,6 +213,11 @@ def test_their_dropout_takes_masks_of_their_batch_or_of_flowjaxs_padded_one():
         with pytest.raises(AssertionError, match=rf"mask \({rows}, 3\) is neither"):
             with parity._replayed_dropout([(0.5, np.ones((rows, 3), np.bool_))], 4):
                 F.dropout(x, 0.5)
+    # From index `trained` on (the test batches' routing, never padded): their rows only.
+    with pytest.raises(AssertionError, match=r"mask \(4, 3\) is neither"):
+        with parity._replayed_dropout([(0.5, masks), (0.5, masks)], 4, trained=1):
+            F.dropout(x, 0.5)
+            F.dropout(x, 0.5)
     with pytest.raises(AssertionError, match="that flowjax did not"):
         with parity._replayed_dropout([], padded_rows=4):
             F.dropout(x, 0.5)
