@@ -314,7 +314,8 @@ _INPUT_SHAPES: dict[str, tuple[tuple[int, ...], ...]] = {
 }
 
 
-def _input_shapes(model: RoutableModel) -> tuple[tuple[int, ...], ...]:
+def input_shapes(model: RoutableModel) -> tuple[tuple[int, ...], ...]:
+    """The per-example input shapes ``model`` takes (empty: any)."""
     if model.name == "mlp":  # its width comes from model_options: read it off the params
         first = jax.eval_shape(model.init, jax.random.key(0))[model.layer_names[0]]
         return ((first["kernel"].shape[0],),)
@@ -323,7 +324,7 @@ def _input_shapes(model: RoutableModel) -> tuple[tuple[int, ...], ...]:
 
 def _input_rule(model: RoutableModel) -> _InputRule:
     tokens = model.policy_input == "tokens"
-    return _InputRule("int" if tokens else "float", _input_shapes(model), tokens)
+    return _InputRule("int" if tokens else "float", input_shapes(model), tokens)
 
 
 def _shape_text(shape: Sequence[int]) -> str:

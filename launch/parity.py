@@ -73,7 +73,7 @@ import os
 import sys
 import tempfile
 import types
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -619,7 +619,7 @@ def resnet_torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
     trainer = _their_trainer(reference_dir, settings, total_clients=500, total_rounds=4000)
     data = image_client_data(**settings)
     labels = ours["their_labels"]
-    test = _Batches(ours["their_test_images"], data["test_y"].astype(np.int64),
+    test = _BatchedDataset(ours["their_test_images"], data["test_y"].astype(np.int64),
                     len(data["test_y"]))  # one batch (their test batch is 100)
 
     def their_net():
@@ -738,11 +738,12 @@ class _Tensorish:
 
 class _BatchedDataset:
     """``tf.data`` stand-in: batches of consecutive examples, ``.shard(n, i)`` as tf.data's
-    (every n-th batch from the i-th) -- their EMNIST loader does not shuffle."""
+    (every n-th batch from the i-th) -- their EMNIST loader does not shuffle; every pass
+    over the test examples of the other models."""
 
     def __init__(self, x: np.ndarray, y: np.ndarray, batch_size: int):
-        self._batches = [(_Tensorish(x[i: i + batch_size, ..., None]),
-                          _Tensorish(y[i: i + batch_size])) for i in range(0, len(x), batch_size)]
+        self._batches = [(_Tensorish(x[i: i + batch_size]), _Tensorish(y[i: i + batch_size]))
+                         for i in range(0, len(x), batch_size)]
 
     def shard(self, num_shards: int, index: int) -> list:
         return self._batches[index::num_shards]
@@ -824,6 +825,20 @@ def _replayed_dropout(masks: list[tuple[float, np.ndarray]], padded_rows: int,
         raise AssertionError(f"{left} of flowjax's dropout masks were never drawn by their code")
 
 
+def _replay(ours: dict[str, Any], settings: dict, when_off: Callable[[], Any]
+            ) -> Callable[[str], Any]:
+    """``phase -> context`` for their run: with flowjax's masks recorded, their dropout
+    replays those of ``phase`` (``_replayed_dropout``: training batches padded to
+    ``settings["batch_size"]``, the evaluation's masks after its personalization's for
+    unpadded test batches); without, ``when_off()``."""
+    masks = ours.get("dropout_masks")
+    if not masks:
+        return lambda phase: when_off()
+    return lambda phase: _replayed_dropout(
+        masks[phase], settings["batch_size"],
+        trained=ours["personalization_masks"] if phase == "evaluation" else None)
+
+
 def _their_evaluation(net, evaluate, layout=None) -> tuple[tuple, np.ndarray, np.ndarray]:
     """Runs their ``*_generalized_test`` (``evaluate(net)``), capturing the logits their
     nets compute in eval mode: ``(figures, snapshot logits, routed logits)``, the snapshot
@@ -867,14 +882,11 @@ def torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
     initial = ours["initial"]
     trainer = _their_trainer(reference_dir, settings, total_clients=3400, total_rounds=1500)
     data = client_data(**settings)
-    train = _BatchedDataset(data["train_x"], data["train_y"], settings["batch_size"])
-    test = _BatchedDataset(data["test_x"], data["test_y"], 100)
+    train = _BatchedDataset(data["train_x"][..., None], data["train_y"], settings["batch_size"])
+    test = _BatchedDataset(data["test_x"][..., None], data["test_y"], 100)
 
     masks = ours.get("dropout_masks")
-    padded = settings["batch_size"]  # flowjax's training batches, padded to it
-    replay = (lambda phase: _replayed_dropout(masks[phase], padded, trained=ours.get(
-        "personalization_masks") if phase == "evaluation" else None)) if masks else (
-        lambda phase: contextlib.nullcontext())
+    replay = _replay(ours, settings, contextlib.nullcontext)
     with _zero_grad(mode):
         net = _their_net(trainer, initial, dropout=masks is not None)
         with replay("train"):
@@ -915,17 +927,6 @@ class _ScriptedDataset:
 
     def exhausted(self) -> bool:
         return not self._passes
-
-
-class _Batches:
-    """Every pass over the test examples: consecutive batches of ``batch_size``."""
-
-    def __init__(self, x: np.ndarray, y: np.ndarray, batch_size: int):
-        self._batches = [(_Tensorish(x[i: i + batch_size]), _Tensorish(y[i: i + batch_size]))
-                         for i in range(0, len(x), batch_size)]
-
-    def __iter__(self):
-        return iter(self._batches)
 
 
 @contextlib.contextmanager
@@ -986,13 +987,9 @@ def lstm_torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
                              total_rounds=1500)
     net_class = getattr(trainer, names["net"])
     data = token_client_data(**settings)
-    test = _Batches(data["test_x"], data["test_y"], settings["test_batch_size"])
+    test = _BatchedDataset(data["test_x"], data["test_y"], settings["test_batch_size"])
 
-    masks = ours.get("dropout_masks")
-    padded = settings["batch_size"]  # flowjax's training batches, padded to it
-    replay = (lambda phase: _replayed_dropout(masks[phase], padded, trained=ours.get(
-        "personalization_masks") if phase == "evaluation" else None)) if masks else (
-        lambda phase: _policy_dropout_off(net_class))
+    replay = _replay(ours, settings, lambda: _policy_dropout_off(net_class))
     with _zero_grad(mode):
         train = _ScriptedDataset(data["train_x"], data["train_y"], ours["train_passes"])
         net = _their_lstm_net(net_class, ours["torch_state"], settings)

@@ -58,12 +58,10 @@ def _count(tree: Any) -> int:
 def _example_input(model) -> Any:
     """Two zero examples of the model's input (shapes only matter)."""
     import jax.numpy as jnp
-    shapes = {"emnist_cnn": ((2, 28, 28, 1), jnp.float32),
-              "resnet18_gn": ((2, 32, 32, 3), jnp.float32),
-              "shakespeare_lstm": ((2, 80), jnp.int32),
-              "stackoverflow_lstm": ((2, 20), jnp.int32)}
-    shape, dtype = shapes[model.name]
-    return jnp.zeros(shape, dtype)
+
+    from flowjax.validation import input_shapes
+    dtype = jnp.int32 if model.policy_input == "tokens" else jnp.float32
+    return jnp.zeros((2, *input_shapes(model)[-1]), dtype)
 
 
 def flowjax_policy_size(dataset: str, variant: str, semantics: str) -> PolicySize:
