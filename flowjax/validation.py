@@ -322,6 +322,20 @@ def input_shapes(model: RoutableModel) -> tuple[tuple[int, ...], ...]:
     return _INPUT_SHAPES.get(model.name, ())
 
 
+def example_input(model: RoutableModel, batch: int) -> jax.ShapeDtypeStruct:
+    """``batch`` examples of ``model``'s input (its first listed shape), as shapes only.
+
+    Launchers that size or count a model without data use this, so that they read the same
+    shapes the data checks enforce instead of keeping their own copy of them.
+    """
+    shapes = input_shapes(model)
+    if not shapes:
+        raise ValueError(f"model {model.name!r} lists no input shape; expected one of "
+                         f"{sorted(_INPUT_SHAPES) + ['mlp']}")
+    dtype = jax.numpy.int32 if model.policy_input == "tokens" else jax.numpy.float32
+    return jax.ShapeDtypeStruct((batch, *shapes[0]), dtype)
+
+
 def _input_rule(model: RoutableModel) -> _InputRule:
     tokens = model.policy_input == "tokens"
     return _InputRule("int" if tokens else "float", input_shapes(model), tokens)

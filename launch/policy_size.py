@@ -55,26 +55,19 @@ def _count(tree: Any) -> int:
     return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(tree))
 
 
-def _example_input(model) -> Any:
-    """Two zero examples of the model's input (shapes only matter)."""
-    import jax.numpy as jnp
-
-    from flowjax.validation import input_shapes
-    dtype = jnp.int32 if model.policy_input == "tokens" else jnp.float32
-    return jnp.zeros((2, *input_shapes(model)[-1]), dtype)
-
-
 def flowjax_policy_size(dataset: str, variant: str, semantics: str) -> PolicySize:
     """Flow's policy and ``w_g`` for ``configs/<dataset>.py:<variant>`` under ``semantics``."""
     import jax
 
     from flowjax.algorithms import build_algorithm
     from flowjax.models import get_model
+    from flowjax.validation import example_input
 
     config = importlib.import_module(f"configs.{dataset}").get_config(variant)
     config.methods.flow.semantics = semantics
     model = get_model(config.model, **dict(config.get("model_options") or {}))
-    algorithm = build_algorithm("flow", model, config, _example_input(model))
+    x = example_input(model, 2)
+    algorithm = build_algorithm("flow", model, config, jax.numpy.zeros(x.shape, x.dtype))
     params = jax.eval_shape(algorithm.init, jax.random.key(0))
     return PolicySize(policy=_count(params["policy"]),
                       global_model=sum(_count(part) for name, part in params.items()

