@@ -128,3 +128,14 @@ def store_data() -> ml_collections.ConfigDict:
         # None / "all": every train client; "with_test": only those with test rows (the
         # authors' Stack Overflow population; flowjax/data/tff_tasks.py).
         train_clients=config_dict.placeholder(str)))
+
+
+def paired_store_data() -> ml_collections.ConfigDict:
+    """``config.data`` of a converted EMNIST or Shakespeare store, whose clients each have a
+    train and a test split: ``store_data`` and the share of clients held out ("newly
+    joined", never trained; None or 0: none, as the paper evaluates EMNIST), drawn with
+    seed 0 among the clients ``train_clients`` keeps. Stack Overflow's held-out users are
+    a population of their own (``eval.held_out_clients``)."""
+    data = store_data()
+    data.held_out_fraction = config_dict.placeholder(float)
+    return data

@@ -11,7 +11,7 @@ Ditto lambda 0.1; HypCluster k = 2), evaluated on 1,000 of the 3,400 clients (Ap
 
 import ml_collections
 
-from configs.base import base_config, store_data
+from configs.base import base_config, paired_store_data
 
 
 def get_config(variant: str = "paper") -> ml_collections.ConfigDict:
@@ -19,7 +19,7 @@ def get_config(variant: str = "paper") -> ml_collections.ConfigDict:
         raise ValueError(f"unknown emnist config variant {variant!r}; expected 'paper'")
     config = base_config(variant)
     config.dataset = "emnist_tff"
-    config.data = store_data()
+    config.data = paired_store_data()
     config.model = "emnist_cnn"
     # Appendix E.1: Acc_g and Acc_p "averaged across 1000 clients" (of the 3,400 writers).
     config.eval.clients = 1000

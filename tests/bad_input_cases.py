@@ -264,8 +264,8 @@ CASES: tuple[Case, ...] = (
             "['stop', 'skip_clients']"),
     _config("data.train_fraction", 1.0, "config.data.train_fraction=1.0: expected a number "
             "in (0, 1)"),
-    _config("data.held_out_fraction", -0.1, "config.data.held_out_fraction=-0.1: expected a "
-            "number in [0, 1)"),
+    _config("data.held_out_fraction", -0.1, "config.data.held_out_fraction=-0.1: expected "
+            "None or a number in [0, 1)"),
     _config("data.min_sequences", 1, "config.data.min_sequences=1: expected an integer >= 2"),
     _config("data.max_train_examples", 0, "config.data.max_train_examples=0: expected None "
             "(no cap) or an integer >= 1"),

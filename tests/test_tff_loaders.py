@@ -4,6 +4,7 @@ Fixtures write tiny files in the real formats (TFF's h5 layout, FedJAX's SQLite 
 convert them through ``launch/convert.py``'s functions and load them via ``load_task``.
 """
 
+import importlib
 import json
 import os
 import shutil
@@ -17,10 +18,12 @@ import pytest
 
 h5py = pytest.importorskip("h5py")
 
+from flowjax.config import build_task  # noqa: E402
 from flowjax.core.cohort import assemble_cohort  # noqa: E402
-from flowjax.data import load_task, shakespeare  # noqa: E402
+from flowjax.data import load_task, shakespeare, tff_tasks  # noqa: E402
 from flowjax.data.client_store import ClientStore, write_store  # noqa: E402
 from flowjax.data.fedjax_sqlite import decode_client, encode_client, write_sqlite  # noqa: E402
+from flowjax.validation import validate_config  # noqa: E402
 from launch.convert import convert  # noqa: E402
 from tests import forkserver  # noqa: E402
 
@@ -178,6 +181,25 @@ def test_emnist_held_out_fraction_and_caps(converted):
     cohort = assemble_cohort(task.train, "train", [0, 1], num_clients=3, padded_examples=2,
                              batch_size=1)
     assert cohort.x.shape == (3, 2, 1, 28, 28)
+
+
+@pytest.mark.parametrize("spec", ["emnist.py:paper", "shakespeare.py:tff"])
+def test_paired_configs_hold_out_clients_on_request(converted, spec):
+    """The configs' ``data.held_out_fraction`` (None: none, as the paper's EMNIST) reaches
+    the loader: a seeded share of the clients becomes the held-out population."""
+    file, variant = spec.split(":")
+    config = importlib.import_module(f"configs.{file[:-3]}").get_config(variant)
+    config.data.store_dir = str(converted[file.split(".")[0]])
+    validate_config(config)
+    assert config.data.held_out_fraction is None and build_task(config).held_out is None
+    config.data.held_out_fraction = 0.34
+    validate_config(config)
+    task = build_task(config)
+    dataset = file.split(".")[0]
+    stored = tff_tasks.open_task_dir(dataset, converted[dataset])[1]["train"]
+    assert 1 <= len(task.held_out.client_ids) == max(round(0.34 * len(stored)), 1) < len(stored)
+    assert sorted(list(task.train.client_ids) + list(task.held_out.client_ids)) == sorted(
+        stored.client_ids)
 
 
 # --- Shakespeare -----------------------------------------------------------------

