@@ -209,8 +209,56 @@ def test_missing_files_name_the_files_and_the_package(tmp_path):
     assert "apt-get install dataset-fashion-mnist" in message
     write_files(tmp_path, pool(10, 10), pool(10, 5))
     os.remove(tmp_path / "t10k-labels-idx1-ubyte.gz")
-    with pytest.raises(ValueError, match="IDX files not found"):
+    with pytest.raises(ValueError) as error:
         load_task("mnist_family_idx", dict(data_dir=str(tmp_path)))
+    # Three files of four: the line names the one that is missing.
+    assert "\n" not in str(error.value) and str(error.value).startswith(
+        f"fashion_mnist IDX files not found in data_dir={str(tmp_path)!r} (missing "
+        f"t10k-labels-idx1-ubyte.gz in {str(tmp_path)!r}): expected ")
+
+
+@pytest.mark.parametrize("kind, type_byte, dtype", [("images-idx3", 0x0D, ">f4"),
+                                                    ("labels-idx1", 0x0C, ">i4")])
+def test_idx_files_not_uint8_are_refused_not_rescaled_or_truncated(tmp_path, kind,
+                                                                    type_byte, dtype):
+    """IDX allows other element types (LeCun's page: 0x0D float, 0x0C int); the MNIST
+    family is uint8 only, and a float image would be divided by 255 once more."""
+    write_files(tmp_path, pool(10, 10), pool(10, 5), compress=False)
+    path = tmp_path / f"train-{kind}-ubyte"
+    array = read_idx(str(path)).astype(dtype)  # the same values, another type
+    # The header as LeCun's page gives it: two zero bytes, the type byte, the dimensions.
+    header = bytes([0, 0, type_byte, array.ndim]) + b"".join(
+        struct.pack(">I", d) for d in array.shape)
+    path.write_bytes(header + array.tobytes())
+    with pytest.raises(ValueError) as error:
+        load_task("mnist_family_idx", dict(data_dir=str(tmp_path), num_clients=2,
+                                           train_per_client=10, test_per_client=5))
+    found = np.dtype(dtype).newbyteorder("=").name
+    assert str(error.value) == (f"{path}: holds {found} (IDX type byte 0x{type_byte:02X}); "
+                                "expected uint8 (type byte 0x08), as the MNIST-family files are")
+
+
+FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
+
+
+@pytest.mark.skipif(not os.path.isdir(FASHION_MNIST),
+                    reason="Debian's dataset-fashion-mnist is not installed")
+def test_the_real_fashion_mnist_files_read_as_a_plain_offset_read_gives_them():
+    """Debian's files (zalandoresearch's release), read by ``read_idx`` and by the fixed
+    offsets TFDS's MNIST reader uses (16 header bytes for images, 8 for labels)."""
+    for stem, n in (("train", 60000), ("t10k", 10000)):
+        images = read_idx(f"{FASHION_MNIST}/{stem}-images-idx3-ubyte.gz")
+        labels = read_idx(f"{FASHION_MNIST}/{stem}-labels-idx1-ubyte.gz")
+        with gzip.open(f"{FASHION_MNIST}/{stem}-images-idx3-ubyte.gz") as f:
+            plain = np.frombuffer(f.read()[16:], np.uint8).reshape(n, 28, 28)
+        with gzip.open(f"{FASHION_MNIST}/{stem}-labels-idx1-ubyte.gz") as f:
+            plain_labels = np.frombuffer(f.read()[8:], np.uint8)
+        np.testing.assert_array_equal(images, plain)
+        np.testing.assert_array_equal(labels, plain_labels)
+        assert np.bincount(labels).tolist() == [n // 10] * 10
+    task = load_task("mnist_family_idx", dict(data_dir=FASHION_MNIST))
+    assert len(task.train.client_ids) == 500
+    assert task.train.num_examples("train").tolist() == [100] * 500
 
 
 def test_prefixed_files_as_emnist_names_them(tmp_path):

@@ -172,6 +172,23 @@ def test_fedjax_files_with_text_client_ids_convert_as_blob_ones(sqlite_dir, tmp_
                 np.testing.assert_array_equal(text.train.client(index, split)[key], value)
 
 
+def test_a_fedjax_client_id_that_is_not_utf8_is_one_line_and_nothing_is_written(sqlite_dir,
+                                                                                 tmp_path):
+    for split in ("train", "test"):
+        name = f"federated_emnist_{split}.sqlite"
+        shutil.copy(sqlite_dir / name, tmp_path / name)
+    train = tmp_path / "federated_emnist_train.sqlite"
+    with sqlite3.connect(train) as db:
+        db.execute("UPDATE federated_data SET client_id = x'ff3030' WHERE rowid = "
+                   "(SELECT MIN(rowid) FROM federated_data)")
+    db.close()
+    with pytest.raises(ValueError) as error:
+        convert("emnist", tmp_path, tmp_path / "out", "fedjax_sqlite")
+    assert str(error.value) == (f"{train}: client id b'\\xff00' is not UTF-8 text; expected "
+                                "the UTF-8 ids FedJAX writes")
+    assert not (tmp_path / "out").exists()
+
+
 def test_emnist_held_out_fraction_and_caps(converted):
     task = load_task("emnist_tff", {"store_dir": str(converted["emnist"]),
                                     "held_out_fraction": 0.34, "max_train_examples": 2})

@@ -126,6 +126,15 @@ def _id_values(client_id: str) -> tuple[bytes, str]:
     return client_id.encode("utf-8"), client_id
 
 
+def _decoded_id(file: str, raw: bytes) -> str:
+    """A BLOB client id as text; FedJAX's ids are UTF-8 (its writer encodes str ids)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{file}: client id {raw!r} is not UTF-8 text; expected the UTF-8 "
+                         f"ids FedJAX writes") from None
+
+
 class SqliteSource:
     """One FedJAX SQLite file as a ``ClientSource``; reads one row per client."""
 
@@ -151,7 +160,7 @@ class SqliteSource:
                 # FedJAX writes BLOB ids; its reader passes on TEXT ones as they are, so a
                 # file written with TEXT ids is read here too.
                 yield (client_id if isinstance(client_id, str)
-                       else bytes(client_id).decode("utf-8"))
+                       else _decoded_id(self.name, bytes(client_id)))
 
     def __contains__(self, client_id: str) -> bool:
         with self._intact():

@@ -27,6 +27,7 @@ import numpy as np
 
 from flowjax.data import partition as partitions
 from flowjax.data.federated import ArrayFederatedData, FederatedTask
+from flowjax.data.idx import DTYPES as IDX_DTYPES
 from flowjax.data.idx import read_idx
 from flowjax.data.tfds_source import prepared_sources
 
@@ -115,11 +116,14 @@ def load_idx_task(*, data_dir: str, name: str = "fashion_mnist", prefix: str = "
     else:
         try:
             paths = idx_paths(data_dir, prefix)
-        except ValueError:
-            paths = None
+        except ValueError as error:
+            paths, missing = None, str(error)
     if paths is None:
         hint = _INSTALL_HINTS.get(name, "download them from the dataset's page")
-        raise ValueError(f"{name} IDX files not found in data_dir={data_dir!r}: expected "
+        # Name what is missing where the folder exists: three files of four is another
+        # mistake (a download cut short) than the wrong folder.
+        found = f" ({missing})" if data_dir and os.path.isdir(data_dir) else ""
+        raise ValueError(f"{name} IDX files not found in data_dir={data_dir!r}{found}: expected "
                          f"{prefix}train-images-idx3-ubyte.gz, {prefix}train-labels-idx1-ubyte.gz, "
                          f"{prefix}t10k-images-idx3-ubyte.gz, {prefix}t10k-labels-idx1-ubyte.gz "
                          f"(or uncompressed); {hint}, or set --config.data.data_dir")
@@ -130,6 +134,15 @@ def load_idx_task(*, data_dir: str, name: str = "fashion_mnist", prefix: str = "
             raise ValueError(f"{files['images']} and {files['labels']}: expected images "
                              f"[n, rows, cols] and labels [n], got {images.shape} and "
                              f"{labels.shape}")
+        # The MNIST family is uint8 pixels and labels (type byte 0x08); IDX allows other
+        # types, and a float image would be divided by 255 and a float label truncated.
+        for path, array in ((files["images"], images), (files["labels"], labels)):
+            if array.dtype != np.uint8:
+                type_byte = next(b for b, d in IDX_DTYPES.items()
+                                 if d.newbyteorder("=") == array.dtype)
+                raise ValueError(f"{path}: holds {array.dtype} (IDX type byte "
+                                 f"0x{type_byte:02X}); expected uint8 (type byte 0x08), as "
+                                 f"the MNIST-family files are")
         pools[split] = (images, labels)
     return _to_task(pools, spec, seed, name)
 
