@@ -40,7 +40,7 @@ CLIENT_STATES = "client_states"
 TENSORBOARD = "tensorboard"
 PLOTS = "plots"
 # The files a run writes (``--overwrite`` removes them with the two folders below).
-RUN_FILES = (CONFIG, METRICS, RESULTS, RUN_INFO)
+RUN_FILES = (CONFIG, METRICS, RESULTS, RUN_INFO)  # in the order a run writes them
 RUN_FOLDERS = (CHECKPOINTS, CLIENT_STATES, TENSORBOARD)
 # Subfolders that are never runs themselves when runs are searched for under a folder.
 NOT_RUNS = (CHECKPOINTS, CLIENT_STATES, PLOTS, TENSORBOARD)
@@ -87,12 +87,17 @@ def write_metrics(workdir: str, records: list[dict[str, Any]]) -> None:
 
 
 def remove_run(workdir: str) -> None:
-    """Removes a previous run's files and folders from ``workdir`` (``--overwrite``)."""
-    for name in RUN_FILES:
-        if os.path.exists(path(workdir, name)):
-            os.remove(path(workdir, name))
+    """Removes a previous run's files and folders from ``workdir`` (``--overwrite``).
+
+    ``config.json`` goes last: it says whose the other files are, and a folder holding
+    them without it is refused even with ``--overwrite``, so a kill mid-removal must leave
+    it behind for the same command to finish the job.
+    """
     for name in RUN_FOLDERS:
         shutil.rmtree(path(workdir, name), ignore_errors=True)
+    for name in RUN_FILES[::-1]:
+        if os.path.exists(path(workdir, name)):
+            os.remove(path(workdir, name))
 
 
 # ---------------------------------------------------------------------------- tables of runs

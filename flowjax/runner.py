@@ -361,7 +361,8 @@ def _run_in_workdir(config, workdir: str, run: run_config.ResolvedRun, resolved:
     def write_results() -> None:
         if not primary:  # the other hosts of a multi-host run write nothing
             return
-        run_folder.write_json_atomic(run_folder.path(workdir, run_folder.RESULTS), results)
+        # run.json first: results.json marks the run finished, and a finished run is
+        # reused, never rewritten, so a kill between the two would lose run.json.
         run_folder.write_json_atomic(run_folder.path(workdir, run_folder.RUN_INFO), {
             # A resumed run's time is its attempts' time to the resumed checkpoint plus
             # this attempt's (reproduce.py and compare.py sum it over cells and methods).
@@ -370,6 +371,7 @@ def _run_in_workdir(config, workdir: str, run: run_config.ResolvedRun, resolved:
             "resumed_from_round": result.resumed_from,
             "compilations": dict(simulation.trace_counts), "warnings": warnings,
             "code": code_version()})
+        run_folder.write_json_atomic(run_folder.path(workdir, run_folder.RESULTS), results)
 
     # Every process returns (a job's exit 0) only once process 0's results are on disk,
     # and all fail in one line if it cannot write them (a full disk).

@@ -63,6 +63,20 @@ def record_scalars(record: Mapping[str, Any]) -> dict[str, float]:
     return scalars
 
 
+# Written after an event file closes cleanly: the last round the event files then held.
+# A killed attempt loses what tensorboardX had not flushed (up to flush_secs, 120 s), so
+# event files alone do not say that they hold every round before the resumed one.
+LOGGED_THROUGH = ".logged_through"
+
+
+def _logged_through(logdir: str) -> int:
+    try:
+        with open(os.path.join(logdir, LOGGED_THROUGH)) as handle:
+            return int(handle.read())
+    except (OSError, ValueError):
+        return -1
+
+
 def _event_files(logdir: str) -> list[str]:
     if not os.path.isdir(logdir):
         return []
@@ -92,6 +106,7 @@ class TensorBoardLog(Callback):
         self._writer_class = SummaryWriter
         self.logdir = run_folder.path(workdir, run_folder.TENSORBOARD)
         self._writer = None
+        self._last_step = -1
 
     def on_run_start(self, run: RunState) -> None:
         # Runs after the checkpoint's restore (the runner lists it later), so a run resumed
@@ -102,10 +117,13 @@ class TensorBoardLog(Callback):
         self(record)
 
     def log_earlier(self, records: Iterable[Mapping[str, Any]]) -> None:
-        """Logs ``records`` that an earlier attempt made without this log (a resumed or a
-        finished run that had ``config.tensorboard`` off); nothing when event files exist,
-        since they hold those rounds already."""
-        if _event_files(self.logdir):
+        """Logs ``records`` of earlier attempts unless a cleanly closed event file holds them
+        all; else all of them again, and TensorBoard hides the earlier files' steps from
+        the first one on (``purge_step``), so an attempt that was killed before its
+        events were flushed, or that ran with ``config.tensorboard`` off, leaves no gap."""
+        records = list(records)
+        if not records or (_event_files(self.logdir) and _logged_through(self.logdir)
+                           >= max(int(record["round"]) for record in records)):
             return
         for record in records:
             self(record)
@@ -125,9 +143,12 @@ class TensorBoardLog(Callback):
                                               filename_suffix=f".{earlier}")
         for tag, value in record_scalars(record).items():
             self._writer.add_scalar(tag, value, step)
+        self._last_step = max(self._last_step, step)
 
     def close(self) -> None:
         """Flushes and closes the event file (a no-op when nothing was logged)."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+            run_folder.write_text_atomic(os.path.join(self.logdir, LOGGED_THROUGH),
+                                         str(self._last_step))

@@ -127,8 +127,9 @@ def main(argv):
                                        lambda text: methods_outside(text, list(configs)))
     if kept:
         print(f"kept {workdir}/comparison.md: {kept}; this comparison goes to {stem}.md")
-    run_folder.write_text_atomic(stem + ".md", header + table + "\n")
+    # The .csv first: table_stem judges what comparison.md shows from it.
     run_folder.write_text_atomic(stem + ".csv", comparison_csv(all_results))
+    run_folder.write_text_atomic(stem + ".md", header + table + "\n")
     print(table)
     print(f"wrote {stem}.md and {os.path.basename(stem)}.csv")
     return 0

@@ -59,3 +59,22 @@ def test_a_folder_a_file_system_cannot_sync_is_left_but_a_file_is_not(tmp_path, 
     durable.fsync_path(str(tmp_path))  # some FUSE and network mounts: nothing to do
     with pytest.raises(OSError):
         durable.fsync_path(str(tmp_path / "file"))
+
+
+def test_a_replacing_folder_is_synced_before_the_old_one_is_dropped(tmp_path, monkeypatch):
+    """Else a power loss after the swap could leave neither the old store nor the new."""
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "old").write_text("old")
+    events = []
+    monkeypatch.setattr(durable, "fsync_path", lambda p: events.append(("sync", str(p))))
+    real_replace = durable.replace_folder
+    monkeypatch.setattr(durable, "replace_folder", lambda new, path: (
+        events.append(("replace", str(path))), real_replace(new, path))[-1])
+    with durable.replacing_folder(tmp_path / "store") as tmp:
+        (tmp / "rows").write_text("new")
+    replaced = events.index(("replace", str(tmp_path / "store")))
+    assert ("sync", str(tmp / "rows")) in events[:replaced]
+    assert ("sync", str(tmp_path)) in events[:replaced]  # the temporary folder's entry
+    assert events[replaced + 1:] == [("sync", str(tmp_path))]  # the moved entry
+    assert (tmp_path / "store" / "rows").read_text() == "new"
+    assert not (tmp_path / "store" / "old").exists()

@@ -459,3 +459,40 @@ def test_metrics_jsonl_is_on_disk_before_results_json_marks_the_run_finished(tmp
     size = (tmp_path / "metrics.jsonl").stat().st_size
     assert size > 0
     assert synced.index(("metrics.jsonl", size)) < synced.index(("replaced", "results.json"))
+
+
+def test_an_overwrite_killed_midway_can_be_finished_by_the_same_command(tmp_path,
+                                                                         monkeypatch):
+    """``--overwrite`` removes config.json last: killed after any other removal, the
+    folder still says it is flowjax's, and the same command finishes it (config.json
+    removed first left files that every rerun, --overwrite too, refused)."""
+    from flowjax import run_folder
+    from flowjax.runner import run_config_to_workdir
+    config = run_config()
+    run_config_to_workdir(config, str(tmp_path), progress=False)
+    real_remove = os.remove
+
+    def killed_after_the_first(file):
+        real_remove(file)
+        raise KeyboardInterrupt  # stands for the kill: nothing after it runs
+
+    monkeypatch.setattr(run_folder.os, "remove", killed_after_the_first)
+    with pytest.raises(KeyboardInterrupt):
+        run_folder.remove_run(str(tmp_path))
+    monkeypatch.setattr(run_folder.os, "remove", real_remove)
+    assert (tmp_path / "config.json").exists() and not (tmp_path / "checkpoints").exists()
+    config.seed = 1
+    run_config_to_workdir(config, str(tmp_path), progress=False, overwrite=True)
+    assert json.loads((tmp_path / "config.json").read_text())["seed"] == 1
+
+
+def test_run_json_is_written_before_results_json(tmp_path, monkeypatch):
+    """results.json marks a run finished (a finished run is reused, never rewritten):
+    written last, so that a kill between the two cannot lose run.json."""
+    from flowjax import run_folder
+    from flowjax.runner import run_config_to_workdir
+    written, real_write = [], run_folder.write_json_atomic
+    monkeypatch.setattr(run_folder, "write_json_atomic", lambda file, value: (
+        written.append(os.path.basename(file)), real_write(file, value))[-1])
+    run_config_to_workdir(run_config(), str(tmp_path), progress=False)
+    assert written[-2:] == ["run.json", "results.json"]

@@ -19,13 +19,22 @@ from tests.helpers import small_config  # noqa: E402
 
 
 def read_events(logdir):
-    """Every ``Event`` of the event files in ``logdir``, file by file in name order.
+    """Every ``Event`` of the event files in ``logdir``, file by file in name order."""
+    return read_events_of(logdir, event_files(logdir))
+
+
+def event_files(logdir):
+    return sorted(name for name in os.listdir(logdir) if name.startswith("events.out.tfevents"))
+
+
+def read_events_of(logdir, names):
+    """The ``Event``s of the event files ``names`` in ``logdir``, in that order.
 
     An event file is TFRecord framing: uint64 length, uint32 length CRC, the serialized
     proto, uint32 data CRC (the CRCs are not checked here).
     """
     events = []
-    for name in sorted(os.listdir(logdir)):
+    for name in names:
         with open(os.path.join(logdir, name), "rb") as handle:
             data = handle.read()
         offset = 0
@@ -83,7 +92,7 @@ def test_tensorboard_turned_on_after_a_run_logs_its_records(tmp_path):
     for _ in range(2):
         assert run_config_to_workdir(config, str(tmp_path), progress=False) == first
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(os.listdir(tmp_path / "tensorboard")) == 1  # the second reuse adds nothing
+    assert len(event_files(tmp_path / "tensorboard")) == 1  # the second reuse adds nothing
     logged = scalars(read_events(tmp_path / "tensorboard"))
     assert logged["train/loss"] == pytest.approx(
         {r["round"]: r["loss"] for r in records if r["kind"] == "train"}, rel=1e-6)
@@ -100,7 +109,32 @@ def test_a_resumed_run_with_tensorboard_newly_on_logs_the_rounds_before_it(tmp_p
     again = tensorboard_log.TensorBoardLog(str(tmp_path))
     again.on_run_start(types.SimpleNamespace(history=history))  # event files exist: nothing
     again.close()
-    assert len(os.listdir(tmp_path / "tensorboard")) == 1
+    assert len(event_files(tmp_path / "tensorboard")) == 1
+
+
+def test_a_run_killed_before_its_events_were_flushed_logs_them_again_on_resume(tmp_path):
+    """SIGKILL loses what tensorboardX had buffered: an attempt's event file may end
+    before its last rounds, or be empty. Without a clean close's record of the rounds it
+    holds, the resumed run logs its whole history again, purging from the first round."""
+    history = [{"round": r, "kind": "train", "loss": float(r)} for r in (1, 2, 3, 4)]
+    killed = tensorboard_log.TensorBoardLog(str(tmp_path))
+    killed(history[0])
+    killed._writer.flush()
+    # The kill: rounds 2 to 4 never reached the file, and the writer never closed.
+    (first,) = event_files(tmp_path / "tensorboard")
+    killed._writer = None
+    resumed = tensorboard_log.TensorBoardLog(str(tmp_path))
+    resumed.on_run_start(types.SimpleNamespace(history=history))
+    resumed({"round": 5, "kind": "train", "loss": 5.0})
+    resumed.close()
+    events = read_events(tmp_path / "tensorboard")
+    starts = [e.step for e in events if e.HasField("session_log")
+              and e.session_log.status == event_pb2.SessionLog.START]
+    assert starts == [1]  # TensorBoard hides the killed attempt's steps
+    newest = sorted(set(event_files(tmp_path / "tensorboard")) - {first})
+    assert scalars(read_events_of(tmp_path / "tensorboard", newest))["train/loss"] == {
+        1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 5.0}
+    assert (tmp_path / "tensorboard" / ".logged_through").read_text() == "5"
 
 
 def test_record_scalars_names_tags_by_kind_population_and_field():
@@ -126,7 +160,7 @@ def test_a_resumed_run_purges_the_earlier_attempts_later_steps(tmp_path):
     resumed = tensorboard_log.TensorBoardLog(str(tmp_path))
     resumed({"round": 3, "kind": "train", "loss": 3.0})
     resumed.close()
-    files = sorted(os.listdir(tmp_path / "tensorboard"))
+    files = event_files(tmp_path / "tensorboard")
     assert len(files) == 2  # the second attempt does not overwrite the first
     second = read_events(tmp_path / "tensorboard")
     starts = [e.step for e in second if e.HasField("session_log")
@@ -134,7 +168,7 @@ def test_a_resumed_run_purges_the_earlier_attempts_later_steps(tmp_path):
     assert starts == [3]  # TensorBoard hides the first attempt's steps >= 3
     nothing = tensorboard_log.TensorBoardLog(str(tmp_path))
     nothing.close()  # no record: no new, empty event file
-    assert sorted(os.listdir(tmp_path / "tensorboard")) == files
+    assert event_files(tmp_path / "tensorboard") == files
 
 
 def test_overwrite_removes_the_old_event_files(tmp_path):

@@ -72,7 +72,11 @@ def replacing_folder(path: pathlib.Path) -> Iterator[pathlib.Path]:
     try:
         file_modes.as_if_created(tmp)
         yield tmp
+        # The new folder durable before the old one is dropped (a power loss could
+        # otherwise leave neither), and its entry in the parent after the move.
+        fsync_tree(str(tmp))
         replace_folder(tmp, path)
+        fsync_path(str(path.parent))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
