@@ -28,7 +28,7 @@ import shutil
 import tempfile
 from typing import Any, Callable
 
-from flowjax.core import file_modes
+from flowjax.core import durable, file_modes
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
@@ -55,7 +55,8 @@ def path(workdir: str, name: str) -> str:
 def write_text_atomic(file: str, text: str) -> None:
     """Writes to a temporary file in the same folder, then renames it over ``file``.
 
-    A crash mid-write leaves the previous file intact.
+    A crash mid-write leaves the previous file intact; the folder is synced after the
+    rename, without which a power loss may keep the old entry (or none) on disk.
     """
     folder = os.path.dirname(os.path.abspath(file))
     handle, temporary = tempfile.mkstemp(dir=folder, prefix=".tmp-")
@@ -69,6 +70,7 @@ def write_text_atomic(file: str, text: str) -> None:
     except BaseException:
         os.unlink(temporary)
         raise
+    durable.fsync_path(folder)
 
 
 def write_json_atomic(file: str, payload: Any) -> None:

@@ -107,6 +107,8 @@ class TensorBoardLog(Callback):
         self.logdir = run_folder.path(workdir, run_folder.TENSORBOARD)
         self._writer = None
         self._last_step = -1
+        self._complete = False
+        self._whole_history = False  # log_earlier is logging all of the run's records
 
     def on_run_start(self, run: RunState) -> None:
         # Runs after the checkpoint's restore (the runner lists it later), so a run resumed
@@ -125,6 +127,7 @@ class TensorBoardLog(Callback):
         if not records or (_event_files(self.logdir) and _logged_through(self.logdir)
                            >= max(int(record["round"]) for record in records)):
             return
+        self._whole_history = True
         for record in records:
             self(record)
 
@@ -137,6 +140,14 @@ class TensorBoardLog(Callback):
         if self._writer is None:
             # Events of an earlier attempt from this step on are superseded by this one.
             earlier = len(_event_files(self.logdir))
+            # Complete on closing only if it starts with the whole history or the rounds
+            # before its first are vouched for.
+            self._complete = (not earlier or self._whole_history
+                              or _logged_through(self.logdir) >= step - 1)
+            if earlier and self._complete:
+                # This file hides the earlier files' steps from `step` on, and a kill may
+                # cut it short: until it closes, vouch only for the rounds before it.
+                self._write_logged_through(step - 1)
             # tensorboardX names files by the second and host only: the suffix keeps an
             # attempt started in the same second from overwriting the previous file.
             self._writer = self._writer_class(self.logdir, purge_step=step if earlier else None,
@@ -150,5 +161,8 @@ class TensorBoardLog(Callback):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-            run_folder.write_text_atomic(os.path.join(self.logdir, LOGGED_THROUGH),
-                                         str(self._last_step))
+            if self._complete:
+                self._write_logged_through(self._last_step)
+
+    def _write_logged_through(self, round_: int) -> None:
+        run_folder.write_text_atomic(os.path.join(self.logdir, LOGGED_THROUGH), str(round_))

@@ -137,6 +137,39 @@ def test_a_run_killed_before_its_events_were_flushed_logs_them_again_on_resume(t
     assert (tmp_path / "tensorboard" / ".logged_through").read_text() == "5"
 
 
+def test_an_attempt_killed_after_a_clean_one_does_not_leave_the_clean_ones_claim(tmp_path):
+    """A clean close vouches for rounds 1-22; the next attempt resumes from round 12
+    (another checkpoint cadence), hides the old steps from 13 on and is killed before its
+    events reach the file: the claim must drop to 12, or the resume after it would skip
+    relogging and rounds 13 on would be hidden and never written again."""
+    history = [{"round": r, "kind": "train", "loss": float(r)} for r in range(1, 25)]
+    clean = tensorboard_log.TensorBoardLog(str(tmp_path))
+    for record in history[:22]:
+        clean(record)
+    clean.close()
+    assert (tmp_path / "tensorboard" / ".logged_through").read_text() == "22"
+    killed = tensorboard_log.TensorBoardLog(str(tmp_path))
+    killed.on_run_start(types.SimpleNamespace(history=history[:12]))  # all vouched for
+    killed(history[12])
+    killed._writer = None  # SIGKILL: its events never reach the file, it never closes
+    assert (tmp_path / "tensorboard" / ".logged_through").read_text() == "12"
+    resumed = tensorboard_log.TensorBoardLog(str(tmp_path))
+    resumed.on_run_start(types.SimpleNamespace(history=history[:22]))
+    for record in history[22:]:
+        resumed(record)
+    resumed.close()
+    shown = {}
+    for name in event_files(tmp_path / "tensorboard"):  # as TensorBoard reads them
+        events = read_events_of(tmp_path / "tensorboard", [name])
+        for event in events:
+            if event.HasField("session_log") and event.session_log.status == \
+                    event_pb2.SessionLog.START:
+                shown = {step: v for step, v in shown.items() if step < event.step}
+        shown.update(scalars(events).get("train/loss", {}))
+    assert shown == {r: float(r) for r in range(1, 25)}
+    assert (tmp_path / "tensorboard" / ".logged_through").read_text() == "24"
+
+
 def test_record_scalars_names_tags_by_kind_population_and_field():
     train = {"round": 3, "kind": "train", "loss": 0.5, "weight": 8.0, "local_loss": None}
     assert tensorboard_log.record_scalars(train) == {"train/loss": 0.5, "train/weight": 8.0}
