@@ -108,7 +108,6 @@ class TensorBoardLog(Callback):
         self._writer = None
         self._last_step = -1
         self._complete = False
-        self._whole_history = False  # log_earlier is logging all of the run's records
 
     def on_run_start(self, run: RunState) -> None:
         # Runs after the checkpoint's restore (the runner lists it later), so a run resumed
@@ -127,7 +126,9 @@ class TensorBoardLog(Callback):
         if not records or (_event_files(self.logdir) and _logged_through(self.logdir)
                            >= max(int(record["round"]) for record in records)):
             return
-        self._whole_history = True
+        if _event_files(self.logdir):
+            # The whole history follows: no round before its first needs vouching for.
+            self._write_logged_through(int(records[0]["round"]) - 1)
         for record in records:
             self(record)
 
@@ -140,10 +141,8 @@ class TensorBoardLog(Callback):
         if self._writer is None:
             # Events of an earlier attempt from this step on are superseded by this one.
             earlier = len(_event_files(self.logdir))
-            # Complete on closing only if it starts with the whole history or the rounds
-            # before its first are vouched for.
-            self._complete = (not earlier or self._whole_history
-                              or _logged_through(self.logdir) >= step - 1)
+            # Complete on closing only if the rounds before its first are vouched for.
+            self._complete = not earlier or _logged_through(self.logdir) >= step - 1
             if earlier and self._complete:
                 # This file hides the earlier files' steps from `step` on, and a kill may
                 # cut it short: until it closes, vouch only for the rounds before it.

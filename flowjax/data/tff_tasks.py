@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from flowjax.data.client_store import ClientStore, StoreError, StoreView
-from flowjax.data.federated import FederatedTask
+from flowjax.data.federated import FederatedTask, held_out_mask
 from flowjax.data.tff_h5 import TASK_FORMAT, TASK_VERSION
 
 
@@ -70,17 +70,6 @@ def _check_cap(name: str, cap: int | None) -> None:
         raise ValueError(f"{name} must be a positive integer or None, got {cap}")
 
 
-def _held_out_split(num_clients: int, fraction: float, seed: int) -> np.ndarray:
-    """A seeded boolean mask of held-out clients (at least one kept for training)."""
-    if not 0.0 <= fraction < 1.0:
-        raise ValueError(f"held_out_fraction must be in [0, 1), got {fraction}")
-    held = np.zeros(num_clients, bool)
-    if fraction > 0 and num_clients > 1:
-        count = min(max(int(round(fraction * num_clients)), 1), num_clients - 1)
-        held[np.random.default_rng(seed).choice(num_clients, count, replace=False)] = True
-    return held
-
-
 def _load_paired(dataset: str, store_dir: Any, *, held_out_fraction: float | None = None,
                  seed: int = 0, max_train_examples: int | None = None,
                  max_test_examples: int | None = None,
@@ -91,7 +80,7 @@ def _load_paired(dataset: str, store_dir: Any, *, held_out_fraction: float | Non
     store = stores["train"]
     kept = _kept_clients(store, train_clients)
     caps = {"train": max_train_examples, "test": max_test_examples}
-    held = _held_out_split(len(kept), held_out_fraction or 0.0, seed)
+    held = held_out_mask(len(kept), held_out_fraction, seed)
     train = StoreView(store, kept[~held], caps)
     held_out = StoreView(store, kept[held], caps) if held.any() else None
     return FederatedTask(train=train, held_out=held_out, name=f"{dataset}_tff")
@@ -103,9 +92,10 @@ def load_emnist_tff(*, store_dir: Any = None, **options: Any) -> FederatedTask:
     Args:
       store_dir: the directory written by ``launch/convert.py --dataset=emnist``.
       **options: ``held_out_fraction`` (None or 0, the default: evaluate the training
-        clients' test splits, as in the paper), ``seed`` (of that draw, default 0), ``max_train_examples``, ``max_test_examples``,
-        ``train_clients`` (``"all"``, the default, or ``"with_test"``: only the clients
-        with test rows, held-out ones included).
+        clients' test splits, as in the paper), ``seed`` (of that draw, default 0),
+        ``max_train_examples``, ``max_test_examples``, ``train_clients`` (``"all"``, the
+        default, or ``"with_test"``: only the clients with test rows, held-out ones
+        included).
     """
     return _load_paired("emnist", store_dir, **options)
 
