@@ -131,6 +131,13 @@ def table_stem(stem: str, outside: Callable[[str], list[str]]) -> tuple[str, str
         number += 1
 
 
+def write_table(stem: str, markdown: str, csv_text: str) -> None:
+    """``<stem>.csv`` then ``<stem>.md``: ``table_stem`` judges what the ``.md`` shows from
+    the ``.csv``, so a kill between the two must not leave a new ``.md`` by an old ``.csv``."""
+    write_text_atomic(stem + ".csv", csv_text)
+    write_text_atomic(stem + ".md", markdown)
+
+
 def _hides(stem: str, outside: Callable[[str], list[str]]) -> str:
     """Why writing the table ``stem`` would lose what the one there shows ("": nothing)."""
     md, csv_file = stem + ".md", stem + ".csv"

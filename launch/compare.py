@@ -127,9 +127,7 @@ def main(argv):
                                        lambda text: methods_outside(text, list(configs)))
     if kept:
         print(f"kept {workdir}/comparison.md: {kept}; this comparison goes to {stem}.md")
-    # The .csv first: table_stem judges what comparison.md shows from it.
-    run_folder.write_text_atomic(stem + ".csv", comparison_csv(all_results))
-    run_folder.write_text_atomic(stem + ".md", header + table + "\n")
+    run_folder.write_table(stem, header + table + "\n", comparison_csv(all_results))
     print(table)
     print(f"wrote {stem}.md and {os.path.basename(stem)}.csv")
     return 0

@@ -147,8 +147,7 @@ def main(argv: Sequence[str]) -> int:
     command = "python launch/precision_effect.py " + " ".join(sys.argv[1:])
     text = markdown(rows, command)
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
-    run_folder.write_text_atomic(_OUT.value + ".md", text)
-    run_folder.write_text_atomic(_OUT.value + ".csv", csv_text(rows))
+    run_folder.write_table(_OUT.value, text, csv_text(rows))
     print(text)
     return 0
 

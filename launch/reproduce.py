@@ -320,9 +320,7 @@ def write_tables(request: Request, command: str, started: float) -> tuple[str, s
         print(f"kept {request.workdir}/{request.table.name}.md: {kept}; this grid's table "
               f"goes to {stem}.md (--aggregate_only with the wider grid's flags rebuilds "
               f"the whole table)", flush=True)
-    # The .csv first: table_stem judges what <table>.md shows from it.
-    run_folder.write_text_atomic(stem + ".csv", table_csv(entries))
-    run_folder.write_text_atomic(stem + ".md", markdown)
+    run_folder.write_table(stem, markdown, table_csv(entries))
     return markdown, stem
 
 

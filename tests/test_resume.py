@@ -496,3 +496,14 @@ def test_run_json_is_written_before_results_json(tmp_path, monkeypatch):
         written.append(os.path.basename(file)), real_write(file, value))[-1])
     run_config_to_workdir(run_config(), str(tmp_path), progress=False)
     assert written[-2:] == ["run.json", "results.json"]
+
+
+def test_a_table_writes_its_csv_before_its_md(tmp_path, monkeypatch):
+    """table_stem judges what <table>.md shows from the .csv: written first, a kill
+    between the two cannot leave a new .md beside an old .csv."""
+    from flowjax import run_folder
+    written, real_write = [], run_folder.write_text_atomic
+    monkeypatch.setattr(run_folder, "write_text_atomic", lambda file, text: (
+        written.append(os.path.basename(file)), real_write(file, text))[-1])
+    run_folder.write_table(str(tmp_path / "table2"), "| md |\n", "table,row\n")
+    assert written == ["table2.csv", "table2.md"]
