@@ -190,6 +190,27 @@ def test_client_order_follows_the_source(tmp_path, stores):
                                   content.EMNIST["train"]["f0002_07"]["label"])
 
 
+_FEDJAX_ROWS = ("SELECT client_id, typeof(client_id), data, num_examples FROM federated_data "
+                "ORDER BY rowid")
+
+
+@pytest.mark.parametrize("name", [*content.fedjax_files(), "edge_cases.sqlite"])
+def test_flowjax_fedjax_writer_writes_the_rows_fedjax_0_0_17_writes(tmp_path, name):
+    # The loaders' tests write their FedJAX files with flowjax's writer; these files come
+    # from FedJAX's SQLiteFederatedDataBuilder (make_fedjax_sqlite.py), the edge cases
+    # among them: a client with no examples, a non-ASCII id.
+    edge = name == "edge_cases.sqlite"
+    theirs = os.path.join(FIXTURES, "fedjax_edge" if edge else "fedjax_sqlite", name)
+    clients = content.EDGE_CASES if edge else content.fedjax_files()[name]
+    write_sqlite(tmp_path / name, clients)
+    with sqlite3.connect(theirs) as a, sqlite3.connect(tmp_path / name) as b:
+        expected, got = a.execute(_FEDJAX_ROWS).fetchall(), b.execute(_FEDJAX_ROWS).fetchall()
+    a.close()
+    b.close()
+    assert [row[0] for row in expected] == [c.encode("utf-8") for c in clients]
+    assert got == expected  # ids, their BLOB type, zlib(msgpack) blobs, counts: byte for byte
+
+
 # --- tf.train.Example wire format ---------------------------------------------------
 
 def _varint(n):

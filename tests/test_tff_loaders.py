@@ -1,7 +1,9 @@
 """TFF h5 / FedJAX SQLite conversion into client stores, and the ``*_tff`` tasks.
 
 Fixtures write tiny files in the real formats (TFF's h5 layout, FedJAX's SQLite schema),
-convert them through ``launch/convert.py``'s functions and load them via ``load_task``.
+convert them through ``launch/convert.py``'s functions and load them via ``load_task``. The
+FedJAX files come from flowjax's ``write_sqlite``, which ``tests/test_data_formats.py``
+checks against files FedJAX's own builder wrote, empty clients and non-ASCII ids included.
 """
 
 import importlib
