@@ -32,7 +32,9 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
     # SGD fields the paper sets for that method alone (None = as config.sgd).
     methods = dict(
         fedavg=dict(),
-        fedavg_ft=dict(),
+        # True: also score the fine-tuned copy after the first of E epochs, the paper's
+        # FedAvgFT Acc_g (acc_g_client_snapshot; flowjax.algorithms.fedavg). None: off.
+        fedavg_ft=dict(client_snapshot=config_dict.placeholder(bool)),
         flow=dict(
             gamma=1e-3, split_ratio=0.5, order="alternating",
             policy_dropout=0.3, policy_hidden=config_dict.placeholder(tuple),  # dataset's

@@ -97,6 +97,27 @@ def test_baselines_run_on_the_same_engine(algorithm):
     assert 0 < summary.acc_g < 1
 
 
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_fedavg_ft_client_snapshot_is_reported_beside_the_server_models_acc_g(epochs):
+    """``methods.fedavg_ft.client_snapshot``: the paper's FedAvgFT Acc_g (the fine-tuned
+    copy after the first of E epochs) joins the results; training and Acc_g are the
+    server model's as without it. At E = 1 the copy is the fine-tuned model itself."""
+    from tests.helpers import small_synthetic_config
+
+    def summary(snapshot):
+        config = small_synthetic_config(algorithm="fedavg_ft", num_rounds=2, **{
+            "sgd.epochs": epochs, "methods.fedavg_ft.client_snapshot": snapshot})
+        return run(config)[1].summaries["train_clients"]
+
+    off, on = summary(None), summary(True)
+    assert off.acc_g_client_snapshot is None and off.clients_benefiting_snapshot is None
+    assert on.acc_g == off.acc_g and on.acc_g_weighted == off.acc_g_weighted
+    assert on.acc_p == pytest.approx(off.acc_p, abs=1e-9)  # the same fine-tuning run
+    assert 0 < on.acc_g_client_snapshot < 1
+    if epochs == 1:
+        assert on.acc_g_client_snapshot == on.acc_p and on.clients_benefiting_snapshot == 0.0
+
+
 def test_flow_training_loss_falls_on_the_default_data(shared_run):
     _, result = shared_run
     losses = [h["loss"] for h in result.history if h["kind"] == "train"]

@@ -1,15 +1,18 @@
 """FedAvg and FedAvgFT: the personalized model is the server's, or that model fine-tuned."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from flowjax.algorithms.base import SGDConfig, plain_loss_sums
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.core.cohort import assemble_cohort, client_at
 from flowjax.core.losses import mean_from_sums
 from flowjax.models.base import forward
-from tests.helpers import assert_trees_equal
+from tests.helpers import assert_trees_equal, differs
 
 
 def _one_batch_client(task, index):
@@ -43,3 +46,45 @@ def test_fedavg_ft_personalizes_by_sgd_from_the_server_model_and_fedavg_does_not
 
     plain = fedavg(mlp, FedAvgConfig(sgd=sgd))
     assert_trees_equal(jax.jit(plain.personalize)(params, client, jax.random.key(2)), params)
+
+
+def _client_of_size(task, size):
+    """The first client with at least ``size`` train examples, padded to 32 (batches of 4:
+    several steps per epoch)."""
+    index = next(i for i, n in enumerate(task.train.num_examples("train")) if n >= size)
+    cohort = assemble_cohort(task.train, "train", [index], num_clients=1, padded_examples=32,
+                             batch_size=4)
+    return client_at(jax.tree.map(jnp.asarray, cohort), 0)
+
+
+def test_fedavg_ft_client_snapshot_is_its_fine_tuning_after_the_first_epoch(mlp, images_small):
+    """The paper's FedAvgFT Acc_g model (the authors' ``before_net``): one run of E epochs,
+    copied after epoch 0. Momentum, so the second part must carry the optimizer state on."""
+    sgd = SGDConfig(learning_rate=0.05, epochs=3, batch_size=4, momentum=0.9)
+    params = mlp.init(jax.random.key(0))
+    client = _client_of_size(images_small, 12)
+    key = jax.random.key(2)
+    plain = jax.jit(fedavg(mlp, FedAvgConfig(sgd=sgd, finetune=True)).personalize)
+    snapshotting = fedavg(mlp, FedAvgConfig(sgd=sgd, finetune=True, client_snapshot=True))
+    personal = jax.jit(snapshotting.personalize)(params, client, key)
+    one_epoch = fedavg(mlp, FedAvgConfig(sgd=dataclasses.replace(sgd, epochs=1), finetune=True))
+    for got, want in ((personal["fine_tuned"], plain(params, client, key)),
+                      (personal["snapshot"], jax.jit(one_epoch.personalize)(params, client, key))):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)  # two programs: rounding
+    assert differs(personal["snapshot"], params)
+    assert differs(personal["fine_tuned"], personal["snapshot"])
+    x = client.x[0]
+    predictions = snapshotting.predict(params, personal, x)
+    np.testing.assert_array_equal(predictions.global_logits, forward(mlp, params, x))
+    np.testing.assert_array_equal(predictions.personal_hard,
+                                  forward(mlp, personal["fine_tuned"], x))
+    np.testing.assert_array_equal(predictions.global_snapshot,
+                                  forward(mlp, personal["snapshot"], x))
+
+
+def test_only_fedavg_ft_takes_a_client_snapshot():
+    sgd = SGDConfig(learning_rate=0.05, epochs=1, batch_size=4)
+    with pytest.raises(ValueError, match=r"^client_snapshot=True: expected None or False: only "
+                                         r"FedAvgFT \(finetune=True\) has a fine-tuned copy"):
+        FedAvgConfig(sgd=sgd, client_snapshot=True)

@@ -48,7 +48,8 @@ from flowjax.models.base import Params, RoutableModel, forward, instance_weights
 # The methods import the protocol and the instance weights from here too (re-exported).
 __all__ = ["ClientResult", "FederatedAlgorithm", "Predictions", "SGDConfig", "client_optimizer",
            "instance_weights", "no_routing", "plain_loss_sums", "separate_models_predict",
-           "sgd_step", "train_plain", "unrouted_predictions", "valid_examples"]
+           "sgd_step", "train_plain", "train_plain_with_snapshot", "unrouted_predictions",
+           "valid_examples"]
 
 PyTree = Any
 
@@ -137,11 +138,38 @@ def train_plain(model: RoutableModel, params: Params, optimizer: optax.GradientT
     Returns the trained params and ``[loss_sum, weight_sum]`` over the steps.
     """
     x, y, _ = examples.flat()
-    step = sgd_step(lambda p, batch, k: plain_loss_sums(model, p, batch, k), optimizer)
-    (params, _), sums = run_epochs(step, (params, optimizer.init(params)), x, y, member,
+    (params, _), sums = run_epochs(_plain_sgd_step(model, optimizer),
+                                   (params, optimizer.init(params)), x, y, member,
                                    num_epochs=epochs, batch_size=batch_size, key=key,
                                    max_members=max_members, steps_per_loop=steps_per_loop)
     return params, sums
+
+
+def train_plain_with_snapshot(model: RoutableModel, params: Params,
+                              optimizer: optax.GradientTransformation, examples: ClientExamples,
+                              member: jax.Array, *, epochs: int, batch_size: int, key: jax.Array,
+                              steps_per_loop: int = 1) -> tuple[Params, Params]:
+    """``train_plain``'s run (the same epochs, keys and optimizer state), returning
+    ``(params after all epochs, a copy after the first)``.
+
+    The copy is the model the Flow authors' evaluation scores as a fine-tuning baseline's
+    Acc_g (``client_fedavg_finetuning.py``, ``emnist_generalized_test``: ``before_net``
+    is copied at ``epoch == 0`` of the E fine-tuning epochs).
+    """
+    x, y, _ = examples.flat()
+    step = _plain_sgd_step(model, optimizer)
+    common = dict(batch_size=batch_size, key=key, steps_per_loop=steps_per_loop)
+    carry, _ = run_epochs(step, (params, optimizer.init(params)), x, y, member, num_epochs=1,
+                          **common)
+    snapshot = carry[0]
+    if epochs > 1:  # continues the same run: epoch 1 onwards, same optimizer state
+        carry, _ = run_epochs(step, carry, x, y, member, num_epochs=epochs - 1, first_epoch=1,
+                              **common)
+    return carry[0], snapshot
+
+
+def _plain_sgd_step(model: RoutableModel, optimizer: optax.GradientTransformation):
+    return sgd_step(lambda p, batch, k: plain_loss_sums(model, p, batch, k), optimizer)
 
 
 def valid_examples(examples: ClientExamples) -> jax.Array:

@@ -62,7 +62,7 @@ def run_epochs(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array, member
                num_epochs: int, batch_size: int, key: jax.Array,
                max_members: int | None = None,
                batches_fn: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None,
-               steps_per_loop: int = 1) -> tuple[Carry, jax.Array]:
+               steps_per_loop: int = 1, first_epoch: int = 0) -> tuple[Carry, jax.Array]:
     """Runs ``num_epochs`` shuffled epochs of ``step_fn`` over the member examples.
 
     Args:
@@ -82,6 +82,9 @@ def run_epochs(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array, member
         group of clients runs each loop as long as its longest member, at most
         ``steps_per_loop - 1`` more steps than one loop). The same steps and keys; values
         equal to float32 rounding (XLA may fuse the nested body differently).
+      first_epoch: the index of the first epoch (each epoch's key is ``fold_in(key,
+        index)``): a run split into two calls, the second from ``first_epoch`` = the
+        first's ``num_epochs`` with its carry, runs the one call's epochs.
 
     Returns:
       The final carry and the summed ``[loss_sum, weight_sum]`` over executed steps.
@@ -120,5 +123,5 @@ def run_epochs(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array, member
         _, carry, stats = jax.lax.while_loop(lambda s: s[0] < num_steps, step, state)
         return carry, stats
 
-    carry, stats = jax.lax.scan(epoch, carry, jnp.arange(num_epochs))
+    carry, stats = jax.lax.scan(epoch, carry, first_epoch + jnp.arange(num_epochs))
     return carry, jnp.sum(stats, axis=0)

@@ -52,7 +52,8 @@ class Predictions:
         zeros with ``L = 0`` for methods without routing.
       global_snapshot: logits of a client-side copy of the global model, where a method's
         evaluation defines one (Flow's reference evaluation: the global branch after the
-        client's first routing epoch); None elsewhere. Reported beside, never instead of,
+        client's first routing epoch; FedAvgFT's ``client_snapshot``: the model after its
+        first fine-tuning epoch); None elsewhere. Reported beside, never instead of,
         the server model's ``global_logits``.
     """
 
