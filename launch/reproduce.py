@@ -15,8 +15,10 @@ when given the same flags.
 
 Tables: table2 (Acc_g, Acc_p), table3 (% clients with Acc_p > Acc_g, ties separate), and
 the ablations regularization, pi_pc_flow, fixed_policy, soft_hard, order, split_ratio,
-and gain_source (the authors' code, each of its departures alone, on Fashion-MNIST)
-(``flowjax/paper/plan.py`` holds their layouts). Each run ("cell") goes to
+gain_source (the authors' code, each of its departures alone, on Fashion-MNIST), and
+client_snapshot (FedAvgFT and Flow scored as the authors' evaluation scores them, the
+paper's Acc_g and % improved beside those quantities) (``flowjax/paper/plan.py`` holds
+their layouts). Each run ("cell") goes to
 ``<workdir>/<dataset>/<variant>/seed_<seed>/`` exactly as ``launch/train.py`` would write
 it; cells are shared between tables (Table 3 and soft_hard read Table 2's runs). A cell
 with ``results.json`` is finished and never run again; any other cell is run, resuming
@@ -69,7 +71,7 @@ from flowjax.validation import validate_config  # noqa: E402
 
 _TABLE = flags.DEFINE_string("table", None, "Paper table: table2, table3, regularization, "
                              "pi_pc_flow, fixed_policy, soft_hard, order, split_ratio, "
-                             "gain_source.")
+                             "gain_source, client_snapshot.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Root of the cells and the tables.")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "44", "56"], "Seeds (the paper's: 0, 44, 56).")
 _DATASETS = flags.DEFINE_list("datasets", [], "Datasets (default: the table's paper datasets "

@@ -48,6 +48,12 @@ REFERENCE_VARIANTS = {
     **{f"{method}_momentum": {"algorithm": method, f"methods.{method}.sgd.momentum": 0.9}
        for method in ("fedavg", "fedavg_ft", "apfl", "ditto", "knn_per")},
 }
+# The baselines scored by the authors' evaluation (README, "Baselines as implemented"):
+# the client's copy that their ``*_generalized_test`` reports as a baseline's Acc_g, beside
+# Eq. 11's server model. The `client_snapshot` table runs them.
+EVALUATION_VARIANTS = {
+    "fedavg_ft_snapshot": {"algorithm": "fedavg_ft", "methods.fedavg_ft.client_snapshot": True},
+}
 
 
 def variant_overrides(name: str, model: str | None = None) -> dict[str, Any]:
@@ -69,10 +75,12 @@ def variant_overrides(name: str, model: str | None = None) -> dict[str, Any]:
         if model is not None:
             check_departures_fit(name, model)
         return {"algorithm": "flow", **REFERENCE_VARIANTS[name]}
+    if name in EVALUATION_VARIANTS:
+        return dict(EVALUATION_VARIANTS[name])
     if name in ALGORITHMS:
         return {"algorithm": name}
     raise ValueError(f"unknown method or variant {name!r}; expected one of "
-                     f"{sorted(set(ALGORITHMS) | set(ABLATIONS) | set(REFERENCE_VARIANTS))}, "
+                     f"{sorted({*ALGORITHMS, *ABLATIONS, *REFERENCE_VARIANTS, *EVALUATION_VARIANTS})}, "
                      "'all' or 'ablations'")
 
 
@@ -113,9 +121,9 @@ def cell_name(variant: str) -> str:
     overrides, so identical runs share a cell (``pc_flow`` is ``fedavg_ft``, the paper's
     "simply FedAvgFT"; the ablation ``flow`` is the method ``flow``)."""
     overrides = variant_overrides(variant)
-    for name in (*MAIN, *ABLATIONS, *REFERENCE_VARIANTS):
-        if ((name in ALGORITHMS or name in ABLATIONS or name in REFERENCE_VARIANTS)
-                and variant_overrides(name) == overrides):
+    for name in (*MAIN, *ABLATIONS, *REFERENCE_VARIANTS, *EVALUATION_VARIANTS):
+        if ((name in ALGORITHMS or name in ABLATIONS or name in REFERENCE_VARIANTS
+             or name in EVALUATION_VARIANTS) and variant_overrides(name) == overrides):
             return name
     return variant
 
@@ -171,7 +179,8 @@ CROSS_DEVICE = ("stackoverflow", "shakespeare", "emnist")
 METRIC_TITLES = {"acc_g": "Acc_g", "acc_p": "Acc_p", "acc_p_soft": "Acc_p (soft)",
                  "clients_benefiting": "% Acc_p > Acc_g", "clients_tied": "% ties",
                  "clients_hurt": "% Acc_p < Acc_g",
-                 "acc_g_client_snapshot": "Acc_g client snapshot"}
+                 "acc_g_client_snapshot": "Acc_g client snapshot",
+                 "clients_benefiting_snapshot": "% Acc_p > snapshot"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,6 +339,16 @@ TABLES: dict[str, TableSpec] = {spec.name: spec for spec in (
                          for m in ("fedavg", "fedavg_ft", "apfl", "ditto", "knn_per")}}),
         ("acc_g", "acc_g_client_snapshot", "acc_p", "clients_benefiting"),
         ("fashion_mnist_0.1", "fashion_mnist_0.6")),
+    TableSpec(
+        "client_snapshot", "The authors' evaluation: each client's copy of the global model "
+        "after its first evaluation epoch, the paper's Acc_g, beside the server model's, %",
+        ("tbl:all-accuracies", "tbl:clients-unharmed"),
+        _rows("fedavg_ft_snapshot", "flow_reference",
+              labels={"fedavg_ft_snapshot": "FedAvgFT", "flow_reference": "Flow (reference: "
+                      "all of the authors' code)"}),
+        ("acc_g", "acc_g_client_snapshot", "acc_p", "clients_benefiting",
+         "clients_benefiting_snapshot"),
+        PAPER_DATASETS),
 )}
 
 
