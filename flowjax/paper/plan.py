@@ -79,8 +79,8 @@ def variant_overrides(name: str, model: str | None = None) -> dict[str, Any]:
         return dict(EVALUATION_VARIANTS[name])
     if name in ALGORITHMS:
         return {"algorithm": name}
-    raise ValueError(f"unknown method or variant {name!r}; expected one of "
-                     f"{sorted({*ALGORITHMS, *ABLATIONS, *REFERENCE_VARIANTS, *EVALUATION_VARIANTS})}, "
+    known = sorted({*ALGORITHMS, *ABLATIONS, *REFERENCE_VARIANTS, *EVALUATION_VARIANTS})
+    raise ValueError(f"unknown method or variant {name!r}; expected one of {known}, "
                      "'all' or 'ablations'")
 
 
