@@ -238,21 +238,30 @@ def _examples(x: np.ndarray, y: np.ndarray, batch_size: int):
                           num_examples=jnp.int32(n), client_id=jnp.int32(0))
 
 
+def cnn_to_torch_layout(params: dict, prefix: str = "") -> dict[str, np.ndarray]:
+    """flowjax's ``emnist_cnn`` params as the state dict of the authors' EMNIST CNN layers
+    (numpy), named ``<prefix>conv2d_1`` ... ``<prefix>linear_2``: OIHW kernels, ``[out, in]``
+    dense weights, and ``fc1``'s input axis reordered from flowjax's NHWC flatten to
+    PyTorch's NCHW flatten."""
+    p = {k: {n: np.asarray(v) for n, v in layer.items()} for k, layer in params.items()}
+    state = {}
+    for ours, theirs in (("conv1", "conv2d_1"), ("conv2", "conv2d_2")):
+        state[f"{prefix}{theirs}.weight"] = p[ours]["kernel"].transpose(3, 2, 0, 1)
+        state[f"{prefix}{theirs}.bias"] = p[ours]["bias"]
+    fc1 = p["fc1"]["kernel"].reshape(12, 12, 64, -1).transpose(2, 0, 1, 3).reshape(9216, -1)
+    state[f"{prefix}linear_1.weight"] = fc1.T
+    state[f"{prefix}linear_1.bias"] = p["fc1"]["bias"]
+    state[f"{prefix}linear_2.weight"] = p["fc2"]["kernel"].T
+    state[f"{prefix}linear_2.bias"] = p["fc2"]["bias"]
+    return state
+
+
 def to_torch_layout(params: dict) -> dict[str, np.ndarray]:
     """flowjax's ``{global, local, policy}`` params as the authors' ``EMNISTNet`` state
-    dict (numpy): OIHW kernels, ``[out, in]`` dense weights, and ``fc1``'s input axis
-    reordered from flowjax's NHWC flatten to PyTorch's NCHW flatten."""
+    dict (numpy; the two branches as ``cnn_to_torch_layout``)."""
     state = {}
     for branch in ("global", "local"):
-        p = {k: {n: np.asarray(v) for n, v in layer.items()} for k, layer in params[branch].items()}
-        for ours, theirs in (("conv1", "conv2d_1"), ("conv2", "conv2d_2")):
-            state[f"{branch}_{theirs}.weight"] = p[ours]["kernel"].transpose(3, 2, 0, 1)
-            state[f"{branch}_{theirs}.bias"] = p[ours]["bias"]
-        fc1 = p["fc1"]["kernel"].reshape(12, 12, 64, -1).transpose(2, 0, 1, 3).reshape(9216, -1)
-        state[f"{branch}_linear_1.weight"] = fc1.T
-        state[f"{branch}_linear_1.bias"] = p["fc1"]["bias"]
-        state[f"{branch}_linear_2.weight"] = p["fc2"]["kernel"].T
-        state[f"{branch}_linear_2.bias"] = p["fc2"]["bias"]
+        state.update(cnn_to_torch_layout(params[branch], f"{branch}_"))
     policy = params["policy"]
     names = {"base0": "fc1", "exit0": "fc1_exit.2", "base1": "fc2", "exit1": "fc2_exit.2",
              "base2": "fc3", "exit2": "fc3_exit.2", "base3": "fc4"}
@@ -654,13 +663,15 @@ def _stand_in(name: str, **attributes: Any) -> types.ModuleType:
     return module
 
 
-def import_their_trainer(reference_dir: str):
-    """``trainers.client_flow`` from ``reference_dir``, with empty stand-ins for the
-    modules it imports that one client update never calls (flwr, TensorFlow, their data
-    loaders and server), so neither needs installing."""
-    if not os.path.isfile(os.path.join(reference_dir, "trainers", "client_flow.py")):
+def import_their_trainer(reference_dir: str, module_name: str = "trainers.client_flow"):
+    """Their client module (``trainers.client_flow``, or another of their ``trainers``)
+    from ``reference_dir``, with empty stand-ins for the modules it imports that one
+    client update never calls (flwr, TensorFlow, their data loaders and server), so
+    neither needs installing."""
+    source = os.path.join(*module_name.split(".")) + ".py"
+    if not os.path.isfile(os.path.join(reference_dir, source)):
         raise SystemExit(f"--reference_dir={reference_dir!r}: expected a checkout of "
-                         "github.com/Astuary/Flow (trainers/client_flow.py not found)")
+                         f"github.com/Astuary/Flow ({source} not found)")
     stand_ins = {
         "flwr": _stand_in("flwr"),
         "flwr.client": _stand_in("flwr.client", NumPyClient=object),
@@ -710,7 +721,7 @@ def import_their_trainer(reference_dir: str):
     os.chdir(reference_dir)
     try:
         import importlib
-        return importlib.import_module("trainers.client_flow")
+        return importlib.import_module(module_name)
     finally:
         os.chdir(saved_cwd)
         sys.path[:] = saved_path

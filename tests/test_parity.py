@@ -14,6 +14,8 @@ exactly. CIFAR's and
 Shakespeare's recomputations are marked slow (``SLOW_MODELS``). The EMNIST and LSTM
 fixtures also hold a run with dropout on, their dropout fed the masks flowjax drew (their
 digest in the fixture): flowjax must draw the same masks again and reach the same figures.
+``tests/fixtures/parity_fedavg_ft.json`` (``launch/parity_fedavg_ft.py --write_fixture``)
+holds their FedAvgFT evaluation, checked at the end of this file.
 """
 
 import json
@@ -224,3 +226,39 @@ def test_their_dropout_takes_masks_of_their_batch_or_of_flowjaxs_padded_one():
     with pytest.raises(AssertionError, match="1 of flowjax's dropout masks were never"):
         with parity._replayed_dropout([(0.5, masks)], padded_rows=4):
             pass
+
+
+# --- FedAvgFT's evaluation and client snapshot (launch/parity_fedavg_ft.py) ------------
+
+_FEDAVG_FT_CHILD = """
+import pickle, sys
+from launch import parity_fedavg_ft
+ours = parity_fedavg_ft.flowjax_side()
+ours["passes"] = parity_fedavg_ft._passes_json(ours)
+with open(sys.argv[1], "wb") as f:
+    pickle.dump(ours, f)
+"""
+
+
+def test_flowjax_fedavg_ft_evaluation_and_snapshot_match_the_authors_before_net(tmp_path):
+    """``tests/fixtures/parity_fedavg_ft.json`` holds their ``emnist_generalized_test``
+    (client_fedavg_finetuning.py) fed flowjax's epochs: the E-epoch weights, ``before_net``'s
+    and the final net's logits, their figures. flowjax's FedAvgFT with ``client_snapshot``
+    must reach them (in a child without the launchers' XLA tuning, as for the checks
+    above), from the same batches."""
+    from launch import parity_fedavg_ft
+
+    with open(parity_fedavg_ft.FIXTURE) as f:
+        theirs = json.load(f)
+    assert theirs["settings"] == parity_fedavg_ft.SETTINGS
+    out = str(tmp_path / "ours.pkl")
+    forkserver.run([sys.executable, "-c", _FEDAVG_FT_CHILD, out], env=untuned_xla_env(),
+                   check=True, cwd=parity.ROOT)
+    with open(out, "rb") as f:
+        ours = pickle.load(f)
+    assert ours["passes"] == theirs["passes"]
+    _assert_matches(ours, theirs, theirs["tolerance"])
+    # The check can fail: their final model is far from the copy after one epoch.
+    gap = np.max(np.abs(np.subtract(theirs["eval_snapshot_logits"]["values"],
+                                    theirs["eval_personal_logits"]["values"])))
+    assert gap > 100 * theirs["tolerance"]
