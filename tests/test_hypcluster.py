@@ -182,6 +182,8 @@ def test_clusters_nobody_chose_keep_their_params_through_the_engine(mlp, images_
     state, metrics = simulation.run_round(state, 0)
     assert float(metrics["clients_in_cluster0_sum"]) == 3
     assert float(metrics["clients_in_cluster0_count"]) == 3
+    assert float(metrics["updates_to_cluster0"]) == 3
+    assert float(metrics["updates_to_cluster1"]) == 0
     assert _leaves_equal(state.params["cluster1"], far_copy)
     assert not _leaves_equal(state.params["cluster0"], before)
 

@@ -45,7 +45,8 @@ Choices where the paper is silent:
   the clusters chosen so far is largest (``kmeans_starts``). The warm start alone does
   not keep both clusters in use on every task (README, "Baselines as implemented").
 * Metrics: ``clients_in_cluster{i}``, the share of the round's real clients that chose
-  cluster i (collapse shows as a share of 1).
+  cluster i (collapse shows as a share of 1), and ``updates_to_cluster{i}``, how many of
+  the round's clients with examples trained it (a skipped client counts in neither).
 """
 
 from __future__ import annotations
@@ -235,6 +236,8 @@ def hypcluster(model: RoutableModel, config: HypClusterConfig,
         for i, name in enumerate(names):
             metrics[f"clients_in_{name}_sum"] = real * (chosen == i)
             metrics[f"clients_in_{name}_count"] = real
+            # Summed over the round's clients, not divided: launch/cluster_shares.py.
+            metrics[f"updates_to_{name}"] = real * (chosen == i)
         return ClientResult(
             params={name: select_tree(chosen == i, trained, params[name])
                     for i, name in enumerate(names)},
