@@ -223,7 +223,7 @@ def masks_digest(masks: dict[str, list]) -> str:
     return digest.hexdigest()
 
 
-def _examples(x: np.ndarray, y: np.ndarray, batch_size: int):
+def client_examples(x: np.ndarray, y: np.ndarray, batch_size: int):
     import jax.numpy as jnp
     from flowjax.core.cohort import ClientExamples
     n = len(x)
@@ -283,7 +283,7 @@ def flowjax_side(frozen_momentum: str, settings: dict = SETTINGS,
     algorithm = _flowjax_algorithm(frozen_momentum, settings, dropout)
     data = client_data(**settings)
     params = algorithm.init(jax.random.key(settings["seed"]))
-    train = _examples(data["train_x"], data["train_y"], settings["batch_size"])
+    train = client_examples(data["train_x"], data["train_y"], settings["batch_size"])
     # Drawn from by dropout only (the shard halves are fixed).
     key = jax.random.key(settings["seed"] + 1)
     result, predictions, mask_fields = _recorded_client_run(
@@ -292,7 +292,8 @@ def flowjax_side(frozen_momentum: str, settings: dict = SETTINGS,
     personal_logits = np.asarray(predictions.personal_hard)
     return dict(initial=to_torch_layout(params), updated=to_torch_layout(result.params),
                 eval_snapshot_logits=snapshot, eval_personal_logits=personal_logits,
-                metrics=_metrics(snapshot, personal_logits, data["test_y"]), **mask_fields)
+                metrics=generalized_test_metrics(snapshot, personal_logits, data["test_y"]),
+                **mask_fields)
 
 
 def _recorded_client_run(algorithm, params, train, test_x, key, dropout: bool,
@@ -353,7 +354,7 @@ def _hard_routes_masks(masks: list[tuple[float, np.ndarray]]) -> list[tuple[floa
     return masks[:half]
 
 
-def _metrics(before_logits: np.ndarray, after_logits: np.ndarray, y: np.ndarray,
+def generalized_test_metrics(before_logits: np.ndarray, after_logits: np.ndarray, y: np.ndarray,
              real: np.ndarray | None = None) -> dict:
     """Their ``*_generalized_test``'s figures from the two models' logits; labels outside
     ``real`` (their LSTMs' padding, 0) count nowhere."""
@@ -472,7 +473,7 @@ def lstm_flowjax_side(frozen_momentum: str, settings: dict,
     algorithm, model = _flowjax_lstm_algorithm(frozen_momentum, settings, dropout)
     data = token_client_data(**settings)
     params = algorithm.init(jax.random.key(settings["seed"]))
-    train = _examples(data["train_x"].astype(np.int32), data["train_y"].astype(np.int32),
+    train = client_examples(data["train_x"].astype(np.int32), data["train_y"].astype(np.int32),
                       settings["batch_size"])
     key = jax.random.key(settings["seed"] + 1)
     result, predictions, mask_fields = _recorded_client_run(
@@ -498,7 +499,7 @@ def lstm_flowjax_side(frozen_momentum: str, settings: dict,
     return dict(initial=lstm_effective(layout(params)), torch_state=layout(params),
                 updated=lstm_effective(layout(result.params)),
                 eval_snapshot_logits=snapshot, eval_personal_logits=personal_logits,
-                metrics=_metrics(snapshot, personal_logits, data["test_y"],
+                metrics=generalized_test_metrics(snapshot, personal_logits, data["test_y"],
                                  real=data["test_y"] != 0),
                 train_passes=_planned_passes(train_plan, train_order),
                 eval_passes=_planned_passes(eval_plan, eval_order), **mask_fields)
@@ -596,7 +597,7 @@ def _resnet_flowjax_side(frozen_momentum: str, settings: dict) -> dict[str, Any]
     algorithm = _flowjax_resnet_algorithm(frozen_momentum, settings)
     data = image_client_data(**settings)
     params = jax.tree.map(lambda a: a.astype(dtype), algorithm.init(jax.random.key(settings["seed"])))
-    train = _examples(data["train_x"].astype(dtype), data["train_y"], settings["batch_size"])
+    train = client_examples(data["train_x"].astype(dtype), data["train_y"], settings["batch_size"])
     key = jax.random.key(settings["seed"] + 1)
     result = jax.jit(algorithm.client_update)(params, train, key)
     personal = jax.jit(algorithm.personalize)(params, train, key)
@@ -613,7 +614,7 @@ def _resnet_flowjax_side(frozen_momentum: str, settings: dict) -> dict[str, Any]
     return dict(initial=resnet_to_torch_layout(params), torch_state=resnet_to_torch_layout(params),
                 updated=resnet_to_torch_layout(result.params),
                 eval_snapshot_logits=snapshot, eval_personal_logits=personal_logits,
-                metrics=_metrics(snapshot, personal_logits, data["test_y"]),
+                metrics=generalized_test_metrics(snapshot, personal_logits, data["test_y"]),
                 train_passes=passes, eval_passes=passes,  # the same key: the same batches
                 their_images=np.asarray(images),
                 their_labels=np.concatenate([np.asarray(y), np.asarray(y)]).astype(np.int64),
@@ -628,7 +629,7 @@ def resnet_torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
     trainer = _their_trainer(reference_dir, settings, total_clients=500, total_rounds=4000)
     data = image_client_data(**settings)
     labels = ours["their_labels"]
-    test = _BatchedDataset(ours["their_test_images"], data["test_y"].astype(np.int64),
+    test = BatchedDataset(ours["their_test_images"], data["test_y"].astype(np.int64),
                     len(data["test_y"]))  # one batch (their test batch is 100)
 
     def their_net():
@@ -638,18 +639,18 @@ def resnet_torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
         return net.to(getattr(torch, settings["dtype"]))
 
     with _zero_grad(mode):
-        train = _ScriptedDataset(ours["their_images"], labels, ours["train_passes"])
+        train = ScriptedDataset(ours["their_images"], labels, ours["train_passes"])
         net = their_net()
         trainer.cifar10_train(net, train, test)
         assert train.exhausted(), "their loop left passes of flowjax's plan unread"
         updated = {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
 
-        train = _ScriptedDataset(ours["their_images"], labels, ours["eval_passes"])
+        train = ScriptedDataset(ours["their_images"], labels, ours["eval_passes"])
         figures, snapshot, personal = _their_evaluation(
             their_net(), lambda net: trainer.cifar10_generalized_test(net, train, test))
         assert train.exhausted(), "their evaluation left passes of flowjax's plan unread"
     return dict(updated=updated, eval_snapshot_logits=snapshot, eval_personal_logits=personal,
-                metrics=_reported_metrics(figures))
+                metrics=reported_metrics(figures))
 
 
 # ----------------------------------------------------------------------------- theirs
@@ -747,7 +748,7 @@ class _Tensorish:
         return self._array
 
 
-class _BatchedDataset:
+class BatchedDataset:
     """``tf.data`` stand-in: batches of consecutive examples, ``.shard(n, i)`` as tf.data's
     (every n-th batch from the i-th) -- their EMNIST loader does not shuffle; every pass
     over the test examples of the other models."""
@@ -893,8 +894,8 @@ def torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
     initial = ours["initial"]
     trainer = _their_trainer(reference_dir, settings, total_clients=3400, total_rounds=1500)
     data = client_data(**settings)
-    train = _BatchedDataset(data["train_x"][..., None], data["train_y"], settings["batch_size"])
-    test = _BatchedDataset(data["test_x"][..., None], data["test_y"], 100)
+    train = BatchedDataset(data["train_x"][..., None], data["train_y"], settings["batch_size"])
+    test = BatchedDataset(data["test_x"][..., None], data["test_y"], 100)
 
     masks = ours.get("dropout_masks")
     replay = _replay(ours, settings, contextlib.nullcontext)
@@ -909,10 +910,10 @@ def torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
                 _their_net(trainer, initial, dropout=masks is not None),
                 lambda net: trainer.emnist_generalized_test(net, train, test))
     return dict(updated=updated, eval_snapshot_logits=snapshot, eval_personal_logits=personal,
-                metrics=_reported_metrics(figures))
+                metrics=reported_metrics(figures))
 
 
-class _ScriptedDataset:
+class ScriptedDataset:
     """``tf.data`` stand-in for their reshuffling LSTM loaders: every pass their loop
     asks for (``.shard(2, i)`` or iterating every batch) is the next pass of flowjax's
     plan, which must be of the same kind, so both sides see the same batches."""
@@ -998,18 +999,18 @@ def lstm_torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
                              total_rounds=1500)
     net_class = getattr(trainer, names["net"])
     data = token_client_data(**settings)
-    test = _BatchedDataset(data["test_x"], data["test_y"], settings["test_batch_size"])
+    test = BatchedDataset(data["test_x"], data["test_y"], settings["test_batch_size"])
 
     replay = _replay(ours, settings, lambda: _policy_dropout_off(net_class))
     with _zero_grad(mode):
-        train = _ScriptedDataset(data["train_x"], data["train_y"], ours["train_passes"])
+        train = ScriptedDataset(data["train_x"], data["train_y"], ours["train_passes"])
         net = _their_lstm_net(net_class, ours["torch_state"], settings)
         with replay("train"), _logged_test_without_dropout(trainer, names["test"], net_class):
             getattr(trainer, names["train"])(net, train, test)
         assert train.exhausted(), "their loop left passes of flowjax's plan unread"
         updated = {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
 
-        train = _ScriptedDataset(data["train_x"], data["train_y"], ours["eval_passes"])
+        train = ScriptedDataset(data["train_x"], data["train_y"], ours["eval_passes"])
         evaluate = getattr(trainer, names["evaluate"])
         with replay("evaluation"):
             figures, snapshot, personal = _their_evaluation(  # [B, V, T] -> [B, T, V]
@@ -1020,11 +1021,12 @@ def lstm_torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
     assert set(ours["updated"]) <= set(updated), set(ours["updated"]) - set(updated)
     return dict(updated={k: updated[k] for k in ours["updated"]},  # both sides' tensors
                 eval_snapshot_logits=snapshot, eval_personal_logits=personal,
-                metrics=_reported_metrics(figures))
+                metrics=reported_metrics(figures))
 
 
-def _reported_metrics(figures: tuple) -> dict[str, Any]:
-    """The figures of their ``*_generalized_test`` that ``_metrics`` recomputes."""
+def reported_metrics(figures: tuple) -> dict[str, Any]:
+    """The figures of their ``*_generalized_test`` that ``generalized_test_metrics``
+    recomputes."""
     names = ("before_loss", "before_accuracy", "after_loss", "after_accuracy", "correct",
              "total", "harmed", "w_g_true_w_p_true", "w_g_true_w_p_false", "w_g_false_w_p_true",
              "w_g_false_w_p_false")
@@ -1188,13 +1190,13 @@ def _misplaced_masks_control(check: Check, reference_dir: str, ours: dict[str, A
         print(f"    control, their {label} fed flowjax's masks one example off: max abs diff "
               f"{diffs['params']:.3e} (parameters), {diffs['personal_logits']:.3e} (routed "
               f"logits)")
-        if _worst(diffs) <= check.tolerance:
+        if worst_diff(diffs) <= check.tolerance:
             raise AssertionError(f"masks one example off in their {label} move their figures "
-                                 f"by {_worst(diffs):.1e}, within the {check.tolerance:g} "
+                                 f"by {worst_diff(diffs):.1e}, within the {check.tolerance:g} "
                                  f"target: the check cannot tell them from the right ones")
 
 
-def _worst(diffs: dict[str, float]) -> float:
+def worst_diff(diffs: dict[str, float]) -> float:
     """The largest of ``compare``'s differences (not the parameters' move)."""
     return max(diffs["params"], diffs["snapshot_logits"], diffs["personal_logits"],
                diffs["metrics"])
@@ -1211,7 +1213,7 @@ def _print_diffs(mode: str, ours: dict[str, Any], theirs: dict[str, Any]) -> flo
     print(f"    max abs diff, evaluation routed (Acc_p) logits:   {diffs['personal_logits']:.3e}")
     print(f"    max abs diff, evaluation metrics:                 {diffs['metrics']:.3e}"
           f"  (theirs: {theirs['metrics']})")
-    return _worst(diffs)
+    return worst_diff(diffs)
 
 
 def _passes_json(ours: dict[str, Any]) -> dict[str, list]:

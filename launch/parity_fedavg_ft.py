@@ -69,7 +69,7 @@ def flowjax_side(settings: dict = SETTINGS) -> dict[str, Any]:
     algorithm = fedavg(model, FedAvgConfig(sgd=sgd, finetune=True, client_snapshot=True))
     data = parity.client_data(**settings)
     params = algorithm.init(jax.random.key(settings["seed"]))
-    train = parity._examples(data["train_x"], data["train_y"], settings["batch_size"])
+    train = parity.client_examples(data["train_x"], data["train_y"], settings["batch_size"])
     key = jax.random.key(settings["seed"] + 1)
     personal = jax.jit(algorithm.personalize)(params, train, key)
     predictions = algorithm.predict(params, personal, jnp.asarray(data["test_x"]))
@@ -86,7 +86,8 @@ def flowjax_side(settings: dict = SETTINGS) -> dict[str, Any]:
     return dict(initial=parity.cnn_to_torch_layout(params),
                 updated=parity.cnn_to_torch_layout(personal["fine_tuned"]),
                 eval_snapshot_logits=snapshot, eval_personal_logits=fine_tuned,
-                metrics=parity._metrics(snapshot, fine_tuned, data["test_y"]), passes=passes)
+                metrics=parity.generalized_test_metrics(snapshot, fine_tuned, data["test_y"]),
+                passes=passes)
 
 
 def torch_side(reference_dir: str, ours: dict[str, Any],
@@ -100,8 +101,8 @@ def torch_side(reference_dir: str, ours: dict[str, Any],
     trainer.__dict__.update(lr=settings["learning_rate"], epochs=settings["epochs"],
                             DEVICE="cpu")
     data = parity.client_data(**settings)
-    train = parity._ScriptedDataset(data["train_x"], data["train_y"], ours["passes"])
-    test = parity._BatchedDataset(data["test_x"], data["test_y"], 100)
+    train = parity.ScriptedDataset(data["train_x"], data["train_y"], ours["passes"])
+    test = parity.BatchedDataset(data["test_x"], data["test_y"], 100)
     net = trainer.EMNISTNet(only_digits=settings["num_classes"] == 10)
     net.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in ours["initial"].items()},
                         strict=True)
@@ -121,7 +122,7 @@ def torch_side(reference_dir: str, ours: dict[str, Any],
     return dict(updated={k: v.detach().numpy().copy() for k, v in net.state_dict().items()},
                 eval_snapshot_logits=np.concatenate([o for final, o in captured if not final]),
                 eval_personal_logits=np.concatenate([o for final, o in captured if final]),
-                metrics=parity._reported_metrics(figures))
+                metrics=parity.reported_metrics(figures))
 
 
 def _passes_json(ours: dict[str, Any]) -> list:
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     control = float(np.max(np.abs(ours["eval_snapshot_logits"]
                                   - theirs["eval_personal_logits"])))
     print(f"  control, flowjax's copy vs their final model: max abs diff {control:.3e} (logits)")
-    worst = parity._worst(diffs)
+    worst = parity.worst_diff(diffs)
     if args.write_fixture:
         from flowjax import run_folder
         fixture = dict(settings=SETTINGS, torch_version=torch.__version__, tolerance=TOLERANCE,

@@ -258,7 +258,8 @@ def test_flowjax_fedavg_ft_evaluation_and_snapshot_match_the_authors_before_net(
         ours = pickle.load(f)
     assert ours["passes"] == theirs["passes"]
     _assert_matches(ours, theirs, theirs["tolerance"])
-    # The check can fail: their final model is far from the copy after one epoch.
-    gap = np.max(np.abs(np.subtract(theirs["eval_snapshot_logits"]["values"],
-                                    theirs["eval_personal_logits"]["values"])))
-    assert gap > 100 * theirs["tolerance"]
+    # The check can fail: flowjax's final model does not pass for their copy after one
+    # epoch (a snapshot taken after all E epochs would be caught).
+    with pytest.raises(AssertionError):
+        _check(ours["eval_personal_logits"], theirs["eval_snapshot_logits"], "final as copy",
+               theirs["tolerance"])

@@ -149,12 +149,19 @@ def train_plain_with_snapshot(model: RoutableModel, params: Params,
                               optimizer: optax.GradientTransformation, examples: ClientExamples,
                               member: jax.Array, *, epochs: int, batch_size: int, key: jax.Array,
                               steps_per_loop: int = 1) -> tuple[Params, Params]:
-    """``train_plain``'s run (the same epochs, keys and optimizer state), returning
-    ``(params after all epochs, a copy after the first)``.
+    """``train_plain``'s run (the same epochs, keys and optimizer state), copied after
+    its first epoch.
 
     The copy is the model the Flow authors' evaluation scores as a fine-tuning baseline's
     Acc_g (``client_fedavg_finetuning.py``, ``emnist_generalized_test``: ``before_net``
     is copied at ``epoch == 0`` of the E fine-tuning epochs).
+
+    Args:
+      model, params, optimizer, examples, member, epochs, batch_size, key, steps_per_loop:
+        as ``train_plain``'s.
+
+    Returns:
+      ``(params after all epochs, params after the first)``.
     """
     x, y, _ = examples.flat()
     step = _plain_sgd_step(model, optimizer)
@@ -168,7 +175,8 @@ def train_plain_with_snapshot(model: RoutableModel, params: Params,
     return carry[0], snapshot
 
 
-def _plain_sgd_step(model: RoutableModel, optimizer: optax.GradientTransformation):
+def _plain_sgd_step(model: RoutableModel, optimizer: optax.GradientTransformation
+                    ) -> Callable[..., Any]:
     return sgd_step(lambda p, batch, k: plain_loss_sums(model, p, batch, k), optimizer)
 
 
