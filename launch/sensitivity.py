@@ -65,14 +65,14 @@ def divergence(network: str, batches: int, seed: int = 0) -> tuple[float, float]
     import jax
     import jax.numpy as jnp
 
-    from launch.parity import _examples, image_client_data
+    from launch.parity import client_examples, image_client_data
 
     algorithm = _algorithm(network)
     params = algorithm.init(jax.random.key(seed))
     nudged = nudge(params, jax.random.key(seed + 1))
     data = image_client_data(seed=seed, train_examples=batches * BATCH, test_examples=1,
                              num_classes=10)
-    client = _examples(data["train_x"], data["train_y"], BATCH)
+    client = client_examples(data["train_x"], data["train_y"], BATCH)
     update = jax.jit(algorithm.client_update)
     key = jax.random.key(seed + 2)
     a, b = update(params, client, key).params, update(nudged, client, key).params

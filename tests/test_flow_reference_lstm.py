@@ -16,7 +16,7 @@ from flowjax.algorithms.flow import FlowConfig, flow
 from flowjax.models import get_model
 from flowjax.models.base import forward
 from flowjax.validation import validate_config
-from launch.parity import _examples, token_client_data
+from launch.parity import client_examples, token_client_data
 from tests import forkserver
 from tests.helpers import default_xla_env, one_client
 from tests.test_launch import ROOT, TINY, launch
@@ -55,7 +55,7 @@ def _token_client(n=9, padded=None, vocab_size=50, sequence_length=20):
     x, y = (data[k].astype(np.int32) for k in ("train_x", "train_y"))
     if padded is not None:
         x, y = (np.concatenate([a, np.zeros((padded - n,) + a.shape[1:], a.dtype)]) for a in (x, y))
-    client = _examples(x, y, 2)
+    client = client_examples(x, y, 2)
     mask = (jnp.arange(client.mask.size) < n).reshape(client.mask.shape)
     return client.replace(mask=mask, num_examples=jnp.int32(n)), jnp.asarray(
         data["test_x"].astype(np.int32))

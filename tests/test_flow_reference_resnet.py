@@ -14,7 +14,7 @@ from flowjax.algorithms.base import SGDConfig
 from flowjax.algorithms.flow import FlowConfig, flow
 from flowjax.models import get_model
 from flowjax.validation import validate_config
-from launch.parity import _examples, image_client_data
+from launch.parity import client_examples, image_client_data
 from tests.helpers import cifar_round_in_child
 
 CONFIG = dict(sgd=SGDConfig(learning_rate=0.05, epochs=2, batch_size=4, momentum=0.9),
@@ -41,7 +41,7 @@ def client():
     # 3 images: one batch of 4 with a padded slot, so an epoch is one step (at the suite's
     # optimization level 0 their network runs 12x slower than in a default build).
     data = image_client_data(seed=0, train_examples=3, test_examples=4, num_classes=10)
-    return _examples(data["train_x"], data["train_y"], 4), jnp.asarray(data["test_x"])
+    return client_examples(data["train_x"], data["train_y"], 4), jnp.asarray(data["test_x"])
 
 
 def test_per_image_standardization_is_tensorflows():
@@ -217,8 +217,9 @@ def test_padded_examples_and_steps_change_no_result(algorithm, params, client, u
     """The same 3 images padded to 12 (3 batches of 4, two of them empty) instead of 4."""
     examples, _ = client
     x, y, mask = examples.flat()
-    wide = _examples(np.concatenate([np.asarray(x), np.zeros((8,) + x.shape[1:], x.dtype)]),
-                     np.concatenate([np.asarray(y), np.zeros((8,), y.dtype)]), 4)
+    wide = client_examples(
+        np.concatenate([np.asarray(x), np.zeros((8,) + x.shape[1:], x.dtype)]),
+        np.concatenate([np.asarray(y), np.zeros((8,), y.dtype)]), 4)
     wide = wide.replace(mask=(jnp.arange(12) < 3).reshape(3, 4), num_examples=jnp.int32(3))
     assert not np.array_equal(np.asarray(mask), np.ones(4, bool))  # 4 holds padding too
     result = jax.jit(algorithm.client_update)(params, wide, jax.random.key(1))
