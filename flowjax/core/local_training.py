@@ -123,5 +123,7 @@ def run_epochs(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array, member
         _, carry, stats = jax.lax.while_loop(lambda s: s[0] < num_steps, step, state)
         return carry, stats
 
-    carry, stats = jax.lax.scan(epoch, carry, first_epoch + jnp.arange(num_epochs))
+    # arange(start, stop): with first_epoch = 0 the very program of arange(num_epochs).
+    epochs = jnp.arange(first_epoch, first_epoch + num_epochs)
+    carry, stats = jax.lax.scan(epoch, carry, epochs)
     return carry, jnp.sum(stats, axis=0)
