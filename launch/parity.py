@@ -176,16 +176,20 @@ def _flowjax_algorithm(frozen_momentum: str, settings: dict, dropout: bool = Fal
     from flowjax.models import get_model
 
     model = get_model("emnist_cnn", num_classes=settings["num_classes"])
-    if not dropout:  # off (module docstring): the plain glue with train=False
-        glue = model.glue_apply
-        model = dataclasses.replace(
-            model, glue_apply=lambda j, h, train, key: glue(j, h, False, key))
+    if not dropout:  # off (module docstring)
+        model = without_dropout(model)
     options = {**reference_options("emnist_cnn"), "frozen_momentum": frozen_momentum}
     sgd = SGDConfig(learning_rate=settings["learning_rate"], epochs=settings["epochs"],
                     batch_size=settings["batch_size"], momentum=options.pop("momentum"))
     off = {} if dropout else {"policy_dropout": 0.0}  # on: the exits' 0.3, theirs too
     config = FlowConfig(sgd=sgd, gamma=settings["gamma"], **off, **options)
     return flow(model, config, jnp.zeros((2, 28, 28), jnp.float32))
+
+
+def without_dropout(model):
+    """``model`` whose glue runs as at inference (``train=False``): the CNN's dropout off."""
+    glue = model.glue_apply
+    return dataclasses.replace(model, glue_apply=lambda j, h, train, key: glue(j, h, False, key))
 
 
 @contextlib.contextmanager
@@ -448,7 +452,7 @@ def lstm_effective(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def _planned_passes(plan: dict, order: list[tuple[str, str, int]]) -> list[tuple[str, list]]:
+def planned_passes(plan: dict, order: list[tuple[str, str, int]]) -> list[tuple[str, list]]:
     """The example indices of every batch of every pass, in the order their loop asks for
     them: ``order`` lists ``(phase, kind, epoch)``."""
     passes = []
@@ -501,8 +505,8 @@ def lstm_flowjax_side(frozen_momentum: str, settings: dict,
                 eval_snapshot_logits=snapshot, eval_personal_logits=personal_logits,
                 metrics=generalized_test_metrics(snapshot, personal_logits, data["test_y"],
                                  real=data["test_y"] != 0),
-                train_passes=_planned_passes(train_plan, train_order),
-                eval_passes=_planned_passes(eval_plan, eval_order), **mask_fields)
+                train_passes=planned_passes(train_plan, train_order),
+                eval_passes=planned_passes(eval_plan, eval_order), **mask_fields)
 
 
 # ----------------------------------------------------------------------------- CIFAR ResNet
@@ -609,7 +613,7 @@ def _resnet_flowjax_side(frozen_momentum: str, settings: dict) -> dict[str, Any]
     k = settings["epochs"]
     plan = reference.train_plan(key, valid, settings["batch_size"], k, k)
     order = [("local", "all", e) for e in range(k)] + [("routing", "all", e) for e in range(k)]
-    passes = _planned_passes(plan, order)
+    passes = planned_passes(plan, order)
     images = reference.per_image_standardization(reference.with_flips(reference.their_pixels(x)))
     return dict(initial=resnet_to_torch_layout(params), torch_state=resnet_to_torch_layout(params),
                 updated=resnet_to_torch_layout(result.params),
@@ -777,7 +781,9 @@ def _zero_grad(mode: str):
         torch.optim.Optimizer.zero_grad = original
 
 
-def _their_net(trainer, state: dict[str, np.ndarray], dropout: bool = False):
+def their_net(trainer, state: dict[str, np.ndarray], dropout: bool = False):
+    """Their trainer module's ``EMNISTNet`` holding ``state``, its dropout off unless
+    ``dropout``."""
     import torch
     net = trainer.EMNISTNet()
     net.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()},
@@ -900,14 +906,14 @@ def torch_side(reference_dir: str, ours: dict[str, Any], mode: str,
     masks = ours.get("dropout_masks")
     replay = _replay(ours, settings, contextlib.nullcontext)
     with _zero_grad(mode):
-        net = _their_net(trainer, initial, dropout=masks is not None)
+        net = their_net(trainer, initial, dropout=masks is not None)
         with replay("train"):
             trainer.emnist_train(net, train, test)
         updated = {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
 
         with replay("evaluation"):
             figures, snapshot, personal = _their_evaluation(
-                _their_net(trainer, initial, dropout=masks is not None),
+                their_net(trainer, initial, dropout=masks is not None),
                 lambda net: trainer.emnist_generalized_test(net, train, test))
     return dict(updated=updated, eval_snapshot_logits=snapshot, eval_personal_logits=personal,
                 metrics=reported_metrics(figures))
@@ -1216,9 +1222,13 @@ def _print_diffs(mode: str, ours: dict[str, Any], theirs: dict[str, Any]) -> flo
     return worst_diff(diffs)
 
 
+def passes_json(passes: list[tuple[str, list]]) -> list:
+    """``planned_passes``'s passes as JSON lists (the fixtures' ``passes``)."""
+    return [[kind, [batch.tolist() for batch in batches]] for kind, batches in passes]
+
+
 def _passes_json(ours: dict[str, Any]) -> dict[str, list]:
-    return {name: [[kind, [batch.tolist() for batch in batches]] for kind, batches in ours[name]]
-            for name in ("train_passes", "eval_passes")}
+    return {name: passes_json(ours[name]) for name in ("train_passes", "eval_passes")}
 
 
 def main(argv: list[str] | None = None) -> int:

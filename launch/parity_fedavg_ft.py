@@ -25,7 +25,6 @@ with the committed figures of the PyTorch side (``tests/fixtures/parity_fedavg_f
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -45,13 +44,6 @@ SETTINGS = dict(seed=0, train_examples=90, test_examples=40, epochs=3, batch_siz
 TOLERANCE = parity.TOLERANCE
 
 
-def _model(num_classes: int):
-    from flowjax.models import get_model
-    model = get_model("emnist_cnn", num_classes=num_classes)
-    glue = model.glue_apply  # dropout off (module docstring): the glue with train=False
-    return dataclasses.replace(model, glue_apply=lambda j, h, train, key: glue(j, h, False, key))
-
-
 def flowjax_side(settings: dict = SETTINGS) -> dict[str, Any]:
     """Initial weights, the fine-tuned weights, the copy's and the final model's logits
     on the test examples, their metrics and the epochs' batches (example indices), in the
@@ -62,8 +54,10 @@ def flowjax_side(settings: dict = SETTINGS) -> dict[str, Any]:
     from flowjax.algorithms.base import SGDConfig, valid_examples
     from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
     from flowjax.core.local_training import epoch_batches
+    from flowjax.models import get_model
 
-    model = _model(settings["num_classes"])
+    # Dropout off (module docstring).
+    model = parity.without_dropout(get_model("emnist_cnn", num_classes=settings["num_classes"]))
     sgd = SGDConfig(learning_rate=settings["learning_rate"], epochs=settings["epochs"],
                     batch_size=settings["batch_size"], momentum=settings["momentum"])
     algorithm = fedavg(model, FedAvgConfig(sgd=sgd, finetune=True, client_snapshot=True))
@@ -77,12 +71,12 @@ def flowjax_side(settings: dict = SETTINGS) -> dict[str, Any]:
     fine_tuned = np.asarray(predictions.personal_hard)
     # The batches run_epochs draws for epoch e (key fold_in(key, e)), as example indices.
     member = valid_examples(train)
-    passes = []
-    for epoch in range(settings["epochs"]):
-        indices, mask = epoch_batches(jax.random.fold_in(key, epoch), member,
-                                      settings["batch_size"], member.shape[0])
-        indices, mask = np.asarray(indices), np.asarray(mask)
-        passes.append(("all", [row[keep] for row, keep in zip(indices, mask) if keep.any()]))
+    epochs = range(settings["epochs"])
+    plan = jax.vmap(lambda e: epoch_batches(jax.random.fold_in(key, e), member,
+                                            settings["batch_size"], member.shape[0]))(
+        jnp.arange(settings["epochs"]))
+    passes = parity.planned_passes({"fine_tuning": plan},
+                                   [("fine_tuning", "all", e) for e in epochs])
     return dict(initial=parity.cnn_to_torch_layout(params),
                 updated=parity.cnn_to_torch_layout(personal["fine_tuned"]),
                 eval_snapshot_logits=snapshot, eval_personal_logits=fine_tuned,
@@ -103,12 +97,7 @@ def torch_side(reference_dir: str, ours: dict[str, Any],
     data = parity.client_data(**settings)
     train = parity.ScriptedDataset(data["train_x"], data["train_y"], ours["passes"])
     test = parity.BatchedDataset(data["test_x"], data["test_y"], 100)
-    net = trainer.EMNISTNet(only_digits=settings["num_classes"] == 10)
-    net.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in ours["initial"].items()},
-                        strict=True)
-    for module in net.modules():
-        if isinstance(module, torch.nn.Dropout):  # off (module docstring)
-            module.p = 0.0
+    net = parity.their_net(trainer, ours["initial"])  # their 62-class EMNISTNet, no dropout
     captured = []
 
     def hook(module, args, output):
@@ -123,10 +112,6 @@ def torch_side(reference_dir: str, ours: dict[str, Any],
                 eval_snapshot_logits=np.concatenate([o for final, o in captured if not final]),
                 eval_personal_logits=np.concatenate([o for final, o in captured if final]),
                 metrics=parity.reported_metrics(figures))
-
-
-def _passes_json(ours: dict[str, Any]) -> list:
-    return [[kind, [batch.tolist() for batch in batches]] for kind, batches in ours["passes"]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_fixture:
         from flowjax import run_folder
         fixture = dict(settings=SETTINGS, torch_version=torch.__version__, tolerance=TOLERANCE,
-                       passes=_passes_json(ours), **parity.fixture_entry(theirs))
+                       passes=parity.passes_json(ours["passes"]),
+                       **parity.fixture_entry(theirs))
         run_folder.write_text_atomic(FIXTURE, json.dumps(fixture))  # a kill leaves it whole
         print(f"wrote {os.path.relpath(FIXTURE, ROOT)}")
     ok = worst <= TOLERANCE and control > 100 * TOLERANCE

@@ -232,9 +232,9 @@ def test_their_dropout_takes_masks_of_their_batch_or_of_flowjaxs_padded_one():
 
 _FEDAVG_FT_CHILD = """
 import pickle, sys
-from launch import parity_fedavg_ft
+from launch import parity, parity_fedavg_ft
 ours = parity_fedavg_ft.flowjax_side()
-ours["passes"] = parity_fedavg_ft._passes_json(ours)
+ours["passes"] = parity.passes_json(ours["passes"])
 with open(sys.argv[1], "wb") as f:
     pickle.dump(ours, f)
 """
