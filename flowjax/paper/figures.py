@@ -176,6 +176,7 @@ def _build_figures() -> dict[tuple[str, str, str], PaperFigure]:
             figures.setdefault((dataset, "pc_flow", metric), dataclasses.replace(
                 figure, source=f"FedAvgFT's {figure.source} (sec:ablation: pc-Flow is "
                                f"simply FedAvgFT)"))
+    _add_snapshot_figures(figures)
     return figures
 
 
@@ -190,7 +191,7 @@ def _build_figures() -> dict[tuple[str, str, str], PaperFigure]:
 SNAPSHOT_ROWS = {"fedavg_ft_snapshot": "fedavg_ft", "flow_reference": "flow"}
 
 
-def _snapshot_figures(figures: dict[tuple[str, str, str], PaperFigure]) -> None:
+def _add_snapshot_figures(figures: dict[tuple[str, str, str], PaperFigure]) -> None:
     beside = {"acc_g": ("acc_g_client_snapshot", "the authors' evaluation"),
               "acc_p": ("acc_p", "the authors' evaluation"),
               "clients_benefiting": ("clients_benefiting_snapshot", "read as the authors' "
@@ -204,7 +205,6 @@ def _snapshot_figures(figures: dict[tuple[str, str, str], PaperFigure]) -> None:
 
 
 FIGURES = _build_figures()
-_snapshot_figures(FIGURES)
 
 
 def paper_figure(dataset: str, variant: str, metric: str) -> PaperFigure | None:

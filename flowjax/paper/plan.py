@@ -123,9 +123,9 @@ def cell_name(variant: str) -> str:
     overrides, so identical runs share a cell (``pc_flow`` is ``fedavg_ft``, the paper's
     "simply FedAvgFT"; the ablation ``flow`` is the method ``flow``)."""
     overrides = variant_overrides(variant)
-    for name in (*MAIN, *ABLATIONS, *REFERENCE_VARIANTS, *EVALUATION_VARIANTS):
-        if ((name in ALGORITHMS or name in ABLATIONS or name in REFERENCE_VARIANTS
-             or name in EVALUATION_VARIANTS) and variant_overrides(name) == overrides):
+    registered = [name for name in MAIN if name in ALGORITHMS]
+    for name in (*registered, *ABLATIONS, *REFERENCE_VARIANTS, *EVALUATION_VARIANTS):
+        if variant_overrides(name) == overrides:
             return name
     return variant
 
