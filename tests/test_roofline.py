@@ -80,15 +80,19 @@ def test_achieved_fraction_is_the_rate_over_the_methods_bound(emnist, tmp_path, 
     import json
     result = {"conv_impl": "xla", "compute_dtype": "float32", "models": {"emnist_cnn": {
         "rows": [{"method": "fedavg", "mapping": "vmap", "client_steps_per_s": 6850.0},
-                 {"method": "flow", "mapping": "vmap", "client_steps_per_s": 3876.0}]}}}
+                 {"method": "flow", "mapping": "vmap", "client_steps_per_s": 3876.0},
+                 {"method": "fedavg+steps_per_loop=10", "mapping": "vmap",
+                  "client_steps_per_s": 7000.0}]}}}
     path = tmp_path / "run.json"
     path.write_text(json.dumps(result))
     layers = roofline.model_formulas(emnist, 20, im2col=False)
     reports = {("emnist_cnn", "xla"): {"steps": roofline.step_totals(layers, 1000, 20)}}
     rows = roofline.achieved(reports, [str(path)], "h100")
     steps = reports[("emnist_cnn", "xla")]["steps"]
-    for row, rate in zip(rows, (6850.0, 3876.0)):
-        limit = 3.35e12 / steps[row["method"]]["bytes"]  # memory-bound
+    assert [row["method"] for row in rows] == ["fedavg", "flow", "fedavg+steps_per_loop=10"]
+    # The variant (another loop shape) against its method's bound.
+    for row, rate, method in zip(rows, (6850.0, 3876.0, 7000.0), ("fedavg", "flow", "fedavg")):
+        limit = 3.35e12 / steps[method]["bytes"]  # memory-bound
         assert row["bound"] == pytest.approx(limit)
         assert row["fraction"] == pytest.approx(rate / limit)
     assert "| run.json | emnist_cnn | fedavg | vmap | 6,850 |" in capsys.readouterr().out
