@@ -11,16 +11,15 @@
 #   BUDGET_S  seconds for all runs together (default 450); a run gets at most what is left
 #   PY        the Python with jax[cuda], one executable without arguments (default:
 #             python3, the device image's; that image lacks ml_collections, so the call
-#             carries its wheel: see docs/benchmarks/gpu-h100-2026-11-27.md for the command)
+#             carries its wheel: see docs/benchmarks/gpu-h200-2026-12-04.md for the command)
 # Stack Overflow at 64 skewed clients (the baseline, then the LSTM with no time loop), EMNIST
-# (the centralized step, FedAvg and fused Flow, with and without 10 local steps per loop
-# iteration), Stack Overflow's profile, its rows with 4 steps per loop iteration, its step
-# parts, its unrolled rows at more chunk sizes, the pool check at the highest matmul
-# precision; then EMNIST with loops
-# as command buffers, bf16 EMNIST, EMNIST's profile and step parts; then what earlier calls
-# measured once: bf16 Stack Overflow, the determinism check, command buffers over Stack
-# Overflow's loops, cuDNN's convolutions, a bf16 1,000-client Flow round, the mixed-state
-# recurrence's VJP against autodiff and the roofline.
+# (the centralized step, FedAvg with and without 10 local steps per loop iteration, fused
+# Flow), a 1,000-client Flow round with no time loop, the determinism check, the
+# mixed-state recurrence's VJP against autodiff, EMNIST with loops as command buffers,
+# EMNIST's profile and step parts, more chunk sizes, the pool check at both matmul
+# precisions, cuDNN's convolutions and the device's ceilings. What the H200 call of
+# 2026-12-04 settled (bf16 EMNIST, 4 steps per loop iteration on Stack Overflow, Stack
+# Overflow's profile and step parts) is no longer run.
 set -u
 OUT=${OUT:-/tmp/gpu_bench_out}
 NEW=$(cd "${NEW:-.}" && pwd)
@@ -83,77 +82,56 @@ if [[ -n "$BASE" ]]; then
 fi
 # chunked:19 is memory_plan.chunk_for_sizes's pick for these 64 sizes. +lstm_unroll=20:
 # the LSTM's 20 time steps with no loop, forward and backward (config.lstm_unroll). On
-# 2026-11-27b it ran FedAvg 1.51x and Flow 1.63x over the baseline, each in a different
-# call; here both in one, with what they cost to compile.
-step so64_unroll 220 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --nocentralized --repeats=2 --algorithms=fedavg+lstm_unroll=20,flow+lstm_unroll=20 --json_out="$RAW/so64_unroll.json"
+# the H200 on 2026-12-04 (docs/benchmarks/gpu-h200-2026-12-04.md) FedAvg 1.72x and Flow
+# 1.85x over the baseline in this step, compiled in 20 s / 63 s.
+step so64_unroll 160 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --nocentralized --repeats=2 --algorithms=fedavg+lstm_unroll=20,flow+lstm_unroll=20 --json_out="$RAW/so64_unroll.json"
 BENCH=(launch/benchmark.py --repeats=3)
 EMNIST=(--models=emnist_cnn --clients=100 --steps=10 --strategies=vmap --nopython_loop)
 # The centralized step first (the target's denominator, printed before the rows), then
-# FedAvg and Flow with fused branches (FlowConfig.fuse_branches; Flow / FedAvg <= 1.5x is
-# the target), each also with its 10 local steps in one loop iteration
-# (config.sgd.steps_per_loop, now an inner loop of known trip count; its first form, ten
-# unrolled steps, gained FedAvg 1.05x on 2026-11-27b and did not compile for fused Flow in
-# time; the 2026-11-27 trace had the device idle 9.5% of the round while the host read
-# each iteration's condition).
-step emnist_slices 200 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow_fused,fedavg+steps_per_loop=10,flow_fused+steps_per_loop=10 --json_out="$RAW/emnist_slices.json"
-# Where the time goes (launch/trace_summary.py): one more execution of a round,
-# compiled ahead of time, traced by JAX's profiler; each row prints the device's busy and
-# idle time, op time by kind and by layer, and its top kernels (into the .txt and JSON).
-# Stack Overflow's never traced so far: FedAvg's round with no time loop, today's best.
-# The traces themselves stay in raw.tgz only while it fits what a device call returns.
-PROFILE=(--nopython_loop --nocentralized --nowarmup --repeats=1)
-step profile_so64 100 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 "${PROFILE[@]}" --algorithms=fedavg+lstm_unroll=20 --profile_dir="$RAW/profile_so64" --json_out="$RAW/profile_so64.json"
-# With steps_per_loop=4 each chunk's data-dependent step loop runs a quarter as many
-# iterations (the inner loop of 4 has a trip count XLA knows: no condition read, no wait);
-# the fitted fixed cost per chunk-step is ~1 ms (FedAvg) / ~2.4 ms (Flow).
-step so64_grouped 150 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --nocentralized --repeats=2 --algorithms=fedavg+lstm_unroll=20+steps_per_loop=4,flow+lstm_unroll=20+steps_per_loop=4 --json_out="$RAW/so64_grouped.json"
-# What one vmapped step of 19 clients costs part by part, each part its own program with
-# no loop (layers' forward and backward, the loss, the update, the recurrence's products
-# alone), float32 and bf16: the per-slot cost without a profiler.
-step so_parts 90 "$NEW" launch/step_parts.py --model=stackoverflow_lstm --clients=19 --compute_dtypes=float32,bfloat16 --json_out="$RAW/so_parts.json"
-# With no time loop a chunk-step's fixed cost should fall, and smaller chunks (less
-# padding) could win: rows to refit launch/chunk_costs.py's two costs (on the host:
-#   python launch/chunk_costs.py --results=so64_unroll.json,so64_unroll_chunks.json \
-#       --algorithm=fedavg+lstm_unroll=20).
-step so64_unroll_chunks 160 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:4,chunked:8,chunked:32 --nopython_loop --nocentralized --repeats=2 --algorithms=fedavg+lstm_unroll=20 --json_out="$RAW/so64_unroll_chunks.json"
-# On 2026-11-27b both pools' gradients were 7.9e-2 off float64 on the H100 (1e-6 and 54%
-# on the CPU under the launchers' flag): the pool is not it. At the highest matmul
-# precision (no TF32 products), does the deviation go?
-step pool_gradient 60 "$NEW" "$NEW/tests/routed_pool_gradient.py" highest
-# The same loop kept on the device instead: XLA's command buffers over loops (CUDA graphs'
-# conditional nodes); on Stack Overflow they lost (roofline.md), on EMNIST never timed.
-XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" step emnist_cmdbuf 110 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow_fused --json_out="$RAW/emnist_cmdbuf.json"
-step emnist_slices_bf16 150 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --compute_dtype=bfloat16 --algorithms=fedavg,flow_fused,fedavg+steps_per_loop=10,flow_fused+steps_per_loop=10 --json_out="$RAW/emnist_slices_bf16.json"
-step profile_emnist 100 "$NEW" launch/benchmark.py "${EMNIST[@]}" "${PROFILE[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow,flow_fused --profile_dir="$RAW/profile_emnist" --json_out="$RAW/profile_emnist.json"
-step emnist_parts 80 "$NEW" launch/step_parts.py --model=emnist_cnn --clients=100 --compute_dtypes=float32,bfloat16 --json_out="$RAW/emnist_parts.json"
-find "$RAW" \( -name '*.xplane.pb' -o -name 'round.hlo.txt' \) -delete 2>/dev/null
-
-# Measured once by earlier calls (docs/benchmarks/gpu-h100-2026-11-2{6,7}.md): bf16 Stack
-# Overflow (no gain), the determinism check (bit for bit), command buffers over Stack
-# Overflow's loops, cuDNN's grouped convolutions, the device's ceilings; and a bf16
-# 1,000-client Flow round (never reached so far).
-step so64_bf16 90 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --nocentralized --repeats=2 --compute_dtype=bfloat16 --json_out="$RAW/so64_bf16.json"
+# FedAvg (also with its 10 local steps as one inner loop, config.sgd.steps_per_loop: 0.56
+# -> 0.59 of centralized on 2026-12-04) and Flow with fused branches (FlowConfig.
+# fuse_branches; Flow / FedAvg <= 1.5x is the target; 1.62x on 2026-12-04, and
+# steps_per_loop changed nothing for it).
+step emnist_slices 150 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --algorithms=fedavg,fedavg+steps_per_loop=10,flow_fused --json_out="$RAW/emnist_slices.json"
+# The 1,000-client Flow round (paper sizes: 3 epochs, batch 16) with today's fastest LSTM
+# (no time loop) at the memory planner's chunk size; the last measured was 30.5 s with
+# the time loop, on an H100 (2026-11-26).
+SO1000=(launch/benchmark.py --models=stackoverflow_lstm --skewed --clients=1000 --epochs=3 --strategies=planned --nopython_loop --nocentralized --nowarmup --repeats=1 --project_rounds=2000)
+step so1000_flow_unroll 200 "$NEW" "${SO1000[@]}" --algorithms=flow+lstm_unroll=20 --json_out="$RAW/so1000_flow_unroll.json"
 # Same seed, same numbers on the GPU? The same FedAvg and Flow rounds twice, compared bit
 # for bit (the CNN's convolutions and the LSTM's embedding gradient may sum with atomics).
-step determinism 80 "$NEW" launch/determinism_check.py --json_out="$RAW/determinism.json"
-
-# The fixed cost of a chunk-step (docs/benchmarks/roofline.md, launch/chunk_costs.py: ~1 ms
-# FedAvg, ~2.4 ms Flow) bounds any mapping at 1.83x / 1.89x over chunks of 4; XLA's command
-# buffers (CUDA graphs) extended to loops target that launch overhead (2026-11-27: no gain,
-# chunks of 4 slower: FedAvg 0.618 s vs 0.586 s in today's code). Chunks of 4 and 19,
-# so the fit can be redone from this call's rows (on the host, after the call):
-#   python launch/chunk_costs.py --results=so64_cmdbuf.json --algorithm=flow
-XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" step so64_cmdbuf 110 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:4,chunked:19 --nopython_loop --nocentralized --repeats=2 --json_out="$RAW/so64_cmdbuf.json"
-step emnist_xla 100 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=xla --json_out="$RAW/emnist_xla.json"
-SO1000=(launch/benchmark.py --models=stackoverflow_lstm --skewed --clients=1000 --epochs=3 --strategies=planned --nopython_loop --nocentralized --nowarmup --repeats=1 --project_rounds=2000)
-step so1000_flow_bf16 170 "$NEW" "${SO1000[@]}" --algorithms=flow --compute_dtype=bfloat16 --json_out="$RAW/so1000_flow_bf16.json"
+# On 2026-12-04 three of the four were identical and Stack Overflow Flow's was cut at 70 s.
+step determinism 110 "$NEW" launch/determinism_check.py --json_out="$RAW/determinism.json"
 # Flow's mixed-state LSTM recurrence (FlowConfig.recurrence='mixed_state'; off by default)
-# with its hand-written VJP, beside the same method under autodiff (+custom_grad=0) and the
-# default Flow, in one process: on the 2-core CPU the VJP ran its Shakespeare round 1.37x
-# faster under loop, Stack Overflow's 1.13x under vmap and no faster under loop
-# (docs/benchmarks/cpu-mixed-state-vjp.md); never timed on a GPU.
-step so64_mixed_state 150 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --nocentralized --repeats=2 --algorithms=flow,flow_mixed_state,flow_mixed_state+custom_grad=0 --json_out="$RAW/so64_mixed_state.json"
-step roofline 70 "$NEW" launch/roofline.py --models=emnist_cnn,stackoverflow_lstm --json_out="$RAW/roofline_gpu.json"
+# with its hand-written VJP, beside the same method under autodiff (+custom_grad=0), both
+# with no time loop like so64_unroll's Flow row: on the 2-core CPU the VJP ran its
+# Shakespeare round 1.37x faster under loop, Stack Overflow's 1.13x under vmap and no
+# faster under loop (docs/benchmarks/cpu-mixed-state-vjp.md); never timed on a GPU.
+step so64_mixed_state 170 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:19 --nopython_loop --nocentralized --repeats=2 --algorithms=flow_mixed_state+lstm_unroll=20,flow_mixed_state+lstm_unroll=20+custom_grad=0 --json_out="$RAW/so64_mixed_state.json"
+# XLA's command buffers over loops (CUDA graphs' conditional nodes), the loop kept on the
+# device; on Stack Overflow they lost (roofline.md), on EMNIST never timed.
+XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" step emnist_cmdbuf 110 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow_fused --json_out="$RAW/emnist_cmdbuf.json"
+# Where EMNIST's time goes (launch/trace_summary.py): one more execution of a round,
+# compiled ahead of time, traced by JAX's profiler (busy and idle time, op time by kind
+# and by layer, top kernels; Stack Overflow's was taken on 2026-12-04), then one step's
+# parts, each its own program (layers' forward and backward, the loss, the update).
+PROFILE=(--nopython_loop --nocentralized --nowarmup --repeats=1)
+step profile_emnist 100 "$NEW" launch/benchmark.py "${EMNIST[@]}" "${PROFILE[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow_fused --profile_dir="$RAW/profile_emnist" --json_out="$RAW/profile_emnist.json"
+step emnist_parts 80 "$NEW" launch/step_parts.py --model=emnist_cnn --clients=100 --compute_dtypes=float32,bfloat16 --json_out="$RAW/emnist_parts.json"
+find "$RAW" \( -name '*.xplane.pb' -o -name 'round.hlo.txt' \) -delete 2>/dev/null
+# Chunks of 32 with no time loop (8 and 4 were no faster than 19 on 2026-12-04): rows to
+# refit launch/chunk_costs.py's two costs (on the host:
+#   python launch/chunk_costs.py --results=so64_unroll.json,so64_unroll_chunks.json \
+#       --algorithm=fedavg+lstm_unroll=20).
+step so64_unroll_chunks 90 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:8,chunked:32 --nopython_loop --nocentralized --repeats=2 --algorithms=fedavg+lstm_unroll=20 --json_out="$RAW/so64_unroll_chunks.json"
+# The routed CNN's gradient against float64 at JAX's default matmul precision: 7.9e-2 on
+# the H100s, 5.7e-7 at the highest precision on the H200; both on one machine here.
+step pool_gradient 40 "$NEW" "$NEW/tests/routed_pool_gradient.py"
+step pool_gradient_highest 40 "$NEW" "$NEW/tests/routed_pool_gradient.py" highest
+# Measured by earlier calls (docs/benchmarks/gpu-h100-2026-11-2{6,7}.md): cuDNN's grouped
+# convolutions, the device's ceilings (never on an H200).
+step emnist_xla 100 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=xla --json_out="$RAW/emnist_xla.json"
+step roofline 100 "$NEW" launch/roofline.py --models=emnist_cnn,stackoverflow_lstm --ceilings --json_out="$RAW/roofline_gpu.json"
 
 echo "# done after $(($(date +%s) - START)) s" | tee -a "$LOG"
 tar czf "$OUT/raw.tgz" -C "$OUT" raw
