@@ -14,9 +14,10 @@
 #             carries its wheel: see docs/benchmarks/gpu-h200-2026-12-04.md for the command)
 # Stack Overflow at 64 skewed clients (the baseline, then the LSTM with no time loop), EMNIST
 # (the centralized step, FedAvg with and without 10 local steps per loop iteration, fused
-# Flow), a 1,000-client Flow round with no time loop, the determinism check, the
-# mixed-state recurrence's VJP against autodiff, EMNIST with loops as command buffers,
-# EMNIST's profile and step parts, more chunk sizes, the pool check at both matmul
+# Flow), Stack Overflow at the chunk sizes the H200's fit favours, a 1,000-client Flow
+# round with no time loop, the determinism check, the mixed-state recurrence's VJP
+# against autodiff, EMNIST with loops as command buffers, EMNIST's profile and step
+# parts, the pool check at both matmul
 # precisions, cuDNN's convolutions and the device's ceilings. What the H200 call of
 # 2026-12-04 settled (bf16 EMNIST, 4 steps per loop iteration on Stack Overflow, Stack
 # Overflow's profile and step parts) is no longer run.
@@ -93,6 +94,13 @@ EMNIST=(--models=emnist_cnn --clients=100 --steps=10 --strategies=vmap --nopytho
 # fuse_branches; Flow / FedAvg <= 1.5x is the target; 1.62x on 2026-12-04, and
 # steps_per_loop changed nothing for it).
 step emnist_slices 150 "$NEW" "${BENCH[@]}" "${EMNIST[@]}" --conv_impl=im2col_slices --algorithms=fedavg,fedavg+steps_per_loop=10,flow_fused --json_out="$RAW/emnist_slices.json"
+# Chunks of 11 and 32 with no time loop. Fitted to 2026-12-04's rows (chunks of 4, 8, 19:
+# 0.415 ms per chunk-step + 0.164 ms per client-step slot, within 0.3%), chunks of 11
+# would run FedAvg's round in 0.277 s (1.88x the baseline's 0.522 s) against 19's 0.303 s;
+# memory_plan.OVERHEAD_CLIENTS (10, from older rows) still picks 19. To refit on the host:
+#   python launch/chunk_costs.py --results=so64_unroll.json,so64_unroll_chunks.json \
+#       --algorithm=fedavg+lstm_unroll=20
+step so64_unroll_chunks 90 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:11,chunked:32 --nopython_loop --nocentralized --repeats=2 --algorithms=fedavg+lstm_unroll=20 --json_out="$RAW/so64_unroll_chunks.json"
 # The 1,000-client Flow round (paper sizes: 3 epochs, batch 16) with today's fastest LSTM
 # (no time loop) at the memory planner's chunk size; the last measured was 30.5 s with
 # the time loop, on an H100 (2026-11-26).
@@ -119,11 +127,6 @@ PROFILE=(--nopython_loop --nocentralized --nowarmup --repeats=1)
 step profile_emnist 100 "$NEW" launch/benchmark.py "${EMNIST[@]}" "${PROFILE[@]}" --conv_impl=im2col_slices --algorithms=fedavg,flow_fused --profile_dir="$RAW/profile_emnist" --json_out="$RAW/profile_emnist.json"
 step emnist_parts 80 "$NEW" launch/step_parts.py --model=emnist_cnn --clients=100 --compute_dtypes=float32,bfloat16 --json_out="$RAW/emnist_parts.json"
 find "$RAW" \( -name '*.xplane.pb' -o -name 'round.hlo.txt' \) -delete 2>/dev/null
-# Chunks of 32 with no time loop (8 and 4 were no faster than 19 on 2026-12-04): rows to
-# refit launch/chunk_costs.py's two costs (on the host:
-#   python launch/chunk_costs.py --results=so64_unroll.json,so64_unroll_chunks.json \
-#       --algorithm=fedavg+lstm_unroll=20).
-step so64_unroll_chunks 90 "$NEW" launch/benchmark.py "${SO64[@]}" --strategies=chunked:8,chunked:32 --nopython_loop --nocentralized --repeats=2 --algorithms=fedavg+lstm_unroll=20 --json_out="$RAW/so64_unroll_chunks.json"
 # The routed CNN's gradient against float64 at JAX's default matmul precision: 7.9e-2 on
 # the H100s, 5.7e-7 at the highest precision on the H200; both on one machine here.
 step pool_gradient 40 "$NEW" "$NEW/tests/routed_pool_gradient.py"
