@@ -58,10 +58,13 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
             # True: a layer's two branches in one product where its input outweighs its
             # weights (the same model to float32 rounding; routing/routed.py). None: off.
             fuse_branches=config_dict.placeholder(bool)),
-        apfl=dict(alpha=0.25),
+        # client_snapshot (APFL, Ditto as FedAvgFT's): True also scores the global model
+        # after E epochs of local training, the authors' Acc_g of these methods.
+        apfl=dict(alpha=0.25, client_snapshot=config_dict.placeholder(bool)),
         # step: None (or "gradient"), the paper's gradient step on the penalized objective;
         # "proximal", its exact proximal form, stable for any lr * lam (algorithms/ditto.py).
-        ditto=dict(lam=0.1, step=config_dict.placeholder(str)),
+        ditto=dict(lam=0.1, step=config_dict.placeholder(str),
+                   client_snapshot=config_dict.placeholder(bool)),
         # None: derived from E, (E - 1) head + 1 body epochs (E = 1: 0 + 1; algorithms/fedrep.py).
         fedrep=dict(head_epochs=config_dict.placeholder(int),
                     body_epochs=config_dict.placeholder(int)),

@@ -358,7 +358,7 @@ COMMAND_CASES: tuple[CommandCase, ...] = (
                 "config's fields ['algorithm', "),
     CommandCase("`--config.methods.apfl.beta=1`", _TRAIN + ("--config.methods.apfl.beta=1",),
                 "error: unknown config field 'methods.apfl.beta' (--config.methods.apfl.beta=1); "
-                "expected one of config.methods.apfl's fields ['alpha', 'sgd']"),
+                "expected one of config.methods.apfl's fields ['alpha', 'client_snapshot', 'sgd']"),
     CommandCase("`--config=configs/shakespeare.py:quikc`",
                 ("launch/train.py", "--config=configs/shakespeare.py:quikc"),
                 "error: --config=configs/shakespeare.py:quikc: unknown shakespeare config "

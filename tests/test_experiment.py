@@ -118,6 +118,30 @@ def test_fedavg_ft_client_snapshot_is_reported_beside_the_server_models_acc_g(ep
         assert on.acc_g_client_snapshot == on.acc_p and on.clients_benefiting_snapshot == 0.0
 
 
+@pytest.mark.parametrize("algorithm", ["apfl", "ditto"])
+def test_apfl_and_ditto_client_snapshot_is_fedavg_fts_fine_tuned_model(algorithm):
+    """``methods.{apfl,ditto}.client_snapshot``: the authors' Acc_g of these methods
+    scores the global model after E epochs of local training. Their global updates are
+    FedAvg's on the same keys, so the copy is FedAvgFT's fine-tuned model and its accuracy
+    FedAvgFT's Acc_p; training, Acc_g and Acc_p are as without the option."""
+    from tests.helpers import small_synthetic_config
+
+    def summary(name, **fields):
+        config = small_synthetic_config(algorithm=name, num_rounds=2, **{
+            "sgd.epochs": 2, "sgd.momentum": 0.9, **fields})
+        return run(config)[1].summaries["train_clients"]
+
+    off = summary(algorithm)
+    on = summary(algorithm, **{f"methods.{algorithm}.client_snapshot": True})
+    fedavg_ft = summary("fedavg_ft")
+    assert off.acc_g_client_snapshot is None and off.clients_benefiting_snapshot is None
+    assert (on.acc_g, on.acc_p, on.clients_benefiting) == (
+        off.acc_g, off.acc_p, off.clients_benefiting)
+    assert on.acc_g == fedavg_ft.acc_g  # the same server model
+    assert on.acc_g_client_snapshot == fedavg_ft.acc_p != on.acc_g
+    assert on.acc_g_client_snapshot_weighted == fedavg_ft.acc_p_weighted
+
+
 def test_flow_training_loss_falls_on_the_default_data(shared_run):
     _, result = shared_run
     losses = [h["loss"] for h in result.history if h["kind"] == "train"]

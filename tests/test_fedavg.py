@@ -68,17 +68,17 @@ def test_fedavg_ft_client_snapshot_is_its_fine_tuning_after_the_first_epoch(mlp,
     snapshotting = fedavg(mlp, FedAvgConfig(sgd=sgd, finetune=True, client_snapshot=True))
     personal = jax.jit(snapshotting.personalize)(params, client, key)
     one_epoch = fedavg(mlp, FedAvgConfig(sgd=dataclasses.replace(sgd, epochs=1), finetune=True))
-    for got, want in ((personal["fine_tuned"], plain(params, client, key)),
+    for got, want in ((personal["personal"], plain(params, client, key)),
                       (personal["snapshot"], jax.jit(one_epoch.personalize)(params, client, key))):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)  # two programs: rounding
     assert differs(personal["snapshot"], params)
-    assert differs(personal["fine_tuned"], personal["snapshot"])
+    assert differs(personal["personal"], personal["snapshot"])
     x = client.x[0]
     predictions = snapshotting.predict(params, personal, x)
     np.testing.assert_array_equal(predictions.global_logits, forward(mlp, params, x))
     np.testing.assert_array_equal(predictions.personal_hard,
-                                  forward(mlp, personal["fine_tuned"], x))
+                                  forward(mlp, personal["personal"], x))
     np.testing.assert_array_equal(predictions.global_snapshot,
                                   forward(mlp, personal["snapshot"], x))
 

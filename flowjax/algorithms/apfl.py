@@ -35,6 +35,12 @@ Choices where the paper is silent or offers options:
 * Randomness: the ``w`` steps use exactly FedAvg's keys and batches; the ``v`` step of a
   minibatch uses the same batch and a key folded from the step's key (its dropout).
 * ``momentum`` > 0 gives each of ``w`` and ``v`` its own SGD momentum state.
+
+``client_snapshot=True`` also scores the copy the Flow authors' evaluation reports as
+APFL's Acc_g (``client_apfl.py``, ``*_generalized_test``: ``net`` after the E epochs of
+its local update, their "before" model): ``w_i`` above, the evaluation's locally trained
+global model (FedAvgFT's fine-tuned model), as ``acc_g_client_snapshot`` beside Eq. 11's
+``acc_g``. Training, Acc_g and Acc_p are unchanged.
 """
 
 from __future__ import annotations
@@ -46,8 +52,9 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, SGDConfig,
-                                     plain_loss_sums, separate_models_predict, sgd_step)
-from flowjax.core.checks import Interval, check_fields
+                                     plain_loss_sums, separate_models_predict, sgd_step,
+                                     snapshot_predict)
+from flowjax.core.checks import Interval, check_fields, one_of
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
 from flowjax.core.tree import select_tree
@@ -62,13 +69,17 @@ class APFLConfig:
       sgd: the clients' SGD for ``w`` and ``v`` (its epochs per round are also those of
         the evaluation's local training of ``w``).
       alpha: mixing weight of the personal model in ``vbar``, in [0, 1].
+      client_snapshot: also score ``w_i``, the global model after E epochs of local
+        training, the authors' APFL Acc_g (module docstring; None = off).
     """
 
     sgd: SGDConfig
     alpha: float
+    client_snapshot: bool | None = None
 
     def __post_init__(self):
-        check_fields(self, {"alpha": Interval(0, 1, closed_high=True)})
+        check_fields(self, {"alpha": Interval(0, 1, closed_high=True),
+                            "client_snapshot": one_of((None, False, True))})
 
 
 def mix_params(alpha: float, personal: Params, global_params: Params) -> Params:
@@ -150,7 +161,9 @@ def apfl(model: RoutableModel, config: APFLConfig) -> FederatedAlgorithm:
         visited = client_state["visited"]
         local_w, v, _, _ = train_both(params, starting_point(params, client_state), examples,
                                       key, personal_trains=jnp.logical_not(visited))
-        return mix_params(alpha, v, local_w)
+        if not config.client_snapshot:
+            return mix_params(alpha, v, local_w)
+        return {"personal": mix_params(alpha, v, local_w), "snapshot": local_w}
 
     def init_client_state(params):
         # ``v`` is only a shape template until the first participation sets it to w_t.
@@ -158,6 +171,7 @@ def apfl(model: RoutableModel, config: APFLConfig) -> FederatedAlgorithm:
 
     return FederatedAlgorithm(name="apfl", model=model, init=model.init,
                               client_update=client_update, personalize=personalize,
-                              predict=separate_models_predict(model),
+                              predict=(snapshot_predict(model) if config.client_snapshot
+                                       else separate_models_predict(model)),
                               init_client_state=init_client_state)
 

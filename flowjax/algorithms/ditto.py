@@ -42,6 +42,13 @@ Choices where the paper is silent:
   train split exactly as at a first participation (APFL follows the same rule). The
   state template of such a client is never read, so no random init enters its ``v``.
 * ``w`` and ``v`` each have their own momentum state, reset every round as in FedAvg.
+
+``client_snapshot=True`` also scores the copy the Flow authors' evaluation reports as
+Ditto's Acc_g (``client_ditto.py``, ``*_generalized_test``: ``net`` after the E epochs of
+its local update, their "before" model): the current global params after E epochs of the
+global update on the client's train split, with the evaluation's key (FedAvgFT's
+fine-tuned model), as ``acc_g_client_snapshot`` beside Eq. 11's ``acc_g``. Training, Acc_g
+and Acc_p are unchanged (their evaluation also trains ``v`` further; this one does not).
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, SGDConfig,
                                      plain_loss_sums, separate_models_predict, sgd_step,
-                                     train_plain, valid_examples)
+                                     snapshot_predict, train_plain, valid_examples)
 from flowjax.core.checks import FieldError, check_fields, non_negative, one_of
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
@@ -73,14 +80,18 @@ class DittoConfig:
       lam: weight ``lam`` of the penalty ``lam / 2 * ||v - w_t||^2`` (>= 0).
       step: ``"gradient"`` or None (the paper's personal step) or ``"proximal"`` (its
         exact proximal form, stable for any ``lr * lam``); see the module docstring.
+      client_snapshot: also score the global model after E epochs of local training, the
+        authors' Ditto Acc_g (module docstring; None = off).
     """
 
     sgd: SGDConfig
     lam: float
     step: str | None = None
+    client_snapshot: bool | None = None
 
     def __post_init__(self):
-        check_fields(self, {"lam": non_negative, "step": one_of(STEPS)})
+        check_fields(self, {"lam": non_negative, "step": one_of(STEPS),
+                            "client_snapshot": one_of((None, False, True))})
 
     @property
     def proximal(self) -> bool:
@@ -163,9 +174,12 @@ def ditto(model: RoutableModel, config: DittoConfig) -> FederatedAlgorithm:
                             client_state=state)
 
     def personalize(params, examples: ClientExamples, key, client_state):
-        return jax.lax.cond(client_state["visited"],
-                            lambda: client_state["v"],
-                            lambda: train_personal(params, params, examples, key)[0])
+        personal = jax.lax.cond(client_state["visited"],
+                                lambda: client_state["v"],
+                                lambda: train_personal(params, params, examples, key)[0])
+        if not config.client_snapshot:
+            return personal
+        return {"personal": personal, "snapshot": train_global(params, examples, key)[0]}
 
     def init_client_state(params):
         # ``v`` is only a shape template until the first participation sets it to w_t.
@@ -173,5 +187,6 @@ def ditto(model: RoutableModel, config: DittoConfig) -> FederatedAlgorithm:
 
     return FederatedAlgorithm(name="ditto", model=model, init=model.init,
                               client_update=client_update, personalize=personalize,
-                              predict=separate_models_predict(model),
+                              predict=(snapshot_predict(model) if config.client_snapshot
+                                       else separate_models_predict(model)),
                               init_client_state=init_client_state)

@@ -15,7 +15,7 @@ import dataclasses
 
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions, SGDConfig,
-                                     train_plain, train_plain_with_snapshot,
+                                     snapshot_predict, train_plain, train_plain_with_snapshot,
                                      unrouted_predictions, valid_examples)
 from flowjax.core.checks import FieldError, check_fields, one_of
 from flowjax.core.cohort import ClientExamples
@@ -70,19 +70,17 @@ def fedavg(model: RoutableModel, config: FedAvgConfig) -> FederatedAlgorithm:
                 model, params, optimizer, examples, valid_examples(examples),
                 epochs=config.sgd.epochs, batch_size=config.sgd.batch_size, key=key,
                 **config.sgd.loop)
-            return {"fine_tuned": fine_tuned, "snapshot": snapshot}
+            return {"personal": fine_tuned, "snapshot": snapshot}
         return local_train(params, examples, key)[0]
 
     def predict(params, personal, x) -> Predictions:
         global_logits = forward(model, params, x)
         if not config.finetune:
             return unrouted_predictions(global_logits, global_logits)
-        if not config.client_snapshot:
-            return unrouted_predictions(global_logits, forward(model, personal, x))
-        return dataclasses.replace(
-            unrouted_predictions(global_logits, forward(model, personal["fine_tuned"], x)),
-            global_snapshot=forward(model, personal["snapshot"], x))
+        return unrouted_predictions(global_logits, forward(model, personal, x))
 
     return FederatedAlgorithm(name="fedavg_ft" if config.finetune else "fedavg", model=model,
                               init=model.init, client_update=client_update,
-                              personalize=personalize, predict=predict)
+                              personalize=personalize,
+                              predict=snapshot_predict(model) if config.client_snapshot
+                              else predict)

@@ -53,7 +53,8 @@ class Predictions:
       global_snapshot: logits of a client-side copy of the global model, where a method's
         evaluation defines one (Flow's reference evaluation: the global branch after the
         client's first routing epoch; FedAvgFT's ``client_snapshot``: the model after its
-        first fine-tuning epoch); None elsewhere. Reported beside, never instead of,
+        first fine-tuning epoch; APFL's and Ditto's: the global model after E epochs of
+        local training); None elsewhere. Reported beside, never instead of,
         the server model's ``global_logits``.
     """
 

@@ -277,7 +277,7 @@ def summarize(counts: ClientCounts, client_ids: Sequence[str] | None = None) -> 
         snapshot = dict(
             acc_g_client_snapshot=float(np.mean(snapshot_acc)),
             acc_g_client_snapshot_weighted=float(
-                np.sum(counts.correct_global_snapshot[keep]) / total),
+                np.sum(counts.correct_global_snapshot[keep], dtype=np.float64) / total),
             clients_benefiting_snapshot=float(np.mean(acc["personal"] > snapshot_acc)))
     return EvalSummary(
         num_clients=int(np.sum(keep)),

@@ -181,14 +181,16 @@ def _build_figures() -> dict[tuple[str, str, str], PaperFigure]:
 
 
 # The paper's Acc_g is that of the authors' evaluation, which scores a client's copy of
-# the global model after its first evaluation epoch (README, "Baselines as implemented"),
+# the global model (FedAvgFT, Flow: after its first evaluation epoch; APFL, Ditto: after
+# the E epochs of its local update; README, "Baselines as implemented"),
 # and their code records per client the flag harmed = (copy's accuracy >= final
 # accuracy); their script that turned the flags into Table 3 is not published, so its
 # "% unharmed" is read as the share of flags that are false. A row reporting that copy
 # gets those figures beside it, not beside the server model's acc_g and the count
 # against it (in every table; flow_reference's other table, gain_source, runs only
 # datasets the paper lacks).
-SNAPSHOT_ROWS = {"fedavg_ft_snapshot": "fedavg_ft", "flow_reference": "flow"}
+SNAPSHOT_ROWS = {"fedavg_ft_snapshot": "fedavg_ft", "apfl_snapshot": "apfl",
+                 "ditto_snapshot": "ditto", "flow_reference": "flow"}
 
 
 def _add_snapshot_figures(figures: dict[tuple[str, str, str], PaperFigure]) -> None:
