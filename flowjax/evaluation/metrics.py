@@ -166,9 +166,9 @@ class EvalSummary:
     acc_g_p90: float | None = None
     # Default so summaries saved in checkpoints before the histogram existed still load.
     q0_histogram: dict[str, list[list[float]]] = dataclasses.field(default_factory=dict)
-    # Flow's reference evaluation and FedAvgFT's client_snapshot only: accuracy of the
-    # client's copy of the global model after its first evaluation epoch (the authors'
-    # "before_accuracy"), beside Acc_g.
+    # Flow's reference evaluation and the client_snapshot of FedAvgFT, APFL and Ditto
+    # only: accuracy of the client's copy of the global model that the authors' evaluation
+    # scores (their "before_accuracy"), beside Acc_g.
     acc_g_client_snapshot: float | None = None
     acc_g_client_snapshot_weighted: float | None = None
     # Share of clients whose Acc_p beats that snapshot strictly (the authors' count:
