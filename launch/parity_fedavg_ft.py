@@ -78,7 +78,7 @@ def flowjax_side(settings: dict = SETTINGS) -> dict[str, Any]:
     passes = parity.planned_passes({"fine_tuning": plan},
                                    [("fine_tuning", "all", e) for e in epochs])
     return dict(initial=parity.cnn_to_torch_layout(params),
-                updated=parity.cnn_to_torch_layout(personal["fine_tuned"]),
+                updated=parity.cnn_to_torch_layout(personal["personal"]),
                 eval_snapshot_logits=snapshot, eval_personal_logits=fine_tuned,
                 metrics=parity.generalized_test_metrics(snapshot, fine_tuned, data["test_y"]),
                 passes=passes)

@@ -83,6 +83,44 @@ def test_fedavg_ft_client_snapshot_is_its_fine_tuning_after_the_first_epoch(mlp,
                                   forward(mlp, personal["snapshot"], x))
 
 
+@pytest.mark.parametrize("method", ["apfl", "ditto"])
+@pytest.mark.parametrize("visited", [False, True])
+def test_apfl_and_ditto_client_snapshot_is_fedavg_fts_fine_tuned_model(mlp, images_small,
+                                                                        method, visited):
+    """The authors' APFL and Ditto Acc_g model (their ``net`` after the E epochs of its
+    evaluation update): the server params after FedAvgFT's fine-tuning on the same key and
+    optimizer, whatever the client's stored ``v``; the personalized model stays the one
+    the option-off method builds."""
+    from flowjax.algorithms.apfl import APFLConfig, apfl
+    from flowjax.algorithms.ditto import DittoConfig, ditto
+
+    sgd = SGDConfig(learning_rate=0.05, epochs=2, batch_size=4, momentum=0.9)
+    build = {"apfl": lambda snapshot: apfl(mlp, APFLConfig(sgd=sgd, alpha=0.25,
+                                                           client_snapshot=snapshot)),
+             "ditto": lambda snapshot: ditto(mlp, DittoConfig(sgd=sgd, lam=0.1,
+                                                              client_snapshot=snapshot))}[method]
+    params = mlp.init(jax.random.key(0))
+    state = {"v": mlp.init(jax.random.key(5)), "visited": jnp.asarray(visited)}
+    client = _client_of_size(images_small, 12)
+    key = jax.random.key(2)
+    personal = jax.jit(build(True).personalize)(params, client, key, state)
+    fine_tuned = jax.jit(fedavg(mlp, FedAvgConfig(sgd=sgd, finetune=True)).personalize)(
+        params, client, key)
+    off = jax.jit(build(None).personalize)(params, client, key, state)
+    for got, want in ((personal["snapshot"], fine_tuned), (personal["personal"], off)):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)  # two programs: rounding
+    assert differs(personal["snapshot"], params)
+    assert differs(personal["snapshot"], personal["personal"])
+    x = client.x[0]
+    predictions = build(True).predict(params, personal, x)
+    np.testing.assert_array_equal(predictions.global_logits, forward(mlp, params, x))
+    np.testing.assert_array_equal(predictions.personal_hard,
+                                  forward(mlp, personal["personal"], x))
+    np.testing.assert_array_equal(predictions.global_snapshot,
+                                  forward(mlp, personal["snapshot"], x))
+
+
 def test_only_fedavg_ft_takes_a_client_snapshot():
     sgd = SGDConfig(learning_rate=0.05, epochs=1, batch_size=4)
     with pytest.raises(ValueError, match=r"^client_snapshot=True: expected None or False: only "

@@ -37,10 +37,11 @@ Choices where the paper is silent or offers options:
 * ``momentum`` > 0 gives each of ``w`` and ``v`` its own SGD momentum state.
 
 ``client_snapshot=True`` also scores the copy the Flow authors' evaluation reports as
-APFL's Acc_g (``client_apfl.py``, ``*_generalized_test``: ``net`` after the E epochs of
-its local update, their "before" model): ``w_i`` above, the evaluation's locally trained
-global model (FedAvgFT's fine-tuned model), as ``acc_g_client_snapshot`` beside Eq. 11's
-``acc_g``. Training, Acc_g and Acc_p are unchanged.
+APFL's Acc_g (``client_apfl.py``, the paper datasets' ``*_generalized_test``: ``net``
+after the E epochs of its local update, their "before" model): ``w_i`` above, the
+evaluation's locally trained global model (FedAvgFT's fine-tuned model), as
+``acc_g_client_snapshot`` beside Eq. 11's ``acc_g``. Training, Acc_g and Acc_p are
+unchanged.
 """
 
 from __future__ import annotations

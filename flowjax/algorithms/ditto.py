@@ -44,11 +44,12 @@ Choices where the paper is silent:
 * ``w`` and ``v`` each have their own momentum state, reset every round as in FedAvg.
 
 ``client_snapshot=True`` also scores the copy the Flow authors' evaluation reports as
-Ditto's Acc_g (``client_ditto.py``, ``*_generalized_test``: ``net`` after the E epochs of
-its local update, their "before" model): the current global params after E epochs of the
-global update on the client's train split, with the evaluation's key (FedAvgFT's
-fine-tuned model), as ``acc_g_client_snapshot`` beside Eq. 11's ``acc_g``. Training, Acc_g
-and Acc_p are unchanged (their evaluation also trains ``v`` further; this one does not).
+Ditto's Acc_g (``client_ditto.py``, the paper datasets' ``*_generalized_test``: ``net``
+after the E epochs of its local update, their "before" model): the current global params
+after E epochs of the global update on the client's train split, with the evaluation's key
+(FedAvgFT's fine-tuned model), as ``acc_g_client_snapshot`` beside Eq. 11's ``acc_g``.
+Training, Acc_g and Acc_p are unchanged (their evaluation also trains ``v`` further; this
+one does not).
 """
 
 from __future__ import annotations

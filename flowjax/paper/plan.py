@@ -51,8 +51,9 @@ REFERENCE_VARIANTS = {
 # The baselines scored by the authors' evaluation (README, "Baselines as implemented"):
 # the client's copy that their ``*_generalized_test`` reports as a baseline's Acc_g, beside
 # Eq. 11's server model, with the client optimizer of their EMNIST code for that method
-# (FedAvgFT and Ditto: SGD momentum 0.9, as flow_reference beside them; APFL: plain SGD).
-# The `client_snapshot` table runs them.
+# (FedAvgFT and Ditto: SGD momentum 0.9, as flow_reference beside them; APFL: plain SGD,
+# as their Shakespeare APFL too, where their CIFAR APFL and their Stack Overflow APFL's
+# evaluation use momentum 0.9). The `client_snapshot` table runs them.
 EVALUATION_VARIANTS = {
     "fedavg_ft_snapshot": {"algorithm": "fedavg_ft", "methods.fedavg_ft.sgd.momentum": 0.9,
                            "methods.fedavg_ft.client_snapshot": True},
