@@ -53,8 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, SGDConfig,
-                                     plain_loss_sums, separate_models_predict, sgd_step,
-                                     snapshot_predict)
+                                     plain_loss_sums, separate_models_predict, sgd_step)
 from flowjax.core.checks import Interval, check_fields, one_of
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
@@ -172,7 +171,6 @@ def apfl(model: RoutableModel, config: APFLConfig) -> FederatedAlgorithm:
 
     return FederatedAlgorithm(name="apfl", model=model, init=model.init,
                               client_update=client_update, personalize=personalize,
-                              predict=(snapshot_predict(model) if config.client_snapshot
-                                       else separate_models_predict(model)),
+                              predict=separate_models_predict(model, config.client_snapshot),
                               init_client_state=init_client_state)
 

@@ -196,27 +196,22 @@ def unrouted_predictions(global_logits: jax.Array, personal_logits: jax.Array) -
     return Predictions(global_logits, personal_logits, personal_logits, no_routing(global_logits))
 
 
-def snapshot_predict(model: RoutableModel) -> Callable[[Params, Params, jax.Array],
-                                                       Predictions]:
-    """``predict`` of a method with its ``client_snapshot`` on: ``personal`` holds the
-    personalized params under ``"personal"`` and the client-side copy of the global model
-    under ``"snapshot"``, scored as ``Predictions.global_snapshot``."""
+def separate_models_predict(model: RoutableModel, client_snapshot: bool | None = None
+                            ) -> Callable[[Params, Params, jax.Array], Predictions]:
+    """``predict`` of a method whose personalized model is a whole second set of ``model``'s
+    params: the server's params give the global logits, the client's the personal ones.
+
+    With ``client_snapshot`` (a method's option of that name) ``personal`` holds those
+    params under ``"personal"`` and a client-side copy of the global model under
+    ``"snapshot"``, scored as ``Predictions.global_snapshot``.
+    """
 
     def predict(params: Params, personal: Params, x: jax.Array) -> Predictions:
+        if not client_snapshot:
+            return unrouted_predictions(forward(model, params, x), forward(model, personal, x))
         return dataclasses.replace(
             unrouted_predictions(forward(model, params, x),
                                  forward(model, personal["personal"], x)),
             global_snapshot=forward(model, personal["snapshot"], x))
-
-    return predict
-
-
-def separate_models_predict(model: RoutableModel) -> Callable[[Params, Params, jax.Array],
-                                                              Predictions]:
-    """``predict`` of a method whose personalized model is a whole second set of ``model``'s
-    params: the server's params give the global logits, the client's the personal ones."""
-
-    def predict(params: Params, personal: Params, x: jax.Array) -> Predictions:
-        return unrouted_predictions(forward(model, params, x), forward(model, personal, x))
 
     return predict

@@ -61,7 +61,7 @@ import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, SGDConfig,
                                      plain_loss_sums, separate_models_predict, sgd_step,
-                                     snapshot_predict, train_plain, valid_examples)
+                                     train_plain, valid_examples)
 from flowjax.core.checks import FieldError, check_fields, non_negative, one_of
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
@@ -188,6 +188,5 @@ def ditto(model: RoutableModel, config: DittoConfig) -> FederatedAlgorithm:
 
     return FederatedAlgorithm(name="ditto", model=model, init=model.init,
                               client_update=client_update, personalize=personalize,
-                              predict=(snapshot_predict(model) if config.client_snapshot
-                                       else separate_models_predict(model)),
+                              predict=separate_models_predict(model, config.client_snapshot),
                               init_client_state=init_client_state)

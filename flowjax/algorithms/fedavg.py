@@ -15,8 +15,9 @@ import dataclasses
 
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions, SGDConfig,
-                                     snapshot_predict, train_plain, train_plain_with_snapshot,
-                                     unrouted_predictions, valid_examples)
+                                     separate_models_predict, train_plain,
+                                     train_plain_with_snapshot, unrouted_predictions,
+                                     valid_examples)
 from flowjax.core.checks import FieldError, check_fields, one_of
 from flowjax.core.cohort import ClientExamples
 from flowjax.models.base import RoutableModel, forward
@@ -73,14 +74,13 @@ def fedavg(model: RoutableModel, config: FedAvgConfig) -> FederatedAlgorithm:
             return {"personal": fine_tuned, "snapshot": snapshot}
         return local_train(params, examples, key)[0]
 
-    def predict(params, personal, x) -> Predictions:
+    def global_only_predict(params, personal, x) -> Predictions:
+        del personal  # FedAvg's is the server's model
         global_logits = forward(model, params, x)
-        if not config.finetune:
-            return unrouted_predictions(global_logits, global_logits)
-        return unrouted_predictions(global_logits, forward(model, personal, x))
+        return unrouted_predictions(global_logits, global_logits)
 
     return FederatedAlgorithm(name="fedavg_ft" if config.finetune else "fedavg", model=model,
                               init=model.init, client_update=client_update,
                               personalize=personalize,
-                              predict=snapshot_predict(model) if config.client_snapshot
-                              else predict)
+                              predict=(separate_models_predict(model, config.client_snapshot)
+                                       if config.finetune else global_only_predict))
