@@ -59,7 +59,8 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
             # weights (the same model to float32 rounding; routing/routed.py). None: off.
             fuse_branches=config_dict.placeholder(bool)),
         # client_snapshot (APFL, Ditto as FedAvgFT's): True also scores the global model
-        # after E epochs of local training, the authors' Acc_g of these methods.
+        # after E epochs of local training, the authors' Acc_g of these methods (FedRep,
+        # LG-FedAvg, HypCluster: their copies after one fine-tuning epoch; each module).
         apfl=dict(alpha=0.25, client_snapshot=config_dict.placeholder(bool)),
         # step: None (or "gradient"), the paper's gradient step on the penalized objective;
         # "proximal", its exact proximal form, stable for any lr * lam (algorithms/ditto.py).
@@ -67,10 +68,13 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
                    client_snapshot=config_dict.placeholder(bool)),
         # None: derived from E, (E - 1) head + 1 body epochs (E = 1: 0 + 1; algorithms/fedrep.py).
         fedrep=dict(head_epochs=config_dict.placeholder(int),
-                    body_epochs=config_dict.placeholder(int)),
-        lg_fedavg=dict(global_layers=config_dict.placeholder(tuple)),  # None = the head
+                    body_epochs=config_dict.placeholder(int),
+                    client_snapshot=config_dict.placeholder(bool)),
+        lg_fedavg=dict(global_layers=config_dict.placeholder(tuple),  # None = the head
+                       client_snapshot=config_dict.placeholder(bool)),
         hypcluster=dict(clusters=2, warmup_rounds=10, perturbation=0.01,
-                        init=config_dict.placeholder(str)),  # None or kmeans
+                        init=config_dict.placeholder(str),  # None or kmeans
+                        client_snapshot=config_dict.placeholder(bool)),
         knn_per=dict(neighbours=5, lam=0.5, max_datastore=4096),
         local=dict(),
         partialfed=dict(temperature=1.0, strategy_learning_rate=0.11),

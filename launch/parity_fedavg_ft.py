@@ -9,7 +9,7 @@ The paper's FedAvgFT Acc_g is the ``before_net`` of the authors' ``emnist_genera
 (``trainers/client_fedavg_finetuning.py``): E epochs of SGD (momentum 0.9) on the client's
 train split, a copy taken after the first; its Acc_p is the model after all E.
 flowjax's FedAvgFT with ``client_snapshot=True`` and ``sgd.momentum=0.9`` computes both
-from one fine-tuning run (``flowjax.algorithms.base.train_plain_with_snapshot``). Both
+from one fine-tuning run (``flowjax.algorithms.base.train_part_with_snapshot``). Both
 sides start from the same weights (flowjax's ``emnist_cnn`` init, converted to their
 ``EMNISTNet``, ``models/emnist_cnn.py``) and see the same minibatches: each pass their loop
 asks for is the next epoch of flowjax's plan for the client's key (a synthetic EMNIST-shaped

@@ -142,6 +142,39 @@ def test_apfl_and_ditto_client_snapshot_is_fedavg_fts_fine_tuned_model(algorithm
     assert on.acc_g_client_snapshot_weighted == fedavg_ft.acc_p_weighted
 
 
+@pytest.mark.parametrize("algorithm, fields", [
+    ("fedrep", {"sgd.epochs": 2}),  # 1 head epoch: the copy is the personalized head
+    ("lg_fedavg", {"sgd.epochs": 1}),
+    ("hypcluster", {"sgd.epochs": 1, "methods.hypcluster.clusters": 1,
+                    "methods.hypcluster.warmup_rounds": 0})])
+def test_fedrep_lg_fedavg_and_hypcluster_client_snapshot_joins_the_results(algorithm, fields):
+    """``methods.{fedrep,lg_fedavg,hypcluster}.client_snapshot``: the authors' Acc_g copy
+    (after one fine-tuning epoch) joins the results, training, Acc_g and Acc_p as without
+    it. With one epoch to fine-tune, FedRep's and LG-FedAvg's copy is the personalized
+    model; one-cluster HypCluster is FedAvg, and its copy FedAvgFT's one-epoch model."""
+    from tests.helpers import small_synthetic_config
+
+    def summary(name, **extra):
+        config = small_synthetic_config(algorithm=name, num_rounds=2, **{
+            "sgd.momentum": 0.9, **fields, **extra})
+        return run(config)[1].summaries["train_clients"]
+
+    off = summary(algorithm)
+    on = summary(algorithm, **{f"methods.{algorithm}.client_snapshot": True})
+    assert off.acc_g_client_snapshot is None and off.clients_benefiting_snapshot is None
+    assert (on.acc_g, on.acc_p, on.clients_benefiting) == (
+        off.acc_g, off.acc_p, off.clients_benefiting)
+    assert 0 < on.acc_g_client_snapshot < 1
+    if algorithm == "hypcluster":
+        fedavg_ft = summary("fedavg_ft")
+        assert on.acc_g == fedavg_ft.acc_g  # the same server model
+        assert on.acc_g_client_snapshot == fedavg_ft.acc_p != on.acc_p
+        assert on.acc_g_client_snapshot_weighted == fedavg_ft.acc_p_weighted
+    else:
+        assert on.acc_g_client_snapshot == on.acc_p != on.acc_g
+        assert on.clients_benefiting_snapshot == 0.0
+
+
 def test_flow_training_loss_falls_on_the_default_data(shared_run):
     _, result = shared_run
     losses = [h["loss"] for h in result.history if h["kind"] == "train"]

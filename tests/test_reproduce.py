@@ -171,7 +171,8 @@ def test_client_snapshot_table_puts_the_papers_figures_beside_their_evaluations_
     seeds = [0, 44, 56]
     population = {**summary([0.5, 0.5], [0.7, 0.7]), "acc_g_client_snapshot": 0.6,
                   "clients_benefiting_snapshot": 0.5}
-    variants = ["fedavg_ft_snapshot", "apfl_snapshot", "ditto_snapshot", "flow_reference"]
+    variants = ["fedavg_ft_snapshot", "apfl_snapshot", "ditto_snapshot", "fedrep_snapshot",
+                "lg_fedavg_snapshot", "hypcluster_snapshot", "flow_reference"]
     for variant in variants:
         for seed in seeds:
             write_cell(tmp_path, "emnist", variant, seed, {"train_clients": population})
@@ -184,6 +185,9 @@ def test_client_snapshot_table_puts_the_papers_figures_beside_their_evaluations_
             ("FedAvgFT, SGD momentum 0.9", ("89.57 ± 1.16", "90.14 ± 1.21", "81.48")),
             ("APFL, plain SGD", ("88.40 ± 1.41", "89.44 ± 1.50", "93.39")),
             ("Ditto, SGD momentum 0.9", ("89.08 ± 1.12", "91.30 ± 1.22", "79.26")),
+            ("FedRep, SGD momentum 0.9", ("89.95 ± 0.89", "89.77 ± 0.94", "82.20")),
+            ("LG-FedAvg, SGD momentum 0.9", ("87.43 ± 1.10", "91.70 ± 1.17", "66.16")),
+            ("HypCluster, SGD momentum 0.9", ("89.47 ± 0.90", "90.49 ± 1.13", "80.70")),
             ("Flow (reference", ("90.88 ± 1.16", "94.18 ± 1.21", "96.70"))):
         assert md_cell(markdown, row, "EMNIST Acc_g") == "50.00 ± 0.00 (paper —)"
         assert md_cell(markdown, row, "EMNIST Acc_g client snapshot") == (

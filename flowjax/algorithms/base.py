@@ -48,8 +48,8 @@ from flowjax.models.base import Params, RoutableModel, forward, instance_weights
 # The methods import the protocol and the instance weights from here too (re-exported).
 __all__ = ["ClientResult", "FederatedAlgorithm", "Predictions", "SGDConfig", "client_optimizer",
            "instance_weights", "no_routing", "plain_loss_sums", "separate_models_predict",
-           "sgd_step", "train_plain", "train_plain_with_snapshot", "unrouted_predictions",
-           "valid_examples"]
+           "part_sgd_step", "sgd_step", "train_part_with_snapshot", "train_plain",
+           "unrouted_predictions", "valid_examples"]
 
 PyTree = Any
 
@@ -145,34 +145,49 @@ def train_plain(model: RoutableModel, params: Params, optimizer: optax.GradientT
     return params, sums
 
 
-def train_plain_with_snapshot(model: RoutableModel, params: Params,
-                              optimizer: optax.GradientTransformation, examples: ClientExamples,
-                              member: jax.Array, *, epochs: int, batch_size: int, key: jax.Array,
-                              steps_per_loop: int = 1) -> tuple[Params, Params]:
-    """``train_plain``'s run (the same epochs, keys and optimizer state), copied after
-    its first epoch.
+def train_part_with_snapshot(model: RoutableModel, trainable: Params, frozen: Params,
+                             optimizer: optax.GradientTransformation, examples: ClientExamples,
+                             member: jax.Array, *, epochs: int, batch_size: int, key: jax.Array,
+                             steps_per_loop: int = 1) -> tuple[Params, Params]:
+    """``epochs`` of minibatch SGD on the ``trainable`` layers, the ``frozen`` ones fixed
+    (``{}``: the whole model, ``train_plain``'s run), copied after its first epoch.
 
     The copy is the model the Flow authors' evaluation scores as a fine-tuning baseline's
-    Acc_g (``client_fedavg_finetuning.py``, ``emnist_generalized_test``: ``before_net``
-    is copied at ``epoch == 0`` of the E fine-tuning epochs).
+    Acc_g: their ``*_generalized_test`` copies ``before_net`` at ``epoch == 0`` of its E
+    fine-tuning epochs (``client_fedavg_finetuning.py``; FedRep's head-only and
+    LG-FedAvg's body-only fine-tuning in ``client_fedrep.py``, ``client_lgfedavg.py``).
+    One run: the second part continues from the first's params, optimizer state and
+    epoch index.
 
     Args:
-      model, params, optimizer, examples, member, epochs, batch_size, key, steps_per_loop:
-        as ``train_plain``'s.
+      model, optimizer, examples, member, epochs, batch_size, key, steps_per_loop: as
+        ``train_plain``'s.
+      trainable: the layers trained; frozen: the model's other layers, constants of the loss.
 
     Returns:
-      ``(params after all epochs, params after the first)``.
+      ``(trainable after all epochs, after the first)``; both ``trainable`` itself when
+      ``epochs`` is 0.
     """
+    if epochs == 0:
+        return trainable, trainable
     x, y, _ = examples.flat()
-    step = _plain_sgd_step(model, optimizer)
+    step = part_sgd_step(model, frozen, optimizer)
     common = dict(batch_size=batch_size, key=key, steps_per_loop=steps_per_loop)
-    carry, _ = run_epochs(step, (params, optimizer.init(params)), x, y, member, num_epochs=1,
-                          **common)
+    carry, _ = run_epochs(step, (trainable, optimizer.init(trainable)), x, y, member,
+                          num_epochs=1, **common)
     snapshot = carry[0]
     if epochs > 1:  # continues the same run: epoch 1 onwards, same optimizer state
         carry, _ = run_epochs(step, carry, x, y, member, num_epochs=epochs - 1, first_epoch=1,
                               **common)
     return carry[0], snapshot
+
+
+def part_sgd_step(model: RoutableModel, frozen: Params, optimizer: optax.GradientTransformation
+                  ) -> Callable[..., Any]:
+    """A ``run_epochs`` step of SGD on some of ``model``'s layers, the ``frozen`` ones
+    (a dict of the others) held as constants of the loss."""
+    return sgd_step(lambda part, batch, k: plain_loss_sums(model, {**frozen, **part}, batch, k),
+                    optimizer)
 
 
 def _plain_sgd_step(model: RoutableModel, optimizer: optax.GradientTransformation
@@ -190,10 +205,13 @@ def no_routing(logits: jax.Array) -> jax.Array:
     return jnp.zeros(logits.shape[:-1] + (0,), jnp.float32)
 
 
-def unrouted_predictions(global_logits: jax.Array, personal_logits: jax.Array) -> Predictions:
+def unrouted_predictions(global_logits: jax.Array, personal_logits: jax.Array,
+                         snapshot_logits: jax.Array | None = None) -> Predictions:
     """``Predictions`` of a method without routing: its personalized model's logits are
-    both the hard- and the soft-routed ones."""
-    return Predictions(global_logits, personal_logits, personal_logits, no_routing(global_logits))
+    both the hard- and the soft-routed ones; ``snapshot_logits``, where given, those of
+    the client-side copy of the global model (a method's ``client_snapshot``)."""
+    return Predictions(global_logits, personal_logits, personal_logits, no_routing(global_logits),
+                       global_snapshot=snapshot_logits)
 
 
 def separate_models_predict(model: RoutableModel, client_snapshot: bool | None = None
@@ -209,9 +227,8 @@ def separate_models_predict(model: RoutableModel, client_snapshot: bool | None =
     def predict(params: Params, personal: Params, x: jax.Array) -> Predictions:
         if not client_snapshot:
             return unrouted_predictions(forward(model, params, x), forward(model, personal, x))
-        return dataclasses.replace(
-            unrouted_predictions(forward(model, params, x),
-                                 forward(model, personal["personal"], x)),
-            global_snapshot=forward(model, personal["snapshot"], x))
+        return unrouted_predictions(forward(model, params, x),
+                                    forward(model, personal["personal"], x),
+                                    forward(model, personal["snapshot"], x))
 
     return predict

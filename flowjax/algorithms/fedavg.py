@@ -16,7 +16,7 @@ import dataclasses
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions, SGDConfig,
                                      separate_models_predict, train_plain,
-                                     train_plain_with_snapshot, unrouted_predictions,
+                                     train_part_with_snapshot, unrouted_predictions,
                                      valid_examples)
 from flowjax.core.checks import FieldError, check_fields, one_of
 from flowjax.core.cohort import ClientExamples
@@ -67,8 +67,8 @@ def fedavg(model: RoutableModel, config: FedAvgConfig) -> FederatedAlgorithm:
         if not config.finetune:
             return params
         if config.client_snapshot:
-            fine_tuned, snapshot = train_plain_with_snapshot(
-                model, params, optimizer, examples, valid_examples(examples),
+            fine_tuned, snapshot = train_part_with_snapshot(
+                model, params, {}, optimizer, examples, valid_examples(examples),
                 epochs=config.sgd.epochs, batch_size=config.sgd.batch_size, key=key,
                 **config.sgd.loop)
             return {"personal": fine_tuned, "snapshot": snapshot}

@@ -54,6 +54,16 @@ Choices where the paper is silent or the reference code differs:
   example-weighted mean of the heads the clients of the latest round trained (weights
   ``n_i``): a real global model, comparable with FedAvg's, that training never uses
   (the authors' code averages every layer, heads included, on the server).
+
+``client_snapshot=True`` also scores the copy the Flow authors' evaluation reports as
+FedRep's Acc_g (``client_fedrep.py``, ``*_generalized_test``: ``before_net``, copied after
+the first of the E head-only epochs of its fine-tuning): the current body with the
+client's head after the first of the evaluation's head epochs, as
+``acc_g_client_snapshot`` beside ``acc_g`` (with ``head_epochs = 0``, the stored head:
+the personalized model itself). Training, Acc_g and Acc_p are unchanged. Their
+evaluation starts that head from a fresh random init (their client objects are rebuilt
+each round and never load the head) and trains it E epochs; here it starts from the
+client's stored head and Acc_p's run has ``head_epochs`` epochs.
 """
 
 from __future__ import annotations
@@ -66,9 +76,9 @@ import jax.numpy as jnp
 import optax
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     SGDConfig, unrouted_predictions, plain_loss_sums, sgd_step,
-                                     valid_examples)
-from flowjax.core.checks import FieldError, check_fields, optional_integer
+                                     SGDConfig, part_sgd_step, train_part_with_snapshot,
+                                     unrouted_predictions, valid_examples)
+from flowjax.core.checks import FieldError, check_fields, one_of, optional_integer
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
 from flowjax.core.server_opt import ClientMean
@@ -84,15 +94,19 @@ class FedRepConfig:
       head_epochs: epochs of head-only training per round (and at evaluation);
         None: ``epochs_for_budget(E)``'s ``E - 1``.
       body_epochs: epochs of body-only training per round (None: the paper's 1).
+      client_snapshot: also score the head after the first evaluation epoch, the
+        authors' FedRep Acc_g (module docstring; None = off).
     """
 
     sgd: SGDConfig
     head_epochs: int | None = None
     body_epochs: int | None = None
+    client_snapshot: bool | None = None
 
     def __post_init__(self):
         check_fields(self, {"head_epochs": optional_integer(0),
-                            "body_epochs": optional_integer(0)})
+                            "body_epochs": optional_integer(0),
+                            "client_snapshot": one_of((None, False, True))})
         head, body = epochs_for_budget(self.sgd.epochs)
         for name, derived in (("head_epochs", head), ("body_epochs", body)):
             if getattr(self, name) is None:
@@ -130,8 +144,7 @@ def train_part(model: RoutableModel, trainable: Params, frozen: Params,
     if epochs == 0:
         return trainable, jnp.zeros((2,), jnp.float32)
     x, y, _ = examples.flat()
-    step = sgd_step(lambda part, batch, k: plain_loss_sums(model, {**frozen, **part}, batch, k),
-                    optimizer)
+    step = part_sgd_step(model, frozen, optimizer)
     (trainable, _), sums = run_epochs(step, (trainable, optimizer.init(trainable)), x, y,
                                       member, num_epochs=epochs, batch_size=batch_size, key=key,
                                       steps_per_loop=steps_per_loop)
@@ -185,12 +198,21 @@ def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
             client_state=head)
 
     def personalize(params, examples: ClientExamples, key, client_state) -> Params:
-        return train_head(params["body"], client_state, examples, key)[0]
+        if not config.client_snapshot:
+            return train_head(params["body"], client_state, examples, key)[0]
+        head, snapshot = train_part_with_snapshot(
+            model, client_state, params["body"], optimizer, examples, valid_examples(examples),
+            epochs=config.head_epochs, key=jax.random.fold_in(key, 0), **train)
+        return {"personal": head, "snapshot": snapshot}
 
     def predict(params, personal, x) -> Predictions:
         global_logits = forward(model, {**params["body"], **params["mean_head"].value}, x)
-        personal_logits = forward(model, {**params["body"], **personal}, x)
-        return unrouted_predictions(global_logits, personal_logits)
+        if not config.client_snapshot:
+            return unrouted_predictions(global_logits,
+                                        forward(model, {**params["body"], **personal}, x))
+        return unrouted_predictions(
+            global_logits, forward(model, {**params["body"], **personal["personal"]}, x),
+            forward(model, {**params["body"], **personal["snapshot"]}, x))
 
     def init_client_state(params) -> Params:
         return params["initial_head"]

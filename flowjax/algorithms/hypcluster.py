@@ -47,6 +47,18 @@ Choices where the paper is silent:
 * Metrics: ``clients_in_cluster{i}``, the share of the round's real clients that chose
   cluster i (collapse shows as a share of 1), and ``updates_to_cluster{i}``, how many of
   the round's clients with examples trained it (a skipped client counts in neither).
+
+``client_snapshot=True`` also scores the copy the Flow authors' evaluation reports as
+HypCluster's Acc_g (``client_hypcluster.py``, ``*_generalized_test``: ``before_net``).
+Their evaluation fine-tunes every cluster model for E epochs on the client's train split
+(the same minibatches for each) and, after the first epoch, copies the one whose loss
+summed over that epoch's steps is lower. Here: every cluster model trained one epoch
+(SGD as in training, the evaluation's key for each), and the one with the lowest mean
+loss over that epoch's steps (ties: the lowest index; theirs, between two, the second;
+their sum of minibatch means weighs a short last minibatch fully), as
+``acc_g_client_snapshot`` beside ``acc_g``. Training, Acc_g and Acc_p are unchanged: their
+Acc_p is also a fine-tuned model (the cluster with the lower loss over the last of the E
+epochs, after them), the paper's HypCluster Acc_p (this one) is not.
 """
 
 from __future__ import annotations
@@ -90,10 +102,12 @@ class HypClusterConfig:
     perturbation: float = 0.01
     warmup_rounds: int = 0
     init: str | None = None
+    client_snapshot: bool | None = None
 
     def __post_init__(self):
         check_fields(self, {"clusters": integer(1), "warmup_rounds": integer(0),
-                            "perturbation": non_negative, "init": one_of((None, "kmeans"))})
+                            "perturbation": non_negative, "init": one_of((None, "kmeans")),
+                            "client_snapshot": one_of((None, False, True))})
 
 
 def cluster_names(clusters: int) -> tuple[str, ...]:
@@ -217,12 +231,26 @@ def hypcluster(model: RoutableModel, config: HypClusterConfig,
         return {name: perturb(warm_start, jax.random.fold_in(key, i), config.perturbation)
                 for i, name in enumerate(names)}
 
+    def lowest(losses: Sequence[jax.Array], clusters: Sequence[Params]):
+        """(index of the lowest loss, ties to the lowest index; that cluster's params)."""
+        chosen = jnp.argmin(jnp.stack(losses))
+        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *clusters)
+        return chosen, jax.tree.map(lambda leaf: leaf[chosen], stacked)
+
     def choose(params, examples: ClientExamples):
         """(index of the lowest-loss cluster, that cluster's params)."""
-        losses = jnp.stack([mean_train_loss(model, params[name], examples) for name in names])
-        chosen = jnp.argmin(losses)
-        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(params[n] for n in names))
-        return chosen, jax.tree.map(lambda leaf: leaf[chosen], stacked)
+        return lowest([mean_train_loss(model, params[name], examples) for name in names],
+                      [params[name] for name in names])
+
+    def first_epoch_snapshot(params, examples: ClientExamples, key) -> Params:
+        """The authors' Acc_g copy: of every cluster after one epoch on the client's
+        train split, the one whose steps had the lowest mean loss (module docstring)."""
+        runs = [train_plain(model, params[name], optimizer, examples,
+                            valid_examples(examples), epochs=1,
+                            batch_size=config.sgd.batch_size, key=key, **config.sgd.loop)
+                for name in names]
+        return lowest([mean_from_sums(*sums) for _, sums in runs],
+                      [trained for trained, _ in runs])[1]
 
     def client_update(params, examples: ClientExamples, key, client_state=None) -> ClientResult:
         del client_state  # stateless
@@ -245,8 +273,11 @@ def hypcluster(model: RoutableModel, config: HypClusterConfig,
             metrics=metrics)
 
     def personalize(params, examples: ClientExamples, key, client_state=None) -> Params:
-        del key, client_state  # deterministic, stateless
-        return choose(params, examples)[1]
+        del client_state  # stateless; the choice is deterministic, the snapshot's run is not
+        if not config.client_snapshot:
+            return choose(params, examples)[1]
+        return {"personal": choose(params, examples)[1],
+                "snapshot": first_epoch_snapshot(params, examples, key)}
 
     def ensemble_logits(params, x):
         if len(names) == 1:
@@ -257,8 +288,10 @@ def hypcluster(model: RoutableModel, config: HypClusterConfig,
 
     def predict(params, personal, x) -> Predictions:
         global_logits = ensemble_logits(params, x)
-        personal_logits = forward(model, personal, x)
-        return unrouted_predictions(global_logits, personal_logits)
+        if not config.client_snapshot:
+            return unrouted_predictions(global_logits, forward(model, personal, x))
+        return unrouted_predictions(global_logits, forward(model, personal["personal"], x),
+                                    forward(model, personal["snapshot"], x))
 
     return FederatedAlgorithm(name="hypcluster", model=model, init=init,
                               client_update=client_update, personalize=personalize,

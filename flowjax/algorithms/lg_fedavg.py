@@ -43,6 +43,15 @@ Choices where the paper is silent or differs:
   ``l_bar`` is the example-weighted mean of the local layers the clients of the latest
   round trained (weights ``n_i``): a real global model, comparable with FedAvg's, that
   training never uses.
+
+``client_snapshot=True`` also scores the copy the Flow authors' evaluation reports as
+LG-FedAvg's Acc_g (``client_lgfedavg.py``, ``*_generalized_test``: ``before_net``, copied
+after the first of the E epochs that train every layer but the classifier): the
+client's local layers after the first epoch of the evaluation's local training, with the
+current global layers, as ``acc_g_client_snapshot`` beside ``acc_g``. Training, Acc_g and
+Acc_p are unchanged. Their evaluation starts the local layers from a fresh random init
+(their client objects are rebuilt each round and load only the ``linear`` layers); here
+they start from the client's stored ones.
 """
 
 from __future__ import annotations
@@ -54,8 +63,9 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     SGDConfig, unrouted_predictions, train_plain, valid_examples)
-from flowjax.core.checks import check_fields
+                                     SGDConfig, train_part_with_snapshot, train_plain,
+                                     unrouted_predictions, valid_examples)
+from flowjax.core.checks import check_fields, one_of
 from flowjax.algorithms.fedrep import split_layers, train_part
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.server_opt import ClientMean
@@ -70,15 +80,19 @@ class LGFedAvgConfig:
       sgd: the clients' SGD (its epochs are also those of the evaluation's local training).
       global_layers: names of the top layers the server averages (None = the model's
         ``head_layers``); which names fit is the model's business (``global_layer_names``).
+      client_snapshot: also score the local layers after the first evaluation epoch, the
+        authors' LG-FedAvg Acc_g (module docstring; None = off).
     """
 
     sgd: SGDConfig
     global_layers: tuple[str, ...] | None = None
+    client_snapshot: bool | None = None
 
     def __post_init__(self):
         if self.global_layers is not None:  # a config file's list reads as a tuple
             object.__setattr__(self, "global_layers", tuple(self.global_layers))
-        check_fields(self, {"global_layers": _layer_names})
+        check_fields(self, {"global_layers": _layer_names,
+                            "client_snapshot": one_of((None, False, True))})
 
 
 def _layer_names(value) -> str | None:
@@ -136,15 +150,24 @@ def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorith
             client_state=local_part)
 
     def personalize(params, examples: ClientExamples, key, client_state) -> Params:
-        local_part, _ = train_part(model, client_state, params["global"], optimizer, examples,
-                                   valid_examples(examples), epochs=config.sgd.epochs,
-                                   batch_size=config.sgd.batch_size, key=key, **config.sgd.loop)
-        return {**local_part, **params["global"]}
+        train = dict(epochs=config.sgd.epochs, batch_size=config.sgd.batch_size, key=key,
+                     **config.sgd.loop)
+        if not config.client_snapshot:
+            local_part, _ = train_part(model, client_state, params["global"], optimizer,
+                                       examples, valid_examples(examples), **train)
+            return {**local_part, **params["global"]}
+        local_part, snapshot = train_part_with_snapshot(
+            model, client_state, params["global"], optimizer, examples, valid_examples(examples),
+            **train)
+        return {"personal": {**local_part, **params["global"]},
+                "snapshot": {**snapshot, **params["global"]}}
 
     def predict(params, personal, x) -> Predictions:
         global_logits = forward(model, {**params["mean_local"].value, **params["global"]}, x)
-        personal_logits = forward(model, personal, x)
-        return unrouted_predictions(global_logits, personal_logits)
+        if not config.client_snapshot:
+            return unrouted_predictions(global_logits, forward(model, personal, x))
+        return unrouted_predictions(global_logits, forward(model, personal["personal"], x),
+                                    forward(model, personal["snapshot"], x))
 
     def init_client_state(params) -> Params:
         return params["initial_local"]

@@ -54,7 +54,8 @@ class Predictions:
         evaluation defines one (Flow's reference evaluation: the global branch after the
         client's first routing epoch; FedAvgFT's ``client_snapshot``: the model after its
         first fine-tuning epoch; APFL's and Ditto's: the global model after E epochs of
-        local training); None elsewhere. Reported beside, never instead of,
+        local training; FedRep's, LG-FedAvg's and HypCluster's: after one epoch of their
+        evaluation's fine-tuning); None elsewhere. Reported beside, never instead of,
         the server model's ``global_logits``.
     """
 

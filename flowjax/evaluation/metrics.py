@@ -166,7 +166,7 @@ class EvalSummary:
     acc_g_p90: float | None = None
     # Default so summaries saved in checkpoints before the histogram existed still load.
     q0_histogram: dict[str, list[list[float]]] = dataclasses.field(default_factory=dict)
-    # Flow's reference evaluation and the client_snapshot of FedAvgFT, APFL and Ditto
+    # Flow's reference evaluation and the client_snapshot of the baselines that have one
     # only: accuracy of the client's copy of the global model that the authors' evaluation
     # scores (their "before_accuracy"), beside Acc_g.
     acc_g_client_snapshot: float | None = None

@@ -182,7 +182,8 @@ def _build_figures() -> dict[tuple[str, str, str], PaperFigure]:
 
 # The paper's Acc_g is that of the authors' evaluation, which scores a client's copy of
 # the global model (FedAvgFT, Flow: after its first evaluation epoch; APFL, Ditto: after
-# the E epochs of its local update; README, "Baselines as implemented"),
+# the E epochs of its local update; FedRep, LG-FedAvg, HypCluster: after one epoch of
+# their fine-tuning; README, "Baselines as implemented"),
 # and their code records per client the flag harmed = (copy's accuracy >= final
 # accuracy); their script that turned the flags into Table 3 is not published, so its
 # "% unharmed" is read as the share of flags that are false. A row reporting that copy
@@ -190,7 +191,9 @@ def _build_figures() -> dict[tuple[str, str, str], PaperFigure]:
 # against it (in every table; flow_reference's other table, gain_source, runs only
 # datasets the paper lacks).
 SNAPSHOT_ROWS = {"fedavg_ft_snapshot": "fedavg_ft", "apfl_snapshot": "apfl",
-                 "ditto_snapshot": "ditto", "flow_reference": "flow"}
+                 "ditto_snapshot": "ditto", "fedrep_snapshot": "fedrep",
+                 "lg_fedavg_snapshot": "lg_fedavg", "hypcluster_snapshot": "hypcluster",
+                 "flow_reference": "flow"}
 
 
 def _add_snapshot_figures(figures: dict[tuple[str, str, str], PaperFigure]) -> None:

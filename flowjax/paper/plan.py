@@ -51,15 +51,19 @@ REFERENCE_VARIANTS = {
 # The baselines scored by the authors' evaluation (README, "Baselines as implemented"):
 # the client's copy that their ``*_generalized_test`` reports as a baseline's Acc_g, beside
 # Eq. 11's server model, with the client optimizer of their EMNIST code for that method
-# (FedAvgFT and Ditto: SGD momentum 0.9, as flow_reference beside them; APFL: plain SGD,
-# as their Shakespeare APFL too, where their CIFAR APFL and their Stack Overflow APFL's
-# evaluation use momentum 0.9). The `client_snapshot` table runs them.
+# (FedAvgFT, Ditto, FedRep, LG-FedAvg, HypCluster: SGD momentum 0.9, as flow_reference
+# beside them; APFL: plain SGD, as their Shakespeare APFL too, where their CIFAR APFL and
+# their Stack Overflow APFL's evaluation use momentum 0.9). The `client_snapshot` table
+# runs them.
 EVALUATION_VARIANTS = {
     "fedavg_ft_snapshot": {"algorithm": "fedavg_ft", "methods.fedavg_ft.sgd.momentum": 0.9,
                            "methods.fedavg_ft.client_snapshot": True},
     "apfl_snapshot": {"algorithm": "apfl", "methods.apfl.client_snapshot": True},
     "ditto_snapshot": {"algorithm": "ditto", "methods.ditto.sgd.momentum": 0.9,
                        "methods.ditto.client_snapshot": True},
+    **{f"{method}_snapshot": {"algorithm": method, f"methods.{method}.sgd.momentum": 0.9,
+                              f"methods.{method}.client_snapshot": True}
+       for method in ("fedrep", "lg_fedavg", "hypcluster")},
 }
 
 
@@ -349,12 +353,19 @@ TABLES: dict[str, TableSpec] = {spec.name: spec for spec in (
     TableSpec(
         "client_snapshot", "The authors' evaluation: each client's copy of the global model "
         "(FedAvgFT, Flow: after its first evaluation epoch; APFL, Ditto: after the E epochs "
-        "of its local update), the paper's Acc_g, beside the server model's, %",
+        "of its local update; FedRep, LG-FedAvg: the personal part after its first "
+        "evaluation epoch; HypCluster: the cluster with the lower loss over one epoch of "
+        "fine-tuning, after it), the paper's Acc_g, beside the server model's, %",
         ("tbl:all-accuracies", "tbl:clients-unharmed"),
-        _rows("fedavg_ft_snapshot", "apfl_snapshot", "ditto_snapshot", "flow_reference",
+        _rows("fedavg_ft_snapshot", "apfl_snapshot", "ditto_snapshot", "fedrep_snapshot",
+              "lg_fedavg_snapshot", "hypcluster_snapshot", "flow_reference",
               labels={"fedavg_ft_snapshot": "FedAvgFT, SGD momentum 0.9",
                       "apfl_snapshot": "APFL, plain SGD (their EMNIST code's)",
                       "ditto_snapshot": "Ditto, SGD momentum 0.9",
+                      "fedrep_snapshot": "FedRep, SGD momentum 0.9",
+                      "lg_fedavg_snapshot": "LG-FedAvg, SGD momentum 0.9",
+                      "hypcluster_snapshot": "HypCluster, SGD momentum 0.9 (Acc_p not "
+                                             "fine-tuned, theirs is)",
                       "flow_reference": "Flow (reference: all of the authors' code)"}),
         ("acc_g", "acc_g_client_snapshot", "acc_p", "clients_benefiting",
          "clients_benefiting_snapshot"),

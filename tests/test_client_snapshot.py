@@ -1,0 +1,176 @@
+"""FedRep's, LG-FedAvg's and HypCluster's ``client_snapshot``: the copy the Flow authors'
+evaluation scores as the method's Acc_g (``before_net``, after the first epoch of its
+fine-tuning), built beside the personalized model the option-off method builds."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flowjax.algorithms.base import SGDConfig, plain_loss_sums
+from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
+from flowjax.algorithms.fedrep import FedRepConfig, fedrep, split_layers
+from flowjax.algorithms.hypcluster import HypClusterConfig, hypcluster
+from flowjax.algorithms.lg_fedavg import LGFedAvgConfig, lg_fedavg
+from flowjax.core.local_training import epoch_batches
+from flowjax.core.losses import mean_from_sums
+from flowjax.models.base import forward
+from tests.helpers import assert_trees_equal, differs, one_client
+
+SGD = SGDConfig(learning_rate=0.05, epochs=3, batch_size=4, momentum=0.9)
+
+
+@pytest.fixture(scope="module")
+def headed(mlp):
+    return dataclasses.replace(mlp, head_layers=("fc2",))
+
+
+def _client(images_small):
+    """A client with several minibatches per epoch (at least 12 examples, batches of 4)."""
+    index = next(i for i, n in enumerate(images_small.train.num_examples("train")) if n >= 12)
+    return one_client(images_small, index, padded_examples=32)
+
+
+def _allclose(got, want):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)  # two programs: rounding
+
+
+def test_fedrep_snapshot_is_the_head_after_the_first_evaluation_epoch(headed, images_small):
+    """Body frozen, the client's stored head after one of the evaluation's head epochs:
+    the head a FedRep with ``head_epochs=1`` builds from the same key; the personalized
+    head is the option-off one (2 head epochs)."""
+    build = lambda **fields: fedrep(headed, FedRepConfig(sgd=SGD, **fields))
+    on, off, one_epoch = build(client_snapshot=True), build(), build(head_epochs=1)
+    params = on.init(jax.random.key(0))
+    stored = split_layers(headed.init(jax.random.key(5)), ("fc2",))[0]
+    client, key = _client(images_small), jax.random.key(2)
+    personal = jax.jit(on.personalize)(params, client, key, stored)
+    _allclose(personal["personal"], jax.jit(off.personalize)(params, client, key, stored))
+    _allclose(personal["snapshot"], jax.jit(one_epoch.personalize)(params, client, key, stored))
+    assert differs(personal["snapshot"], stored)
+    assert differs(personal["snapshot"], personal["personal"])
+    x = client.x[0]
+    predictions = on.predict(params, personal, x)
+    np.testing.assert_array_equal(predictions.global_logits,
+                                  off.predict(params, personal["personal"], x).global_logits)
+    np.testing.assert_array_equal(predictions.personal_hard, forward(
+        headed, {**params["body"], **personal["personal"]}, x))
+    np.testing.assert_array_equal(predictions.global_snapshot, forward(
+        headed, {**params["body"], **personal["snapshot"]}, x))
+    assert off.predict(params, personal["personal"], x).global_snapshot is None
+
+
+def test_fedrep_snapshot_without_head_epochs_is_the_stored_head(headed, images_small):
+    algorithm = fedrep(headed, FedRepConfig(sgd=SGD, head_epochs=0, client_snapshot=True))
+    params = algorithm.init(jax.random.key(0))
+    stored = split_layers(headed.init(jax.random.key(5)), ("fc2",))[0]
+    personal = jax.jit(algorithm.personalize)(params, _client(images_small),
+                                              jax.random.key(2), stored)
+    assert_trees_equal(personal["snapshot"], stored)
+    assert_trees_equal(personal["personal"], stored)
+
+
+def test_lg_fedavg_snapshot_is_the_local_layers_after_the_first_evaluation_epoch(
+        headed, images_small):
+    """Global layers frozen, the client's stored local layers after one of the
+    evaluation's E epochs: what an LG-FedAvg with E = 1 builds from the same key."""
+    build = lambda sgd=SGD, **fields: lg_fedavg(headed, LGFedAvgConfig(sgd=sgd, **fields))
+    on, off = build(client_snapshot=True), build()
+    one_epoch = build(dataclasses.replace(SGD, epochs=1))
+    params = on.init(jax.random.key(0))
+    stored = split_layers(headed.init(jax.random.key(5)), ("fc2",))[1]
+    client, key = _client(images_small), jax.random.key(2)
+    personal = jax.jit(on.personalize)(params, client, key, stored)
+    _allclose(personal["personal"], jax.jit(off.personalize)(params, client, key, stored))
+    _allclose(personal["snapshot"], jax.jit(one_epoch.personalize)(params, client, key, stored))
+    assert_trees_equal(personal["snapshot"]["fc2"], params["global"]["fc2"])
+    assert differs(personal["snapshot"]["fc1"], stored["fc1"])
+    assert differs(personal["snapshot"], personal["personal"])
+    x = client.x[0]
+    predictions = on.predict(params, personal, x)
+    np.testing.assert_array_equal(predictions.global_logits,
+                                  off.predict(params, personal["personal"], x).global_logits)
+    np.testing.assert_array_equal(predictions.personal_hard,
+                                  forward(headed, personal["personal"], x))
+    np.testing.assert_array_equal(predictions.global_snapshot,
+                                  forward(headed, personal["snapshot"], x))
+
+
+def _first_epoch_by_hand(model, params, client, key):
+    """One epoch of plain SGD (lr 0.05), step by step: (params after it, the mean of the
+    steps' losses weighted by their examples)."""
+    x, y, member = client.flat()
+    indices, mask = epoch_batches(jax.random.fold_in(key, 0), member, 4, x.shape[0])
+    loss_sum = count = 0.0
+    for step, (batch, batch_mask) in enumerate(zip(np.asarray(indices), np.asarray(mask))):
+        if not batch_mask.any():
+            continue
+        batch = (x[batch], y[batch], jnp.asarray(batch_mask, jnp.float32))
+
+        def mean_loss(p):
+            sums = plain_loss_sums(model, p, batch, jax.random.key(step))  # no dropout
+            return mean_from_sums(sums[0], sums[1]), sums
+
+        grads, sums = jax.grad(mean_loss, has_aux=True)(params)
+        params = jax.tree.map(lambda p, g: p - 0.05 * g, params, grads)
+        loss_sum, count = loss_sum + float(sums[0]), count + float(sums[1])
+    return params, loss_sum / count
+
+
+def test_hypcluster_snapshot_is_the_cluster_with_the_lower_first_epoch_loss(mlp, images_small):
+    """Every cluster trained one epoch on the same minibatches; the copy is the one whose
+    steps had the lower mean loss (recomputed here step by step), whichever index it has.
+    The personalized model is the option-off one (the pre-training choice, not trained)."""
+    sgd = dataclasses.replace(SGD, momentum=0.0)
+    client, key = _client(images_small), jax.random.key(2)
+    starts = [mlp.init(jax.random.key(7)), mlp.init(jax.random.key(8))]
+    by_hand = [_first_epoch_by_hand(mlp, start, client, key) for start in starts]
+    losses = [loss for _, loss in by_hand]
+    assert abs(losses[0] - losses[1]) > 1e-3  # the choice is not a near tie
+    snapshots = []
+    for order in ((0, 1), (1, 0)):
+        build = lambda snapshot: hypcluster(
+            mlp, HypClusterConfig(sgd=sgd, client_snapshot=snapshot),
+            cluster_starts=[starts[i] for i in order])
+        on, off = build(True), build(None)
+        params = on.init(jax.random.key(0))
+        personal = jax.jit(on.personalize)(params, client, key)
+        assert_trees_equal(personal["personal"], jax.jit(off.personalize)(params, client, key))
+        _allclose(personal["snapshot"], by_hand[int(np.argmin(losses))][0])
+        snapshots.append(personal["snapshot"])
+        x = client.x[0]
+        predictions = on.predict(params, personal, x)
+        np.testing.assert_array_equal(predictions.global_logits,
+                                      off.predict(params, personal["personal"], x).global_logits)
+        np.testing.assert_array_equal(predictions.personal_hard,
+                                      forward(mlp, personal["personal"], x))
+        np.testing.assert_array_equal(predictions.global_snapshot,
+                                      forward(mlp, personal["snapshot"], x))
+    _allclose(snapshots[0], snapshots[1])
+
+
+def test_one_cluster_snapshot_is_fedavg_fts_model_after_one_epoch(mlp, images_small):
+    """With k = 1 the copy is the one cluster fine-tuned one epoch: FedAvgFT's personalized
+    model at E = 1 from the same params and key (momentum 0.9 as their code's)."""
+    one_epoch = dataclasses.replace(SGD, epochs=1)
+    algorithm = hypcluster(mlp, HypClusterConfig(sgd=SGD, clusters=1, client_snapshot=True))
+    params = algorithm.init(jax.random.key(0))
+    client, key = _client(images_small), jax.random.key(2)
+    personal = jax.jit(algorithm.personalize)(params, client, key)
+    fine_tuned = jax.jit(fedavg(mlp, FedAvgConfig(sgd=one_epoch, finetune=True)).personalize)(
+        params["cluster0"], client, key)
+    _allclose(personal["snapshot"], fine_tuned)
+    assert_trees_equal(personal["personal"], params["cluster0"])
+
+
+@pytest.mark.parametrize("method", [
+    lambda m, v: fedrep(m, FedRepConfig(sgd=SGD, client_snapshot=v)),
+    lambda m, v: lg_fedavg(m, LGFedAvgConfig(sgd=SGD, client_snapshot=v)),
+    lambda m, v: hypcluster(m, HypClusterConfig(sgd=SGD, client_snapshot=v))],
+    ids=["fedrep", "lg_fedavg", "hypcluster"])
+def test_client_snapshot_takes_only_a_bool(headed, method):
+    with pytest.raises(ValueError, match=r"^client_snapshot='yes': expected one of "):
+        method(headed, "yes")
