@@ -69,7 +69,8 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
         # None: derived from E, (E - 1) head + 1 body epochs (E = 1: 0 + 1; algorithms/fedrep.py).
         fedrep=dict(head_epochs=config_dict.placeholder(int),
                     body_epochs=config_dict.placeholder(int),
-                    client_snapshot=config_dict.placeholder(bool)),
+                    client_snapshot=config_dict.placeholder(bool),
+                    head_layers=config_dict.placeholder(tuple)),  # None = the model's head
         lg_fedavg=dict(global_layers=config_dict.placeholder(tuple),  # None = the head
                        client_snapshot=config_dict.placeholder(bool)),
         hypcluster=dict(clusters=2, warmup_rounds=10, perturbation=0.01,

@@ -18,6 +18,7 @@ from flowjax.algorithms import METHODS, algorithm_names, method_config
 from flowjax.algorithms import flow_reference, flow_reference_resnet
 from flowjax.algorithms.flow_reference_networks import NETWORKS
 from flowjax.algorithms.ditto import unstable_lam
+from flowjax.algorithms.fedrep import head_layer_names
 from flowjax.algorithms.lg_fedavg import global_layer_names
 from flowjax.core.checks import (FieldError, Interval, integer, is_int, one_of, optional_cap,
                                  optional_integer, plain, positive)
@@ -253,6 +254,13 @@ def _check_model_fields(config: Any, method: Any, model: RoutableModel) -> None:
             _fail("methods.lg_fedavg.global_layers", requested,
                   f"expected None (the head) or distinct top layers of {model.name} {layers}, "
                   "leaving at least one layer local")
+    if config.algorithm == "fedrep" and method.head_layers is not None:
+        try:
+            head_layer_names(model, method.head_layers)
+        except ValueError:
+            _fail("methods.fedrep.head_layers", method.head_layers,
+                  f"expected None (the model's head) or distinct top layers of {model.name} "
+                  f"{layers}, leaving at least one layer in the body")
 
 
 def _check_run_fields(config: Any) -> None:

@@ -303,6 +303,9 @@ CASES: tuple[Case, ...] = (
             "0.0: expected a finite number > 0"),
     _config("methods.partialfed.temperature", 0.0, "config.methods.partialfed.temperature=0.0: "
             "expected a finite number > 0"),
+    _config("methods.fedrep.head_layers", ("lstm1", "dense"),
+            "config.methods.fedrep.head_layers=('lstm1', 'dense'): expected None (the model's "
+            "head) or distinct top layers of shakespeare_lstm", algorithm="fedrep"),
     _config("methods.lg_fedavg.global_layers", ("conv9",),
             "config.methods.lg_fedavg.global_layers=('conv9',): expected None (the head) or "
             "distinct top layers of shakespeare_lstm", algorithm="lg_fedavg"),

@@ -217,6 +217,24 @@ def test_bad_config_values_name_the_field(cnn):
         fedrep(headless, FedRepConfig(**CONFIG, head_epochs=1, body_epochs=1))
 
 
+def test_head_layers_choose_the_head_among_the_top_layers(cnn):
+    """``head_layers``: the Flow authors' EMNIST FedRep heads both dense layers (their
+    ``linear`` layers); any top layers leaving a body are accepted, nothing else."""
+    both = fedrep(cnn, FedRepConfig(**CONFIG, head_layers=["fc1", "fc2"]))
+    params = both.init(jax.random.key(0))
+    assert set(params["initial_head"]) == {"fc1", "fc2"}
+    assert set(params["body"]) == {"conv1", "conv2"}
+    assert_trees_equal({**params["body"], **params["initial_head"]}, cnn.init(jax.random.key(0)))
+    for bad, message in ((("fc1",), "must be the top layers"),
+                         (cnn.layer_names, "must be the top layers"),
+                         (("fc2", "fc2"), "must be distinct layers of 'emnist_cnn'")):
+        with pytest.raises(ValueError, match=message):
+            fedrep(cnn, FedRepConfig(**CONFIG, head_layers=bad))
+    with pytest.raises(ValueError, match=r"^head_layers=\(\): expected None \(the model's "
+                       r"head\) or a non-empty sequence of layer names$"):
+        FedRepConfig(**CONFIG, head_layers=())
+
+
 def test_run_trains_and_evaluates_through_the_engine():
     config = small_config(algorithm="fedrep", num_rounds=2, **{"methods.fedrep.head_epochs": 1})
     simulation = run_config.build_simulation(config)

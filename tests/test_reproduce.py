@@ -185,8 +185,9 @@ def test_client_snapshot_table_puts_the_papers_figures_beside_their_evaluations_
             ("FedAvgFT, SGD momentum 0.9", ("89.57 ± 1.16", "90.14 ± 1.21", "81.48")),
             ("APFL, plain SGD", ("88.40 ± 1.41", "89.44 ± 1.50", "93.39")),
             ("Ditto, SGD momentum 0.9", ("89.08 ± 1.12", "91.30 ± 1.22", "79.26")),
-            ("FedRep, SGD momentum 0.9", ("89.95 ± 0.89", "89.77 ± 0.94", "82.20")),
-            ("LG-FedAvg, SGD momentum 0.9", ("87.43 ± 1.10", "91.70 ± 1.17", "66.16")),
+            ("FedRep, SGD momentum 0.9, their head", ("89.95 ± 0.89", "89.77 ± 0.94",
+                                                       "82.20")),
+            ("LG-FedAvg, SGD momentum 0.9, their", ("87.43 ± 1.10", "91.70 ± 1.17", "66.16")),
             ("HypCluster, SGD momentum 0.9", ("89.47 ± 0.90", "90.49 ± 1.13", "80.70")),
             ("Flow (reference", ("90.88 ± 1.16", "94.18 ± 1.21", "96.70"))):
         assert md_cell(markdown, row, "EMNIST Acc_g") == "50.00 ± 0.00 (paper —)"
@@ -522,6 +523,37 @@ def test_overrides_set_typed_fields_per_dataset():
                                           "paper", ["flow"], [bad])
         with pytest.raises(ValueError, match=re.escape(message)):
             reproduce.cell_config(request.cells[0], request, tiny_config)
+
+
+def test_fedrep_and_lg_fedavg_snapshot_rows_take_the_authors_top_layers():
+    """Their FedRep head and LG-FedAvg global part are their ``linear`` layers: both dense
+    layers of the EMNIST CNN and of the Stack Overflow LSTM; on Shakespeare their last
+    layer, the model's head. The cell's config validates and builds with them."""
+    import jax
+    import jax.numpy as jnp
+
+    from flowjax.algorithms import build_algorithm
+    from flowjax.validation import validate_config
+    request = reproduce.build_request(
+        "client_snapshot", "/tmp/unused", ["0"], ["emnist", "stackoverflow", "shakespeare"],
+        "paper", ["fedrep_snapshot", "lg_fedavg_snapshot"], [])
+    tops = {}
+    for cell in request.cells:
+        config = reproduce.cell_config(cell, request, reproduce.load_dataset_config)
+        method = config.methods[config.algorithm]
+        tops[cell.dataset, cell.variant] = (method.head_layers if config.algorithm == "fedrep"
+                                            else method.global_layers)
+        assert method.client_snapshot and method.sgd.momentum == 0.9
+    assert tops == {("emnist", "fedrep_snapshot"): ("fc1", "fc2"),
+                    ("emnist", "lg_fedavg_snapshot"): ("fc1", "fc2"),
+                    ("stackoverflow", "fedrep_snapshot"): ("dense1", "dense2"),
+                    ("stackoverflow", "lg_fedavg_snapshot"): ("dense1", "dense2"),
+                    ("shakespeare", "fedrep_snapshot"): None,
+                    ("shakespeare", "lg_fedavg_snapshot"): ("dense",)}  # its config's
+    emnist = reproduce.cell_config(request.cells[0], request, reproduce.load_dataset_config)
+    _, model = validate_config(emnist)
+    algorithm = build_algorithm("fedrep", model, emnist, jnp.zeros((1, 28, 28, 1)))
+    assert set(algorithm.init(jax.random.key(0))["initial_head"]) == {"fc1", "fc2"}
 
 
 def test_paper_scale_reads_the_papers_shakespeare_and_mini_the_embedded_plays():

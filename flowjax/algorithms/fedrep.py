@@ -1,8 +1,9 @@
 """FedRep: a shared body averaged by the server, a personal head kept by each client.
 
 Collins, Hassani, Mokhtari and Shakkottai, "Exploiting Shared Representations for
-Personalized Federated Learning", ICML 2021, Algorithm 1. The model's ``head_layers`` (its
-last dense layer(s)) are the head ``h``; every other layer is the body ``phi``. A sampled
+Personalized Federated Learning", ICML 2021, Algorithm 1. The top layers named in
+``head_layers`` (default: the model's ``head_layers``, its last layer) are the head ``h``;
+every other layer is the body ``phi``. A sampled
 client ``i``, from the broadcast body ``phi`` and its stored head ``h_i``:
 
 1. runs ``head_epochs`` epochs of minibatch SGD on the head with the body frozen:
@@ -96,17 +97,25 @@ class FedRepConfig:
       body_epochs: epochs of body-only training per round (None: the paper's 1).
       client_snapshot: also score the head after the first evaluation epoch, the
         authors' FedRep Acc_g (module docstring; None = off).
+      head_layers: names of the top layers that form the head (None = the model's
+        ``head_layers``, its last layer; the Flow authors' EMNIST and Stack Overflow
+        FedRep takes both dense layers); validated against the model by
+        ``head_layer_names``.
     """
 
     sgd: SGDConfig
     head_epochs: int | None = None
     body_epochs: int | None = None
     client_snapshot: bool | None = None
+    head_layers: tuple[str, ...] | None = None
 
     def __post_init__(self):
+        if self.head_layers is not None:  # a config file's list reads as a tuple
+            object.__setattr__(self, "head_layers", tuple(self.head_layers))
         check_fields(self, {"head_epochs": optional_integer(0),
                             "body_epochs": optional_integer(0),
-                            "client_snapshot": one_of((None, False, True))})
+                            "client_snapshot": one_of((None, False, True)),
+                            "head_layers": layer_names_or_none})
         head, body = epochs_for_budget(self.sgd.epochs)
         for name, derived in (("head_epochs", head), ("body_epochs", body)):
             if getattr(self, name) is None:
@@ -115,6 +124,14 @@ class FedRepConfig:
             raise FieldError("body_epochs", self.body_epochs,
                              f"expected head_epochs + body_epochs >= 1 (head_epochs="
                              f"{self.head_epochs})")
+
+
+def layer_names_or_none(value) -> str | None:
+    """``check_fields`` rule of a method's layer-name option (FedRep's head, LG-FedAvg's
+    global layers): None, or a non-empty sequence of names."""
+    if value is None or (value and all(isinstance(name, str) for name in value)):
+        return None
+    return "expected None (the model's head) or a non-empty sequence of layer names"
 
 
 def epochs_for_budget(epochs: int) -> tuple[int, int]:
@@ -151,23 +168,36 @@ def train_part(model: RoutableModel, trainable: Params, frozen: Params,
     return trainable, sums
 
 
-def head_layer_names(model: RoutableModel) -> tuple[str, ...]:
-    """The model's head layers, validated: non-empty and leaving a non-empty body."""
-    head = tuple(model.head_layers)
-    if not head:
-        raise ValueError(f"model {model.name!r} declares no head_layers; FedRep needs a head")
-    unknown = [name for name in head if name not in model.layer_names]
-    if unknown:
-        raise ValueError(f"head layers {unknown} are not layers of {model.name!r} "
-                         f"({list(model.layer_names)})")
-    if len(head) == model.num_layers:
-        raise ValueError(f"every layer of {model.name!r} is in its head; FedRep needs a body")
-    return head
+def top_layer_names(model: RoutableModel, requested: Sequence[str] | None, *, option: str,
+                    below: str) -> tuple[str, ...]:
+    """``requested`` (None: the model's ``head_layers``), validated: distinct layers of
+    ``model`` forming a non-empty top of it that leaves a layer below (``below`` names it
+    in the error; ``option`` names the setting)."""
+    names = tuple(model.head_layers if requested is None else requested)
+    if not names:
+        raise ValueError(f"model {model.name!r} declares no head_layers; set {option} to "
+                         f"some of {list(model.layer_names)}")
+    if len(set(names)) != len(names) or any(name not in model.layer_names for name in names):
+        raise ValueError(f"{option} {list(names)} must be distinct layers of "
+                         f"{model.name!r} ({list(model.layer_names)})")
+    top = model.layer_names[model.num_layers - len(names):]
+    if set(names) != set(top) or len(names) == model.num_layers:
+        raise ValueError(f"{option} {list(names)} must be the top layers of {model.name!r} "
+                         f"below which at least one layer stays {below}, e.g. "
+                         f"{list(model.layer_names[-1:])}")
+    return names
+
+
+def head_layer_names(model: RoutableModel, requested: Sequence[str] | None = None
+                     ) -> tuple[str, ...]:
+    """FedRep's head for ``model``: ``requested`` or the model's ``head_layers``, validated
+    as the top layers leaving a body."""
+    return top_layer_names(model, requested, option="FedRep head_layers", below="in the body")
 
 
 def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
-    """FedRep for ``model`` with its ``head_layers`` as the personal head."""
-    head_names = head_layer_names(model)
+    """FedRep for ``model`` with ``config.head_layers`` as the personal head."""
+    head_names = head_layer_names(model, config.head_layers)
     optimizer = config.sgd.optimizer()
     train = dict(batch_size=config.sgd.batch_size, **config.sgd.loop)
 

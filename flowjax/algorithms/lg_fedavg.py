@@ -66,7 +66,8 @@ from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictio
                                      SGDConfig, train_part_with_snapshot, train_plain,
                                      unrouted_predictions, valid_examples)
 from flowjax.core.checks import check_fields, one_of
-from flowjax.algorithms.fedrep import split_layers, train_part
+from flowjax.algorithms.fedrep import (layer_names_or_none, split_layers, top_layer_names,
+                                       train_part)
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.server_opt import ClientMean
 from flowjax.models.base import Params, RoutableModel, forward
@@ -91,31 +92,13 @@ class LGFedAvgConfig:
     def __post_init__(self):
         if self.global_layers is not None:  # a config file's list reads as a tuple
             object.__setattr__(self, "global_layers", tuple(self.global_layers))
-        check_fields(self, {"global_layers": _layer_names,
+        check_fields(self, {"global_layers": layer_names_or_none,
                             "client_snapshot": one_of((None, False, True))})
-
-
-def _layer_names(value) -> str | None:
-    if value is None or (value and all(isinstance(name, str) for name in value)):
-        return None
-    return "expected None (the model's head) or a non-empty sequence of layer names"
 
 
 def global_layer_names(model: RoutableModel, requested: Sequence[str] | None) -> tuple[str, ...]:
     """The global layers for ``model``, validated: a proper, non-empty suffix of its layers."""
-    names = tuple(model.head_layers if requested is None else requested)
-    if not names:
-        raise ValueError(f"model {model.name!r} declares no head_layers; set LG-FedAvg "
-                         f"global_layers to some of {list(model.layer_names)}")
-    if len(set(names)) != len(names) or any(name not in model.layer_names for name in names):
-        raise ValueError(f"LG-FedAvg global_layers {list(names)} must be distinct layers of "
-                         f"{model.name!r} ({list(model.layer_names)})")
-    top = model.layer_names[model.num_layers - len(names):]
-    if set(names) != set(top) or len(names) == model.num_layers:
-        raise ValueError(f"LG-FedAvg global_layers {list(names)} must be the top layers of "
-                         f"{model.name!r} below which at least one layer stays local, "
-                         f"e.g. {list(model.layer_names[-1:])}")
-    return names
+    return top_layer_names(model, requested, option="LG-FedAvg global_layers", below="local")
 
 
 def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorithm:

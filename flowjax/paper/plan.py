@@ -65,6 +65,13 @@ EVALUATION_VARIANTS = {
                               f"methods.{method}.client_snapshot": True}
        for method in ("fedrep", "lg_fedavg", "hypcluster")},
 }
+# The top layers the authors' FedRep personalizes and their LG-FedAvg shares, where they
+# are not the model's head_layers: their layers named ``linear`` (both dense layers of the
+# EMNIST CNN and of the Stack Overflow LSTM; `client_fedrep.py`, `client_lgfedavg.py`);
+# on Shakespeare and CIFAR theirs is the last layer (``fc``), as the model's head here.
+THEIR_TOP_LAYERS = {"emnist_cnn": ("fc1", "fc2"), "stackoverflow_lstm": ("dense1", "dense2")}
+_TOP_LAYERS_FIELD = {"fedrep_snapshot": "methods.fedrep.head_layers",
+                     "lg_fedavg_snapshot": "methods.lg_fedavg.global_layers"}
 
 
 def variant_overrides(name: str, model: str | None = None) -> dict[str, Any]:
@@ -74,7 +81,8 @@ def variant_overrides(name: str, model: str | None = None) -> dict[str, Any]:
     A single departure of the authors' code (``flow_ref_*``) takes the value of their
     EMNIST code; given the config's ``model``, it is refused on the LSTMs and the CIFAR
     ResNet, whose reference is their network and runs only whole
-    (``flow_reference_networks``).
+    (``flow_reference_networks``). Given it, FedRep's and LG-FedAvg's rows of the
+    authors' evaluation take their top layers (``THEIR_TOP_LAYERS``).
 
     Raises:
       ValueError: ``name`` is neither an algorithm nor an ablation, or such a departure
@@ -87,7 +95,10 @@ def variant_overrides(name: str, model: str | None = None) -> dict[str, Any]:
             check_departures_fit(name, model)
         return {"algorithm": "flow", **REFERENCE_VARIANTS[name]}
     if name in EVALUATION_VARIANTS:
-        return dict(EVALUATION_VARIANTS[name])
+        overrides = dict(EVALUATION_VARIANTS[name])
+        if name in _TOP_LAYERS_FIELD and model in THEIR_TOP_LAYERS:
+            overrides[_TOP_LAYERS_FIELD[name]] = THEIR_TOP_LAYERS[model]
+        return overrides
     if name in ALGORITHMS:
         return {"algorithm": name}
     known = sorted({*ALGORITHMS, *ABLATIONS, *REFERENCE_VARIANTS, *EVALUATION_VARIANTS})
@@ -362,8 +373,9 @@ TABLES: dict[str, TableSpec] = {spec.name: spec for spec in (
               labels={"fedavg_ft_snapshot": "FedAvgFT, SGD momentum 0.9",
                       "apfl_snapshot": "APFL, plain SGD (their EMNIST code's)",
                       "ditto_snapshot": "Ditto, SGD momentum 0.9",
-                      "fedrep_snapshot": "FedRep, SGD momentum 0.9",
-                      "lg_fedavg_snapshot": "LG-FedAvg, SGD momentum 0.9",
+                      "fedrep_snapshot": "FedRep, SGD momentum 0.9, their head",
+                      "lg_fedavg_snapshot": "LG-FedAvg, SGD momentum 0.9, their global "
+                                            "layers",
                       "hypcluster_snapshot": "HypCluster, SGD momentum 0.9 (Acc_p not "
                                              "fine-tuned, theirs is)",
                       "flow_reference": "Flow (reference: all of the authors' code)"}),
