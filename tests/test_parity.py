@@ -14,8 +14,9 @@ exactly. CIFAR's and
 Shakespeare's recomputations are marked slow (``SLOW_MODELS``). The EMNIST and LSTM
 fixtures also hold a run with dropout on, their dropout fed the masks flowjax drew (their
 digest in the fixture): flowjax must draw the same masks again and reach the same figures.
-``tests/fixtures/parity_fedavg_ft.json`` (``launch/parity_fedavg_ft.py --write_fixture``)
-holds their FedAvgFT evaluation, checked at the end of this file.
+``tests/fixtures/parity_{fedavg_ft,fedrep,lg_fedavg}.json`` (``launch/parity_fine_tuning.py
+--write_fixture``) hold their FedAvgFT, FedRep and LG-FedAvg evaluations, checked at the end
+of this file.
 """
 
 import json
@@ -228,32 +229,35 @@ def test_their_dropout_takes_masks_of_their_batch_or_of_flowjaxs_padded_one():
             pass
 
 
-# --- FedAvgFT's evaluation and client snapshot (launch/parity_fedavg_ft.py) ------------
+# --- The fine-tuning evaluations and their client snapshots (launch/parity_fine_tuning.py)
 
-_FEDAVG_FT_CHILD = """
+_FINE_TUNING_CHILD = """
 import pickle, sys
-from launch import parity, parity_fedavg_ft
-ours = parity_fedavg_ft.flowjax_side()
+from launch import parity, parity_fine_tuning
+ours = parity_fine_tuning.flowjax_side(sys.argv[2])
 ours["passes"] = parity.passes_json(ours["passes"])
 with open(sys.argv[1], "wb") as f:
     pickle.dump(ours, f)
 """
 
 
-def test_flowjax_fedavg_ft_evaluation_and_snapshot_match_the_authors_before_net(tmp_path):
-    """``tests/fixtures/parity_fedavg_ft.json`` holds their ``emnist_generalized_test``
-    (client_fedavg_finetuning.py) fed flowjax's epochs: the E-epoch weights, ``before_net``'s
-    and the final net's logits, their figures. flowjax's FedAvgFT with ``client_snapshot``
-    must reach them (in a child without the launchers' XLA tuning, as for the checks
-    above), from the same batches."""
-    from launch import parity_fedavg_ft
+@pytest.mark.parametrize("method", ["fedavg_ft", "fedrep", "lg_fedavg"])
+def test_flowjax_fine_tuning_evaluation_and_snapshot_match_the_authors_before_net(tmp_path,
+                                                                                 method):
+    """``tests/fixtures/parity_<method>.json`` holds their ``emnist_generalized_test``
+    (``client_fedavg_finetuning.py``, ``client_fedrep.py``, ``client_lgfedavg.py``) fed
+    flowjax's epochs: the E-epoch weights, ``before_net``'s and the final net's logits,
+    their figures. flowjax's method with ``client_snapshot`` (FedRep's head and LG-FedAvg's
+    global layers: their ``linear`` layers) must reach them (in a child without the
+    launchers' XLA tuning, as for the checks above), from the same batches."""
+    from launch import parity_fine_tuning
 
-    with open(parity_fedavg_ft.FIXTURE) as f:
+    with open(parity_fine_tuning.FIXTURES[method]) as f:
         theirs = json.load(f)
-    assert theirs["settings"] == parity_fedavg_ft.SETTINGS
+    assert theirs["settings"] == parity_fine_tuning.SETTINGS
     out = str(tmp_path / "ours.pkl")
-    forkserver.run([sys.executable, "-c", _FEDAVG_FT_CHILD, out], env=untuned_xla_env(),
-                   check=True, cwd=parity.ROOT)
+    forkserver.run([sys.executable, "-c", _FINE_TUNING_CHILD, out, method],
+                   env=untuned_xla_env(), check=True, cwd=parity.ROOT)
     with open(out, "rb") as f:
         ours = pickle.load(f)
     assert ours["passes"] == theirs["passes"]

@@ -1,0 +1,224 @@
+r"""Parity of flowjax's fine-tuning evaluations, client snapshot included, with the authors' code.
+
+  pip install -e '.[parity]'                                  # torch==2.13.0, CPU
+  git clone https://github.com/Astuary/Flow authors-flow      # their one commit, 0df6b97
+  python launch/parity_fine_tuning.py --reference_dir=authors-flow
+  python launch/parity_fine_tuning.py --reference_dir=authors-flow --write_fixture
+
+The paper's Acc_g of FedAvgFT, FedRep and LG-FedAvg is the ``before_net`` of the authors'
+``emnist_generalized_test``: E epochs of SGD (momentum 0.9) on the client's train split,
+a copy taken after the first; its Acc_p is the model after all E. FedAvgFT
+(``trainers/client_fedavg_finetuning.py``) trains every layer; FedRep
+(``client_fedrep.py``) only the layers named ``linear`` (both dense layers), the rest
+frozen; LG-FedAvg (``client_lgfedavg.py``) every layer but those. flowjax computes both
+from one run (``flowjax.algorithms.base.train_part_with_snapshot``) with
+``client_snapshot=True`` and ``sgd.momentum=0.9``: FedAvgFT as it is, FedRep with
+``head_layers=("fc1", "fc2")`` and E head epochs (their evaluation's count; flowjax's
+default is E - 1), LG-FedAvg with ``global_layers=("fc1", "fc2")``. Both sides start from
+the same weights (flowjax's init of the method, its client state included, converted to
+their ``EMNISTNet``, ``models/emnist_cnn.py``; their evaluation would start FedRep's head
+and LG-FedAvg's lower layers from a fresh random init, flowjax from the client's stored
+ones) and see the same minibatches: each pass their loop asks for is the next epoch of
+flowjax's plan for the client's key (a synthetic EMNIST-shaped client,
+``launch/parity.py``'s). The script prints the ``max abs diff`` over every parameter
+after the E epochs, over the copy's and the final model's logits on the test examples,
+and over their reported accuracies and 2x2 counts. Dropout is off on both sides (PyTorch
+and JAX draw different masks). Their modules are imported from ``--reference_dir`` as
+``launch/parity.py`` imports theirs (no licence: nothing of them is copied here).
+
+``flowjax_side`` needs no PyTorch: ``tests/test_parity.py`` recomputes it and compares it
+with the committed figures of the PyTorch side (``tests/fixtures/parity_<method>.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+from launch import parity
+
+ROOT = parity.ROOT
+
+METHODS = ("fedavg_ft", "fedrep", "lg_fedavg")
+THEIR_MODULES = {"fedavg_ft": "trainers.client_fedavg_finetuning",
+                 "fedrep": "trainers.client_fedrep", "lg_fedavg": "trainers.client_lgfedavg"}
+TITLES = {"fedavg_ft": "FedAvgFT (every layer)",
+          "fedrep": "FedRep (head fc1, fc2; body frozen)",
+          "lg_fedavg": "LG-FedAvg (local conv1, conv2; global fc1, fc2 frozen)"}
+FIXTURES = {method: os.path.join(ROOT, "tests", "fixtures", f"parity_{method}.json")
+            for method in METHODS}
+# Their emnist hyperparameters (configs/hyperparameters.py): E = 3 epochs, batch 20, lr
+# 0.01; momentum 0.9 is written in each emnist_generalized_test. 62 classes.
+SETTINGS = dict(seed=0, train_examples=90, test_examples=40, epochs=3, batch_size=20,
+                learning_rate=0.01, momentum=0.9, num_classes=62)
+TOLERANCE = parity.TOLERANCE
+# Their linear_1, linear_2: FedRep's head, LG-FedAvg's global layers.
+THEIR_LINEAR = ("fc1", "fc2")
+
+
+def _method(method: str, model, sgd):
+    """(algorithm, the client state of a client that has not trained, the key whose
+    epochs the fine-tuning runs on given the evaluation's key, and the whole model of
+    ``(params, trained part)``: the part is that state at the start, the personalized
+    params at the end)."""
+    import jax
+
+    from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
+    from flowjax.algorithms.fedrep import FedRepConfig, fedrep
+    from flowjax.algorithms.lg_fedavg import LGFedAvgConfig, lg_fedavg
+
+    if method == "fedavg_ft":
+        return (fedavg(model, FedAvgConfig(sgd=sgd, finetune=True, client_snapshot=True)),
+                lambda params: None, lambda key: key,
+                lambda params, part: params if part is None else part)
+    if method == "fedrep":  # head-only epochs run on fold_in(key, 0) (fedrep.train_head)
+        algorithm = fedrep(model, FedRepConfig(sgd=sgd, head_epochs=sgd.epochs, body_epochs=1,
+                                               head_layers=THEIR_LINEAR, client_snapshot=True))
+        return (algorithm, lambda params: params["initial_head"],
+                lambda key: jax.random.fold_in(key, 0),
+                lambda params, part: {**params["body"], **part})
+    if method == "lg_fedavg":
+        algorithm = lg_fedavg(model, LGFedAvgConfig(sgd=sgd, global_layers=THEIR_LINEAR,
+                                                    client_snapshot=True))
+        return (algorithm, lambda params: params["initial_local"], lambda key: key,
+                lambda params, part: {**part, **params["global"]})
+    raise ValueError(f"method={method!r}: expected one of {list(METHODS)}")
+
+
+def flowjax_side(method: str = "fedavg_ft", settings: dict = SETTINGS) -> dict[str, Any]:
+    """Initial weights, the fine-tuned weights, the copy's and the final model's logits
+    on the test examples, their metrics and the epochs' batches (example indices), in the
+    authors' layouts; no PyTorch needed."""
+    import jax
+    import jax.numpy as jnp
+
+    from flowjax.algorithms.base import SGDConfig, valid_examples
+    from flowjax.core.local_training import epoch_batches
+    from flowjax.models import get_model
+
+    # Dropout off (module docstring).
+    model = parity.without_dropout(get_model("emnist_cnn", num_classes=settings["num_classes"]))
+    sgd = SGDConfig(learning_rate=settings["learning_rate"], epochs=settings["epochs"],
+                    batch_size=settings["batch_size"], momentum=settings["momentum"])
+    algorithm, initial_state, epochs_key, whole = _method(method, model, sgd)
+    data = parity.client_data(**settings)
+    params = algorithm.init(jax.random.key(settings["seed"]))
+    state = initial_state(params)
+    train = parity.client_examples(data["train_x"], data["train_y"], settings["batch_size"])
+    key = jax.random.key(settings["seed"] + 1)
+    personal = jax.jit(algorithm.personalize)(params, train, key, state)
+    predictions = algorithm.predict(params, personal, jnp.asarray(data["test_x"]))
+    snapshot = np.asarray(predictions.global_snapshot)
+    fine_tuned = np.asarray(predictions.personal_hard)
+    # The batches run_epochs draws for epoch e (key fold_in(epochs key, e)), as indices.
+    member = valid_examples(train)
+    plan = jax.vmap(lambda e: epoch_batches(jax.random.fold_in(epochs_key(key), e), member,
+                                            settings["batch_size"], member.shape[0]))(
+        jnp.arange(settings["epochs"]))
+    passes = parity.planned_passes({"fine_tuning": plan}, [
+        ("fine_tuning", "all", e) for e in range(settings["epochs"])])
+    return dict(initial=parity.cnn_to_torch_layout(whole(params, state)),
+                updated=parity.cnn_to_torch_layout(whole(params, personal["personal"])),
+                eval_snapshot_logits=snapshot, eval_personal_logits=fine_tuned,
+                metrics=parity.generalized_test_metrics(snapshot, fine_tuned, data["test_y"]),
+                passes=passes)
+
+
+def torch_side(reference_dir: str, ours: dict[str, Any], method: str = "fedavg_ft",
+               settings: dict = SETTINGS) -> dict[str, Any]:
+    """Their ``emnist_generalized_test`` of ``method`` from flowjax's initial weights, fed
+    flowjax's epochs; the fine-tuned weights, the logits of ``before_net`` and of the
+    final net, and their reported figures."""
+    import torch
+    torch.set_num_threads(1)
+    trainer = parity.import_their_trainer(reference_dir, THEIR_MODULES[method])
+    trainer.__dict__.update(lr=settings["learning_rate"], epochs=settings["epochs"],
+                            DEVICE="cpu")
+    data = parity.client_data(**settings)
+    train = parity.ScriptedDataset(data["train_x"], data["train_y"], ours["passes"])
+    test = parity.BatchedDataset(data["test_x"], data["test_y"], 100)
+    net = parity.their_net(trainer, ours["initial"])  # their 62-class EMNISTNet, no dropout
+    captured = []
+
+    def hook(module, args, output):
+        if not module.training:  # their test loop; deepcopy carries the hook to before_net
+            captured.append((module is net, output.detach().numpy().copy()))
+
+    net.register_forward_hook(hook)
+    figures = trainer.emnist_generalized_test(net, train, test)
+    if not train.exhausted():
+        raise AssertionError("their loop ran fewer epochs than flowjax's plan")
+    return dict(updated={k: v.detach().numpy().copy() for k, v in net.state_dict().items()},
+                eval_snapshot_logits=np.concatenate([o for final, o in captured if not final]),
+                eval_personal_logits=np.concatenate([o for final, o in captured if final]),
+                metrics=parity.reported_metrics(figures))
+
+
+def check(method: str, reference_dir: str, write_fixture: bool, torch_version: str) -> bool:
+    """Runs both sides of ``method``, prints the differences (and writes its fixture);
+    whether they are within ``TOLERANCE`` and the control tells copy from final model."""
+    ours = flowjax_side(method)
+    theirs = torch_side(reference_dir, ours, method)
+    diffs = parity.compare(ours, theirs)
+    print(f"{TITLES[method]} evaluation, E = {SETTINGS['epochs']} epochs of SGD (momentum "
+          f"{SETTINGS['momentum']}) with the copy after the first (torch {torch_version}, "
+          "float32, dropout off on both sides)")
+    print(f"  max abs diff, every parameter after the E epochs: {diffs['params']:.3e}"
+          f"  (largest move from the init: {diffs['params_moved']:.3e})")
+    print(f"  max abs diff, client snapshot (Acc_g) logits:   {diffs['snapshot_logits']:.3e}")
+    print(f"  max abs diff, fine-tuned (Acc_p) logits:        {diffs['personal_logits']:.3e}")
+    print(f"  max abs diff, evaluation metrics:               {diffs['metrics']:.3e}"
+          f"  (theirs: {theirs['metrics']})")
+    # The check can tell the copy from the final model: their final logits are far from
+    # flowjax's copy's.
+    control = float(np.max(np.abs(ours["eval_snapshot_logits"]
+                                  - theirs["eval_personal_logits"])))
+    print(f"  control, flowjax's copy vs their final model: max abs diff {control:.3e} (logits)")
+    worst = parity.worst_diff(diffs)
+    if write_fixture:
+        from flowjax import run_folder
+        fixture = dict(settings=SETTINGS, torch_version=torch_version, tolerance=TOLERANCE,
+                       passes=parity.passes_json(ours["passes"]),
+                       **parity.fixture_entry(theirs))
+        # A kill leaves it whole.
+        run_folder.write_text_atomic(FIXTURES[method], json.dumps(fixture))
+        print(f"wrote {os.path.relpath(FIXTURES[method], ROOT)}")
+    ok = worst <= TOLERANCE and control > 100 * TOLERANCE
+    print(f"{method}: worst max abs diff {worst:.3e}, {'within' if ok else 'ABOVE'} its "
+          f"{TOLERANCE:g} target")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    from launch import cli
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reference_dir", required=True,
+                        help="checkout of github.com/Astuary/Flow")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated, of {','.join(METHODS)}")
+    parser.add_argument("--write_fixture", action="store_true",
+                        help="write the PyTorch side's figures to "
+                             "tests/fixtures/parity_<method>.json")
+    args = parser.parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        parser.error(f"--methods={args.methods!r}: expected a comma-separated subset of "
+                     f"{','.join(METHODS)}")
+    try:
+        import torch
+    except ImportError:
+        print("launch/parity_fine_tuning.py needs PyTorch: pip install -e '.[parity]' "
+              "(torch==2.13.0)", file=sys.stderr)
+        return 2
+    results = [check(method, args.reference_dir, args.write_fixture, torch.__version__)
+               for method in methods]
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
