@@ -38,29 +38,50 @@ def _allclose(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)  # two programs: rounding
 
 
-def test_fedrep_snapshot_is_the_head_after_the_first_evaluation_epoch(headed, images_small):
-    """Body frozen, the client's stored head after one of the evaluation's head epochs:
-    the head a FedRep with ``head_epochs=1`` builds from the same key; the personalized
-    head is the option-off one (2 head epochs)."""
-    build = lambda **fields: fedrep(headed, FedRepConfig(sgd=SGD, **fields))
-    on, off, one_epoch = build(client_snapshot=True), build(), build(head_epochs=1)
+def _assert_scored(on, off, params, personal, x, whole=lambda part: part):
+    """``predict`` with the option: the option-off method's global logits, and those of
+    the personalized model and of the copy (``whole`` completes a part to a model)."""
+    predictions = on.predict(params, personal, x)
+    without = off.predict(params, personal["personal"], x)
+    np.testing.assert_array_equal(predictions.global_logits, without.global_logits)
+    assert without.global_snapshot is None
+    for got, part in ((predictions.personal_hard, personal["personal"]),
+                      (predictions.global_snapshot, personal["snapshot"])):
+        np.testing.assert_array_equal(got, forward(on.model, whole(part), x))
+
+
+def _fedrep(model, snapshot=None, one_epoch=False):
+    return fedrep(model, FedRepConfig(sgd=SGD, client_snapshot=snapshot,
+                                      head_epochs=1 if one_epoch else None))
+
+
+def _lg_fedavg(model, snapshot=None, one_epoch=False):
+    sgd = dataclasses.replace(SGD, epochs=1) if one_epoch else SGD
+    return lg_fedavg(model, LGFedAvgConfig(sgd=sgd, client_snapshot=snapshot))
+
+
+@pytest.mark.parametrize("method, part", [(_fedrep, 0), (_lg_fedavg, 1)],
+                         ids=["fedrep", "lg_fedavg"])
+def test_the_snapshot_is_the_personal_part_after_the_first_evaluation_epoch(
+        headed, images_small, method, part):
+    """FedRep's head (body frozen) after the first of its 2 evaluation head epochs is what
+    ``head_epochs=1`` builds; LG-FedAvg's local layers (global layers frozen) after the
+    first of E = 3 what E = 1 builds: from the client's stored part and the same key. The
+    personalized part is the option-off one."""
+    on, off, one_epoch = method(headed, True), method(headed), method(headed, one_epoch=True)
     params = on.init(jax.random.key(0))
-    stored = split_layers(headed.init(jax.random.key(5)), ("fc2",))[0]
+    stored = split_layers(headed.init(jax.random.key(5)), ("fc2",))[part]
     client, key = _client(images_small), jax.random.key(2)
     personal = jax.jit(on.personalize)(params, client, key, stored)
     _allclose(personal["personal"], jax.jit(off.personalize)(params, client, key, stored))
     _allclose(personal["snapshot"], jax.jit(one_epoch.personalize)(params, client, key, stored))
-    assert differs(personal["snapshot"], stored)
+    assert differs({name: personal["snapshot"][name] for name in stored}, stored)
     assert differs(personal["snapshot"], personal["personal"])
-    x = client.x[0]
-    predictions = on.predict(params, personal, x)
-    np.testing.assert_array_equal(predictions.global_logits,
-                                  off.predict(params, personal["personal"], x).global_logits)
-    np.testing.assert_array_equal(predictions.personal_hard, forward(
-        headed, {**params["body"], **personal["personal"]}, x))
-    np.testing.assert_array_equal(predictions.global_snapshot, forward(
-        headed, {**params["body"], **personal["snapshot"]}, x))
-    assert off.predict(params, personal["personal"], x).global_snapshot is None
+    for name in set(personal["snapshot"]) - set(stored):  # LG-FedAvg's frozen global layers
+        assert_trees_equal(personal["snapshot"][name], params["global"][name])
+    whole = ((lambda head: {**params["body"], **head}) if method is _fedrep
+             else (lambda model_params: model_params))
+    _assert_scored(on, off, params, personal, client.x[0], whole)
 
 
 def test_fedrep_snapshot_without_head_epochs_is_the_stored_head(headed, images_small):
@@ -71,32 +92,6 @@ def test_fedrep_snapshot_without_head_epochs_is_the_stored_head(headed, images_s
                                               jax.random.key(2), stored)
     assert_trees_equal(personal["snapshot"], stored)
     assert_trees_equal(personal["personal"], stored)
-
-
-def test_lg_fedavg_snapshot_is_the_local_layers_after_the_first_evaluation_epoch(
-        headed, images_small):
-    """Global layers frozen, the client's stored local layers after one of the
-    evaluation's E epochs: what an LG-FedAvg with E = 1 builds from the same key."""
-    build = lambda sgd=SGD, **fields: lg_fedavg(headed, LGFedAvgConfig(sgd=sgd, **fields))
-    on, off = build(client_snapshot=True), build()
-    one_epoch = build(dataclasses.replace(SGD, epochs=1))
-    params = on.init(jax.random.key(0))
-    stored = split_layers(headed.init(jax.random.key(5)), ("fc2",))[1]
-    client, key = _client(images_small), jax.random.key(2)
-    personal = jax.jit(on.personalize)(params, client, key, stored)
-    _allclose(personal["personal"], jax.jit(off.personalize)(params, client, key, stored))
-    _allclose(personal["snapshot"], jax.jit(one_epoch.personalize)(params, client, key, stored))
-    assert_trees_equal(personal["snapshot"]["fc2"], params["global"]["fc2"])
-    assert differs(personal["snapshot"]["fc1"], stored["fc1"])
-    assert differs(personal["snapshot"], personal["personal"])
-    x = client.x[0]
-    predictions = on.predict(params, personal, x)
-    np.testing.assert_array_equal(predictions.global_logits,
-                                  off.predict(params, personal["personal"], x).global_logits)
-    np.testing.assert_array_equal(predictions.personal_hard,
-                                  forward(headed, personal["personal"], x))
-    np.testing.assert_array_equal(predictions.global_snapshot,
-                                  forward(headed, personal["snapshot"], x))
 
 
 def _first_epoch_by_hand(model, params, client, key):
@@ -141,14 +136,7 @@ def test_hypcluster_snapshot_is_the_cluster_with_the_lower_first_epoch_loss(mlp,
         assert_trees_equal(personal["personal"], jax.jit(off.personalize)(params, client, key))
         _allclose(personal["snapshot"], by_hand[int(np.argmin(losses))][0])
         snapshots.append(personal["snapshot"])
-        x = client.x[0]
-        predictions = on.predict(params, personal, x)
-        np.testing.assert_array_equal(predictions.global_logits,
-                                      off.predict(params, personal["personal"], x).global_logits)
-        np.testing.assert_array_equal(predictions.personal_hard,
-                                      forward(mlp, personal["personal"], x))
-        np.testing.assert_array_equal(predictions.global_snapshot,
-                                      forward(mlp, personal["snapshot"], x))
+        _assert_scored(on, off, params, personal, client.x[0])
     _allclose(snapshots[0], snapshots[1])
 
 
