@@ -26,12 +26,24 @@ and over their reported accuracies and 2x2 counts. Dropout is off on both sides 
 and JAX draw different masks). Their modules are imported from ``--reference_dir`` as
 ``launch/parity.py`` imports theirs (no licence: nothing of them is copied here).
 
-``flowjax_side`` needs no PyTorch: ``tests/test_parity.py`` recomputes it and compares it
-with the committed figures of the PyTorch side (``tests/fixtures/parity_<method>.json``).
+HypCluster (``client_hypcluster.py``) fine-tunes both cluster models E epochs on the
+same minibatches and copies, after the first epoch, the one whose summed minibatch losses
+were lower; its final model is the fine-tuned cluster with the lower last-epoch loss,
+which flowjax's HypCluster Acc_p (the chosen cluster, not trained) is not. So only the
+copy is compared: flowjax's ``client_snapshot`` from the same two clusters and batches,
+its logits and accuracy, and which cluster it is (the other cluster after one epoch
+must not match theirs). Its client has 80 train examples, whole minibatches of 20, where
+their criterion and flowjax's mean loss over the epoch's examples rank alike.
+
+``flowjax_side`` and ``hypcluster_flowjax_side`` need no PyTorch: ``tests/test_parity.py``
+recomputes them and compares them with the committed figures of the PyTorch side
+(``tests/fixtures/parity_<method>.json``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import sys
@@ -43,9 +55,10 @@ from launch import parity
 
 ROOT = parity.ROOT
 
-METHODS = ("fedavg_ft", "fedrep", "lg_fedavg")
+METHODS = ("fedavg_ft", "fedrep", "lg_fedavg", "hypcluster")
 THEIR_MODULES = {"fedavg_ft": "trainers.client_fedavg_finetuning",
-                 "fedrep": "trainers.client_fedrep", "lg_fedavg": "trainers.client_lgfedavg"}
+                 "fedrep": "trainers.client_fedrep", "lg_fedavg": "trainers.client_lgfedavg",
+                 "hypcluster": "trainers.client_hypcluster"}
 TITLES = {"fedavg_ft": "FedAvgFT (every layer)",
           "fedrep": "FedRep (head fc1, fc2; body frozen)",
           "lg_fedavg": "LG-FedAvg (local conv1, conv2; global fc1, fc2 frozen)"}
@@ -158,6 +171,117 @@ def torch_side(reference_dir: str, ours: dict[str, Any], method: str = "fedavg_f
                 metrics=parity.reported_metrics(figures))
 
 
+# HypCluster: two clusters; 80 train examples, whole batches of 20, where their choice
+# (the lower sum of the first epoch's minibatch mean losses) and flowjax's (the lower mean
+# over its examples) are the same rule.
+HYPCLUSTER_SETTINGS = {**SETTINGS, "train_examples": 80}
+
+
+def hypcluster_flowjax_side(settings: dict = HYPCLUSTER_SETTINGS) -> dict[str, Any]:
+    """Both clusters' initial weights, the copy's logits on the test examples and its
+    accuracy, the logits of each cluster after one epoch (FedAvgFT's one-epoch
+    fine-tuning from it, the same key), and the E epochs of batches; no PyTorch needed."""
+    import jax
+    import jax.numpy as jnp
+
+    from flowjax.algorithms.base import SGDConfig, valid_examples
+    from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
+    from flowjax.algorithms.hypcluster import HypClusterConfig, hypcluster
+    from flowjax.core.local_training import epoch_batches
+    from flowjax.models import get_model
+    from flowjax.models.base import forward
+
+    model = parity.without_dropout(get_model("emnist_cnn", num_classes=settings["num_classes"]))
+    sgd = SGDConfig(learning_rate=settings["learning_rate"], epochs=settings["epochs"],
+                    batch_size=settings["batch_size"], momentum=settings["momentum"])
+    algorithm = hypcluster(model, HypClusterConfig(sgd=sgd, clusters=2, client_snapshot=True))
+    data = parity.client_data(**settings)
+    params = algorithm.init(jax.random.key(settings["seed"]))
+    train = parity.client_examples(data["train_x"], data["train_y"], settings["batch_size"])
+    key = jax.random.key(settings["seed"] + 1)
+    test_x = jnp.asarray(data["test_x"])
+    personal = jax.jit(algorithm.personalize)(params, train, key)
+    snapshot = np.asarray(algorithm.predict(params, personal, test_x).global_snapshot)
+    one_epoch = fedavg(model, FedAvgConfig(sgd=dataclasses.replace(sgd, epochs=1),
+                                           finetune=True))
+    clusters = [np.asarray(forward(model, jax.jit(one_epoch.personalize)(
+        params[name], train, key), test_x)) for name in ("cluster0", "cluster1")]
+    member = valid_examples(train)
+    plan = jax.vmap(lambda e: epoch_batches(jax.random.fold_in(key, e), member,
+                                            settings["batch_size"], member.shape[0]))(
+        jnp.arange(settings["epochs"]))
+    passes = parity.planned_passes({"fine_tuning": plan}, [
+        ("fine_tuning", "all", e) for e in range(settings["epochs"])])
+    return dict(initial=[parity.cnn_to_torch_layout(params[name])
+                         for name in ("cluster0", "cluster1")],
+                eval_snapshot_logits=snapshot, cluster_logits=clusters,
+                metrics={"before_accuracy": float(np.mean(
+                    snapshot.argmax(-1) == data["test_y"]))},
+                passes=passes)
+
+
+def hypcluster_torch_side(reference_dir: str, ours: dict[str, Any],
+                          settings: dict = HYPCLUSTER_SETTINGS) -> dict[str, Any]:
+    """Their HypCluster ``emnist_generalized_test`` (``client_hypcluster.py``) from
+    flowjax's two clusters, fed flowjax's epochs: ``before_net``'s logits, the final
+    net's, and their before accuracy (their other figures score their fine-tuned final
+    model, which flowjax's HypCluster does not build)."""
+    import torch
+    torch.set_num_threads(1)
+    trainer = parity.import_their_trainer(reference_dir, THEIR_MODULES["hypcluster"])
+    trainer.__dict__.update(lr=settings["learning_rate"], epochs=settings["epochs"],
+                            DEVICE="cpu")
+    data = parity.client_data(**settings)
+    train = parity.ScriptedDataset(data["train_x"], data["train_y"], ours["passes"])
+    test = parity.BatchedDataset(data["test_x"], data["test_y"], 100)
+    nets = [parity.their_net(trainer, state) for state in ours["initial"]]
+    captured = []
+
+    def hook(module, args, output):
+        if not module.training:  # their test loop: before_net, then net, per batch
+            captured.append(output.detach().numpy().copy())
+
+    for net in nets:  # their before_net and net are deep copies: the hooks come along
+        net.register_forward_hook(hook)
+    figures = trainer.emnist_generalized_test(*nets, train, test)
+    if not train.exhausted():
+        raise AssertionError("their loop ran fewer epochs than flowjax's plan")
+    return dict(updated={}, eval_snapshot_logits=np.concatenate(captured[0::2]),
+                eval_personal_logits=np.concatenate(captured[1::2]),
+                metrics={"before_accuracy": parity.reported_metrics(figures)["before_accuracy"]})
+
+
+def hypcluster_check(reference_dir: str, write_fixture: bool, torch_version: str) -> bool:
+    """Both sides of HypCluster's copy; within ``TOLERANCE``, and the copy of the other
+    cluster and their final model both far from it."""
+    ours = hypcluster_flowjax_side()
+    theirs = hypcluster_torch_side(reference_dir, ours)
+    gap = lambda a: float(np.max(np.abs(a - theirs["eval_snapshot_logits"])))
+    diff, to_clusters = gap(ours["eval_snapshot_logits"]), [gap(c) for c in ours["cluster_logits"]]
+    final = float(np.max(np.abs(ours["eval_snapshot_logits"] - theirs["eval_personal_logits"])))
+    print(f"HypCluster (2 clusters, the lower first-epoch loss) evaluation copy, E = "
+          f"{SETTINGS['epochs']} epochs of SGD (momentum {SETTINGS['momentum']}) on both "
+          f"clusters (torch {torch_version}, float32, dropout off on both sides)")
+    print(f"  max abs diff, client snapshot (Acc_g) logits:   {diff:.3e}")
+    print(f"  their before_net vs each flowjax cluster after one epoch: "
+          f"{to_clusters[0]:.3e}, {to_clusters[1]:.3e}")
+    print(f"  before accuracy: theirs {theirs['metrics']['before_accuracy']}, "
+          f"flowjax's {ours['metrics']['before_accuracy']}")
+    print(f"  control, flowjax's copy vs their final model: max abs diff {final:.3e} (logits)")
+    if write_fixture:
+        from flowjax import run_folder
+        fixture = dict(settings=HYPCLUSTER_SETTINGS, torch_version=torch_version,
+                       tolerance=TOLERANCE, passes=parity.passes_json(ours["passes"]),
+                       **parity.fixture_entry(theirs))
+        run_folder.write_text_atomic(FIXTURES["hypcluster"], json.dumps(fixture))
+        print(f"wrote {os.path.relpath(FIXTURES['hypcluster'], ROOT)}")
+    ok = (diff <= TOLERANCE and theirs["metrics"] == ours["metrics"]
+          and max(to_clusters) > 100 * TOLERANCE and final > 100 * TOLERANCE)
+    print(f"hypcluster: max abs diff {diff:.3e}, {'within' if ok else 'ABOVE'} its "
+          f"{TOLERANCE:g} target")
+    return ok
+
+
 def check(method: str, reference_dir: str, write_fixture: bool, torch_version: str) -> bool:
     """Runs both sides of ``method``, prints the differences (and writes its fixture);
     whether they are within ``TOLERANCE`` and the control tells copy from final model."""
@@ -215,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         print("launch/parity_fine_tuning.py needs PyTorch: pip install -e '.[parity]' "
               "(torch==2.13.0)", file=sys.stderr)
         return 2
-    results = [check(method, args.reference_dir, args.write_fixture, torch.__version__)
-               for method in methods]
+    results = [(hypcluster_check if method == "hypcluster" else functools.partial(check, method))(
+        args.reference_dir, args.write_fixture, torch.__version__) for method in methods]
     return 0 if all(results) else 1
 
 

@@ -14,9 +14,9 @@ exactly. CIFAR's and
 Shakespeare's recomputations are marked slow (``SLOW_MODELS``). The EMNIST and LSTM
 fixtures also hold a run with dropout on, their dropout fed the masks flowjax drew (their
 digest in the fixture): flowjax must draw the same masks again and reach the same figures.
-``tests/fixtures/parity_{fedavg_ft,fedrep,lg_fedavg}.json`` (``launch/parity_fine_tuning.py
---write_fixture``) hold their FedAvgFT, FedRep and LG-FedAvg evaluations, checked at the end
-of this file.
+``tests/fixtures/parity_{fedavg_ft,fedrep,lg_fedavg,hypcluster}.json``
+(``launch/parity_fine_tuning.py --write_fixture``) hold their FedAvgFT, FedRep, LG-FedAvg
+and HypCluster evaluations, checked at the end of this file.
 """
 
 import json
@@ -241,6 +241,16 @@ with open(sys.argv[1], "wb") as f:
 """
 
 
+_HYPCLUSTER_CHILD = """
+import pickle, sys
+from launch import parity, parity_fine_tuning
+ours = parity_fine_tuning.hypcluster_flowjax_side()
+ours["passes"] = parity.passes_json(ours["passes"])
+with open(sys.argv[1], "wb") as f:
+    pickle.dump(ours, f)
+"""
+
+
 @pytest.mark.parametrize("method", ["fedavg_ft", "fedrep", "lg_fedavg"])
 def test_flowjax_fine_tuning_evaluation_and_snapshot_match_the_authors_before_net(tmp_path,
                                                                                  method):
@@ -267,3 +277,33 @@ def test_flowjax_fine_tuning_evaluation_and_snapshot_match_the_authors_before_ne
     with pytest.raises(AssertionError):
         _check(ours["eval_personal_logits"], theirs["eval_snapshot_logits"], "final as copy",
                theirs["tolerance"])
+
+
+def test_flowjax_hypcluster_snapshot_matches_the_authors_before_net(tmp_path):
+    """``tests/fixtures/parity_hypcluster.json`` holds their HypCluster
+    ``emnist_generalized_test`` (``client_hypcluster.py``) from flowjax's two clusters,
+    fed flowjax's epochs: ``before_net``'s logits (the cluster whose first epoch had the
+    lower loss, after it) and its accuracy. flowjax's copy must reach them; the other
+    cluster after one epoch must not (the check tells the choice apart)."""
+    from launch import parity_fine_tuning
+
+    with open(parity_fine_tuning.FIXTURES["hypcluster"]) as f:
+        theirs = json.load(f)
+    assert theirs["settings"] == parity_fine_tuning.HYPCLUSTER_SETTINGS
+    out = str(tmp_path / "ours.pkl")
+    forkserver.run([sys.executable, "-c", _HYPCLUSTER_CHILD, out], env=untuned_xla_env(),
+                   check=True, cwd=parity.ROOT)
+    with open(out, "rb") as f:
+        ours = pickle.load(f)
+    assert ours["passes"] == theirs["passes"]
+    _check(ours["eval_snapshot_logits"], theirs["eval_snapshot_logits"], "snapshot logits",
+           theirs["tolerance"])
+    assert ours["metrics"] == theirs["metrics"]
+    matching = []
+    for logits in ours["cluster_logits"]:
+        try:
+            _check(logits, theirs["eval_snapshot_logits"], "cluster", theirs["tolerance"])
+            matching.append(True)
+        except AssertionError:
+            matching.append(False)
+    assert sorted(matching) == [False, True]  # one cluster is their copy, the other is not
