@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flowjax.algorithms.base import SGDConfig, plain_loss_sums
+from flowjax.algorithms.base import SGDConfig, plain_loss_sums, split_layers
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
-from flowjax.algorithms.fedrep import FedRepConfig, fedrep, split_layers
+from flowjax.algorithms.fedrep import FedRepConfig, fedrep
 from flowjax.algorithms.hypcluster import HypClusterConfig, hypcluster
 from flowjax.algorithms.lg_fedavg import LGFedAvgConfig, lg_fedavg
 from flowjax.core.local_training import epoch_batches

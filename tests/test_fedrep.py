@@ -13,7 +13,8 @@ from flowjax import experiment
 from configs import cifar, emnist, shakespeare, stackoverflow
 from flowjax.algorithms.base import SGDConfig
 from flowjax.algorithms import build_algorithm
-from flowjax.algorithms.fedrep import FedRepConfig, epochs_for_budget, fedrep, split_layers
+from flowjax.algorithms.base import split_layers
+from flowjax.algorithms.fedrep import FedRepConfig, epochs_for_budget, fedrep
 from flowjax.core import prng
 from flowjax.core.cohort import assemble_cohort, client_at
 from flowjax.models.base import forward

@@ -32,7 +32,7 @@ clients' personal layers this way, for the evaluation's global model only).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +47,9 @@ from flowjax.models.base import Params, RoutableModel, forward, instance_weights
 
 # The methods import the protocol and the instance weights from here too (re-exported).
 __all__ = ["ClientResult", "FederatedAlgorithm", "Predictions", "SGDConfig", "client_optimizer",
-           "instance_weights", "no_routing", "plain_loss_sums", "separate_models_predict",
-           "part_sgd_step", "sgd_step", "train_part_with_snapshot", "train_plain",
+           "instance_weights", "layer_names_or_none", "no_routing", "part_sgd_step",
+           "plain_loss_sums", "separate_models_predict", "sgd_step", "split_layers",
+           "top_layer_names", "train_part", "train_part_with_snapshot", "train_plain",
            "unrouted_predictions", "valid_examples"]
 
 PyTree = Any
@@ -143,6 +144,60 @@ def train_plain(model: RoutableModel, params: Params, optimizer: optax.GradientT
                                    num_epochs=epochs, batch_size=batch_size, key=key,
                                    max_members=max_members, steps_per_loop=steps_per_loop)
     return params, sums
+
+
+def layer_names_or_none(value) -> str | None:
+    """``check_fields`` rule of a method's layer-name option (FedRep's head, LG-FedAvg's
+    global layers): None, or a non-empty sequence of names."""
+    if value is None or (value and all(isinstance(name, str) for name in value)):
+        return None
+    return "expected None (the model's head) or a non-empty sequence of layer names"
+
+
+def top_layer_names(model: RoutableModel, requested: Sequence[str] | None, *, option: str,
+                    below: str) -> tuple[str, ...]:
+    """``requested`` (None: the model's ``head_layers``), validated: distinct layers of
+    ``model`` forming a non-empty top of it that leaves a layer below (``below`` names it
+    in the error; ``option`` names the setting)."""
+    names = tuple(model.head_layers if requested is None else requested)
+    if not names:
+        raise ValueError(f"model {model.name!r} declares no head_layers; set {option} to "
+                         f"some of {list(model.layer_names)}")
+    if len(set(names)) != len(names) or any(name not in model.layer_names for name in names):
+        raise ValueError(f"{option} {list(names)} must be distinct layers of "
+                         f"{model.name!r} ({list(model.layer_names)})")
+    top = model.layer_names[model.num_layers - len(names):]
+    if set(names) != set(top) or len(names) == model.num_layers:
+        raise ValueError(f"{option} {list(names)} must be the top layers of {model.name!r} "
+                         f"below which at least one layer stays {below}, e.g. "
+                         f"{list(model.layer_names[-1:])}")
+    return names
+
+
+def split_layers(params: Params, names: Sequence[str]) -> tuple[Params, Params]:
+    """``(layers named in names, every other layer)`` of a model's params dict."""
+    chosen = {name: layer for name, layer in params.items() if name in names}
+    rest = {name: layer for name, layer in params.items() if name not in names}
+    return chosen, rest
+
+
+def train_part(model: RoutableModel, trainable: Params, frozen: Params,
+               optimizer: optax.GradientTransformation, examples: ClientExamples,
+               member: jax.Array, *, epochs: int, batch_size: int,
+               key: jax.Array, steps_per_loop: int = 1) -> tuple[Params, jax.Array]:
+    """``epochs`` of minibatch SGD on the ``trainable`` layers, the ``frozen`` ones fixed.
+
+    The frozen layers are constants of the loss, so they come out exactly as they went in.
+    Returns the trained layers and ``[loss_sum, weight_sum]`` over the steps.
+    """
+    if epochs == 0:
+        return trainable, jnp.zeros((2,), jnp.float32)
+    x, y, _ = examples.flat()
+    step = part_sgd_step(model, frozen, optimizer)
+    (trainable, _), sums = run_epochs(step, (trainable, optimizer.init(trainable)), x, y,
+                                      member, num_epochs=epochs, batch_size=batch_size, key=key,
+                                      steps_per_loop=steps_per_loop)
+    return trainable, sums
 
 
 def train_part_with_snapshot(model: RoutableModel, trainable: Params, frozen: Params,

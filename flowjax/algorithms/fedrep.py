@@ -74,14 +74,13 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     SGDConfig, part_sgd_step, train_part_with_snapshot,
+                                     SGDConfig, layer_names_or_none, split_layers,
+                                     top_layer_names, train_part, train_part_with_snapshot,
                                      unrouted_predictions, valid_examples)
 from flowjax.core.checks import FieldError, check_fields, one_of, optional_integer
 from flowjax.core.cohort import ClientExamples
-from flowjax.core.local_training import run_epochs
 from flowjax.core.server_opt import ClientMean
 from flowjax.models.base import Params, RoutableModel, forward
 
@@ -126,66 +125,12 @@ class FedRepConfig:
                              f"{self.head_epochs})")
 
 
-def layer_names_or_none(value) -> str | None:
-    """``check_fields`` rule of a method's layer-name option (FedRep's head, LG-FedAvg's
-    global layers): None, or a non-empty sequence of names."""
-    if value is None or (value and all(isinstance(name, str) for name in value)):
-        return None
-    return "expected None (the model's head) or a non-empty sequence of layer names"
-
-
 def epochs_for_budget(epochs: int) -> tuple[int, int]:
     """``(head_epochs, body_epochs) = (E - 1, 1)`` for E local epochs (``E = 1``: no
     head epoch; see the module docstring)."""
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
     return epochs - 1, 1
-
-
-def split_layers(params: Params, names: Sequence[str]) -> tuple[Params, Params]:
-    """``(layers named in names, every other layer)`` of a model's params dict."""
-    chosen = {name: layer for name, layer in params.items() if name in names}
-    rest = {name: layer for name, layer in params.items() if name not in names}
-    return chosen, rest
-
-
-def train_part(model: RoutableModel, trainable: Params, frozen: Params,
-               optimizer: optax.GradientTransformation, examples: ClientExamples,
-               member: jax.Array, *, epochs: int, batch_size: int,
-               key: jax.Array, steps_per_loop: int = 1) -> tuple[Params, jax.Array]:
-    """``epochs`` of minibatch SGD on the ``trainable`` layers, the ``frozen`` ones fixed.
-
-    The frozen layers are constants of the loss, so they come out exactly as they went in.
-    Returns the trained layers and ``[loss_sum, weight_sum]`` over the steps.
-    """
-    if epochs == 0:
-        return trainable, jnp.zeros((2,), jnp.float32)
-    x, y, _ = examples.flat()
-    step = part_sgd_step(model, frozen, optimizer)
-    (trainable, _), sums = run_epochs(step, (trainable, optimizer.init(trainable)), x, y,
-                                      member, num_epochs=epochs, batch_size=batch_size, key=key,
-                                      steps_per_loop=steps_per_loop)
-    return trainable, sums
-
-
-def top_layer_names(model: RoutableModel, requested: Sequence[str] | None, *, option: str,
-                    below: str) -> tuple[str, ...]:
-    """``requested`` (None: the model's ``head_layers``), validated: distinct layers of
-    ``model`` forming a non-empty top of it that leaves a layer below (``below`` names it
-    in the error; ``option`` names the setting)."""
-    names = tuple(model.head_layers if requested is None else requested)
-    if not names:
-        raise ValueError(f"model {model.name!r} declares no head_layers; set {option} to "
-                         f"some of {list(model.layer_names)}")
-    if len(set(names)) != len(names) or any(name not in model.layer_names for name in names):
-        raise ValueError(f"{option} {list(names)} must be distinct layers of "
-                         f"{model.name!r} ({list(model.layer_names)})")
-    top = model.layer_names[model.num_layers - len(names):]
-    if set(names) != set(top) or len(names) == model.num_layers:
-        raise ValueError(f"{option} {list(names)} must be the top layers of {model.name!r} "
-                         f"below which at least one layer stays {below}, e.g. "
-                         f"{list(model.layer_names[-1:])}")
-    return names
 
 
 def head_layer_names(model: RoutableModel, requested: Sequence[str] | None = None

@@ -63,11 +63,10 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     SGDConfig, train_part_with_snapshot, train_plain,
-                                     unrouted_predictions, valid_examples)
+                                     SGDConfig, layer_names_or_none, split_layers,
+                                     top_layer_names, train_part, train_part_with_snapshot,
+                                     train_plain, unrouted_predictions, valid_examples)
 from flowjax.core.checks import check_fields, one_of
-from flowjax.algorithms.fedrep import (layer_names_or_none, split_layers, top_layer_names,
-                                       train_part)
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.server_opt import ClientMean
 from flowjax.models.base import Params, RoutableModel, forward
