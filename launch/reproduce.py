@@ -354,7 +354,8 @@ def describe_plan(request: Request, load: ConfigLoader = load_dataset_config) ->
             notes.append(f"ran code {code}")
         lines.append(f"  {state:11s} {path}  "
                      f"({DATASETS[cell.dataset].config_spec(request.scale)}, "
-                     f"{variant_overrides(cell.variant)}, seed={cell.seed}"
+                     f"{variant_overrides(cell.variant, model=configs[cell].model)}, "
+                     f"seed={cell.seed}"
                      f"{''.join('; ' + note for note in notes)})")
     problems = data_problems(request, configs)
     for dataset in dict.fromkeys(cell.dataset for cell in request.cells):

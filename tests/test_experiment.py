@@ -151,7 +151,8 @@ def test_fedrep_lg_fedavg_and_hypcluster_client_snapshot_joins_the_results(algor
     """``methods.{fedrep,lg_fedavg,hypcluster}.client_snapshot``: the authors' Acc_g copy
     (after one fine-tuning epoch) joins the results, training, Acc_g and Acc_p as without
     it. With one epoch to fine-tune, FedRep's and LG-FedAvg's copy is the personalized
-    model; one-cluster HypCluster is FedAvg, and its copy FedAvgFT's one-epoch model."""
+    model; one-cluster HypCluster is FedAvg, and its copy FedAvgFT's one-epoch model.
+    (The copy after the first of several epochs: tests/test_client_snapshot.py.)"""
     from tests.helpers import small_synthetic_config
 
     def summary(name, **extra):

@@ -36,8 +36,9 @@ Choices where the paper is silent or differs:
   layers, frozen (the method's "client body + global head"), the local layers first
   trained for E epochs on the client's train split under that head, from the client's
   stored ones (``l_0`` for a client that never trained). The authors' LG-FedAvg
-  evaluation likewise trains every layer but the classifier (``requires_grad = False`` on
-  ``linear``) before testing. Evaluation never writes the state back.
+  evaluation likewise trains every layer but their ``linear`` layers (``requires_grad =
+  False``; both dense layers on EMNIST and Stack Overflow, the classifier elsewhere)
+  before testing. Evaluation never writes the state back.
 * Global model (``Acc_g``): LG-FedAvg trains no global local layers, and ``l_0`` with
   ``g`` is near chance. The global logits are those of ``l_bar`` with ``g``, where
   ``l_bar`` is the example-weighted mean of the local layers the clients of the latest
@@ -46,7 +47,7 @@ Choices where the paper is silent or differs:
 
 ``client_snapshot=True`` also scores the copy the Flow authors' evaluation reports as
 LG-FedAvg's Acc_g (``client_lgfedavg.py``, ``*_generalized_test``: ``before_net``, copied
-after the first of the E epochs that train every layer but the classifier): the
+after the first of the E epochs that train every layer but their ``linear`` ones): the
 client's local layers after the first epoch of the evaluation's local training, with the
 current global layers, as ``acc_g_client_snapshot`` beside ``acc_g``. Training, Acc_g and
 Acc_p are unchanged. Their evaluation starts the local layers from a fresh random init

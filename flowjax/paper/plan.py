@@ -82,7 +82,8 @@ def variant_overrides(name: str, model: str | None = None) -> dict[str, Any]:
     EMNIST code; given the config's ``model``, it is refused on the LSTMs and the CIFAR
     ResNet, whose reference is their network and runs only whole
     (``flow_reference_networks``). Given it, FedRep's and LG-FedAvg's rows of the
-    authors' evaluation take their top layers (``THEIR_TOP_LAYERS``).
+    authors' evaluation take their top layers (``THEIR_TOP_LAYERS``), over any
+    ``--override`` of those fields (a cell's variant fields come last, as its momentum).
 
     Raises:
       ValueError: ``name`` is neither an algorithm nor an ablation, or such a departure
