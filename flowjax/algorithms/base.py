@@ -50,7 +50,7 @@ __all__ = ["ClientResult", "FederatedAlgorithm", "Predictions", "SGDConfig", "cl
            "instance_weights", "layer_names_or_none", "no_routing", "part_sgd_step",
            "plain_loss_sums", "separate_models_predict", "sgd_step", "split_layers",
            "top_layer_names", "train_part", "train_part_with_snapshot", "train_plain",
-           "unrouted_predictions", "valid_examples"]
+           "unrouted_predict", "unrouted_predictions", "valid_examples"]
 
 PyTree = Any
 
@@ -269,21 +269,35 @@ def unrouted_predictions(global_logits: jax.Array, personal_logits: jax.Array,
                        global_snapshot=snapshot_logits)
 
 
-def separate_models_predict(model: RoutableModel, client_snapshot: bool | None = None
-                            ) -> Callable[[Params, Params, jax.Array], Predictions]:
-    """``predict`` of a method whose personalized model is a whole second set of ``model``'s
-    params: the server's params give the global logits, the client's the personal ones.
+def unrouted_predict(global_logits: Callable[[Params, jax.Array], jax.Array],
+                     personal_logits: Callable[[Params, Params, jax.Array], jax.Array],
+                     client_snapshot: bool | None = None
+                     ) -> Callable[[Params, Params, jax.Array], Predictions]:
+    """``predict`` of a method without routing, from ``global_logits(params, x)`` and
+    ``personal_logits(params, personal, x)``.
 
-    With ``client_snapshot`` (a method's option of that name) ``personal`` holds those
-    params under ``"personal"`` and a client-side copy of the global model under
-    ``"snapshot"``, scored as ``Predictions.global_snapshot``.
+    With ``client_snapshot`` (a method's option of that name) ``personal`` holds the
+    personalized part under ``"personal"`` and the client-side copy of the global model,
+    in the same form and scored by the same ``personal_logits``, under ``"snapshot"``
+    (``Predictions.global_snapshot``).
     """
 
     def predict(params: Params, personal: Params, x: jax.Array) -> Predictions:
         if not client_snapshot:
-            return unrouted_predictions(forward(model, params, x), forward(model, personal, x))
-        return unrouted_predictions(forward(model, params, x),
-                                    forward(model, personal["personal"], x),
-                                    forward(model, personal["snapshot"], x))
+            return unrouted_predictions(global_logits(params, x),
+                                        personal_logits(params, personal, x))
+        return unrouted_predictions(global_logits(params, x),
+                                    personal_logits(params, personal["personal"], x),
+                                    personal_logits(params, personal["snapshot"], x))
 
     return predict
+
+
+def separate_models_predict(model: RoutableModel, client_snapshot: bool | None = None
+                            ) -> Callable[[Params, Params, jax.Array], Predictions]:
+    """``unrouted_predict`` of a method whose personalized model is a whole second set of
+    ``model``'s params: the server's params give the global logits, the client's the
+    personal ones."""
+    return unrouted_predict(lambda params, x: forward(model, params, x),
+                            lambda params, personal, x: forward(model, personal, x),
+                            client_snapshot)

@@ -75,10 +75,10 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     SGDConfig, layer_names_or_none, split_layers,
-                                     top_layer_names, train_part, train_part_with_snapshot,
-                                     unrouted_predictions, valid_examples)
+from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, SGDConfig,
+                                     layer_names_or_none, split_layers, top_layer_names,
+                                     train_part, train_part_with_snapshot, unrouted_predict,
+                                     valid_examples)
 from flowjax.core.checks import FieldError, check_fields, one_of, optional_integer
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.server_opt import ClientMean
@@ -180,14 +180,10 @@ def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
             epochs=config.head_epochs, key=jax.random.fold_in(key, 0), **train)
         return {"personal": head, "snapshot": snapshot}
 
-    def predict(params, personal, x) -> Predictions:
-        global_logits = forward(model, {**params["body"], **params["mean_head"].value}, x)
-        if not config.client_snapshot:
-            return unrouted_predictions(global_logits,
-                                        forward(model, {**params["body"], **personal}, x))
-        return unrouted_predictions(
-            global_logits, forward(model, {**params["body"], **personal["personal"]}, x),
-            forward(model, {**params["body"], **personal["snapshot"]}, x))
+    predict = unrouted_predict(
+        lambda params, x: forward(model, {**params["body"], **params["mean_head"].value}, x),
+        lambda params, head, x: forward(model, {**params["body"], **head}, x),
+        config.client_snapshot)
 
     def init_client_state(params) -> Params:
         return params["initial_head"]

@@ -70,8 +70,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     SGDConfig, unrouted_predictions, plain_loss_sums, train_plain,
+from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, SGDConfig,
+                                     plain_loss_sums, train_plain, unrouted_predict,
                                      valid_examples)
 from flowjax.core.checks import check_fields, integer, non_negative, one_of
 from flowjax.core.cohort import ClientExamples
@@ -286,12 +286,9 @@ def hypcluster(model: RoutableModel, config: HypClusterConfig,
                                for name in names])
         return jax.nn.logsumexp(log_probs, axis=0) - jnp.log(float(len(names)))
 
-    def predict(params, personal, x) -> Predictions:
-        global_logits = ensemble_logits(params, x)
-        if not config.client_snapshot:
-            return unrouted_predictions(global_logits, forward(model, personal, x))
-        return unrouted_predictions(global_logits, forward(model, personal["personal"], x),
-                                    forward(model, personal["snapshot"], x))
+    predict = unrouted_predict(ensemble_logits,
+                               lambda params, personal, x: forward(model, personal, x),
+                               config.client_snapshot)
 
     return FederatedAlgorithm(name="hypcluster", model=model, init=init,
                               client_update=client_update, personalize=personalize,

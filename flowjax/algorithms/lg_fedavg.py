@@ -63,10 +63,10 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
-                                     SGDConfig, layer_names_or_none, split_layers,
-                                     top_layer_names, train_part, train_part_with_snapshot,
-                                     train_plain, unrouted_predictions, valid_examples)
+from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, SGDConfig,
+                                     layer_names_or_none, split_layers, top_layer_names,
+                                     train_part, train_part_with_snapshot, train_plain,
+                                     unrouted_predict, valid_examples)
 from flowjax.core.checks import check_fields, one_of
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.server_opt import ClientMean
@@ -145,12 +145,9 @@ def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorith
         return {"personal": {**local_part, **params["global"]},
                 "snapshot": {**snapshot, **params["global"]}}
 
-    def predict(params, personal, x) -> Predictions:
-        global_logits = forward(model, {**params["mean_local"].value, **params["global"]}, x)
-        if not config.client_snapshot:
-            return unrouted_predictions(global_logits, forward(model, personal, x))
-        return unrouted_predictions(global_logits, forward(model, personal["personal"], x),
-                                    forward(model, personal["snapshot"], x))
+    predict = unrouted_predict(
+        lambda params, x: forward(model, {**params["mean_local"].value, **params["global"]}, x),
+        lambda params, personal, x: forward(model, personal, x), config.client_snapshot)
 
     def init_client_state(params) -> Params:
         return params["initial_local"]
