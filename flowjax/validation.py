@@ -246,21 +246,22 @@ def _check_model_fields(config: Any, method: Any, model: RoutableModel) -> None:
     expected = unstable_lam(method) if config.algorithm == "ditto" else None
     if expected is not None:
         _fail("methods.ditto.lam", method.lam, expected)
-    if config.algorithm == "lg_fedavg":
-        requested = method.global_layers
+    if config.algorithm in _TOP_LAYER_OPTIONS:
+        field, names_for, default, below = _TOP_LAYER_OPTIONS[config.algorithm]
+        requested = getattr(method, field)
         try:
-            global_layer_names(model, requested)
+            names_for(model, requested)
         except ValueError:
-            _fail("methods.lg_fedavg.global_layers", requested,
-                  f"expected None (the head) or distinct top layers of {model.name} {layers}, "
-                  "leaving at least one layer local")
-    if config.algorithm == "fedrep" and method.head_layers is not None:
-        try:
-            head_layer_names(model, method.head_layers)
-        except ValueError:
-            _fail("methods.fedrep.head_layers", method.head_layers,
-                  f"expected None (the model's head) or distinct top layers of {model.name} "
-                  f"{layers}, leaving at least one layer in the body")
+            _fail(f"methods.{config.algorithm}.{field}", requested,
+                  f"expected None ({default}) or distinct top layers of {model.name} {layers}, "
+                  f"leaving at least one layer {below}")
+
+
+# A method's option naming the model's top layers: (its field, the check, what None
+# means, where the layers below stay).
+_TOP_LAYER_OPTIONS = {
+    "lg_fedavg": ("global_layers", global_layer_names, "the head", "local"),
+    "fedrep": ("head_layers", head_layer_names, "the model's head", "in the body")}
 
 
 def _check_run_fields(config: Any) -> None:

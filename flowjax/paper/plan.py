@@ -56,15 +56,10 @@ REFERENCE_VARIANTS = {
 # their Stack Overflow APFL's evaluation use momentum 0.9). The `client_snapshot` table
 # runs them.
 EVALUATION_VARIANTS = {
-    "fedavg_ft_snapshot": {"algorithm": "fedavg_ft", "methods.fedavg_ft.sgd.momentum": 0.9,
-                           "methods.fedavg_ft.client_snapshot": True},
-    "apfl_snapshot": {"algorithm": "apfl", "methods.apfl.client_snapshot": True},
-    "ditto_snapshot": {"algorithm": "ditto", "methods.ditto.sgd.momentum": 0.9,
-                       "methods.ditto.client_snapshot": True},
-    **{f"{method}_snapshot": {"algorithm": method, f"methods.{method}.sgd.momentum": 0.9,
-                              f"methods.{method}.client_snapshot": True}
-       for method in ("fedrep", "lg_fedavg", "hypcluster")},
-}
+    f"{method}_snapshot": {"algorithm": method, f"methods.{method}.client_snapshot": True,
+                           **({} if method == "apfl"
+                              else {f"methods.{method}.sgd.momentum": 0.9})}
+    for method in ("fedavg_ft", "apfl", "ditto", "fedrep", "lg_fedavg", "hypcluster")}
 # The top layers the authors' FedRep personalizes and their LG-FedAvg shares, where they
 # are not the model's head_layers: their layers named ``linear`` (both dense layers of the
 # EMNIST CNN and of the Stack Overflow LSTM; `client_fedrep.py`, `client_lgfedavg.py`);
