@@ -35,15 +35,14 @@ its logits and accuracy, and which cluster it is (the other cluster after one ep
 must not match theirs). Its client has 80 train examples, whole minibatches of 20, where
 their criterion and flowjax's mean loss over the epoch's examples rank alike.
 
-``flowjax_side`` and ``hypcluster_flowjax_side`` need no PyTorch: ``tests/test_parity.py``
-recomputes them and compares them with the committed figures of the PyTorch side
+``flowjax_side_of(method)`` needs no PyTorch: ``tests/test_parity.py`` recomputes it and
+compares it with the committed figures of the PyTorch side
 (``tests/fixtures/parity_<method>.json``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import sys
@@ -102,6 +101,39 @@ def _method(method: str, model, sgd):
     raise ValueError(f"method={method!r}: expected one of {list(METHODS)}")
 
 
+def _client(settings: dict) -> tuple[Any, Any, dict, Any, Any]:
+    """flowjax's EMNIST CNN with its dropout off (module docstring), the clients' SGD, the
+    client's data, its train examples and the evaluation's key."""
+    import jax
+
+    from flowjax.algorithms.base import SGDConfig
+    from flowjax.models import get_model
+
+    model = parity.without_dropout(get_model("emnist_cnn", num_classes=settings["num_classes"]))
+    sgd = SGDConfig(learning_rate=settings["learning_rate"], epochs=settings["epochs"],
+                    batch_size=settings["batch_size"], momentum=settings["momentum"])
+    data = parity.client_data(**settings)
+    train = parity.client_examples(data["train_x"], data["train_y"], settings["batch_size"])
+    return model, sgd, data, train, jax.random.key(settings["seed"] + 1)
+
+
+def _passes(epochs_key, train, settings: dict) -> list:
+    """The batches ``run_epochs`` draws for epochs 0 .. E-1 (key ``fold_in(epochs_key,
+    e)``), as example indices, in the order their loop asks for them."""
+    import jax
+    import jax.numpy as jnp
+
+    from flowjax.algorithms.base import valid_examples
+    from flowjax.core.local_training import epoch_batches
+
+    member = valid_examples(train)
+    plan = jax.vmap(lambda e: epoch_batches(jax.random.fold_in(epochs_key, e), member,
+                                            settings["batch_size"], member.shape[0]))(
+        jnp.arange(settings["epochs"]))
+    return parity.planned_passes({"fine_tuning": plan}, [
+        ("fine_tuning", "all", e) for e in range(settings["epochs"])])
+
+
 def flowjax_side(method: str = "fedavg_ft", settings: dict = SETTINGS) -> dict[str, Any]:
     """Initial weights, the fine-tuned weights, the copy's and the final model's logits
     on the test examples, their metrics and the epochs' batches (example indices), in the
@@ -109,43 +141,26 @@ def flowjax_side(method: str = "fedavg_ft", settings: dict = SETTINGS) -> dict[s
     import jax
     import jax.numpy as jnp
 
-    from flowjax.algorithms.base import SGDConfig, valid_examples
-    from flowjax.core.local_training import epoch_batches
-    from flowjax.models import get_model
-
-    # Dropout off (module docstring).
-    model = parity.without_dropout(get_model("emnist_cnn", num_classes=settings["num_classes"]))
-    sgd = SGDConfig(learning_rate=settings["learning_rate"], epochs=settings["epochs"],
-                    batch_size=settings["batch_size"], momentum=settings["momentum"])
+    model, sgd, data, train, key = _client(settings)
     algorithm, initial_state, epochs_key, whole = _method(method, model, sgd)
-    data = parity.client_data(**settings)
     params = algorithm.init(jax.random.key(settings["seed"]))
     state = initial_state(params)
-    train = parity.client_examples(data["train_x"], data["train_y"], settings["batch_size"])
-    key = jax.random.key(settings["seed"] + 1)
     personal = jax.jit(algorithm.personalize)(params, train, key, state)
     predictions = algorithm.predict(params, personal, jnp.asarray(data["test_x"]))
     snapshot = np.asarray(predictions.global_snapshot)
     fine_tuned = np.asarray(predictions.personal_hard)
-    # The batches run_epochs draws for epoch e (key fold_in(epochs key, e)), as indices.
-    member = valid_examples(train)
-    plan = jax.vmap(lambda e: epoch_batches(jax.random.fold_in(epochs_key(key), e), member,
-                                            settings["batch_size"], member.shape[0]))(
-        jnp.arange(settings["epochs"]))
-    passes = parity.planned_passes({"fine_tuning": plan}, [
-        ("fine_tuning", "all", e) for e in range(settings["epochs"])])
     return dict(initial=parity.cnn_to_torch_layout(whole(params, state)),
                 updated=parity.cnn_to_torch_layout(whole(params, personal["personal"])),
                 eval_snapshot_logits=snapshot, eval_personal_logits=fine_tuned,
                 metrics=parity.generalized_test_metrics(snapshot, fine_tuned, data["test_y"]),
-                passes=passes)
+                passes=_passes(epochs_key(key), train, settings))
 
 
-def torch_side(reference_dir: str, ours: dict[str, Any], method: str = "fedavg_ft",
-               settings: dict = SETTINGS) -> dict[str, Any]:
-    """Their ``emnist_generalized_test`` of ``method`` from flowjax's initial weights, fed
-    flowjax's epochs; the fine-tuned weights, the logits of ``before_net`` and of the
-    final net, and their reported figures."""
+def _their_run(reference_dir: str, method: str, ours: dict[str, Any], initial: list,
+               settings: dict) -> tuple[list, tuple, np.ndarray, np.ndarray]:
+    """Their ``emnist_generalized_test`` of ``method`` on their ``EMNISTNet``s (62
+    classes, no dropout) holding ``initial``, fed flowjax's epochs: the nets, their figures
+    and the logits of ``before_net`` and of the final net on the test examples."""
     import torch
     torch.set_num_threads(1)
     trainer = parity.import_their_trainer(reference_dir, THEIR_MODULES[method])
@@ -154,20 +169,30 @@ def torch_side(reference_dir: str, ours: dict[str, Any], method: str = "fedavg_f
     data = parity.client_data(**settings)
     train = parity.ScriptedDataset(data["train_x"], data["train_y"], ours["passes"])
     test = parity.BatchedDataset(data["test_x"], data["test_y"], 100)
-    net = parity.their_net(trainer, ours["initial"])  # their 62-class EMNISTNet, no dropout
+    nets = [parity.their_net(trainer, state) for state in initial]
     captured = []
 
     def hook(module, args, output):
-        if not module.training:  # their test loop; deepcopy carries the hook to before_net
-            captured.append((module is net, output.detach().numpy().copy()))
+        if not module.training:  # their test loop: before_net, then net, per batch
+            captured.append(output.detach().numpy().copy())
 
-    net.register_forward_hook(hook)
-    figures = trainer.emnist_generalized_test(net, train, test)
+    for net in nets:  # before_net (and HypCluster's net) are deep copies: the hooks come along
+        net.register_forward_hook(hook)
+    figures = trainer.emnist_generalized_test(*nets, train, test)
     if not train.exhausted():
         raise AssertionError("their loop ran fewer epochs than flowjax's plan")
+    return nets, figures, np.concatenate(captured[0::2]), np.concatenate(captured[1::2])
+
+
+def torch_side(reference_dir: str, ours: dict[str, Any], method: str = "fedavg_ft",
+               settings: dict = SETTINGS) -> dict[str, Any]:
+    """Their ``emnist_generalized_test`` of ``method`` from flowjax's initial weights, fed
+    flowjax's epochs; the fine-tuned weights, the logits of ``before_net`` and of the
+    final net, and their reported figures."""
+    (net,), figures, before, final = _their_run(reference_dir, method, ours,
+                                                [ours["initial"]], settings)
     return dict(updated={k: v.detach().numpy().copy() for k, v in net.state_dict().items()},
-                eval_snapshot_logits=np.concatenate([o for final, o in captured if not final]),
-                eval_personal_logits=np.concatenate([o for final, o in captured if final]),
+                eval_snapshot_logits=before, eval_personal_logits=final,
                 metrics=parity.reported_metrics(figures))
 
 
@@ -184,21 +209,13 @@ def hypcluster_flowjax_side(settings: dict = HYPCLUSTER_SETTINGS) -> dict[str, A
     import jax
     import jax.numpy as jnp
 
-    from flowjax.algorithms.base import SGDConfig, valid_examples
     from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
     from flowjax.algorithms.hypcluster import HypClusterConfig, hypcluster
-    from flowjax.core.local_training import epoch_batches
-    from flowjax.models import get_model
     from flowjax.models.base import forward
 
-    model = parity.without_dropout(get_model("emnist_cnn", num_classes=settings["num_classes"]))
-    sgd = SGDConfig(learning_rate=settings["learning_rate"], epochs=settings["epochs"],
-                    batch_size=settings["batch_size"], momentum=settings["momentum"])
+    model, sgd, data, train, key = _client(settings)
     algorithm = hypcluster(model, HypClusterConfig(sgd=sgd, clusters=2, client_snapshot=True))
-    data = parity.client_data(**settings)
     params = algorithm.init(jax.random.key(settings["seed"]))
-    train = parity.client_examples(data["train_x"], data["train_y"], settings["batch_size"])
-    key = jax.random.key(settings["seed"] + 1)
     test_x = jnp.asarray(data["test_x"])
     personal = jax.jit(algorithm.personalize)(params, train, key)
     snapshot = np.asarray(algorithm.predict(params, personal, test_x).global_snapshot)
@@ -206,18 +223,12 @@ def hypcluster_flowjax_side(settings: dict = HYPCLUSTER_SETTINGS) -> dict[str, A
                                            finetune=True))
     clusters = [np.asarray(forward(model, jax.jit(one_epoch.personalize)(
         params[name], train, key), test_x)) for name in ("cluster0", "cluster1")]
-    member = valid_examples(train)
-    plan = jax.vmap(lambda e: epoch_batches(jax.random.fold_in(key, e), member,
-                                            settings["batch_size"], member.shape[0]))(
-        jnp.arange(settings["epochs"]))
-    passes = parity.planned_passes({"fine_tuning": plan}, [
-        ("fine_tuning", "all", e) for e in range(settings["epochs"])])
     return dict(initial=[parity.cnn_to_torch_layout(params[name])
                          for name in ("cluster0", "cluster1")],
                 eval_snapshot_logits=snapshot, cluster_logits=clusters,
                 metrics={"before_accuracy": float(np.mean(
                     snapshot.argmax(-1) == data["test_y"]))},
-                passes=passes)
+                passes=_passes(key, train, settings))
 
 
 def hypcluster_torch_side(reference_dir: str, ours: dict[str, Any],
@@ -226,35 +237,43 @@ def hypcluster_torch_side(reference_dir: str, ours: dict[str, Any],
     flowjax's two clusters, fed flowjax's epochs: ``before_net``'s logits, the final
     net's, and their before accuracy (their other figures score their fine-tuned final
     model, which flowjax's HypCluster does not build)."""
-    import torch
-    torch.set_num_threads(1)
-    trainer = parity.import_their_trainer(reference_dir, THEIR_MODULES["hypcluster"])
-    trainer.__dict__.update(lr=settings["learning_rate"], epochs=settings["epochs"],
-                            DEVICE="cpu")
-    data = parity.client_data(**settings)
-    train = parity.ScriptedDataset(data["train_x"], data["train_y"], ours["passes"])
-    test = parity.BatchedDataset(data["test_x"], data["test_y"], 100)
-    nets = [parity.their_net(trainer, state) for state in ours["initial"]]
-    captured = []
-
-    def hook(module, args, output):
-        if not module.training:  # their test loop: before_net, then net, per batch
-            captured.append(output.detach().numpy().copy())
-
-    for net in nets:  # their before_net and net are deep copies: the hooks come along
-        net.register_forward_hook(hook)
-    figures = trainer.emnist_generalized_test(*nets, train, test)
-    if not train.exhausted():
-        raise AssertionError("their loop ran fewer epochs than flowjax's plan")
-    return dict(updated={}, eval_snapshot_logits=np.concatenate(captured[0::2]),
-                eval_personal_logits=np.concatenate(captured[1::2]),
+    _, figures, before, final = _their_run(reference_dir, "hypcluster", ours, ours["initial"],
+                                           settings)
+    return dict(updated={}, eval_snapshot_logits=before, eval_personal_logits=final,
                 metrics={"before_accuracy": parity.reported_metrics(figures)["before_accuracy"]})
+
+
+def settings_of(method: str) -> dict:
+    """The client and hyperparameters of ``method``'s check."""
+    return HYPCLUSTER_SETTINGS if method == "hypcluster" else SETTINGS
+
+
+def flowjax_side_of(method: str) -> dict[str, Any]:
+    """flowjax's side of ``method``'s check (no PyTorch needed)."""
+    return hypcluster_flowjax_side() if method == "hypcluster" else flowjax_side(method)
+
+
+def _write_fixture(method: str, settings: dict, ours: dict[str, Any], theirs: dict[str, Any],
+                   torch_version: str) -> None:
+    """``tests/fixtures/parity_<method>.json``: the PyTorch side's figures, written whole
+    or not at all (a kill leaves the old one)."""
+    from flowjax import run_folder
+    fixture = dict(settings=settings, torch_version=torch_version, tolerance=TOLERANCE,
+                   passes=parity.passes_json(ours["passes"]), **parity.fixture_entry(theirs))
+    run_folder.write_text_atomic(FIXTURES[method], json.dumps(fixture))
+    print(f"wrote {os.path.relpath(FIXTURES[method], ROOT)}")
+
+
+def _verdict(method: str, worst: float, ok: bool) -> bool:
+    print(f"{method}: worst max abs diff {worst:.3e}, {'within' if ok else 'ABOVE'} its "
+          f"{TOLERANCE:g} target")
+    return ok
 
 
 def hypcluster_check(reference_dir: str, write_fixture: bool, torch_version: str) -> bool:
     """Both sides of HypCluster's copy; within ``TOLERANCE``, and the copy of the other
     cluster and their final model both far from it."""
-    ours = hypcluster_flowjax_side()
+    ours = flowjax_side_of("hypcluster")
     theirs = hypcluster_torch_side(reference_dir, ours)
     gap = lambda a: float(np.max(np.abs(a - theirs["eval_snapshot_logits"])))
     diff, to_clusters = gap(ours["eval_snapshot_logits"]), [gap(c) for c in ours["cluster_logits"]]
@@ -269,22 +288,16 @@ def hypcluster_check(reference_dir: str, write_fixture: bool, torch_version: str
           f"flowjax's {ours['metrics']['before_accuracy']}")
     print(f"  control, flowjax's copy vs their final model: max abs diff {final:.3e} (logits)")
     if write_fixture:
-        from flowjax import run_folder
-        fixture = dict(settings=HYPCLUSTER_SETTINGS, torch_version=torch_version,
-                       tolerance=TOLERANCE, passes=parity.passes_json(ours["passes"]),
-                       **parity.fixture_entry(theirs))
-        run_folder.write_text_atomic(FIXTURES["hypcluster"], json.dumps(fixture))
-        print(f"wrote {os.path.relpath(FIXTURES['hypcluster'], ROOT)}")
-    ok = (diff <= TOLERANCE and theirs["metrics"] == ours["metrics"]
-          and max(to_clusters) > 100 * TOLERANCE and final > 100 * TOLERANCE)
-    print(f"hypcluster: max abs diff {diff:.3e}, {'within' if ok else 'ABOVE'} its "
-          f"{TOLERANCE:g} target")
-    return ok
+        _write_fixture("hypcluster", settings_of("hypcluster"), ours, theirs, torch_version)
+    return _verdict("hypcluster", diff, diff <= TOLERANCE and theirs["metrics"] == ours["metrics"]
+                    and max(to_clusters) > 100 * TOLERANCE and final > 100 * TOLERANCE)
 
 
 def check(method: str, reference_dir: str, write_fixture: bool, torch_version: str) -> bool:
     """Runs both sides of ``method``, prints the differences (and writes its fixture);
     whether they are within ``TOLERANCE`` and the control tells copy from final model."""
+    if method == "hypcluster":
+        return hypcluster_check(reference_dir, write_fixture, torch_version)
     ours = flowjax_side(method)
     theirs = torch_side(reference_dir, ours, method)
     diffs = parity.compare(ours, theirs)
@@ -304,17 +317,8 @@ def check(method: str, reference_dir: str, write_fixture: bool, torch_version: s
     print(f"  control, flowjax's copy vs their final model: max abs diff {control:.3e} (logits)")
     worst = parity.worst_diff(diffs)
     if write_fixture:
-        from flowjax import run_folder
-        fixture = dict(settings=SETTINGS, torch_version=torch_version, tolerance=TOLERANCE,
-                       passes=parity.passes_json(ours["passes"]),
-                       **parity.fixture_entry(theirs))
-        # A kill leaves it whole.
-        run_folder.write_text_atomic(FIXTURES[method], json.dumps(fixture))
-        print(f"wrote {os.path.relpath(FIXTURES[method], ROOT)}")
-    ok = worst <= TOLERANCE and control > 100 * TOLERANCE
-    print(f"{method}: worst max abs diff {worst:.3e}, {'within' if ok else 'ABOVE'} its "
-          f"{TOLERANCE:g} target")
-    return ok
+        _write_fixture(method, settings_of(method), ours, theirs, torch_version)
+    return _verdict(method, worst, worst <= TOLERANCE and control > 100 * TOLERANCE)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -339,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         print("launch/parity_fine_tuning.py needs PyTorch: pip install -e '.[parity]' "
               "(torch==2.13.0)", file=sys.stderr)
         return 2
-    results = [(hypcluster_check if method == "hypcluster" else functools.partial(check, method))(
-        args.reference_dir, args.write_fixture, torch.__version__) for method in methods]
+    results = [check(method, args.reference_dir, args.write_fixture, torch.__version__)
+               for method in methods]
     return 0 if all(results) else 1
 
 

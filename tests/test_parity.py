@@ -234,21 +234,28 @@ def test_their_dropout_takes_masks_of_their_batch_or_of_flowjaxs_padded_one():
 _FINE_TUNING_CHILD = """
 import pickle, sys
 from launch import parity, parity_fine_tuning
-ours = parity_fine_tuning.flowjax_side(sys.argv[2])
+ours = parity_fine_tuning.flowjax_side_of(sys.argv[2])
 ours["passes"] = parity.passes_json(ours["passes"])
 with open(sys.argv[1], "wb") as f:
     pickle.dump(ours, f)
 """
 
 
-_HYPCLUSTER_CHILD = """
-import pickle, sys
-from launch import parity, parity_fine_tuning
-ours = parity_fine_tuning.hypcluster_flowjax_side()
-ours["passes"] = parity.passes_json(ours["passes"])
-with open(sys.argv[1], "wb") as f:
-    pickle.dump(ours, f)
-"""
+def _fine_tuning_sides(tmp_path, method: str) -> tuple[dict, dict]:
+    """flowjax's side of ``method``'s check, recomputed in a child without the launchers'
+    XLA tuning (as for the checks above), and their committed side; the same batches."""
+    from launch import parity_fine_tuning
+
+    with open(parity_fine_tuning.FIXTURES[method]) as f:
+        theirs = json.load(f)
+    assert theirs["settings"] == parity_fine_tuning.settings_of(method)
+    out = str(tmp_path / "ours.pkl")
+    forkserver.run([sys.executable, "-c", _FINE_TUNING_CHILD, out, method],
+                   env=untuned_xla_env(), check=True, cwd=parity.ROOT)
+    with open(out, "rb") as f:
+        ours = pickle.load(f)
+    assert ours["passes"] == theirs["passes"]
+    return ours, theirs
 
 
 @pytest.mark.parametrize("method", ["fedavg_ft", "fedrep", "lg_fedavg"])
@@ -258,19 +265,8 @@ def test_flowjax_fine_tuning_evaluation_and_snapshot_match_the_authors_before_ne
     (``client_fedavg_finetuning.py``, ``client_fedrep.py``, ``client_lgfedavg.py``) fed
     flowjax's epochs: the E-epoch weights, ``before_net``'s and the final net's logits,
     their figures. flowjax's method with ``client_snapshot`` (FedRep's head and LG-FedAvg's
-    global layers: their ``linear`` layers) must reach them (in a child without the
-    launchers' XLA tuning, as for the checks above), from the same batches."""
-    from launch import parity_fine_tuning
-
-    with open(parity_fine_tuning.FIXTURES[method]) as f:
-        theirs = json.load(f)
-    assert theirs["settings"] == parity_fine_tuning.SETTINGS
-    out = str(tmp_path / "ours.pkl")
-    forkserver.run([sys.executable, "-c", _FINE_TUNING_CHILD, out, method],
-                   env=untuned_xla_env(), check=True, cwd=parity.ROOT)
-    with open(out, "rb") as f:
-        ours = pickle.load(f)
-    assert ours["passes"] == theirs["passes"]
+    global layers: their ``linear`` layers) must reach them from the same batches."""
+    ours, theirs = _fine_tuning_sides(tmp_path, method)
     _assert_matches(ours, theirs, theirs["tolerance"])
     # The check can fail: flowjax's final model does not pass for their copy after one
     # epoch (a snapshot taken after all E epochs would be caught).
@@ -285,17 +281,7 @@ def test_flowjax_hypcluster_snapshot_matches_the_authors_before_net(tmp_path):
     fed flowjax's epochs: ``before_net``'s logits (the cluster whose first epoch had the
     lower loss, after it) and its accuracy. flowjax's copy must reach them; the other
     cluster after one epoch must not (the check tells the choice apart)."""
-    from launch import parity_fine_tuning
-
-    with open(parity_fine_tuning.FIXTURES["hypcluster"]) as f:
-        theirs = json.load(f)
-    assert theirs["settings"] == parity_fine_tuning.HYPCLUSTER_SETTINGS
-    out = str(tmp_path / "ours.pkl")
-    forkserver.run([sys.executable, "-c", _HYPCLUSTER_CHILD, out], env=untuned_xla_env(),
-                   check=True, cwd=parity.ROOT)
-    with open(out, "rb") as f:
-        ours = pickle.load(f)
-    assert ours["passes"] == theirs["passes"]
+    ours, theirs = _fine_tuning_sides(tmp_path, "hypcluster")
     _check(ours["eval_snapshot_logits"], theirs["eval_snapshot_logits"], "snapshot logits",
            theirs["tolerance"])
     assert ours["metrics"] == theirs["metrics"]
