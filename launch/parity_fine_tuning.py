@@ -28,12 +28,14 @@ and JAX draw different masks). Their modules are imported from ``--reference_dir
 
 HypCluster (``client_hypcluster.py``) fine-tunes both cluster models E epochs on the
 same minibatches and copies, after the first epoch, the one whose summed minibatch losses
-were lower; its final model is the fine-tuned cluster with the lower last-epoch loss,
-which flowjax's HypCluster Acc_p (the chosen cluster, not trained) is not. So only the
-copy is compared: flowjax's ``client_snapshot`` from the same two clusters and batches,
-its logits and accuracy, and which cluster it is (the other cluster after one epoch
-must not match theirs). Its client has 80 train examples, whole minibatches of 20, where
-their criterion and flowjax's mean loss over the epoch's examples rank alike.
+were lower (Acc_g); its final model (Acc_p) is the fine-tuned cluster with the lower
+last-epoch loss. flowjax's ``client_snapshot`` builds both from the same two clusters and
+batches (flowjax's own HypCluster Acc_p, the chosen cluster untrained, is another model):
+the check compares the final model's weights (theirs is whichever of their two nets gives
+their final logits), both models' logits and all their figures, and which cluster each
+is (each cluster of flowjax's after one epoch, and after E, must match theirs for one
+cluster only). Its client has 100 train examples, whole minibatches of 20, where their
+criterion and flowjax's mean loss over the epoch's examples rank alike.
 
 ``flowjax_side_of(method)`` needs no PyTorch: ``tests/test_parity.py`` recomputes it and
 compares it with the committed figures of the PyTorch side
@@ -196,16 +198,20 @@ def torch_side(reference_dir: str, ours: dict[str, Any], method: str = "fedavg_f
                 metrics=parity.reported_metrics(figures))
 
 
-# HypCluster: two clusters; 80 train examples, whole batches of 20, where their choice
-# (the lower sum of the first epoch's minibatch mean losses) and flowjax's (the lower mean
-# over its examples) are the same rule.
-HYPCLUSTER_SETTINGS = {**SETTINGS, "train_examples": 80}
+# HypCluster: two clusters; 100 train examples, whole batches of 20, where their choice
+# (the lower sum of an epoch's minibatch mean losses) and flowjax's (the lower mean over
+# its examples) are the same rule. Not 80, as before the final model was checked
+# (2026-12-04): there the E-epoch run of cluster0 amplifies rounding, so a 1e-7 relative
+# change of its init alone moved flowjax's final logits by 2.7e-4, as far as they were
+# from theirs; at 100 by 5.9e-6. Here the two models are different clusters.
+HYPCLUSTER_SETTINGS = {**SETTINGS, "train_examples": 100}
 
 
 def hypcluster_flowjax_side(settings: dict = HYPCLUSTER_SETTINGS) -> dict[str, Any]:
-    """Both clusters' initial weights, the copy's logits on the test examples and its
-    accuracy, the logits of each cluster after one epoch (FedAvgFT's one-epoch
-    fine-tuning from it, the same key), and the E epochs of batches; no PyTorch needed."""
+    """Both clusters' initial weights; the fine-tuned model's weights (their layout) and
+    both models' logits on the test examples with their figures; the logits of each
+    cluster after one epoch and after E (FedAvgFT's fine-tuning from it, the same key);
+    and the E epochs of batches; no PyTorch needed."""
     import jax
     import jax.numpy as jnp
 
@@ -214,33 +220,48 @@ def hypcluster_flowjax_side(settings: dict = HYPCLUSTER_SETTINGS) -> dict[str, A
     from flowjax.models.base import forward
 
     model, sgd, data, train, key = _client(settings)
+    names = ("cluster0", "cluster1")
     algorithm = hypcluster(model, HypClusterConfig(sgd=sgd, clusters=2, client_snapshot=True))
     params = algorithm.init(jax.random.key(settings["seed"]))
     test_x = jnp.asarray(data["test_x"])
     personal = jax.jit(algorithm.personalize)(params, train, key)
-    snapshot = np.asarray(algorithm.predict(params, personal, test_x).global_snapshot)
-    one_epoch = fedavg(model, FedAvgConfig(sgd=dataclasses.replace(sgd, epochs=1),
-                                           finetune=True))
-    clusters = [np.asarray(forward(model, jax.jit(one_epoch.personalize)(
-        params[name], train, key), test_x)) for name in ("cluster0", "cluster1")]
-    return dict(initial=[parity.cnn_to_torch_layout(params[name])
-                         for name in ("cluster0", "cluster1")],
-                eval_snapshot_logits=snapshot, cluster_logits=clusters,
-                metrics={"before_accuracy": float(np.mean(
-                    snapshot.argmax(-1) == data["test_y"]))},
+    predictions = algorithm.predict(params, personal, test_x)
+    snapshot = np.asarray(predictions.global_snapshot)
+    fine_tuned = np.asarray(predictions.personal_snapshot)
+
+    def clusters_after(epochs: int) -> list[np.ndarray]:
+        tune = fedavg(model, FedAvgConfig(sgd=dataclasses.replace(sgd, epochs=epochs),
+                                          finetune=True))
+        return [np.asarray(forward(model, jax.jit(tune.personalize)(params[name], train, key),
+                                   test_x)) for name in names]
+
+    return dict(initial=[parity.cnn_to_torch_layout(params[name]) for name in names],
+                updated=parity.cnn_to_torch_layout(personal["personal_snapshot"]),
+                eval_snapshot_logits=snapshot, eval_personal_logits=fine_tuned,
+                cluster_logits=clusters_after(1),
+                final_cluster_logits=clusters_after(settings["epochs"]),
+                metrics=parity.generalized_test_metrics(snapshot, fine_tuned, data["test_y"]),
                 passes=_passes(key, train, settings))
 
 
 def hypcluster_torch_side(reference_dir: str, ours: dict[str, Any],
                           settings: dict = HYPCLUSTER_SETTINGS) -> dict[str, Any]:
     """Their HypCluster ``emnist_generalized_test`` (``client_hypcluster.py``) from
-    flowjax's two clusters, fed flowjax's epochs: ``before_net``'s logits, the final
-    net's, and their before accuracy (their other figures score their fine-tuned final
-    model, which flowjax's HypCluster does not build)."""
-    _, figures, before, final = _their_run(reference_dir, "hypcluster", ours, ours["initial"],
-                                           settings)
-    return dict(updated={}, eval_snapshot_logits=before, eval_personal_logits=final,
-                metrics={"before_accuracy": parity.reported_metrics(figures)["before_accuracy"]})
+    flowjax's two clusters, fed flowjax's epochs: the weights of their final net (of
+    their two fine-tuned nets, the one that gives its logits), ``before_net``'s and the
+    final net's logits, and their figures."""
+    import torch
+    nets, figures, before, final = _their_run(reference_dir, "hypcluster", ours,
+                                              ours["initial"], settings)
+    test_x = torch.from_numpy(parity.client_data(**settings)["test_x"])
+    with torch.no_grad():
+        chosen = [net for net in nets if np.array_equal(net.eval()(test_x).numpy(), final)]
+    if len(chosen) != 1:
+        raise AssertionError(f"{len(chosen)} of their two nets give their final logits")
+    return dict(updated={k: v.detach().numpy().copy()
+                         for k, v in chosen[0].state_dict().items()},
+                eval_snapshot_logits=before, eval_personal_logits=final,
+                metrics=parity.reported_metrics(figures))
 
 
 def settings_of(method: str) -> dict:
@@ -271,26 +292,37 @@ def _verdict(method: str, worst: float, ok: bool) -> bool:
 
 
 def hypcluster_check(reference_dir: str, write_fixture: bool, torch_version: str) -> bool:
-    """Both sides of HypCluster's copy; within ``TOLERANCE``, and the copy of the other
-    cluster and their final model both far from it."""
+    """Both sides of HypCluster's two models; within ``TOLERANCE``, and for each model
+    exactly one of flowjax's clusters (after one epoch, after E) matches theirs."""
     ours = flowjax_side_of("hypcluster")
     theirs = hypcluster_torch_side(reference_dir, ours)
-    gap = lambda a: float(np.max(np.abs(a - theirs["eval_snapshot_logits"])))
-    diff, to_clusters = gap(ours["eval_snapshot_logits"]), [gap(c) for c in ours["cluster_logits"]]
-    final = float(np.max(np.abs(ours["eval_snapshot_logits"] - theirs["eval_personal_logits"])))
-    print(f"HypCluster (2 clusters, the lower first-epoch loss) evaluation copy, E = "
-          f"{SETTINGS['epochs']} epochs of SGD (momentum {SETTINGS['momentum']}) on both "
-          f"clusters (torch {torch_version}, float32, dropout off on both sides)")
-    print(f"  max abs diff, client snapshot (Acc_g) logits:   {diff:.3e}")
-    print(f"  their before_net vs each flowjax cluster after one epoch: "
-          f"{to_clusters[0]:.3e}, {to_clusters[1]:.3e}")
-    print(f"  before accuracy: theirs {theirs['metrics']['before_accuracy']}, "
-          f"flowjax's {ours['metrics']['before_accuracy']}")
-    print(f"  control, flowjax's copy vs their final model: max abs diff {final:.3e} (logits)")
+    # The move is measured from the start of the cluster flowjax's final model is.
+    start = int(np.argmin([np.max(np.abs(c - ours["eval_personal_logits"]))
+                           for c in ours["final_cluster_logits"]]))
+    diffs = parity.compare({**ours, "initial": ours["initial"][start]}, theirs)
+    gaps = {part: [float(np.max(np.abs(c - theirs[f"eval_{model}_logits"])))
+                   for c in ours[f"{part}_logits"]]
+            for part, model in (("cluster", "snapshot"), ("final_cluster", "personal"))}
+    print(f"HypCluster (2 clusters) evaluation, E = {SETTINGS['epochs']} epochs of SGD "
+          f"(momentum {SETTINGS['momentum']}) on both clusters: the copy after the first "
+          f"(lower first-epoch loss) and the final model (lower last-epoch loss) "
+          f"(torch {torch_version}, float32, dropout off on both sides)")
+    print(f"  max abs diff, final model's parameters:        {diffs['params']:.3e}"
+          f"  (largest move from the init: {diffs['params_moved']:.3e})")
+    print(f"  max abs diff, client snapshot (Acc_g) logits:   {diffs['snapshot_logits']:.3e}")
+    print(f"  max abs diff, fine-tuned (Acc_p) logits:        {diffs['personal_logits']:.3e}")
+    print(f"  max abs diff, evaluation metrics:               {diffs['metrics']:.3e}"
+          f"  (theirs: {theirs['metrics']})")
+    print("  their before_net vs each flowjax cluster after one epoch: "
+          + ", ".join(f"{gap:.3e}" for gap in gaps["cluster"]))
+    print(f"  their final net vs each flowjax cluster after {SETTINGS['epochs']} epochs: "
+          + ", ".join(f"{gap:.3e}" for gap in gaps["final_cluster"]))
     if write_fixture:
         _write_fixture("hypcluster", settings_of("hypcluster"), ours, theirs, torch_version)
-    return _verdict("hypcluster", diff, diff <= TOLERANCE and theirs["metrics"] == ours["metrics"]
-                    and max(to_clusters) > 100 * TOLERANCE and final > 100 * TOLERANCE)
+    worst = parity.worst_diff(diffs)
+    one_each = all(sorted(gap <= TOLERANCE for gap in part) == [False, True]
+                   and max(part) > 100 * TOLERANCE for part in gaps.values())
+    return _verdict("hypcluster", worst, worst <= TOLERANCE and one_each)
 
 
 def check(method: str, reference_dir: str, write_fixture: bool, torch_version: str) -> bool:

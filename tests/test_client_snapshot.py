@@ -1,6 +1,7 @@
 """FedRep's, LG-FedAvg's and HypCluster's ``client_snapshot``: the copy the Flow authors'
 evaluation scores as the method's Acc_g (``before_net``, after the first epoch of its
-fine-tuning), built beside the personalized model the option-off method builds."""
+fine-tuning), and HypCluster's fine-tuned model they score as its Acc_p, built beside the
+personalized model the option-off method builds."""
 
 import dataclasses
 
@@ -44,10 +45,14 @@ def _assert_scored(on, off, params, personal, x, whole=lambda part: part):
     predictions = on.predict(params, personal, x)
     without = off.predict(params, personal["personal"], x)
     np.testing.assert_array_equal(predictions.global_logits, without.global_logits)
-    assert without.global_snapshot is None
+    assert without.global_snapshot is None and without.personal_snapshot is None
     for got, part in ((predictions.personal_hard, personal["personal"]),
-                      (predictions.global_snapshot, personal["snapshot"])):
-        np.testing.assert_array_equal(got, forward(on.model, whole(part), x))
+                      (predictions.global_snapshot, personal["snapshot"]),
+                      (predictions.personal_snapshot, personal.get("personal_snapshot"))):
+        if part is None:  # FedRep, LG-FedAvg: their Acc_p model is the method's own
+            assert got is None
+        else:
+            np.testing.assert_array_equal(got, forward(on.model, whole(part), x))
 
 
 def _fedrep(model, snapshot=None, one_epoch=False):
@@ -94,25 +99,28 @@ def test_fedrep_snapshot_without_head_epochs_is_the_stored_head(headed, images_s
     assert_trees_equal(personal["personal"], stored)
 
 
-def _first_epoch_by_hand(model, params, client, key):
-    """One epoch of plain SGD (lr 0.05), step by step: (params after it, the mean of the
-    steps' losses weighted by their examples)."""
+def _epochs_by_hand(model, params, client, key, epochs=1):
+    """Epochs of plain SGD (lr 0.05), step by step: per epoch, (params after it, the mean
+    of its steps' losses weighted by their examples)."""
     x, y, member = client.flat()
-    indices, mask = epoch_batches(jax.random.fold_in(key, 0), member, 4, x.shape[0])
-    loss_sum = count = 0.0
-    for step, (batch, batch_mask) in enumerate(zip(np.asarray(indices), np.asarray(mask))):
-        if not batch_mask.any():
-            continue
-        batch = (x[batch], y[batch], jnp.asarray(batch_mask, jnp.float32))
+    after = []
+    for epoch in range(epochs):
+        indices, mask = epoch_batches(jax.random.fold_in(key, epoch), member, 4, x.shape[0])
+        loss_sum = count = 0.0
+        for step, (batch, batch_mask) in enumerate(zip(np.asarray(indices), np.asarray(mask))):
+            if not batch_mask.any():
+                continue
+            batch = (x[batch], y[batch], jnp.asarray(batch_mask, jnp.float32))
 
-        def mean_loss(p):
-            sums = plain_loss_sums(model, p, batch, jax.random.key(step))  # no dropout
-            return mean_from_sums(sums[0], sums[1]), sums
+            def mean_loss(p):
+                sums = plain_loss_sums(model, p, batch, jax.random.key(step))  # no dropout
+                return mean_from_sums(sums[0], sums[1]), sums
 
-        grads, sums = jax.grad(mean_loss, has_aux=True)(params)
-        params = jax.tree.map(lambda p, g: p - 0.05 * g, params, grads)
-        loss_sum, count = loss_sum + float(sums[0]), count + float(sums[1])
-    return params, loss_sum / count
+            grads, sums = jax.grad(mean_loss, has_aux=True)(params)
+            params = jax.tree.map(lambda p, g: p - 0.05 * g, params, grads)
+            loss_sum, count = loss_sum + float(sums[0]), count + float(sums[1])
+        after.append((params, loss_sum / count))
+    return after
 
 
 def test_hypcluster_snapshot_is_the_cluster_with_the_lower_first_epoch_loss(mlp, images_small):
@@ -122,7 +130,7 @@ def test_hypcluster_snapshot_is_the_cluster_with_the_lower_first_epoch_loss(mlp,
     sgd = dataclasses.replace(SGD, momentum=0.0)
     client, key = _client(images_small), jax.random.key(2)
     starts = [mlp.init(jax.random.key(7)), mlp.init(jax.random.key(8))]
-    by_hand = [_first_epoch_by_hand(mlp, start, client, key) for start in starts]
+    by_hand = [_epochs_by_hand(mlp, start, client, key)[0] for start in starts]
     losses = [loss for _, loss in by_hand]
     assert abs(losses[0] - losses[1]) > 1e-3  # the choice is not a near tie
     snapshots = []
@@ -140,17 +148,46 @@ def test_hypcluster_snapshot_is_the_cluster_with_the_lower_first_epoch_loss(mlp,
     _allclose(snapshots[0], snapshots[1])
 
 
-def test_one_cluster_snapshot_is_fedavg_fts_model_after_one_epoch(mlp, images_small):
-    """With k = 1 the copy is the one cluster fine-tuned one epoch: FedAvgFT's personalized
-    model at E = 1 from the same params and key (momentum 0.9 as their code's)."""
-    one_epoch = dataclasses.replace(SGD, epochs=1)
+def test_hypcluster_fine_tuned_copy_is_the_cluster_with_the_lower_last_epoch_loss(
+        mlp, images_small):
+    """The authors' Acc_p model: every cluster trained E epochs on the same minibatches,
+    the one whose last epoch had the lower mean loss, after all E (recomputed step by
+    step). These two starts rank the other way after the first epoch, so the two copies
+    are different clusters: a choice by the wrong epoch's losses fails."""
+    sgd = dataclasses.replace(SGD, momentum=0.0)
+    client, key = _client(images_small), jax.random.key(2)
+    starts = [mlp.init(jax.random.key(8)),
+              jax.tree.map(lambda leaf: 0.3 * leaf, mlp.init(jax.random.key(21)))]
+    by_hand = [_epochs_by_hand(mlp, start, client, key, epochs=3) for start in starts]
+    first, last = ([run[epoch][1] for run in by_hand] for epoch in (0, -1))
+    assert np.argmin(first) != np.argmin(last)
+    assert min(abs(first[0] - first[1]), abs(last[0] - last[1])) > 0.1  # no near tie
+    for order in ((0, 1), (1, 0)):
+        build = lambda snapshot: hypcluster(
+            mlp, HypClusterConfig(sgd=sgd, client_snapshot=snapshot),
+            cluster_starts=[starts[i] for i in order])
+        on, off = build(True), build(None)
+        params = on.init(jax.random.key(0))
+        personal = jax.jit(on.personalize)(params, client, key)
+        _allclose(personal["snapshot"], by_hand[int(np.argmin(first))][0][0])
+        _allclose(personal["personal_snapshot"], by_hand[int(np.argmin(last))][-1][0])
+        _assert_scored(on, off, params, personal, client.x[0])
+
+
+def test_one_cluster_copies_are_fedavg_fts_models_after_one_and_all_epochs(mlp, images_small):
+    """With k = 1 the copies are the one cluster fine-tuned one epoch and E epochs:
+    FedAvgFT's personalized models at E = 1 and E = 3 from the same params and key
+    (momentum 0.9 as their code's)."""
     algorithm = hypcluster(mlp, HypClusterConfig(sgd=SGD, clusters=1, client_snapshot=True))
     params = algorithm.init(jax.random.key(0))
     client, key = _client(images_small), jax.random.key(2)
     personal = jax.jit(algorithm.personalize)(params, client, key)
-    fine_tuned = jax.jit(fedavg(mlp, FedAvgConfig(sgd=one_epoch, finetune=True)).personalize)(
-        params["cluster0"], client, key)
-    _allclose(personal["snapshot"], fine_tuned)
+    for name, epochs in (("snapshot", 1), ("personal_snapshot", SGD.epochs)):
+        sgd = dataclasses.replace(SGD, epochs=epochs)
+        fine_tuned = jax.jit(fedavg(mlp, FedAvgConfig(sgd=sgd, finetune=True)).personalize)(
+            params["cluster0"], client, key)
+        _allclose(personal[name], fine_tuned)
+    assert differs(personal["snapshot"], personal["personal_snapshot"])
     assert_trees_equal(personal["personal"], params["cluster0"])
 
 

@@ -149,10 +149,11 @@ def test_apfl_and_ditto_client_snapshot_is_fedavg_fts_fine_tuned_model(algorithm
                     "methods.hypcluster.warmup_rounds": 0})])
 def test_fedrep_lg_fedavg_and_hypcluster_client_snapshot_joins_the_results(algorithm, fields):
     """``methods.{fedrep,lg_fedavg,hypcluster}.client_snapshot``: the authors' Acc_g copy
-    (after one fine-tuning epoch) joins the results, training, Acc_g and Acc_p as without
-    it. With one epoch to fine-tune, FedRep's and LG-FedAvg's copy is the personalized
-    model; one-cluster HypCluster is FedAvg, and its copy FedAvgFT's one-epoch model.
-    (The copy after the first of several epochs: tests/test_client_snapshot.py.)"""
+    (after one fine-tuning epoch) joins the results, and HypCluster's their Acc_p model
+    too, training, Acc_g and Acc_p as without it. With one epoch to fine-tune, FedRep's and
+    LG-FedAvg's copy is the personalized model; one-cluster HypCluster is FedAvg, and both
+    its copies FedAvgFT's one-epoch model. (Copies after the first and the last of several
+    epochs: tests/test_client_snapshot.py.)"""
     from tests.helpers import small_synthetic_config
 
     def summary(name, **extra):
@@ -166,14 +167,19 @@ def test_fedrep_lg_fedavg_and_hypcluster_client_snapshot_joins_the_results(algor
     assert (on.acc_g, on.acc_p, on.clients_benefiting) == (
         off.acc_g, off.acc_p, off.clients_benefiting)
     assert 0 < on.acc_g_client_snapshot < 1
+    assert off.acc_p_client_snapshot is None
     if algorithm == "hypcluster":
+        # Their Acc_p model at E = 1 is the copy too: both FedAvgFT's fine-tuned model.
         fedavg_ft = summary("fedavg_ft")
         assert on.acc_g == fedavg_ft.acc_g  # the same server model
         assert on.acc_g_client_snapshot == fedavg_ft.acc_p != on.acc_p
         assert on.acc_g_client_snapshot_weighted == fedavg_ft.acc_p_weighted
-    else:
+        assert on.acc_p_client_snapshot == fedavg_ft.acc_p
+        assert on.acc_p_client_snapshot_weighted == fedavg_ft.acc_p_weighted
+    else:  # their Acc_p model is the method's own: not reported twice
         assert on.acc_g_client_snapshot == on.acc_p != on.acc_g
-        assert on.clients_benefiting_snapshot == 0.0
+        assert on.acc_p_client_snapshot is None
+    assert on.clients_benefiting_snapshot == 0.0  # their before and after models are one
 
 
 def test_flow_training_loss_falls_on_the_default_data(shared_run):

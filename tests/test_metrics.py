@@ -30,7 +30,8 @@ def _counts(groups: np.ndarray) -> ClientCounts:
         correct_personal_soft=groups[:, 0] + groups[:, 2], groups=groups,
         q0_sums=np.zeros((clients, 4, 0), np.float32),
         q0_histogram=np.zeros((clients, 4, 0, 20), np.float32),
-        correct_global_snapshot=zeros, snapshot_instances=zeros, loss_global=zeros,
+        correct_global_snapshot=zeros, snapshot_instances=zeros,
+        correct_personal_snapshot=zeros, personal_snapshot_instances=zeros, loss_global=zeros,
         loss_personal=zeros, nonfinite=zeros)
 
 
@@ -130,6 +131,27 @@ def test_clients_benefiting_over_the_snapshot_counts_strict_gains_over_it():
     s = summarize(counts)
     assert s.clients_benefiting_snapshot == pytest.approx(1 / 3, rel=1e-15)  # 6/10 > 5/10 only
     assert summarize(_counts(GROUP_COUNTS)).clients_benefiting_snapshot is None
+    assert s.acc_p_client_snapshot is None and s.acc_p_client_snapshot_weighted is None
+
+
+def test_the_authors_personalized_model_is_scored_and_counted_against_the_snapshot():
+    """HypCluster's client_snapshot: their fine-tuned model's accuracy beside Acc_p, and
+    their harmed flag compares it (not Acc_p) with the global copy."""
+    counts = _counts(GROUP_COUNTS)  # Acc_p per client: 6/10, 2/2, 1/4
+    counts = counts.replace(
+        correct_global_snapshot=np.array([5.0, 2.0, 2.0], np.float32),
+        snapshot_instances=counts.instances.astype(np.float32),
+        correct_personal_snapshot=np.array([4.0, 2.0, 3.0], np.float32),
+        personal_snapshot_instances=counts.instances.astype(np.float32))
+    s = summarize(counts)
+    assert s.acc_p_client_snapshot == pytest.approx((4 / 10 + 2 / 2 + 3 / 4) / 3, rel=1e-15)
+    assert s.acc_p_client_snapshot_weighted == pytest.approx(9 / 16, rel=1e-15)
+    # 4/10 < 5/10, 2/2 = 2/2, 3/4 > 2/4: one of three (Acc_p's count would be 1/3 too,
+    # from the first client instead: so the third client is what this checks).
+    assert s.clients_benefiting_snapshot == pytest.approx(1 / 3, rel=1e-15)
+    fewer = counts.replace(correct_personal_snapshot=np.array([4.0, 2.0, 2.0], np.float32))
+    assert summarize(fewer).clients_benefiting_snapshot == 0.0
+    assert summarize(fewer).acc_p == s.acc_p  # Acc_p itself is untouched
 
 
 def test_non_finite_predictions_count_as_wrong_and_are_reported():

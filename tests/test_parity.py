@@ -275,21 +275,25 @@ def test_flowjax_fine_tuning_evaluation_and_snapshot_match_the_authors_before_ne
                theirs["tolerance"])
 
 
-def test_flowjax_hypcluster_snapshot_matches_the_authors_before_net(tmp_path):
+def test_flowjax_hypcluster_copies_match_the_authors_before_and_final_nets(tmp_path):
     """``tests/fixtures/parity_hypcluster.json`` holds their HypCluster
     ``emnist_generalized_test`` (``client_hypcluster.py``) from flowjax's two clusters,
-    fed flowjax's epochs: ``before_net``'s logits (the cluster whose first epoch had the
-    lower loss, after it) and its accuracy. flowjax's copy must reach them; the other
-    cluster after one epoch must not (the check tells the choice apart)."""
+    fed flowjax's epochs: their final net's weights, ``before_net``'s logits (the cluster
+    whose first epoch had the lower loss, after it), the final net's (the one whose last
+    epoch had, after all E) and their figures. flowjax's ``client_snapshot`` must reach
+    them; for each model exactly one of flowjax's clusters after one epoch, and after E,
+    matches (the check tells the choices apart: here they are different clusters)."""
     ours, theirs = _fine_tuning_sides(tmp_path, "hypcluster")
-    _check(ours["eval_snapshot_logits"], theirs["eval_snapshot_logits"], "snapshot logits",
-           theirs["tolerance"])
-    assert ours["metrics"] == theirs["metrics"]
-    matching = []
-    for logits in ours["cluster_logits"]:
-        try:
-            _check(logits, theirs["eval_snapshot_logits"], "cluster", theirs["tolerance"])
-            matching.append(True)
-        except AssertionError:
-            matching.append(False)
-    assert sorted(matching) == [False, True]  # one cluster is their copy, the other is not
+    _assert_matches(ours, theirs, theirs["tolerance"])
+    matches = {}
+    for part, model in (("cluster", "snapshot"), ("final_cluster", "personal")):
+        matching = []
+        for logits in ours[f"{part}_logits"]:
+            try:
+                _check(logits, theirs[f"eval_{model}_logits"], part, theirs["tolerance"])
+                matching.append(True)
+            except AssertionError:
+                matching.append(False)
+        assert sorted(matching) == [False, True]  # one cluster is theirs, the other not
+        matches[part] = matching.index(True)
+    assert matches["cluster"] != matches["final_cluster"]

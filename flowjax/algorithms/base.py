@@ -261,12 +261,15 @@ def no_routing(logits: jax.Array) -> jax.Array:
 
 
 def unrouted_predictions(global_logits: jax.Array, personal_logits: jax.Array,
-                         snapshot_logits: jax.Array | None = None) -> Predictions:
+                         snapshot_logits: jax.Array | None = None,
+                         personal_snapshot_logits: jax.Array | None = None) -> Predictions:
     """``Predictions`` of a method without routing: its personalized model's logits are
-    both the hard- and the soft-routed ones; ``snapshot_logits``, where given, those of
-    the client-side copy of the global model (a method's ``client_snapshot``)."""
+    both the hard- and the soft-routed ones; ``snapshot_logits`` and
+    ``personal_snapshot_logits``, where given, those of the client-side copy of the global
+    model and of the authors' personalized model (a method's ``client_snapshot``)."""
     return Predictions(global_logits, personal_logits, personal_logits, no_routing(global_logits),
-                       global_snapshot=snapshot_logits)
+                       global_snapshot=snapshot_logits,
+                       personal_snapshot=personal_snapshot_logits)
 
 
 def unrouted_predict(global_logits: Callable[[Params, jax.Array], jax.Array],
@@ -279,16 +282,20 @@ def unrouted_predict(global_logits: Callable[[Params, jax.Array], jax.Array],
     With ``client_snapshot`` (a method's option of that name) ``personal`` holds the
     personalized part under ``"personal"`` and the client-side copy of the global model,
     in the same form and scored by the same ``personal_logits``, under ``"snapshot"``
-    (``Predictions.global_snapshot``).
+    (``Predictions.global_snapshot``), and, where the authors' evaluation scores another
+    personalized model than the method's, that one under ``"personal_snapshot"``
+    (``Predictions.personal_snapshot``).
     """
 
     def predict(params: Params, personal: Params, x: jax.Array) -> Predictions:
         if not client_snapshot:
             return unrouted_predictions(global_logits(params, x),
                                         personal_logits(params, personal, x))
-        return unrouted_predictions(global_logits(params, x),
-                                    personal_logits(params, personal["personal"], x),
-                                    personal_logits(params, personal["snapshot"], x))
+        theirs = personal.get("personal_snapshot")
+        return unrouted_predictions(
+            global_logits(params, x), personal_logits(params, personal["personal"], x),
+            personal_logits(params, personal["snapshot"], x),
+            None if theirs is None else personal_logits(params, theirs, x))
 
     return predict
 

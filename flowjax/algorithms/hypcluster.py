@@ -48,17 +48,21 @@ Choices where the paper is silent:
   cluster i (collapse shows as a share of 1), and ``updates_to_cluster{i}``, how many of
   the round's clients with examples trained it (a skipped client counts in neither).
 
-``client_snapshot=True`` also scores the copy the Flow authors' evaluation reports as
-HypCluster's Acc_g (``client_hypcluster.py``, ``*_generalized_test``: ``before_net``).
-Their evaluation fine-tunes every cluster model for E epochs on the client's train split
-(the same minibatches for each) and, after the first epoch, copies the one whose loss
-summed over that epoch's steps is lower. Here: every cluster model trained one epoch
-(SGD as in training, the evaluation's key for each), and the one with the lowest mean
-loss over that epoch's steps (ties: the lowest index; theirs, between two, the second;
-their sum of minibatch means weighs a short last minibatch fully), as
-``acc_g_client_snapshot`` beside ``acc_g``. Training, Acc_g and Acc_p are unchanged: their
-Acc_p is also a fine-tuned model (the cluster with the lower loss over the last of the E
-epochs, after them), the paper's HypCluster Acc_p (this one) is not.
+``client_snapshot=True`` also scores the two models the Flow authors' evaluation reports
+as HypCluster's Acc_g and Acc_p (``client_hypcluster.py``, ``*_generalized_test``:
+``before_net`` and ``net``). Their evaluation fine-tunes every cluster model for E epochs
+on the client's train split (the same minibatches for each, SGD momentum 0.9 in all
+their HypCluster code); after the first epoch it copies the cluster whose loss summed over
+that epoch's steps is lower (Acc_g), after the last the one whose last epoch's was (Acc_p).
+Here: every cluster model trained E epochs in one run (SGD as in training, the
+evaluation's key for each, so the same batches), and of the clusters the one with the
+lowest mean loss over the first epoch's steps, after it, as ``acc_g_client_snapshot``
+beside ``acc_g``, and the one with the lowest over the last epoch's steps, after all E, as
+``acc_p_client_snapshot`` beside ``acc_p`` (ties: the lowest index; theirs, between two,
+the second; their sum of minibatch means weighs a short last minibatch fully). The
+authors' harmed flag compares those two, so ``clients_benefiting_snapshot`` does too.
+Training, Acc_g and Acc_p are unchanged: the paper's HypCluster Acc_p (this module's) is
+the chosen cluster, not fine-tuned.
 """
 
 from __future__ import annotations
@@ -71,10 +75,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, SGDConfig,
-                                     plain_loss_sums, train_plain, unrouted_predict,
-                                     valid_examples)
+                                     part_sgd_step, plain_loss_sums, train_plain,
+                                     unrouted_predict, valid_examples)
 from flowjax.core.checks import check_fields, integer, non_negative, one_of
 from flowjax.core.cohort import ClientExamples
+from flowjax.core.local_training import run_epochs
 from flowjax.core.mapping import ClientMapping, map_clients
 from flowjax.core.losses import mean_from_sums
 from flowjax.core.tree import select_tree
@@ -242,15 +247,32 @@ def hypcluster(model: RoutableModel, config: HypClusterConfig,
         return lowest([mean_train_loss(model, params[name], examples) for name in names],
                       [params[name] for name in names])
 
-    def first_epoch_snapshot(params, examples: ClientExamples, key) -> Params:
-        """The authors' Acc_g copy: of every cluster after one epoch on the client's
-        train split, the one whose steps had the lowest mean loss (module docstring)."""
-        runs = [train_plain(model, params[name], optimizer, examples,
-                            valid_examples(examples), epochs=1,
-                            batch_size=config.sgd.batch_size, key=key, **config.sgd.loop)
-                for name in names]
-        return lowest([mean_from_sums(*sums) for _, sums in runs],
-                      [trained for trained, _ in runs])[1]
+    def authors_evaluation(params, examples: ClientExamples, key) -> tuple[Params, Params]:
+        """The authors' evaluation copies (module docstring): every cluster fine-tuned E
+        epochs on the same minibatches; ``(after the first epoch, the cluster whose first
+        epoch had the lowest mean loss; after all E, the one whose last epoch had)``."""
+        x, y, _ = examples.flat()
+        member = valid_examples(examples)
+        step = part_sgd_step(model, {}, optimizer)  # nothing frozen: the whole model
+        epochs = config.sgd.epochs
+
+        def run(carry, first_epoch, num_epochs):
+            return run_epochs(step, carry, x, y, member, num_epochs=num_epochs,
+                              batch_size=config.sgd.batch_size, key=key,
+                              first_epoch=first_epoch, **config.sgd.loop)
+
+        after_first, first_losses, after_all, last_losses = [], [], [], []
+        for name in names:  # one run per cluster, split where the copies are taken
+            carry, sums = run((params[name], optimizer.init(params[name])), 0, 1)
+            after_first.append(carry[0])
+            first_losses.append(mean_from_sums(*sums))
+            if epochs > 2:
+                carry, _ = run(carry, 1, epochs - 2)
+            if epochs > 1:
+                carry, sums = run(carry, epochs - 1, 1)
+            after_all.append(carry[0])
+            last_losses.append(mean_from_sums(*sums))
+        return lowest(first_losses, after_first)[1], lowest(last_losses, after_all)[1]
 
     def client_update(params, examples: ClientExamples, key, client_state=None) -> ClientResult:
         del client_state  # stateless
@@ -276,8 +298,9 @@ def hypcluster(model: RoutableModel, config: HypClusterConfig,
         del client_state  # stateless; the choice is deterministic, the snapshot's run is not
         if not config.client_snapshot:
             return choose(params, examples)[1]
-        return {"personal": choose(params, examples)[1],
-                "snapshot": first_epoch_snapshot(params, examples, key)}
+        snapshot, fine_tuned = authors_evaluation(params, examples, key)
+        return {"personal": choose(params, examples)[1], "snapshot": snapshot,
+                "personal_snapshot": fine_tuned}
 
     def ensemble_logits(params, x):
         if len(names) == 1:

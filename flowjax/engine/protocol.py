@@ -57,6 +57,10 @@ class Predictions:
         local training; FedRep's, LG-FedAvg's and HypCluster's: after one epoch of their
         evaluation's fine-tuning); None elsewhere. Reported beside, never instead of,
         the server model's ``global_logits``.
+      personal_snapshot: logits of the personalized model a method's evaluation of the
+        authors defines where it is not ``personal_hard`` (HypCluster's
+        ``client_snapshot``: the cluster fine-tuned E epochs); None elsewhere. Reported
+        beside, never instead of, ``personal_hard``.
     """
 
     global_logits: jax.Array
@@ -64,6 +68,7 @@ class Predictions:
     personal_soft: jax.Array
     q0: jax.Array
     global_snapshot: jax.Array | None = None
+    personal_snapshot: jax.Array | None = None
 
 
 def same_for_every_batch(personal: PyTree, index: jax.Array) -> PyTree:

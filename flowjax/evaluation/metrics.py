@@ -52,6 +52,8 @@ class ClientCounts:
       correct_global_snapshot, snapshot_instances: correct and counted instances of the
         method's client-side global snapshot (``Predictions.global_snapshot``); both 0
         for methods without one.
+      correct_personal_snapshot, personal_snapshot_instances: the same of the method's
+        personalized model of the authors' evaluation (``Predictions.personal_snapshot``).
       loss_global, loss_personal: summed cross-entropy of the global and the (hard-routed)
         personalized model; they pick the client of the paper's single-client routing
         figure (``routing_client``). Both 0 for methods without routing.
@@ -69,6 +71,8 @@ class ClientCounts:
     q0_histogram: jax.Array
     correct_global_snapshot: jax.Array
     snapshot_instances: jax.Array
+    correct_personal_snapshot: jax.Array
+    personal_snapshot_instances: jax.Array
     loss_global: jax.Array
     loss_personal: jax.Array
     nonfinite: jax.Array
@@ -85,8 +89,9 @@ def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: j
     soft_ok = correct(predictions.personal_soft, y)
     finite = (finite_rows(predictions.global_logits) & finite_rows(predictions.personal_hard)
               & finite_rows(predictions.personal_soft))
-    if predictions.global_snapshot is not None:  # scored too, so counted too
-        finite &= finite_rows(predictions.global_snapshot)
+    for snapshot in (predictions.global_snapshot, predictions.personal_snapshot):
+        if snapshot is not None:  # scored too, so counted too
+            finite &= finite_rows(snapshot)
     group_masks = jnp.stack([global_ok & personal_ok, global_ok & ~personal_ok,
                              ~global_ok & personal_ok, ~global_ok & ~personal_ok])
     group_weights = group_masks.astype(jnp.float32) * weights  # [4, *instance]
@@ -100,11 +105,14 @@ def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: j
         loss_personal = weighted_cross_entropy(predictions.personal_hard, y, weights)[0]
     else:
         loss_global = loss_personal = jnp.zeros((), jnp.float32)
-    if predictions.global_snapshot is None:
-        snapshot_correct = snapshot_instances = jnp.zeros((), jnp.float32)
-    else:
-        snapshot_correct = jnp.sum(correct(predictions.global_snapshot, y) * weights)
-        snapshot_instances = jnp.sum(weights)
+    def snapshot_counts(logits: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        if logits is None:
+            return jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+        return jnp.sum(correct(logits, y) * weights), jnp.sum(weights)
+
+    snapshot_correct, snapshot_instances = snapshot_counts(predictions.global_snapshot)
+    personal_snapshot_correct, personal_snapshot_instances = snapshot_counts(
+        predictions.personal_snapshot)
     return ClientCounts(
         instances=jnp.sum(weights),
         correct_global=jnp.sum(global_ok * weights),
@@ -113,6 +121,8 @@ def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: j
         groups=jnp.sum(group_weights.reshape(4, -1), axis=1),
         q0_sums=q0_sums, q0_histogram=q0_histogram,
         correct_global_snapshot=snapshot_correct, snapshot_instances=snapshot_instances,
+        correct_personal_snapshot=personal_snapshot_correct,
+        personal_snapshot_instances=personal_snapshot_instances,
         loss_global=loss_global, loss_personal=loss_personal,
         nonfinite=jnp.sum(~finite * weights))
 
@@ -171,9 +181,15 @@ class EvalSummary:
     # scores (their "before_accuracy"), beside Acc_g.
     acc_g_client_snapshot: float | None = None
     acc_g_client_snapshot_weighted: float | None = None
-    # Share of clients whose Acc_p beats that snapshot strictly (the authors' count:
-    # ``harmed = before_accuracy >= after_accuracy``), beside ``clients_benefiting``.
+    # Share of clients whose Acc_p (acc_p_client_snapshot where there is one) beats that
+    # snapshot strictly (the authors' count: ``harmed = before_accuracy >=
+    # after_accuracy``), beside ``clients_benefiting``.
     clients_benefiting_snapshot: float | None = None
+    # HypCluster's client_snapshot only: the accuracy of the personalized model the
+    # authors' evaluation scores where it is not the method's own (their "after_accuracy":
+    # the cluster fine-tuned E epochs), beside Acc_p.
+    acc_p_client_snapshot: float | None = None
+    acc_p_client_snapshot_weighted: float | None = None
     # The breakdown as a mean over clients of each client's group fractions (pairs with
     # acc_g / acc_p; ``breakdown`` pools instances and pairs with acc_*_weighted). Empty
     # in summaries saved before it existed.
@@ -272,13 +288,20 @@ def summarize(counts: ClientCounts, client_ids: Sequence[str] | None = None) -> 
     difference = acc["personal"] - acc["global"]
     diverged = np.flatnonzero(keep & (counts.nonfinite > 0))
     snapshot = {}
+    if np.sum(counts.personal_snapshot_instances[keep]) > 0:
+        acc["personal_snapshot"] = counts.correct_personal_snapshot[keep] / n
+        snapshot.update(
+            acc_p_client_snapshot=float(np.mean(acc["personal_snapshot"])),
+            acc_p_client_snapshot_weighted=float(
+                np.sum(counts.correct_personal_snapshot[keep], dtype=np.float64) / total))
     if np.sum(counts.snapshot_instances[keep]) > 0:
         snapshot_acc = counts.correct_global_snapshot[keep] / n
-        snapshot = dict(
+        their_personal = acc.get("personal_snapshot", acc["personal"])
+        snapshot.update(
             acc_g_client_snapshot=float(np.mean(snapshot_acc)),
             acc_g_client_snapshot_weighted=float(
                 np.sum(counts.correct_global_snapshot[keep], dtype=np.float64) / total),
-            clients_benefiting_snapshot=float(np.mean(acc["personal"] > snapshot_acc)))
+            clients_benefiting_snapshot=float(np.mean(their_personal > snapshot_acc)))
     return EvalSummary(
         num_clients=int(np.sum(keep)),
         acc_g=float(np.mean(acc["global"])),
