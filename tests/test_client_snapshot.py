@@ -123,28 +123,37 @@ def _epochs_by_hand(model, params, client, key, epochs=1):
     return after
 
 
+def _hypcluster_in_both_orders(model, starts, client, key):
+    """HypCluster with ``client_snapshot`` (plain SGD, lr 0.05, as ``_epochs_by_hand``)
+    from the two cluster ``starts`` in each order: yields the client's personalized
+    models, checked first: the option-off personalized model (the pre-training choice,
+    not trained) and every model scored by ``predict``."""
+    sgd = dataclasses.replace(SGD, momentum=0.0)
+    for order in ((0, 1), (1, 0)):
+        build = lambda snapshot: hypcluster(
+            model, HypClusterConfig(sgd=sgd, client_snapshot=snapshot),
+            cluster_starts=[starts[i] for i in order])
+        on, off = build(True), build(None)
+        params = on.init(jax.random.key(0))
+        personal = jax.jit(on.personalize)(params, client, key)
+        assert_trees_equal(personal["personal"], jax.jit(off.personalize)(params, client, key))
+        _assert_scored(on, off, params, personal, client.x[0])
+        yield personal
+
+
 def test_hypcluster_snapshot_is_the_cluster_with_the_lower_first_epoch_loss(mlp, images_small):
     """Every cluster trained one epoch on the same minibatches; the copy is the one whose
     steps had the lower mean loss (recomputed here step by step), whichever index it has.
     The personalized model is the option-off one (the pre-training choice, not trained)."""
-    sgd = dataclasses.replace(SGD, momentum=0.0)
     client, key = _client(images_small), jax.random.key(2)
     starts = [mlp.init(jax.random.key(7)), mlp.init(jax.random.key(8))]
     by_hand = [_epochs_by_hand(mlp, start, client, key)[0] for start in starts]
     losses = [loss for _, loss in by_hand]
     assert abs(losses[0] - losses[1]) > 1e-3  # the choice is not a near tie
     snapshots = []
-    for order in ((0, 1), (1, 0)):
-        build = lambda snapshot: hypcluster(
-            mlp, HypClusterConfig(sgd=sgd, client_snapshot=snapshot),
-            cluster_starts=[starts[i] for i in order])
-        on, off = build(True), build(None)
-        params = on.init(jax.random.key(0))
-        personal = jax.jit(on.personalize)(params, client, key)
-        assert_trees_equal(personal["personal"], jax.jit(off.personalize)(params, client, key))
+    for personal in _hypcluster_in_both_orders(mlp, starts, client, key):
         _allclose(personal["snapshot"], by_hand[int(np.argmin(losses))][0])
         snapshots.append(personal["snapshot"])
-        _assert_scored(on, off, params, personal, client.x[0])
     _allclose(snapshots[0], snapshots[1])
 
 
@@ -154,7 +163,6 @@ def test_hypcluster_fine_tuned_copy_is_the_cluster_with_the_lower_last_epoch_los
     the one whose last epoch had the lower mean loss, after all E (recomputed step by
     step). These two starts rank the other way after the first epoch, so the two copies
     are different clusters: a choice by the wrong epoch's losses fails."""
-    sgd = dataclasses.replace(SGD, momentum=0.0)
     client, key = _client(images_small), jax.random.key(2)
     starts = [mlp.init(jax.random.key(8)),
               jax.tree.map(lambda leaf: 0.3 * leaf, mlp.init(jax.random.key(21)))]
@@ -162,16 +170,9 @@ def test_hypcluster_fine_tuned_copy_is_the_cluster_with_the_lower_last_epoch_los
     first, last = ([run[epoch][1] for run in by_hand] for epoch in (0, -1))
     assert np.argmin(first) != np.argmin(last)
     assert min(abs(first[0] - first[1]), abs(last[0] - last[1])) > 0.1  # no near tie
-    for order in ((0, 1), (1, 0)):
-        build = lambda snapshot: hypcluster(
-            mlp, HypClusterConfig(sgd=sgd, client_snapshot=snapshot),
-            cluster_starts=[starts[i] for i in order])
-        on, off = build(True), build(None)
-        params = on.init(jax.random.key(0))
-        personal = jax.jit(on.personalize)(params, client, key)
+    for personal in _hypcluster_in_both_orders(mlp, starts, client, key):
         _allclose(personal["snapshot"], by_hand[int(np.argmin(first))][0][0])
         _allclose(personal["personal_snapshot"], by_hand[int(np.argmin(last))][-1][0])
-        _assert_scored(on, off, params, personal, client.x[0])
 
 
 def test_one_cluster_copies_are_fedavg_fts_models_after_one_and_all_epochs(mlp, images_small):
