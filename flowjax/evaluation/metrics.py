@@ -105,6 +105,7 @@ def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: j
         loss_personal = weighted_cross_entropy(predictions.personal_hard, y, weights)[0]
     else:
         loss_global = loss_personal = jnp.zeros((), jnp.float32)
+
     def snapshot_counts(logits: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         if logits is None:
             return jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
