@@ -61,7 +61,9 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
         # client_snapshot (APFL, Ditto as FedAvgFT's): True also scores the global model
         # after E epochs of local training, the authors' Acc_g of these methods (FedRep,
         # LG-FedAvg, HypCluster: their copies after one fine-tuning epoch; each module).
-        apfl=dict(alpha=0.25, client_snapshot=config_dict.placeholder(bool)),
+        # APFL's snapshot_momentum: that copy's own SGD momentum (None: sgd.momentum).
+        apfl=dict(alpha=0.25, client_snapshot=config_dict.placeholder(bool),
+                  snapshot_momentum=config_dict.placeholder(float)),
         # step: None (or "gradient"), the paper's gradient step on the penalized objective;
         # "proximal", its exact proximal form, stable for any lr * lam (algorithms/ditto.py).
         ditto=dict(lam=0.1, step=config_dict.placeholder(str),

@@ -278,6 +278,9 @@ CASES: tuple[Case, ...] = (
             "in [1, "),
     _config("methods.apfl.alpha", 1.5, "config.methods.apfl.alpha=1.5: expected a number "
             "in [0, 1]"),
+    _config("methods.apfl.snapshot_momentum", 0.9, "config.methods.apfl.snapshot_momentum="
+            "0.9: expected None: it sets the momentum of the client snapshot, and "
+            "client_snapshot is off"),
     _config("methods.ditto.lam", -0.1, "config.methods.ditto.lam=-0.1: expected a finite "
             "number >= 0"),
     _config("methods.ditto.lam", 40.0, "config.methods.ditto.lam=40.0: expected lam < 2 / "
@@ -361,7 +364,8 @@ COMMAND_CASES: tuple[CommandCase, ...] = (
                 "config's fields ['algorithm', "),
     CommandCase("`--config.methods.apfl.beta=1`", _TRAIN + ("--config.methods.apfl.beta=1",),
                 "error: unknown config field 'methods.apfl.beta' (--config.methods.apfl.beta=1); "
-                "expected one of config.methods.apfl's fields ['alpha', 'client_snapshot', 'sgd']"),
+                "expected one of config.methods.apfl's fields ['alpha', 'client_snapshot', 'sgd', "
+                "'snapshot_momentum']"),
     CommandCase("`--config=configs/shakespeare.py:quikc`",
                 ("launch/train.py", "--config=configs/shakespeare.py:quikc"),
                 "error: --config=configs/shakespeare.py:quikc: unknown shakespeare config "

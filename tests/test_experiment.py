@@ -142,6 +142,23 @@ def test_apfl_and_ditto_client_snapshot_is_fedavg_fts_fine_tuned_model(algorithm
     assert on.acc_g_client_snapshot_weighted == fedavg_ft.acc_p_weighted
 
 
+def test_apfl_snapshot_momentum_changes_only_the_copy():
+    """``methods.apfl.snapshot_momentum`` (their Stack Overflow evaluation's momentum 0.9
+    over plain training): training, Acc_g and Acc_p as without it, the copy trained
+    with the momentum (so scored otherwise than the plain copy)."""
+    from tests.helpers import small_synthetic_config
+
+    def summary(**fields):
+        config = small_synthetic_config(algorithm="apfl", num_rounds=2, **{
+            "sgd.epochs": 2, "methods.apfl.client_snapshot": True, **fields})
+        return run(config)[1].summaries["train_clients"]
+
+    plain, momentum = summary(), summary(**{"methods.apfl.snapshot_momentum": 0.9})
+    assert (momentum.acc_g, momentum.acc_p, momentum.clients_benefiting) == (
+        plain.acc_g, plain.acc_p, plain.clients_benefiting)
+    assert momentum.acc_g_client_snapshot != plain.acc_g_client_snapshot
+
+
 @pytest.mark.parametrize("algorithm, fields", [
     ("fedrep", {"sgd.epochs": 2}),  # 1 head epoch: the copy is the personalized head
     ("lg_fedavg", {"sgd.epochs": 1}),

@@ -121,6 +121,39 @@ def test_apfl_and_ditto_client_snapshot_is_fedavg_fts_fine_tuned_model(mlp, imag
                                   forward(mlp, personal["snapshot"], x))
 
 
+@pytest.mark.parametrize("visited", [False, True])
+def test_apfl_snapshot_momentum_trains_only_the_copy_with_it(mlp, images_small, visited):
+    """Their Stack Overflow APFL evaluation trains ``net`` with momentum 0.9 where their
+    training uses none: ``snapshot_momentum=0.9`` gives the copy FedAvgFT's fine-tuned
+    model at momentum 0.9 (same key), and leaves the personalized model the momentum-free
+    one; at the training's own momentum it is the option without it, bit for bit."""
+    from flowjax.algorithms.apfl import APFLConfig, apfl
+
+    sgd = SGDConfig(learning_rate=0.05, epochs=2, batch_size=4)
+    build = lambda **fields: apfl(mlp, APFLConfig(sgd=sgd, alpha=0.25, **fields))
+    params = mlp.init(jax.random.key(0))
+    state = {"v": mlp.init(jax.random.key(5)), "visited": jnp.asarray(visited)}
+    client, key = _client_of_size(images_small, 12), jax.random.key(2)
+    personalize = lambda algorithm: jax.jit(algorithm.personalize)(params, client, key, state)
+    personal = personalize(build(client_snapshot=True, snapshot_momentum=0.9))
+    fine_tune = lambda momentum: jax.jit(fedavg(mlp, FedAvgConfig(
+        sgd=dataclasses.replace(sgd, momentum=momentum), finetune=True)).personalize)(
+        params, client, key)
+    for got, want in ((personal["snapshot"], fine_tune(0.9)),
+                      (personal["personal"], personalize(build()))):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)  # two programs: rounding
+    assert differs(personal["snapshot"], fine_tune(0.0))  # the momentum reached the copy
+    assert_trees_equal(personalize(build(client_snapshot=True, snapshot_momentum=0.0)),
+                       personalize(build(client_snapshot=True)))
+    with pytest.raises(ValueError, match=r"^snapshot_momentum=0.9: expected None: it sets "
+                                         r"the momentum of the client snapshot"):
+        build(snapshot_momentum=0.9)
+    with pytest.raises(ValueError, match=r"^snapshot_momentum=1.5: expected None or a "
+                                         r"number in \[0, 1\)"):
+        build(client_snapshot=True, snapshot_momentum=1.5)
+
+
 def test_only_fedavg_ft_takes_a_client_snapshot():
     sgd = SGDConfig(learning_rate=0.05, epochs=1, batch_size=4)
     with pytest.raises(ValueError, match=r"^client_snapshot=True: expected None or False: only "

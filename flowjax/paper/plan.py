@@ -52,9 +52,8 @@ REFERENCE_VARIANTS = {
 # the client's copy that their ``*_generalized_test`` reports as a baseline's Acc_g, beside
 # Eq. 11's server model, with the client optimizer of their EMNIST code for that method
 # (FedAvgFT, Ditto, FedRep, LG-FedAvg, HypCluster: SGD momentum 0.9, as flow_reference
-# beside them; APFL: plain SGD, as their Shakespeare APFL too, where their CIFAR APFL and
-# their Stack Overflow APFL's evaluation use momentum 0.9). The `client_snapshot` table
-# runs them.
+# beside them; APFL: plain SGD, as their Shakespeare APFL too; their CIFAR and Stack
+# Overflow APFL: ``THEIR_MODEL_FIELDS``). The `client_snapshot` table runs them.
 EVALUATION_VARIANTS = {
     f"{method}_snapshot": {"algorithm": method, f"methods.{method}.client_snapshot": True,
                            **({} if method == "apfl"
@@ -65,8 +64,19 @@ EVALUATION_VARIANTS = {
 # EMNIST CNN and of the Stack Overflow LSTM; `client_fedrep.py`, `client_lgfedavg.py`);
 # on Shakespeare and CIFAR theirs is the last layer (``fc``), as the model's head here.
 THEIR_TOP_LAYERS = {"emnist_cnn": ("fc1", "fc2"), "stackoverflow_lstm": ("dense1", "dense2")}
-_TOP_LAYERS_FIELD = {"fedrep_snapshot": "methods.fedrep.head_layers",
-                     "lg_fedavg_snapshot": "methods.lg_fedavg.global_layers"}
+# Per row of the authors' evaluation and per model, their code's settings where they are
+# not the row's: FedRep's and LG-FedAvg's top layers (above), and APFL's momentum 0.9 in
+# their CIFAR code (training w and v and evaluating net: `client_apfl.py`,
+# `cifar10_train`, `cifar100_train`, both `*_generalized_test`) and in their Stack
+# Overflow evaluation only (`stackoverflow_nwp_generalized_test`; its training is plain).
+THEIR_MODEL_FIELDS = {
+    "fedrep_snapshot": {model: {"methods.fedrep.head_layers": layers}
+                        for model, layers in THEIR_TOP_LAYERS.items()},
+    "lg_fedavg_snapshot": {model: {"methods.lg_fedavg.global_layers": layers}
+                           for model, layers in THEIR_TOP_LAYERS.items()},
+    "apfl_snapshot": {"resnet18_gn": {"methods.apfl.sgd.momentum": 0.9},
+                      "stackoverflow_lstm": {"methods.apfl.snapshot_momentum": 0.9}},
+}
 
 
 def variant_overrides(name: str, model: str | None = None) -> dict[str, Any]:
@@ -76,8 +86,9 @@ def variant_overrides(name: str, model: str | None = None) -> dict[str, Any]:
     A single departure of the authors' code (``flow_ref_*``) takes the value of their
     EMNIST code; given the config's ``model``, it is refused on the LSTMs and the CIFAR
     ResNet, whose reference is their network and runs only whole
-    (``flow_reference_networks``). Given it, FedRep's and LG-FedAvg's rows of the
-    authors' evaluation take their top layers (``THEIR_TOP_LAYERS``), over any
+    (``flow_reference_networks``). Given it, the rows of the authors' evaluation take
+    their code's settings for that model (``THEIR_MODEL_FIELDS``: FedRep's and
+    LG-FedAvg's top layers, APFL's CIFAR and Stack Overflow momentum), over any
     ``--override`` of those fields (a cell's variant fields come last, as its momentum).
 
     Raises:
@@ -91,10 +102,8 @@ def variant_overrides(name: str, model: str | None = None) -> dict[str, Any]:
             check_departures_fit(name, model)
         return {"algorithm": "flow", **REFERENCE_VARIANTS[name]}
     if name in EVALUATION_VARIANTS:
-        overrides = dict(EVALUATION_VARIANTS[name])
-        if name in _TOP_LAYERS_FIELD and model in THEIR_TOP_LAYERS:
-            overrides[_TOP_LAYERS_FIELD[name]] = THEIR_TOP_LAYERS[model]
-        return overrides
+        return {**EVALUATION_VARIANTS[name],
+                **THEIR_MODEL_FIELDS.get(name, {}).get(model, {})}
     if name in ALGORITHMS:
         return {"algorithm": name}
     known = sorted({*ALGORITHMS, *ABLATIONS, *REFERENCE_VARIANTS, *EVALUATION_VARIANTS})
@@ -369,7 +378,8 @@ TABLES: dict[str, TableSpec] = {spec.name: spec for spec in (
         _rows("fedavg_ft_snapshot", "apfl_snapshot", "ditto_snapshot", "fedrep_snapshot",
               "lg_fedavg_snapshot", "hypcluster_snapshot", "flow_reference",
               labels={"fedavg_ft_snapshot": "FedAvgFT, SGD momentum 0.9",
-                      "apfl_snapshot": "APFL, plain SGD (their EMNIST code's)",
+                      "apfl_snapshot": "APFL, their SGD (plain; momentum 0.9 on CIFAR, and "
+                                       "in their Stack Overflow evaluation)",
                       "ditto_snapshot": "Ditto, SGD momentum 0.9",
                       "fedrep_snapshot": "FedRep, SGD momentum 0.9, their head",
                       "lg_fedavg_snapshot": "LG-FedAvg, SGD momentum 0.9, their global "
