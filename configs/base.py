@@ -60,7 +60,8 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
             fuse_branches=config_dict.placeholder(bool)),
         # client_snapshot (APFL, Ditto as FedAvgFT's): True also scores the global model
         # after E epochs of local training, the authors' Acc_g of these methods (FedRep,
-        # LG-FedAvg, HypCluster: their copies after one fine-tuning epoch; each module).
+        # LG-FedAvg, HypCluster: their copies after one fine-tuning epoch, and HypCluster's
+        # Acc_p model fine-tuned E epochs, acc_p_client_snapshot; each module).
         # APFL's snapshot_momentum: that copy's own SGD momentum (None: sgd.momentum).
         apfl=dict(alpha=0.25, client_snapshot=config_dict.placeholder(bool),
                   snapshot_momentum=config_dict.placeholder(float)),

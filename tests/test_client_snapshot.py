@@ -175,21 +175,37 @@ def test_hypcluster_fine_tuned_copy_is_the_cluster_with_the_lower_last_epoch_los
         _allclose(personal["personal_snapshot"], by_hand[int(np.argmin(last))][-1][0])
 
 
-def test_one_cluster_copies_are_fedavg_fts_models_after_one_and_all_epochs(mlp, images_small):
+@pytest.mark.parametrize("epochs", [1, 2, 3])
+def test_one_cluster_copies_are_fedavg_fts_models_after_one_and_all_epochs(mlp, images_small,
+                                                                           epochs):
     """With k = 1 the copies are the one cluster fine-tuned one epoch and E epochs:
-    FedAvgFT's personalized models at E = 1 and E = 3 from the same params and key
-    (momentum 0.9 as their code's)."""
-    algorithm = hypcluster(mlp, HypClusterConfig(sgd=SGD, clusters=1, client_snapshot=True))
+    FedAvgFT's personalized models at E = 1 and E from the same params and key (momentum
+    0.9 as their code's); at E = 1 one model (E = 2, 3: the run without, with middle
+    epochs)."""
+    sgd = dataclasses.replace(SGD, epochs=epochs)
+    algorithm = hypcluster(mlp, HypClusterConfig(sgd=sgd, clusters=1, client_snapshot=True))
     params = algorithm.init(jax.random.key(0))
     client, key = _client(images_small), jax.random.key(2)
     personal = jax.jit(algorithm.personalize)(params, client, key)
-    for name, epochs in (("snapshot", 1), ("personal_snapshot", SGD.epochs)):
-        sgd = dataclasses.replace(SGD, epochs=epochs)
-        fine_tuned = jax.jit(fedavg(mlp, FedAvgConfig(sgd=sgd, finetune=True)).personalize)(
-            params["cluster0"], client, key)
-        _allclose(personal[name], fine_tuned)
-    assert differs(personal["snapshot"], personal["personal_snapshot"])
+    for name, run_epochs in (("snapshot", 1), ("personal_snapshot", epochs)):
+        fine_tune = fedavg(mlp, FedAvgConfig(sgd=dataclasses.replace(sgd, epochs=run_epochs),
+                                             finetune=True))
+        _allclose(personal[name], jax.jit(fine_tune.personalize)(params["cluster0"], client,
+                                                                 key))
+    assert differs(personal["snapshot"], personal["personal_snapshot"]) == (epochs > 1)
     assert_trees_equal(personal["personal"], params["cluster0"])
+
+
+def test_a_diverged_cluster_is_copied_only_when_every_cluster_diverged(mlp, images_small):
+    """A cluster whose fine-tuning loss is not finite is never the copy beside a finite
+    one, in either order (``argmin`` alone would pick a NaN)."""
+    client, key = _client(images_small), jax.random.key(2)
+    finite = mlp.init(jax.random.key(8))
+    diverged = jax.tree.map(lambda leaf: jnp.full_like(leaf, jnp.nan), finite)
+    for personal in _hypcluster_in_both_orders(mlp, [diverged, finite], client, key):
+        for name in ("snapshot", "personal_snapshot"):
+            assert all(bool(jnp.all(jnp.isfinite(leaf)))
+                       for leaf in jax.tree.leaves(personal[name])), name
 
 
 @pytest.mark.parametrize("method", [

@@ -46,8 +46,11 @@ BATCH = 4
 CLIENTS = (0, 1, 2)  # three train clients of different sizes
 EXTRA_PADDING = 2 * BATCH  # padded examples appended for (b): two padded steps
 # Variants with code paths the registry's defaults do not reach: Flow with every
-# departure of the authors' code that a plain MLP allows (flow_reference.py).
-VARIANTS = {"flow-reference": "flow"}
+# departure of the authors' code that a plain MLP allows (flow_reference.py), and the
+# evaluations of the authors that train further models per client (HypCluster's two
+# copies of E epochs each; APFL's copy in a run of its own momentum).
+VARIANTS = {"flow-reference": "flow", "hypcluster-snapshot": "hypcluster",
+            "apfl-snapshot-momentum": "apfl"}
 CASES = ALGORITHMS + tuple(VARIANTS)
 
 # vmap vs the per-client loop. XLA batches the per-client dots of a vmapped update into
@@ -70,6 +73,11 @@ def make_config(case: str):
         config.methods.flow.update(
             global_step="global_only", halves="shard_reshuffled", frozen_momentum="zero_grad",
             local_init="server", evaluation="reference", policy_eval_dropout=True)
+    if case == "hypcluster-snapshot":
+        config.sgd.momentum = 0.9
+        config.methods.hypcluster.client_snapshot = True
+    if case == "apfl-snapshot-momentum":
+        config.methods.apfl.update(client_snapshot=True, snapshot_momentum=0.9)
     return config
 
 
@@ -275,9 +283,14 @@ def _check_predictions(case: Case, predictions) -> None:
     assert q0.shape[:2] == shape[:2]
     assert q0.shape[2] in (0, case.algorithm.model.num_layers)
     assert bool(jnp.all((q0 >= 0) & (q0 <= 1)))
-    if predictions.global_snapshot is not None:
-        assert predictions.global_snapshot.shape == shape
-        assert bool(jnp.all(jnp.isfinite(predictions.global_snapshot)))
+    for name in ("global_snapshot", "personal_snapshot"):
+        logits = getattr(predictions, name)
+        if logits is not None:
+            assert logits.shape == shape, (name, logits.shape)
+            assert bool(jnp.all(jnp.isfinite(logits))), name
+    assert (predictions.global_snapshot is not None) == case.name.endswith(
+        ("-reference", "-snapshot", "-snapshot-momentum"))
+    assert (predictions.personal_snapshot is not None) == (case.name == "hypcluster-snapshot")
 
 
 def test_personalize_and_predict_give_finite_logits_of_the_right_shape(case):

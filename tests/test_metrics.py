@@ -141,17 +141,15 @@ def test_the_authors_personalized_model_is_scored_and_counted_against_the_snapsh
     counts = counts.replace(
         correct_global_snapshot=np.array([5.0, 2.0, 2.0], np.float32),
         snapshot_instances=counts.instances.astype(np.float32),
-        correct_personal_snapshot=np.array([4.0, 2.0, 3.0], np.float32),
+        correct_personal_snapshot=np.array([6.0, 2.0, 3.0], np.float32),
         personal_snapshot_instances=counts.instances.astype(np.float32))
     s = summarize(counts)
-    assert s.acc_p_client_snapshot == pytest.approx((4 / 10 + 2 / 2 + 3 / 4) / 3, rel=1e-15)
-    assert s.acc_p_client_snapshot_weighted == pytest.approx(9 / 16, rel=1e-15)
-    # 4/10 < 5/10, 2/2 = 2/2, 3/4 > 2/4: one of three (Acc_p's count would be 1/3 too,
-    # from the first client instead: so the third client is what this checks).
-    assert s.clients_benefiting_snapshot == pytest.approx(1 / 3, rel=1e-15)
-    fewer = counts.replace(correct_personal_snapshot=np.array([4.0, 2.0, 2.0], np.float32))
-    assert summarize(fewer).clients_benefiting_snapshot == 0.0
-    assert summarize(fewer).acc_p == s.acc_p  # Acc_p itself is untouched
+    assert s.acc_p_client_snapshot == pytest.approx((6 / 10 + 2 / 2 + 3 / 4) / 3, rel=1e-15)
+    assert s.acc_p_client_snapshot_weighted == pytest.approx(11 / 16, rel=1e-15)
+    # Theirs 6/10 > 5/10, 2/2 = 2/2, 3/4 > 2/4: two of three, where Acc_p (6/10, 2/2,
+    # 1/4) would count one.
+    assert s.clients_benefiting_snapshot == pytest.approx(2 / 3, rel=1e-15)
+    assert s.acc_p == pytest.approx((6 / 10 + 2 / 2 + 1 / 4) / 3, rel=1e-15)  # untouched
 
 
 def test_non_finite_predictions_count_as_wrong_and_are_reported():

@@ -45,7 +45,8 @@ unchanged. ``snapshot_momentum`` gives that copy's E epochs their own SGD moment
 separate run of the ``w`` steps (the same keys and batches): their Stack Overflow
 evaluation trains ``net`` with momentum 0.9 where their Stack Overflow training uses
 none (``stackoverflow_nwp_generalized_test``); None, or the training's momentum, takes
-the copy from the personalized model's own run.
+the copy from the personalized model's own run (a different momentum costs a second run
+of E epochs per evaluated client).
 """
 
 from __future__ import annotations

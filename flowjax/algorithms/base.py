@@ -139,7 +139,7 @@ def train_plain(model: RoutableModel, params: Params, optimizer: optax.GradientT
     Returns the trained params and ``[loss_sum, weight_sum]`` over the steps.
     """
     x, y, _ = examples.flat()
-    (params, _), sums = run_epochs(_plain_sgd_step(model, optimizer),
+    (params, _), sums = run_epochs(plain_sgd_step(model, optimizer),
                                    (params, optimizer.init(params)), x, y, member,
                                    num_epochs=epochs, batch_size=batch_size, key=key,
                                    max_members=max_members, steps_per_loop=steps_per_loop)
@@ -245,8 +245,9 @@ def part_sgd_step(model: RoutableModel, frozen: Params, optimizer: optax.Gradien
                     optimizer)
 
 
-def _plain_sgd_step(model: RoutableModel, optimizer: optax.GradientTransformation
-                    ) -> Callable[..., Any]:
+def plain_sgd_step(model: RoutableModel, optimizer: optax.GradientTransformation
+                   ) -> Callable[..., Any]:
+    """A ``run_epochs`` step of SGD on the whole plain model (``train_plain``'s)."""
     return sgd_step(lambda p, batch, k: plain_loss_sums(model, p, batch, k), optimizer)
 
 

@@ -51,16 +51,19 @@ Choices where the paper is silent:
 ``client_snapshot=True`` also scores the two models the Flow authors' evaluation reports
 as HypCluster's Acc_g and Acc_p (``client_hypcluster.py``, ``*_generalized_test``:
 ``before_net`` and ``net``). Their evaluation fine-tunes every cluster model for E epochs
-on the client's train split (the same minibatches for each, SGD momentum 0.9 in all
-their HypCluster code); after the first epoch it copies the cluster whose loss summed over
+on the client's train split (the same minibatches for each; SGD momentum 0.9 in their
+code of the paper's datasets); after the first epoch it copies the cluster whose loss summed over
 that epoch's steps is lower (Acc_g), after the last the one whose last epoch's was (Acc_p).
 Here: every cluster model trained E epochs in one run (SGD as in training, the
 evaluation's key for each, so the same batches), and of the clusters the one with the
 lowest mean loss over the first epoch's steps, after it, as ``acc_g_client_snapshot``
 beside ``acc_g``, and the one with the lowest over the last epoch's steps, after all E, as
 ``acc_p_client_snapshot`` beside ``acc_p`` (ties: the lowest index; theirs, between two,
-the second; their sum of minibatch means weighs a short last minibatch fully). The
-authors' harmed flag compares those two, so ``clients_benefiting_snapshot`` does too.
+the second; their sum of minibatch means weighs a short last minibatch fully; a cluster
+whose loss is not finite is copied only when all are, where their ``<`` takes the second
+of two whenever either is NaN). The authors' harmed flag compares those two, so
+``clients_benefiting_snapshot`` does too. The option costs k x E epochs of training per
+evaluated client, and holds three models per client.
 Training, Acc_g and Acc_p are unchanged: the paper's HypCluster Acc_p (this module's) is
 the chosen cluster, not fine-tuned.
 """
@@ -75,13 +78,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, SGDConfig,
-                                     part_sgd_step, plain_loss_sums, train_plain,
+                                     plain_loss_sums, plain_sgd_step, train_plain,
                                      unrouted_predict, valid_examples)
 from flowjax.core.checks import check_fields, integer, non_negative, one_of
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
-from flowjax.core.mapping import ClientMapping, map_clients
 from flowjax.core.losses import mean_from_sums
+from flowjax.core.mapping import ClientMapping, map_clients
 from flowjax.core.tree import select_tree
 from flowjax.models.base import Params, RoutableModel, forward
 
@@ -100,6 +103,8 @@ class HypClusterConfig:
       init: None: the clusters start at the warm start plus ``perturbation`` noise (or
         at random inits without a warm-up); ``"kmeans"``: at the k-means picks of
         ``kmeans_starts`` (the run's ``warm_up`` stage computes them).
+      client_snapshot: also score the authors' evaluation's Acc_g copy and Acc_p model
+        (module docstring; None = off).
     """
 
     sgd: SGDConfig
@@ -253,7 +258,7 @@ def hypcluster(model: RoutableModel, config: HypClusterConfig,
         epoch had the lowest mean loss; after all E, the one whose last epoch had)``."""
         x, y, _ = examples.flat()
         member = valid_examples(examples)
-        step = part_sgd_step(model, {}, optimizer)  # nothing frozen: the whole model
+        step = plain_sgd_step(model, optimizer)
         epochs = config.sgd.epochs
 
         def run(carry, first_epoch, num_epochs):
@@ -272,7 +277,11 @@ def hypcluster(model: RoutableModel, config: HypClusterConfig,
                 carry, sums = run(carry, epochs - 1, 1)
             after_all.append(carry[0])
             last_losses.append(mean_from_sums(*sums))
-        return lowest(first_losses, after_first)[1], lowest(last_losses, after_all)[1]
+        # A diverged cluster (non-finite loss) is copied only when every cluster diverged.
+        finite = lambda losses: [jnp.where(jnp.isfinite(loss), loss, jnp.inf)
+                                 for loss in losses]
+        return (lowest(finite(first_losses), after_first)[1],
+                lowest(finite(last_losses), after_all)[1])
 
     def client_update(params, examples: ClientExamples, key, client_state=None) -> ClientResult:
         del client_state  # stateless

@@ -66,9 +66,10 @@ EVALUATION_VARIANTS = {
 THEIR_TOP_LAYERS = {"emnist_cnn": ("fc1", "fc2"), "stackoverflow_lstm": ("dense1", "dense2")}
 # Per row of the authors' evaluation and per model, their code's settings where they are
 # not the row's: FedRep's and LG-FedAvg's top layers (above), and APFL's momentum 0.9 in
-# their CIFAR code (training w and v and evaluating net: `client_apfl.py`,
-# `cifar10_train`, `cifar100_train`, both `*_generalized_test`) and in their Stack
-# Overflow evaluation only (`stackoverflow_nwp_generalized_test`; its training is plain).
+# their CIFAR code (training w and v, and the evaluation's net: `client_apfl.py`,
+# `cifar10_train`, `cifar100_train`, both `*_generalized_test`, whose CIFAR-10 one trains
+# its personal net plain) and in their Stack Overflow evaluation's net only
+# (`stackoverflow_nwp_generalized_test`; its training is plain).
 THEIR_MODEL_FIELDS = {
     "fedrep_snapshot": {model: {"methods.fedrep.head_layers": layers}
                         for model, layers in THEIR_TOP_LAYERS.items()},
@@ -208,7 +209,7 @@ METRIC_TITLES = {"acc_g": "Acc_g", "acc_p": "Acc_p", "acc_p_soft": "Acc_p (soft)
                  "clients_hurt": "% Acc_p < Acc_g",
                  "acc_g_client_snapshot": "Acc_g client snapshot",
                  "acc_p_client_snapshot": "Acc_p client snapshot",
-                 "clients_benefiting_snapshot": "% Acc_p > snapshot"}
+                 "clients_benefiting_snapshot": "% their Acc_p > snapshot"}
 
 
 @dataclasses.dataclass(frozen=True)

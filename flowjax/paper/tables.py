@@ -15,7 +15,7 @@ from typing import Iterable, Mapping, Sequence
 
 from flowjax.paper.aggregate import (Results, finished_seeds, metric_by_seed, paired_differences,
                                      populations_of)
-from flowjax.paper.figures import PaperFigure, paper_delta, paper_figure
+from flowjax.paper.figures import PaperFigure, paper_delta, paper_figure, reports
 from flowjax.paper.plan import (DATASETS, METRIC_TITLES, PAPER_DATASETS, Delta, Row, TableSpec,
                                 lacks_model)
 from flowjax.paper.stats import SeedStats, seed_stats
@@ -40,7 +40,8 @@ class Entry:
       metric: the results field read (``acc_p_soft`` for the soft-policy row).
       stats: ours over the seeds; paper: the paper's figure, if it has one.
       status: ``ok``; ``not_applicable`` (the paper's "-": a metric the method lacks);
-        ``not_run`` (a cell the paper did not run, left out of the grid).
+        ``not_run`` (a cell the paper did not run, left out of the grid); ``stale`` (a
+        metric the row reports that its finished runs, older, do not).
       delta: a difference the paper states in words, paired per seed.
     """
 
@@ -71,10 +72,13 @@ def _row_entries(spec: TableSpec, row: Row, results: Results, datasets: Sequence
             stats = seed_stats(metric_by_seed(results, dataset, row.variant, population, field),
                                seeds)
             # A metric that the row's finished runs do not report (the client snapshot of a
-            # method without one) is absent by definition, not a missing seed.
+            # method without one) is absent by definition, not a missing seed; unless the
+            # row reports it now (runs finished before it did are stale, not absent).
             unreported = stats.n == 0 and finished_seeds(results, dataset, row.variant,
                                                          population)
-            status = ("not_applicable" if lacks_model(row.variant, metric) or unreported
+            status = ("not_applicable" if lacks_model(row.variant, metric)
+                      else ("stale" if reports(row.variant, field) else "not_applicable")
+                      if unreported
                       else "not_run" if (row.variant, dataset) in skipped and stats.n == 0
                       else "ok")
             paper = (paper_figure(dataset, row.variant, field)
@@ -147,6 +151,8 @@ def format_entry(entry: Entry) -> str:
         return "—"
     if entry.status == "not_run":
         return f"not run ({paper})"
+    if entry.status == "stale":
+        return f"stale: its finished runs predate this figure, rerun them ({paper})"
     stats = entry.stats
     if stats.n == 0:
         return f"missing, 0 of {stats.expected} seeds ({paper})"
