@@ -206,6 +206,11 @@ def test_a_diverged_cluster_is_copied_only_when_every_cluster_diverged(mlp, imag
         for name in ("snapshot", "personal_snapshot"):
             assert all(bool(jnp.all(jnp.isfinite(leaf)))
                        for leaf in jax.tree.leaves(personal[name])), name
+    # Both diverged: the lowest index, as on a tie (its copies are NaN too).
+    for personal in _hypcluster_in_both_orders(mlp, [diverged, diverged], client, key):
+        for name in ("snapshot", "personal_snapshot"):
+            assert all(bool(jnp.all(jnp.isnan(leaf)))
+                       for leaf in jax.tree.leaves(personal[name])), name
 
 
 @pytest.mark.parametrize("method", [

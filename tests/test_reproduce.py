@@ -169,22 +169,33 @@ def test_a_metric_that_finished_runs_do_not_report_is_absent_not_missing(tmp_pat
     assert md_cell(markdown, "Flow (reference", column) == "missing, 0 of 3 seeds (paper —)"
 
 
-def test_hypcluster_runs_from_before_its_authors_acc_p_show_as_stale_not_absent(tmp_path):
+@pytest.mark.parametrize("old_seeds", [(0, 44, 56), (0, 44)])
+def test_hypcluster_runs_from_before_its_authors_acc_p_show_as_stale_not_absent(tmp_path,
+                                                                                old_seeds):
     # A hypcluster_snapshot cell finished before acc_p_client_snapshot existed is reused
-    # as finished: the table says to rerun it, where FedAvgFT's (whose Acc_p is the
-    # authors' own) has no such figure by definition.
+    # as finished: its Acc_p model is absent and its count was against flowjax's Acc_p,
+    # so both entries say which seeds to rerun and keep the others only; FedAvgFT's
+    # (whose Acc_p is the authors' own) has no such figure by definition.
     seeds = [0, 44, 56]
     old = {**summary([0.5, 0.5], [0.7, 0.7]), "acc_g_client_snapshot": 0.6,
            "clients_benefiting_snapshot": 0.5}
-    for variant in ("fedavg_ft_snapshot", "hypcluster_snapshot"):
-        for seed in seeds:
-            write_cell(tmp_path, "emnist", variant, seed, {"train_clients": old})
+    new = {**old, "acc_p_client_snapshot": 0.8, "clients_benefiting_snapshot": 0.3}
+    for seed in seeds:
+        write_cell(tmp_path, "emnist", "fedavg_ft_snapshot", seed, {"train_clients": old})
+        write_cell(tmp_path, "emnist", "hypcluster_snapshot", seed,
+                   {"train_clients": old if seed in old_seeds else new})
     markdown = _markdown(tmp_path, "client_snapshot", ["emnist"],
                          ["fedavg_ft_snapshot", "hypcluster_snapshot"], seeds)
-    column = "EMNIST Acc_p client snapshot"
-    assert md_cell(markdown, "FedAvgFT", column) == "—"
-    assert md_cell(markdown, "HypCluster", column) == (
-        "stale: its finished runs predate this figure, rerun them (paper 90.49 ± 1.13)")
+    acc_p, count = "EMNIST Acc_p client snapshot", "EMNIST % Acc_p > snapshot"
+    assert md_cell(markdown, "FedAvgFT", acc_p) == "—"
+    assert md_cell(markdown, "FedAvgFT", count) == "50.00 ± 0.00 (paper 81.48)"
+    stale = (f"stale, {len(old_seeds)} of 3 seeds (their runs predate this figure; delete "
+             "their cell folders to rerun them)")
+    kept = "" if len(old_seeds) == 3 else "; the other 1: {} [n=1 of 3]"
+    assert md_cell(markdown, "HypCluster", acc_p) == (
+        f"{stale}{kept.format('80.00')} (paper 90.49 ± 1.13)")
+    assert md_cell(markdown, "HypCluster", count) == (
+        f"{stale}{kept.format('30.00')} (paper 80.70)")
 
 
 def test_client_snapshot_table_puts_the_papers_figures_beside_their_evaluations_quantities(
@@ -225,7 +236,7 @@ def test_client_snapshot_table_puts_the_papers_figures_beside_their_evaluations_
         assert md_cell(markdown, row, "EMNIST Acc_p client snapshot") == (
             f"80.00 ± 0.00 (paper {acc_p})" if theirs else "—")
         assert md_cell(markdown, row, "EMNIST % Acc_p > Acc_g") == "100.00 ± 0.00 (paper —)"
-        assert md_cell(markdown, row, "EMNIST % their Acc_p > snapshot") == (
+        assert md_cell(markdown, row, "EMNIST % Acc_p > snapshot") == (
             f"50.00 ± 0.00 (paper {improved})")
 
 

@@ -63,7 +63,9 @@ the second; their sum of minibatch means weighs a short last minibatch fully; a 
 whose loss is not finite is copied only when all are, where their ``<`` takes the second
 of two whenever either is NaN). The authors' harmed flag compares those two, so
 ``clients_benefiting_snapshot`` does too. The option costs k x E epochs of training per
-evaluated client, and holds three models per client.
+evaluated client; it returns three models per client and holds about 2k during the
+evaluation. (The choice of the cluster to train and of Acc_p's stays a bare lowest loss,
+as before: a cluster with a NaN train loss would be chosen there.)
 Training, Acc_g and Acc_p are unchanged: the paper's HypCluster Acc_p (this module's) is
 the chosen cluster, not fine-tuned.
 """
@@ -252,6 +254,10 @@ def hypcluster(model: RoutableModel, config: HypClusterConfig,
         return lowest([mean_train_loss(model, params[name], examples) for name in names],
                       [params[name] for name in names])
 
+    def finite_or_inf(losses: Sequence[jax.Array]) -> list[jax.Array]:
+        """A diverged cluster's (non-finite) loss as +inf: copied only when all are."""
+        return [jnp.where(jnp.isfinite(loss), loss, jnp.inf) for loss in losses]
+
     def authors_evaluation(params, examples: ClientExamples, key) -> tuple[Params, Params]:
         """The authors' evaluation copies (module docstring): every cluster fine-tuned E
         epochs on the same minibatches; ``(after the first epoch, the cluster whose first
@@ -277,11 +283,8 @@ def hypcluster(model: RoutableModel, config: HypClusterConfig,
                 carry, sums = run(carry, epochs - 1, 1)
             after_all.append(carry[0])
             last_losses.append(mean_from_sums(*sums))
-        # A diverged cluster (non-finite loss) is copied only when every cluster diverged.
-        finite = lambda losses: [jnp.where(jnp.isfinite(loss), loss, jnp.inf)
-                                 for loss in losses]
-        return (lowest(finite(first_losses), after_first)[1],
-                lowest(finite(last_losses), after_all)[1])
+        return (lowest(finite_or_inf(first_losses), after_first)[1],
+                lowest(finite_or_inf(last_losses), after_all)[1])
 
     def client_update(params, examples: ClientExamples, key, client_state=None) -> ClientResult:
         del client_state  # stateless

@@ -202,13 +202,6 @@ SNAPSHOT_ROWS = {"fedavg_ft_snapshot": "fedavg_ft", "apfl_snapshot": "apfl",
 AUTHORS_ACC_P_ROWS = ("hypcluster_snapshot",)
 
 
-def reports(variant: str, field: str) -> bool:
-    """Whether every run of ``variant`` reports ``field`` now, so that a finished run
-    without it predates it (HypCluster's ``acc_p_client_snapshot``); the other optional
-    fields are absent by definition where a run lacks them."""
-    return field == "acc_p_client_snapshot" and variant in AUTHORS_ACC_P_ROWS
-
-
 def _add_snapshot_figures(figures: dict[tuple[str, str, str], PaperFigure]) -> None:
     beside = {"acc_g": ("acc_g_client_snapshot", "the authors' evaluation"),
               "acc_p": ("acc_p", "the authors' evaluation"),

@@ -209,7 +209,7 @@ METRIC_TITLES = {"acc_g": "Acc_g", "acc_p": "Acc_p", "acc_p_soft": "Acc_p (soft)
                  "clients_hurt": "% Acc_p < Acc_g",
                  "acc_g_client_snapshot": "Acc_g client snapshot",
                  "acc_p_client_snapshot": "Acc_p client snapshot",
-                 "clients_benefiting_snapshot": "% their Acc_p > snapshot"}
+                 "clients_benefiting_snapshot": "% Acc_p > snapshot"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,8 +373,10 @@ TABLES: dict[str, TableSpec] = {spec.name: spec for spec in (
         "(FedAvgFT, Flow: after its first evaluation epoch; APFL, Ditto: after the E epochs "
         "of its local update; FedRep, LG-FedAvg: the personal part after its first "
         "evaluation epoch; HypCluster: the cluster with the lower loss over one epoch of "
-        "fine-tuning, after it), the paper's Acc_g, beside the server model's, and "
-        "HypCluster's fine-tuned model, its paper Acc_p, beside its own, %",
+        "fine-tuning, after it), the paper's Acc_g, beside the server model's; for "
+        "HypCluster also their Acc_p model (the cluster with the lower loss over the last "
+        "of E fine-tuning epochs, after them: the paper's Acc_p) beside flowjax's, and "
+        "that model is the one its % Acc_p > snapshot counts, %",
         ("tbl:all-accuracies", "tbl:clients-unharmed"),
         _rows("fedavg_ft_snapshot", "apfl_snapshot", "ditto_snapshot", "fedrep_snapshot",
               "lg_fedavg_snapshot", "hypcluster_snapshot", "flow_reference",

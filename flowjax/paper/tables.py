@@ -15,7 +15,8 @@ from typing import Iterable, Mapping, Sequence
 
 from flowjax.paper.aggregate import (Results, finished_seeds, metric_by_seed, paired_differences,
                                      populations_of)
-from flowjax.paper.figures import PaperFigure, paper_delta, paper_figure, reports
+from flowjax.paper.figures import (AUTHORS_ACC_P_ROWS, PaperFigure, paper_delta,
+                                   paper_figure)
 from flowjax.paper.plan import (DATASETS, METRIC_TITLES, PAPER_DATASETS, Delta, Row, TableSpec,
                                 lacks_model)
 from flowjax.paper.stats import SeedStats, seed_stats
@@ -40,9 +41,11 @@ class Entry:
       metric: the results field read (``acc_p_soft`` for the soft-policy row).
       stats: ours over the seeds; paper: the paper's figure, if it has one.
       status: ``ok``; ``not_applicable`` (the paper's "-": a metric the method lacks);
-        ``not_run`` (a cell the paper did not run, left out of the grid); ``stale`` (a
-        metric the row reports that its finished runs, older, do not).
+        ``not_run`` (a cell the paper did not run, left out of the grid); ``stale``
+        (some finished runs predate the metric's present meaning; ``stats`` leaves them
+        out).
       delta: a difference the paper states in words, paired per seed.
+      stale_seeds: how many of the seeds' finished runs are stale.
     """
 
     table: str
@@ -55,11 +58,31 @@ class Entry:
     paper: PaperFigure | None
     status: str = "ok"
     delta: bool = False
+    stale_seeds: int = 0
 
     @property
     def label(self) -> str:
         text = f"{self.row} (`{self.variant}`)"
         return f"*{text}*" if self.delta else text
+
+
+# Rows whose runs report a field only since a later commit (the marker) that also changed
+# others: a finished seed without the marker predates it, and its values of those fields
+# are stale, absent or counted otherwise (HypCluster's client_snapshot counted flowjax's
+# Acc_p against the copy before it reported their Acc_p model).
+_MARKED_FIELDS = {row: ("acc_p_client_snapshot",
+                        ("acc_p_client_snapshot", "clients_benefiting_snapshot"))
+                  for row in AUTHORS_ACC_P_ROWS}
+
+
+def _stale_seeds(results: Results, dataset: str, variant: str, population: str,
+                 field: str) -> set[int]:
+    """The finished seeds of ``variant`` whose ``field`` predates its marker."""
+    marker, fields = _MARKED_FIELDS.get(variant, (None, ()))
+    if field not in fields:
+        return set()
+    return (finished_seeds(results, dataset, variant, population)
+            - set(metric_by_seed(results, dataset, variant, population, marker)))
 
 
 def _row_entries(spec: TableSpec, row: Row, results: Results, datasets: Sequence[str],
@@ -69,22 +92,27 @@ def _row_entries(spec: TableSpec, row: Row, results: Results, datasets: Sequence
     for dataset in datasets:
         for metric in spec.metrics:
             field = row.field(metric)
-            stats = seed_stats(metric_by_seed(results, dataset, row.variant, population, field),
-                               seeds)
+            stale = _stale_seeds(results, dataset, row.variant, population, field) & set(seeds)
+            by_seed = metric_by_seed(results, dataset, row.variant, population, field)
+            stats = seed_stats({s: v for s, v in by_seed.items() if s not in stale}, seeds)
             # A metric that the row's finished runs do not report (the client snapshot of a
-            # method without one) is absent by definition, not a missing seed; unless the
-            # row reports it now (runs finished before it did are stale, not absent).
+            # method without one) is absent by definition, not a missing seed.
             unreported = stats.n == 0 and finished_seeds(results, dataset, row.variant,
                                                          population)
-            status = ("not_applicable" if lacks_model(row.variant, metric)
-                      else ("stale" if reports(row.variant, field) else "not_applicable")
-                      if unreported
-                      else "not_run" if (row.variant, dataset) in skipped and stats.n == 0
-                      else "ok")
+            if lacks_model(row.variant, metric):
+                status = "not_applicable"
+            elif stale:
+                status = "stale"
+            elif unreported:
+                status = "not_applicable"
+            elif (row.variant, dataset) in skipped and stats.n == 0:
+                status = "not_run"
+            else:
+                status = "ok"
             paper = (paper_figure(dataset, row.variant, field)
                      if population == PAPER_POPULATION else None)
             entries.append(Entry(spec.name, dataset, row.label, row.variant, population, field,
-                                 stats, paper, status))
+                                 stats, paper, status, stale_seeds=len(stale)))
     return entries
 
 
@@ -151,17 +179,24 @@ def format_entry(entry: Entry) -> str:
         return "—"
     if entry.status == "not_run":
         return f"not run ({paper})"
-    if entry.status == "stale":
-        return f"stale: its finished runs predate this figure, rerun them ({paper})"
     stats = entry.stats
+    if entry.status == "stale":
+        kept = (f"; the other {stats.n}: {_ours(stats)}" if stats.n else "")
+        return (f"stale, {entry.stale_seeds} of {stats.expected} seeds (their runs predate "
+                f"this figure; delete their cell folders to rerun them){kept} ({paper})")
     if stats.n == 0:
         return f"missing, 0 of {stats.expected} seeds ({paper})"
+    return f"{_ours(stats)} ({paper})"
+
+
+def _ours(stats: SeedStats) -> str:
+    """``mean ± std [n=k of N]`` in percent."""
     ours = f"{100 * stats.mean:.2f}"
     if stats.std is not None:
         ours += f" ± {100 * stats.std:.2f}"
     if not stats.complete:
         ours += f" [n={stats.n} of {stats.expected}]"
-    return f"{ours} ({paper})"
+    return ours
 
 
 def _what_it_reproduces(spec: TableSpec, datasets: Sequence[str]) -> str:
