@@ -18,7 +18,7 @@ the ablations regularization, pi_pc_flow, fixed_policy, soft_hard, order, split_
 gain_source (the authors' code, each of its departures alone, on Fashion-MNIST), and
 client_snapshot (FedAvgFT, APFL, Ditto, FedRep, LG-FedAvg, HypCluster and Flow scored as
 the authors' evaluation scores them, the paper's Acc_g and % improved beside those
-quantities) (``flowjax/paper/plan.py``
+quantities, and its HypCluster Acc_p beside their Acc_p model) (``flowjax/paper/plan.py``
 holds their layouts). Each run ("cell") goes to
 ``<workdir>/<dataset>/<variant>/seed_<seed>/`` exactly as ``launch/train.py`` would write
 it; cells are shared between tables (Table 3 and soft_hard read Table 2's runs). A cell
