@@ -48,7 +48,8 @@ from flowjax.models.base import Params, RoutableModel, forward, instance_weights
 # The methods import the protocol and the instance weights from here too (re-exported).
 __all__ = ["ClientResult", "FederatedAlgorithm", "Predictions", "SGDConfig", "client_optimizer",
            "instance_weights", "layer_names_or_none", "no_routing", "part_sgd_step",
-           "plain_loss_sums", "separate_models_predict", "sgd_step", "split_layers",
+           "plain_loss_sums", "plain_sgd_step", "run_with_copies", "separate_models_predict",
+           "sgd_step", "split_layers",
            "top_layer_names", "train_part", "train_part_with_snapshot", "train_plain",
            "unrouted_predict", "unrouted_predictions", "valid_examples"]
 
@@ -226,15 +227,34 @@ def train_part_with_snapshot(model: RoutableModel, trainable: Params, frozen: Pa
     if epochs == 0:
         return trainable, trainable
     x, y, _ = examples.flat()
-    step = part_sgd_step(model, frozen, optimizer)
+    first, _, last, _ = run_with_copies(
+        part_sgd_step(model, frozen, optimizer), (trainable, optimizer.init(trainable)), x, y,
+        member, epochs=epochs, batch_size=batch_size, key=key, steps_per_loop=steps_per_loop)
+    return last[0], first[0]
+
+
+def run_with_copies(step: Callable[..., Any], carry: Any, x: jax.Array, y: jax.Array,
+                    member: jax.Array, *, epochs: int, batch_size: int, key: jax.Array,
+                    steps_per_loop: int = 1) -> tuple[Any, jax.Array, Any, jax.Array]:
+    """``epochs`` (>= 1) of ``run_epochs`` in one run, split where the Flow authors'
+    evaluation reads it: after the first epoch and before the last. Each part continues
+    from the previous one's carry (optimizer state included) and epoch index, so the
+    epochs, keys and steps are one call's.
+
+    Returns:
+      ``(carry after the first epoch, that epoch's [loss_sum, weight_sum], carry after
+      all, the last epoch's sums)``.
+    """
     common = dict(batch_size=batch_size, key=key, steps_per_loop=steps_per_loop)
-    carry, _ = run_epochs(step, (trainable, optimizer.init(trainable)), x, y, member,
-                          num_epochs=1, **common)
-    snapshot = carry[0]
-    if epochs > 1:  # continues the same run: epoch 1 onwards, same optimizer state
-        carry, _ = run_epochs(step, carry, x, y, member, num_epochs=epochs - 1, first_epoch=1,
+    first, first_sums = run_epochs(step, carry, x, y, member, num_epochs=1, **common)
+    carry, last_sums = first, first_sums
+    if epochs > 2:
+        carry, _ = run_epochs(step, carry, x, y, member, num_epochs=epochs - 2, first_epoch=1,
                               **common)
-    return carry[0], snapshot
+    if epochs > 1:
+        carry, last_sums = run_epochs(step, carry, x, y, member, num_epochs=1,
+                                      first_epoch=epochs - 1, **common)
+    return first, first_sums, carry, last_sums
 
 
 def part_sgd_step(model: RoutableModel, frozen: Params, optimizer: optax.GradientTransformation

@@ -80,11 +80,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, SGDConfig,
-                                     plain_loss_sums, plain_sgd_step, train_plain,
-                                     unrouted_predict, valid_examples)
+                                     plain_loss_sums, plain_sgd_step, run_with_copies,
+                                     train_plain, unrouted_predict, valid_examples)
 from flowjax.core.checks import check_fields, integer, non_negative, one_of
 from flowjax.core.cohort import ClientExamples
-from flowjax.core.local_training import run_epochs
 from flowjax.core.losses import mean_from_sums
 from flowjax.core.mapping import ClientMapping, map_clients
 from flowjax.core.tree import select_tree
@@ -263,26 +262,17 @@ def hypcluster(model: RoutableModel, config: HypClusterConfig,
         epochs on the same minibatches; ``(after the first epoch, the cluster whose first
         epoch had the lowest mean loss; after all E, the one whose last epoch had)``."""
         x, y, _ = examples.flat()
-        member = valid_examples(examples)
-        step = plain_sgd_step(model, optimizer)
-        epochs = config.sgd.epochs
-
-        def run(carry, first_epoch, num_epochs):
-            return run_epochs(step, carry, x, y, member, num_epochs=num_epochs,
-                              batch_size=config.sgd.batch_size, key=key,
-                              first_epoch=first_epoch, **config.sgd.loop)
-
+        step, member = plain_sgd_step(model, optimizer), valid_examples(examples)
         after_first, first_losses, after_all, last_losses = [], [], [], []
         for name in names:  # one run per cluster, split where the copies are taken
-            carry, sums = run((params[name], optimizer.init(params[name])), 0, 1)
-            after_first.append(carry[0])
-            first_losses.append(mean_from_sums(*sums))
-            if epochs > 2:
-                carry, _ = run(carry, 1, epochs - 2)
-            if epochs > 1:
-                carry, sums = run(carry, epochs - 1, 1)
-            after_all.append(carry[0])
-            last_losses.append(mean_from_sums(*sums))
+            first, first_sums, last, last_sums = run_with_copies(
+                step, (params[name], optimizer.init(params[name])), x, y, member,
+                epochs=config.sgd.epochs, batch_size=config.sgd.batch_size, key=key,
+                **config.sgd.loop)
+            after_first.append(first[0])
+            first_losses.append(mean_from_sums(*first_sums))
+            after_all.append(last[0])
+            last_losses.append(mean_from_sums(*last_sums))
         return (lowest(finite_or_inf(first_losses), after_first)[1],
                 lowest(finite_or_inf(last_losses), after_all)[1])
 
