@@ -100,7 +100,7 @@ class ResolvedRun:
       model: the configured model, built once.
       task: the loaded data, checked against the model.
       settings: the engine's settings.
-      example_x: one input batch (the first training client's), for shape-dependent
+      example_x: one batch of zero inputs (``example_batch``), for shape-dependent
         parts such as Flow's policy.
     """
 
@@ -131,9 +131,18 @@ def resolve(config, task: FederatedTask | None = None) -> ResolvedRun:
     task = task or build_task(config)
     validate_task(task, model)
     validate_cohort_size(config, task)
-    example_x = jax.numpy.asarray(task.train.client(0, "train")["x"][: method.sgd.batch_size])
     return ResolvedRun(config, method, model, task, build_settings(config, method.sgd),
-                       example_x)
+                       example_batch(task, method.sgd.batch_size))
+
+
+def example_batch(task: FederatedTask, batch_size: int) -> jax.Array:
+    """A batch of zero inputs in the shape and dtype of ``task``'s train examples.
+
+    Shape-dependent parts (Flow's policy) are initialized from it: only its shape counts,
+    and taking no client's rows keeps a first client without train examples valid.
+    """
+    shape, dtype = task.train.example_spec["x"]
+    return jax.numpy.zeros((batch_size, *shape), dtype)
 
 
 def warm_up(run: ResolvedRun) -> dict[str, Any] | None:

@@ -10,7 +10,6 @@ import time
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from flowjax.algorithms.base import FederatedAlgorithm, SGDConfig
@@ -70,11 +69,6 @@ def synthetic_task(model_name: str, sizes: np.ndarray, seed: int = 0) -> Federat
     ids = tuple(f"c{i}" for i in range(len(sizes)))
     data = ArrayFederatedData(ids, {"train": split, "test": split})
     return FederatedTask(train=data, held_out=None, name=f"synthetic_{model_name}")
-
-
-def first_batch(task: FederatedTask, batch: int) -> jax.Array:
-    """Example inputs for Flow's policy shapes."""
-    return jnp.asarray(task.train.client(0, "train")["x"][:batch])
 
 
 def build_algorithm(model: RoutableModel, name: str, example_x: jax.Array,

@@ -92,12 +92,13 @@ from flowjax.core.server_opt import server_optimizer  # noqa: E402
 from flowjax.core.tree import weighted_mean  # noqa: E402
 from flowjax.data.federated import FederatedTask  # noqa: E402
 from flowjax.data.synthetic import stackoverflow_like_sizes  # noqa: E402
+from flowjax.config import example_batch  # noqa: E402
 from flowjax.memory_plan import chunk_for_sizes, plan_chunk_size  # noqa: E402
 from flowjax.experiment import RunSettings, Simulation  # noqa: E402
 from flowjax.models import MODELS, get_model, model_takes  # noqa: E402
 from launch import trace_summary  # noqa: E402
 from launch.bench_common import (ALGORITHMS, BATCH, LEARNING_RATE, build_algorithm,  # noqa: E402
-                                 first_and_median_seconds, first_batch, median_seconds,
+                                 first_and_median_seconds, median_seconds,
                                  synthetic_examples, synthetic_task)
 
 _MODELS = flags.DEFINE_list("models", ["emnist_cnn", "shakespeare_lstm"], "Models to time.")
@@ -454,7 +455,7 @@ def time_model(model_name: str, clients: int, steps: int, repeats: int) -> dict:
     batch = BATCH[model_name]
     task = synthetic_task(model_name, client_sizes(clients, steps * batch, _SKEWED.value))
     useful = int(np.sum(client_steps(task, batch))) * _EPOCHS.value
-    model, methods = algorithms(model_name, first_batch(task, batch))
+    model, methods = algorithms(model_name, example_batch(task, batch))
     # The centralized equivalent of the round's useful work: steps on batches of
     # clients x batch examples, timed for a whole number of steps and scaled to exactly
     # ``useful`` client-steps. Timed first and printed, so a run cut short by its
@@ -616,7 +617,7 @@ def memory_plans(model_name: str, steps: int, gigabytes: float) -> dict:
     """Clients per vmapped chunk for FedAvg and Flow on ``gigabytes`` of device memory."""
     batch = BATCH[model_name]
     task = synthetic_task(model_name, client_sizes(2, steps * batch, _SKEWED.value))
-    _, methods = algorithms(model_name, first_batch(task, batch))
+    _, methods = algorithms(model_name, example_batch(task, batch))
     padded = int(np.max(task.train.num_examples("train")))
     padded = -(-padded // batch) * batch
     out = {}
@@ -664,7 +665,7 @@ def scaling(model_name: str, steps: int, max_clients: int, repeats: int) -> dict
     rows = []
     for n in cohort_sizes(max_clients):
         task = synthetic_task(model_name, client_sizes(n, steps * batch, False))
-        model, methods = algorithms(model_name, first_batch(task, batch))
+        model, methods = algorithms(model_name, example_batch(task, batch))
         seconds = time_engine_round(methods["fedavg"].algorithm, task, mapping,
                                     repeats)["round_s"]
         peak = peak_device_bytes()

@@ -26,10 +26,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from flowjax import run_folder  # noqa: E402
+from flowjax.config import example_batch  # noqa: E402
 from flowjax.models import get_model  # noqa: E402
 from launch import cli  # noqa: E402
-from launch.bench_common import (BATCH, build_algorithm, first_batch, run_twice,  # noqa: E402
-                                 synthetic_task)
+from launch.bench_common import BATCH, build_algorithm, run_twice, synthetic_task  # noqa: E402
 
 _MODELS = flags.DEFINE_list("models", ["emnist_cnn", "stackoverflow_lstm"], "Models to check.")
 _ALGORITHMS = flags.DEFINE_list("algorithms", ["fedavg", "flow"], "fedavg and/or flow.")
@@ -61,7 +61,7 @@ def main(argv):
         task = synthetic_task(model_name, np.full(_CLIENTS.value, _STEPS.value * batch))
         model = get_model(model_name)
         try:
-            built = {name: build_algorithm(model, name, first_batch(task, batch))
+            built = {name: build_algorithm(model, name, example_batch(task, batch))
                      for name in _ALGORITHMS.value}
         except ValueError as error:
             return cli.fail(error)

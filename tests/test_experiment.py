@@ -497,3 +497,25 @@ def test_steps_per_loop_trains_the_same_model(algorithm):
     losses = lambda result: [h["loss"] for h in result.history if h["kind"] == "train"]  # noqa: E731
     np.testing.assert_allclose(losses(grouped), losses(looped), rtol=1e-6)
     assert grouped.results_dict()["num_eval_clients"] == looped.results_dict()["num_eval_clients"]
+
+
+def test_flow_runs_when_the_first_client_has_no_train_examples():
+    """Flow's policy is built from the examples' shape alone: a first client without train
+    examples (valid data) neither breaks the run nor changes its initial parameters."""
+    import jax
+
+    from tests.bad_input_cases import base_config, images
+
+    config = base_config({"model": "emnist_cnn", "algorithm": "flow", "num_rounds": 1,
+                          "methods.flow.policy_hidden": (8, 8, 8, 8)})
+
+    def simulation(sizes):
+        return run_config.simulation_for(run_config.resolve(config, images(sizes=sizes)))
+
+    empty_first, full_first = simulation((0, 3, 5)), simulation((4, 3, 5))
+    for ours, theirs in zip(jax.tree.leaves(empty_first.init_state().params),
+                            jax.tree.leaves(full_first.init_state().params), strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+    result = experiment.run(empty_first)
+    assert [h["kind"] for h in result.history] == ["train", "eval"]  # no held-out clients
+    assert np.isfinite(result.history[0]["loss"])
