@@ -403,6 +403,18 @@ class _SplitChecker:
         self.check_values("x", x)
         self.check_values("y", y)
 
+    def check_example_spec(self) -> tuple[np.ndarray, np.ndarray]:
+        """The data's ``example_spec`` against the model; empty ``x``, ``y`` of that spec."""
+        spec = self.data.example_spec
+        for feature in ("x", "y"):
+            if feature not in spec:
+                self.fail(feature, f": missing; expected features 'x' and 'y', got "
+                                   f"{sorted(spec)}")
+        x, y = (np.empty((0,) + tuple(spec[f][0]), spec[f][1]) for f in ("x", "y"))
+        self.check_x_spec(x)
+        self.check_y_spec(x, y)
+        return x, y
+
     def expected_x(self) -> str:
         shapes = " or ".join(_shape_text(s) for s in self.rule.x_shapes) or "any shape"
         return f"expected {self.rule.x_kind} {shapes} per example for {self.model.name}"
@@ -468,14 +480,7 @@ class _StoreChecker(_SplitChecker):
         self.ranges = ranges.get(split, {})
 
     def check(self) -> None:
-        spec = self.data.example_spec
-        for feature in ("x", "y"):
-            if feature not in spec:
-                self.fail(feature, f": missing; expected features 'x' and 'y', got "
-                                   f"{sorted(spec)}")
-        x, y = (np.empty((0,) + tuple(spec[f][0]), spec[f][1]) for f in ("x", "y"))
-        self.check_x_spec(x)
-        self.check_y_spec(x, y)
+        x, y = self.check_example_spec()
         self.check_range("x", x.dtype)
         self.check_range("y", y.dtype)
 
@@ -498,6 +503,36 @@ class _StoreChecker(_SplitChecker):
                                f"in [0, {high}) for {self.model.name}")
 
 
+class _ClientChecker(_SplitChecker):
+    """One split of data known only through the ``FederatedData`` protocol (neither
+    in-memory splits nor a store's recorded value ranges): its ``example_spec``, then
+    every client's rows, read once, against that spec and the model's value rules."""
+
+    def __init__(self, name: str, data: Any, split: str, model: RoutableModel,
+                 rule: _InputRule):
+        self.name, self.data, self.model, self.rule = f"{name}/{split}", data, model, rule
+        self.split, self.client = split, None
+
+    def check(self) -> None:
+        spec = dict(zip(("x", "y"), self.check_example_spec()))
+        for index, client in enumerate(self.data.client_ids):
+            rows = self.data.client(index, self.split)
+            for feature, empty in spec.items():
+                array = np.asarray(rows[feature]) if feature in rows else None
+                if array is None or array.shape[1:] != empty.shape[1:] or (
+                        array.dtype != empty.dtype):
+                    got = ("no such feature" if array is None else
+                           f"{array.dtype} {_shape_text(array.shape[1:])} per example")
+                    self.fail(feature, f" of client {client!r}: {got}; expected "
+                                       f"{empty.dtype} {_shape_text(empty.shape[1:])}, "
+                                       f"its example_spec")
+                self.client = client
+                self.check_values(feature, array)
+
+    def client_of(self, row: int) -> str:
+        return str(self.client)
+
+
 def _check_store(name: str, data: Any, model: RoutableModel, rule: _InputRule) -> None:
     ranges = data.value_ranges
     if ranges is None:
@@ -516,9 +551,12 @@ def _check_population(name: str, data: Any, model: RoutableModel, rule: _InputRu
         raise ValueError(f"data {name}: 0 clients: expected at least one client "
                          f"(a task without held-out clients has held_out=None)")
     splits = getattr(data, "splits", None)
-    if splits is None:  # a streaming store: checked from the value ranges it recorded
-        if hasattr(data, "value_ranges"):
+    if splits is None:
+        if hasattr(data, "value_ranges"):  # a store: checked from the ranges it recorded
             _check_store(name, data, model, rule)
+        else:  # known only through the FederatedData protocol
+            for split in ("train", "test"):
+                _ClientChecker(name, data, split, model, rule).check()
         return
     for split in ("train", "test"):
         if split not in splits:
@@ -559,7 +597,9 @@ def validate_task(task: FederatedTask, model: RoutableModel) -> None:
     must lie in ``[0, vocab_size)`` (and a store that records its number of token ids
     must have the model's ``vocab_size``), feature shapes and dtypes must be what the model
     takes, every population must have clients, and some training client must have
-    training examples (individual empty clients are fine: they weigh 0).
+    training examples (individual empty clients are fine: they weigh 0). In-memory data
+    is checked as a whole, a store from the value ranges it recorded, and data known only
+    through the ``FederatedData`` protocol by reading each client once.
 
     Raises:
       ValueError: one line naming the population, split, feature, value and client.

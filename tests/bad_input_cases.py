@@ -457,6 +457,46 @@ CASES += (
 )
 
 
+class ProtocolOnly:
+    """Data known only through the ``FederatedData`` protocol (neither in-memory splits
+    nor a store's value ranges): a user's own source. ``client_x`` replaces one client's
+    train images as its ``client`` returns them."""
+
+    def __init__(self, data: ArrayFederatedData, client_x: tuple[int, np.ndarray] | None = None):
+        self.data, self.client_x, self.client_ids = data, client_x, data.client_ids
+
+    def num_examples(self, split: str) -> np.ndarray:
+        return self.data.num_examples(split)
+
+    def client(self, index: int, split: str) -> dict[str, np.ndarray]:
+        rows = self.data.client(index, split)
+        if self.client_x is not None and (index, split) == (self.client_x[0], "train"):
+            rows = dict(rows, x=self.client_x[1])
+        return rows
+
+    @property
+    def example_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        return self.data.example_spec
+
+
+def protocol_images(edit: Edit | None = None, client_x=None) -> FederatedTask:
+    """``images(edit)`` behind ``ProtocolOnly``."""
+    return FederatedTask(ProtocolOnly(images(edit).train, client_x), None, "bad_images")
+
+
+CASES += (
+    Case("label 99 in data known only through the FederatedData protocol",
+         "data train/train/y=99 at client 'c0' (1 bad value): expected labels in [0, 62) for "
+         "emnist_cnn", CNN, lambda: protocol_images(put("y", 1, 99))),
+    Case("a NaN pixel in such data", "data train/train/x=nan at client 'c1' (1 bad value): "
+         "expected finite values", CNN, lambda: protocol_images(put("x", (5, 3, 3), np.nan))),
+    Case("such data whose client c2 returns images of another shape than its example_spec",
+         "data train/train/x of client 'c2': float32 [28, 27] per example; expected float32 "
+         "[28, 28], its example_spec", CNN,
+         lambda: protocol_images(client_x=(2, np.zeros((5, 28, 27), np.float32)))),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class ConvertCase:
     """A bad ``launch/convert.py`` command: ``setup(folder)`` lays out files in an empty
