@@ -107,8 +107,7 @@ def load_shakespeare_tff(*, store_dir: Any = None, **options: Any) -> FederatedT
 
 def load_stackoverflow_tff(*, store_dir: Any = None, max_train_examples: int | None = None,
                            max_test_examples: int | None = None, held_out: bool = True,
-                           max_held_out_clients: int | None = None,
-                           seed: int = 0, train_clients: str | None = None) -> FederatedTask:
+                           train_clients: str | None = None) -> FederatedTask:
     """Stack Overflow next-word prediction from a converted store.
 
     Args:
@@ -116,28 +115,21 @@ def load_stackoverflow_tff(*, store_dir: Any = None, max_train_examples: int | N
       max_train_examples: keep each client's first train sentences (the conversion
         already keeps at most 1,000).
       max_test_examples: keep each client's first test sentences.
-      held_out: include the held-out users as the held-out population.
-      max_held_out_clients: evaluate a seeded subset of that many held-out users.
-      seed: seed of that subset.
+      held_out: include the held-out users as the held-out population (a run evaluates
+        ``eval.held_out_clients`` of them, drawn from its seed's evaluation stream).
       train_clients: ``"all"`` (None; the paper's 342,477 train users, about 147k of them
         without test rows, which train but are never evaluated) or ``"with_test"``: the
         users with test rows only (the authors' code: 195,303).
     """
     _check_cap("max_train_examples", max_train_examples)
     _check_cap("max_test_examples", max_test_examples)
-    _check_cap("max_held_out_clients", max_held_out_clients)
     _, stores = open_task_dir("stackoverflow", store_dir)
     token_ids = _token_ids(pathlib.Path(store_dir))
     caps = {"train": max_train_examples, "test": max_test_examples}
     train = StoreView(stores["train"], _kept_clients(stores["train"], train_clients), caps)
     population = None
     if held_out and "held_out" in stores and len(stores["held_out"]):
-        store = stores["held_out"]
-        indices = None
-        if max_held_out_clients is not None and max_held_out_clients < len(store):
-            rng = np.random.default_rng(seed)
-            indices = np.sort(rng.choice(len(store), max_held_out_clients, replace=False))
-        population = StoreView(store, indices, caps)
+        population = StoreView(stores["held_out"], None, caps)
     return FederatedTask(train=train, held_out=population, name="stackoverflow_tff",
                          token_ids=token_ids)
 
