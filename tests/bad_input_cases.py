@@ -757,6 +757,12 @@ def _case_h5_non_utf8_word(folder):
     tokens[:] = [b"how do i sort", b"a caf\xe9 list"]  # Latin-1, not UTF-8
     _tff_h5_edited(folder, "stackoverflow_train.h5",
                    _replace_feature("00000010", "tokens", tokens))
+    # Every one of the train split's 13 words is a vocabulary word (a larger size is refused).
+    return ["--dataset=stackoverflow", "--source=src", "--out=out", "--vocab_size=13"]
+
+
+def _case_h5_few_words(folder):
+    _copy_fixture(folder, "tff_h5")
     return ["--dataset=stackoverflow", "--source=src", "--out=out"]
 
 
@@ -834,9 +840,15 @@ CONVERT_CASES: tuple[ConvertCase, ...] = (
                 "error: src/shakespeare_train.h5: client 'TWELFTH_NIGHT_VIOLA': snippet "
                 "np.int64(0) (int64): expected text (bytes or str)"),
     ConvertCase("a Latin-1 word in a TFF h5 Stack Overflow file (no `--vocab_file`: the "
-                "vocabulary is counted)", _case_h5_non_utf8_word,
+                "vocabulary is counted; `--vocab_size=13`, all its words)", _case_h5_non_utf8_word,
                 "error: src/stackoverflow_train.h5: the vocabulary word b'caf\\xe9' is not "
                 "UTF-8: expected UTF-8 sentences (TFF's Stack Overflow), or pass --vocab_file"),
+    ConvertCase("a TFF h5 Stack Overflow file with fewer distinct train words than "
+                "`--vocab_size` (10,000 by default) and no `--vocab_file`",
+                _case_h5_few_words,
+                "error: src/stackoverflow_train.h5: its train split holds 18 distinct words; "
+                "expected at least --vocab_size=10000 (pass --vocab_size=18 or fewer, or TFF's "
+                "stackoverflow.word_count as --vocab_file)"),
     ConvertCase("a TFF SQLite row that is not a tf.train.Example", _case_bad_proto,
                 "error: src/shakespeare.sqlite[train]: client "),
     ConvertCase("a truncated TFF `.sqlite.lzma` download", _case_truncated_lzma,

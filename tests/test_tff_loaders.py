@@ -628,6 +628,28 @@ def test_stackoverflow_vocab_size_below_one_is_refused_before_anything_is_writte
     assert not out.exists()
 
 
+def test_stackoverflow_vocab_size_above_the_train_words_is_refused(tff_dir, tmp_path):
+    """Counted from the train split, a vocabulary is never silently smaller than asked for
+    (the store's task.json would record a size its vocab.json does not have)."""
+    out = tmp_path / "so"
+    with pytest.raises(ValueError, match=r": its train split holds (\d+) distinct words; "
+                                         r"expected at least --vocab_size=10000 \(pass "
+                                         r"--vocab_size=\1 or fewer, or TFF's "
+                                         r"stackoverflow.word_count as --vocab_file\)$"):
+        convert("stackoverflow", tff_dir, out, "tff_h5", vocab_size=10000)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("fraction", [1.5, -3.0, 0.0, 1.0, float("nan")])
+def test_stackoverflow_held_out_train_fraction_outside_0_1_is_refused(tff_dir, tmp_path,
+                                                                      fraction):
+    out = tmp_path / "so"
+    with pytest.raises(ValueError, match=r"^held_out_train_fraction must be in \(0, 1\) \(the "
+                                         rf"share .* personalization\), got {fraction}$"):
+        convert("stackoverflow", tff_dir, out, "tff_h5", held_out_train_fraction=fraction)
+    assert not out.exists()
+
+
 def test_stackoverflow_vocabulary_is_tffs_word_count_file_when_it_is_in_the_source(
         tff_dir, tmp_path):
     """TFF's stackoverflow.word_count (TFF, FedJAX and Reddi et al. take its first V lines)

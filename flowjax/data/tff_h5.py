@@ -301,8 +301,14 @@ def top_words(counts: Mapping[bytes, int], size: int = VOCAB_SIZE) -> list[str]:
     """The ``size`` most frequent words, by descending count then ascending bytes.
 
     Raises:
-      ValueError: a chosen word is not UTF-8 (vocab.json holds text), naming it.
+      ValueError: fewer than ``size`` distinct words (a smaller vocabulary than asked for,
+        which the run's model would not match), or a chosen word is not UTF-8 (vocab.json
+        holds text), naming it.
     """
+    if len(counts) < size:
+        raise ValueError(f"its train split holds {len(counts)} distinct words; expected at "
+                         f"least --vocab_size={size} (pass --vocab_size={len(counts)} or "
+                         "fewer, or TFF's stackoverflow.word_count as --vocab_file)")
     ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:size]
     words = []
     for word, _ in ranked:
@@ -495,6 +501,10 @@ def convert_sources(kind: str, sources: Mapping[str, ClientSource], out_dir: str
     if kind == "stackoverflow" and vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1 (the number of vocabulary words), got "
                          f"{vocab_size}")
+    if kind == "stackoverflow" and not 0 < held_out_train_fraction < 1:  # NaN fails too
+        raise ValueError(f"held_out_train_fraction must be in (0, 1) (the share of a held-out "
+                         f"user's sentences used for personalization), got "
+                         f"{held_out_train_fraction}")
     spec = _SPECS[kind]
     check_out_dir(out_dir, overwrite, protected)
     needed = ("train", "test", "held_out") if kind == "stackoverflow" else ("train", "test")
