@@ -257,6 +257,16 @@ def test_wire_decoder_packed_unpacked_negative_and_unknown_fields():
         fixed_len(parsed, {"pixels": ("float", (28, 28))})
     with pytest.raises(ProtoError, match="truncated"):
         parse_example(blob[:20])
+    # Malformed in ways a parser must name, not trip over: a Feature list sent as a varint,
+    # a map key that is not UTF-8 (protobuf's string fields are UTF-8).
+    with pytest.raises(ProtoError, match=r"^Feature field 3 with wire type 0: expected a "
+                                         r"length-delimited list$"):
+        parse_example(_example({"a": _varint(3 << 3 | 0) + _varint(5)}))
+    with pytest.raises(ProtoError, match=r"^feature map key b'\\xff\\xfe' is not UTF-8$"):
+        parse_example(_len(1, _len(1, _len(1, b"\xff\xfe") + _len(2, b""))))
+    # An unknown field of a Feature, of any wire type, is skipped.
+    assert parse_example(_example({"a": _varint(9 << 3 | 0) + _varint(5) + packed_ints})
+                         )["a"][1].tolist() == [7, -3]
 
 
 def test_wire_decoder_reads_every_tensorflow_serialized_fixture_row(tmp_path):

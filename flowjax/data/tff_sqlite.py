@@ -138,7 +138,12 @@ def _feature(buf: bytes) -> tuple[str, Any]:
     """One ``Feature``: ``("bytes", [bytes])``, ``("float", float32 [n])`` or
     ``("int64", int64 [n])``; an empty ``Feature`` is ``("none", [])``."""
     kind, value = "none", []
-    for number, _, payload in _fields(buf):
+    for number, outer_wire, payload in _fields(buf):
+        if number not in (1, 2, 3):
+            continue  # a field this decoder does not know, skipped as protobuf does
+        if outer_wire != 2:
+            raise ProtoError(f"Feature field {number} with wire type {outer_wire}: expected "
+                             "a length-delimited list")
         items_bytes, floats, ints = [], [], []
         for inner, wire, item in _fields(payload):
             if inner != 1:
@@ -181,7 +186,11 @@ def parse_example(blob: bytes) -> dict[str, tuple[str, Any]]:
             key, value = None, ("none", [])
             for field, field_wire, item in _fields(entry):
                 if field == 1 and field_wire == 2:
-                    key = bytes(item).decode("utf-8")
+                    try:
+                        key = bytes(item).decode("utf-8")
+                    except UnicodeDecodeError:
+                        raise ProtoError(f"feature map key {bytes(item)[:40]!r} is not "
+                                         "UTF-8") from None
                 elif field == 2 and field_wire == 2:
                     value = _feature(item)
             if key is None:
