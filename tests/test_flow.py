@@ -113,6 +113,42 @@ def test_policy_step_descends_the_papers_regularized_objective(mlp, images_small
                                                         jax.tree.leaves(params["policy"])))
 
 
+def test_global_step_routes_with_the_policy_just_updated(mlp, images_small):
+    # Eq. 4 / Algorithm 1: on each batch the global branch steps on CE(routed) with the
+    # policy psi^{r+1} of that batch's policy step, not the one it received. One batch of
+    # 4, no split, one routing epoch, no policy dropout; recomputed with the public pieces.
+    lr = CONFIG["sgd"].learning_rate
+    x0 = jnp.asarray(images_small.train.client(0, "train")["x"][:4])
+    algorithm = _algorithm(mlp, images_small, gamma=0.5, halves="none", routing_epochs=1,
+                           policy_dropout=0.0)
+    params = algorithm.init(jax.random.key(0))
+    client, key = _client(images_small, 1, padded_examples=4), jax.random.key(1)
+    personal = jax.jit(algorithm.personalize)(params, client, key)  # its local and policy
+    sent = jax.jit(algorithm.client_update)(params, client, key).params
+    for got, want in zip(jax.tree.leaves(sent["policy"]), jax.tree.leaves(personal["policy"])):
+        np.testing.assert_array_equal(got, want)
+    policy = build_policy(mlp, x0, (16,) * mlp.num_layers, dropout_rate=0.0)
+    x, y = client.x[0], client.y[0]
+
+    def global_after_step(psi):
+        q0 = jnp.exp(policy.log_probs(psi, x)[..., 0])
+
+        def mean_ce(global_params):
+            logits = routed_forward(mlp, global_params, personal["local"], q0, x)
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], -1))
+        grads = jax.grad(mean_ce)(params["global"])
+        return jax.tree.map(lambda p, g: p - lr * g, params["global"], grads)
+
+    expected, with_old_policy = (global_after_step(psi) for psi in (sent["policy"],
+                                                                   params["policy"]))
+    for got, want in zip(jax.tree.leaves(sent["global"]), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+    # The check can tell the two policies apart: the received one gives another step.
+    gap = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+        jax.tree.leaves(expected), jax.tree.leaves(with_old_policy)))
+    assert gap > 1e-4, gap
+
+
 @pytest.mark.parametrize("order", ["alternating", "policy_first", "global_first"])
 def test_each_training_order_moves_global_and_policy(mlp, images_small, order):
     algorithm = _algorithm(mlp, images_small, order=order)

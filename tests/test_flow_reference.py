@@ -336,8 +336,13 @@ def test_policy_eval_dropout_makes_routing_random_at_evaluation(cnn, images_smal
     q0 = [algorithm.predict(params, {**personal, "route_key": jax.random.key_data(
         jax.random.key(k))}, x).q0 for k in (0, 1)]
     assert not np.array_equal(q0[0], q0[1])
-    np.testing.assert_array_equal(algorithm.predict(params, personal, x).q0,
-                                  algorithm.predict(params, personal, x).q0)
+    # Without a route key (what personalize gives only with the option on) the policy
+    # routes with dropout off: exactly the option-off model's routing.
+    off = flow(cnn, FlowConfig(**{**BASE, "policy_hidden": (16, 16, 16, 16),
+                                  "policy_dropout": 0.5}), x)
+    no_dropout = off.predict(params, personal, x).q0
+    np.testing.assert_array_equal(algorithm.predict(params, personal, x).q0, no_dropout)
+    assert not np.array_equal(q0[0], no_dropout)
 
 
 @pytest.mark.parametrize("eval_dropout", [True, False])
