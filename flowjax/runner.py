@@ -235,8 +235,14 @@ def explain_divergence(simulation, run: run_config.ResolvedRun,
     knobs = f"config.{where}.learning_rate (now {run.sgd.learning_rate:g})"
     if run.algorithm == "flow" and run.method.gamma:
         knobs += f" or config.methods.flow.gamma (now {run.method.gamma:g})"
+    server = run.config.server
+    if (server.optimizer, server.learning_rate, server.momentum) != ("sgd", 1.0, 0.0):
+        # Not plain averaging: the server's steps can grow the model the clients receive.
+        knobs += f" or config.server.learning_rate (now {server.learning_rate:g})"
     # The guard's remedy ("Lower the learning rate, or ...") with the values to lower.
-    remedy = error.remedy.replace("the learning rate", knobs, 1)
+    remedy = error.remedy.replace("the learning rate", knobs, 1).replace(
+        "the server learning rate",
+        f"config.server.learning_rate (now {run.config.server.learning_rate:g})", 1)
     if error.stage == "evaluation":
         return error.explained(error.cause, remedy)
     cohort = simulation.host_cohort(error.round_number - 1)

@@ -300,6 +300,10 @@ CASES: tuple[Case, ...] = (
             "first rounds, before HypCluster's own", algorithm="hypcluster"),
     _config("methods.fedrep.head_epochs", 0, "config.methods.fedrep.body_epochs=0: expected "
             "head_epochs + body_epochs >= 1 (head_epochs=0)", **{"methods.fedrep.body_epochs": 0}),
+    _config("server.learning_rate", 1e39, "config.server.learning_rate=1e+39: expected a "
+            "finite number > 0 that stays so in float32 (1e-45 to 3.4e38)"),
+    _config("server.eps", 1e-50, "config.server.eps=1e-50: expected a finite number > 0 that "
+            "stays so in float32 (1e-45 to 3.4e38)"),
     _config("methods.local.sgd.epochs", 0, "config.methods.local.sgd.epochs=0: expected an "
             "integer >= 1"),
     _config("methods.local.sgd.learning_rate", 0.0, "config.methods.local.sgd.learning_rate="
@@ -1032,6 +1036,18 @@ COMMAND_CASES += (
                  "--config.sgd.learning_rate=1e30"),
                 "error: flow: round ",
                 _COMPARE_WHERE, trains=True),
+    CommandCase("a server step that overflows (`--config.server.learning_rate=3e38`, client "
+                "learning rate 10), even under `on_divergence=skip_clients`",
+                ("launch/train.py", "--config=configs/synthetic.py:quick",
+                 "--config.data.num_clients=12", "--config.num_rounds=2",
+                 "--config.clients_per_round=3", "--config.checkpoint_every=1",
+                 "--config.algorithm=fedavg", "--config.sgd.learning_rate=10",
+                 "--config.server.learning_rate=3e38", "--config.on_divergence=skip_clients"),
+                "error: round 1: training diverged: the server's step made its parameters "
+                "non-finite (every client update was finite), while the round's inputs and "
+                "labels are valid; stopping, no checkpoint was written. Lower "
+                "config.server.learning_rate (now 3e+38); on_divergence='skip_clients' cannot "
+                "drop a server step", _TRAIN_WHERE, workdir="{tmp}/run", trains=True),
     CommandCase("FedAvg at `--config.sgd.learning_rate=1e30` (losses grow by ~28 orders of "
                 "magnitude and stay finite)",
                 _TRAIN + (*_TINY, "--config.algorithm=fedavg", "--config.sgd.learning_rate=1e30"),

@@ -344,6 +344,26 @@ def test_divergence_names_bad_data_before_the_learning_rate():
         "expected labels in [0, 62) for emnist_cnn; stopping")
 
 
+def test_divergence_names_the_server_learning_rate_when_the_server_does_more_than_average():
+    from flowjax.runner import explain_divergence
+    from tests.bad_input_cases import base_config, images
+
+    clean = experiment.DivergenceError(1, float("nan"), 3, None)
+    remedies = {}
+    for server in ({}, {"server.learning_rate": 30.0}, {"server.optimizer": "adam"}):
+        config = base_config({"model": "emnist_cnn", "algorithm": "fedavg", **server})
+        run = run_config.resolve(config, images())
+        message = str(explain_divergence(run_config.simulation_for(run), run, clean))
+        remedies[tuple(server.values())] = message.split(". ", 1)[1]
+    assert remedies[()] == ("Lower config.sgd.learning_rate (now 1), or set "
+                            "on_divergence='skip_clients' to drop such clients and go on")
+    assert remedies[(30.0,)] == ("Lower config.sgd.learning_rate (now 1) or "
+                                 "config.server.learning_rate (now 30), or set "
+                                 "on_divergence='skip_clients' to drop such clients and go on")
+    assert remedies[("adam",)].startswith("Lower config.sgd.learning_rate (now 1) or "
+                                          "config.server.learning_rate (now 1), or set ")
+
+
 def test_a_config_json_alone_does_not_block_the_corrected_rerun(tmp_path):
     import json
 

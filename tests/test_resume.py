@@ -394,6 +394,28 @@ def test_skip_clients_goes_on_and_reports_the_dropped_clients(tmp_path):
     assert (tmp_path / "results.json").exists()
 
 
+def test_a_server_step_that_diverges_stops_before_its_checkpoint_under_either_setting(
+        tmp_path):
+    """Finite client updates, a server step that overflows: the round's record flags it and
+    the run stops before saving that round, even under skip_clients (it cannot drop a
+    server step; the next round's clients would all diverge from the broken model)."""
+    for setting in ("stop", "skip_clients"):
+        workdir = tmp_path / setting
+        done = train(workdir, "--config.algorithm=fedavg", "--config.sgd.learning_rate=10",
+                     "--config.server.learning_rate=3e38", "--config.checkpoint_every=1",
+                     f"--config.on_divergence={setting}")
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert done.stderr.strip().splitlines()[-1].startswith(
+            "error: round 1: training diverged: the server's step made its parameters "
+            "non-finite (every client update was finite)")
+        records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+        assert [(r["round"], r["server_nonfinite"], r["clients_skipped"]) for r in records] == [
+            (1, 1.0, 0.0)]
+        assert not (workdir / "results.json").exists()
+        checkpoints = workdir / "checkpoints"
+        assert not checkpoints.exists() or not any(checkpoints.iterdir())
+
+
 LOCAL_DIVERGES = ("--config.algorithm=local", "--config.methods.local.sgd.learning_rate=1e30")
 
 

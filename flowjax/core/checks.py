@@ -75,8 +75,18 @@ def optional_cap(value: Any) -> str | None:
     return "expected None (no cap) or an integer >= 1"
 
 
+# float32's largest finite value and half its smallest subnormal: the run computes in
+# float32, where a larger value is inf and a value at or below the bound rounds to 0.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_ZERO_BELOW = 0.7006492321624085e-45
+
+
 def positive(value: Any) -> str | None:
-    return None if is_number(value) and value > 0 else "expected a finite number > 0"
+    if not (is_number(value) and value > 0):
+        return "expected a finite number > 0"
+    if not FLOAT32_ZERO_BELOW < value <= FLOAT32_MAX:
+        return "expected a finite number > 0 that stays so in float32 (1e-45 to 3.4e38)"
+    return None
 
 
 def non_negative(value: Any) -> str | None:

@@ -234,6 +234,8 @@ def run_folder_callbacks(workdir: str | None, checkpoint_every: int = 0,
 # ---------------------------------------------------------------------------- divergence
 DEFAULT_REMEDY = ("Lower the learning rate, or set on_divergence='skip_clients' to drop "
                   "such clients and go on")
+SERVER_REMEDY = ("Lower the server learning rate; on_divergence='skip_clients' cannot drop a "
+                 "server step")
 EVALUATION_REMEDY = ("Lower the learning rate, or set on_divergence='skip_clients' to count "
                      "such predictions as wrong and go on")
 # A training loss above this multiple of the run's first finite training loss is reported
@@ -295,6 +297,18 @@ def check_finite(record: Record, last_good: int | None) -> None:
         raise DivergenceError(record["round"], loss, int(skipped), last_good)
 
 
+def check_server_finite(record: Record, last_good: int | None) -> None:
+    """Raises ``DivergenceError`` when the round's server step made its params non-finite
+    (whatever ``on_divergence``: no client can be dropped to undo it)."""
+    if record.get("server_nonfinite"):
+        skipped = int(record.get("clients_skipped", 0) or 0)
+        clients = (f"{skipped} client update(s) were non-finite and dropped" if skipped
+                   else "every client update was finite")
+        raise DivergenceError(record["round"], record.get("loss"), skipped, last_good,
+                              f"the server's step made its parameters non-finite ({clients})",
+                              SERVER_REMEDY)
+
+
 def nonfinite_predictions(record: Record) -> str | None:
     """What an eval record's non-finite predictions were, as text, or None if none.
 
@@ -344,7 +358,8 @@ class DivergenceGuard(Callback):
     Args:
       on_divergence: ``stop`` raises ``DivergenceError`` when a client returned
         non-finite parameters or the loss is not finite; ``skip_clients`` goes on (such
-        clients are always dropped from the round's mean), reporting them.
+        clients are always dropped from the round's mean), reporting them. Either way a
+        server step that made the server's params non-finite stops the run.
       warn: receives, once per run each, a line when the training loss grows past
         ``LOSS_GROWTH_WARNING`` times its first value and when ``skip_clients`` first
         drops a client (only the primary process warns).
@@ -375,7 +390,8 @@ class DivergenceGuard(Callback):
             return
         if self.on_divergence == "stop":
             check_finite(record, run.last_checkpoint)
-        elif record.get("clients_skipped"):
+        check_server_finite(record, run.last_checkpoint)
+        if self.on_divergence == "skip_clients" and record.get("clients_skipped"):
             self._warn_once("skipped", f"round {record['round']}: "
                             f"{int(record['clients_skipped'])} client(s) returned non-finite "
                             "parameters and were dropped (on_divergence='skip_clients'; "

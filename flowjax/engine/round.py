@@ -61,7 +61,8 @@ def make_round(algorithm: FederatedAlgorithm, server_optimizer: optax.GradientTr
     ``metrics`` holds the clients' summed metrics, ``weight`` (total example weight, a
     client's counted once however many parameter groups it trains) and ``clients_skipped``
     (clients whose params or new client state went non-finite: they are dropped from the
-    mean and keep the state they came with; the run loop decides to stop or go on).
+    mean and keep the state they came with; the run loop decides to stop or go on) and
+    ``server_nonfinite`` (the server's new params are not all finite: the run stops).
     ``client_states`` is None for a stateless algorithm.
     """
 
@@ -111,6 +112,9 @@ def make_round(algorithm: FederatedAlgorithm, server_optimizer: optax.GradientTr
         metrics = _sum_metrics(results.metrics)
         metrics["weight"] = total_weight
         metrics["clients_skipped"] = jnp.sum(~finite)
+        # The server's own step can diverge from finite client updates (a server learning
+        # rate too large): flagged in the round's record, so a run stops before saving it.
+        metrics["server_nonfinite"] = jnp.logical_not(tree_all_finite(new_state.params))
         new_client_states = results.client_state
         if client_states is not None:  # a dropped client keeps the state it came with
             new_client_states = jax.tree.map(
