@@ -596,8 +596,9 @@ def validate_task(task: FederatedTask, model: RoutableModel) -> None:
     Labels must lie in ``[0, num_classes)``, float features must be finite, token ids
     must lie in ``[0, vocab_size)`` (and a store that records its number of token ids
     must have the model's ``vocab_size``), feature shapes and dtypes must be what the model
-    takes, every population must have clients, and some training client must have
-    training examples (individual empty clients are fine: they weigh 0). In-memory data
+    takes, every population must have clients, some training client must have
+    training examples and some client of each population test examples (individual empty
+    clients are fine: they weigh 0). In-memory data
     is checked as a whole, a store from the value ranges it recorded, and data known only
     through the ``FederatedData`` protocol by reading each client once.
 
@@ -619,3 +620,10 @@ def validate_task(task: FederatedTask, model: RoutableModel) -> None:
     if int(np.sum(task.train.num_examples("train"))) == 0:
         raise ValueError(f"data train/train: all {len(task.train.client_ids)} training clients "
                          f"have 0 training examples: expected at least one")
+    for name, data in populations.items():
+        # Every evaluation scores each population's test split; found here, not after the
+        # run has trained (a run evaluates at its end).
+        if data is not None and int(np.sum(data.num_examples("test"))) == 0:
+            raise ValueError(f"data {name}/test: all {len(data.client_ids)} clients have 0 "
+                             f"test examples: expected at least one (evaluation scores the "
+                             f"test split)")

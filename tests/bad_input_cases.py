@@ -125,9 +125,10 @@ def _population(make: Callable[[int], tuple[np.ndarray, np.ndarray]], sizes: Seq
 
 
 def images(edit: Edit | None = None, *, shape=(28, 28), x_dtype=np.float32, y_dtype=np.int32,
-           sizes=(4, 3, 5), test_sizes=(2, 2, 2), held_out_clients: int | None = None
-           ) -> FederatedTask:
-    """Three EMNIST-shaped clients (62 classes), then ``edit`` on the train features."""
+           sizes=(4, 3, 5), test_sizes=(2, 2, 2), held_out_clients: int | None = None,
+           held_out_train: int = 0) -> FederatedTask:
+    """Three EMNIST-shaped clients (62 classes), then ``edit`` on the train features;
+    ``held_out_clients`` more with ``held_out_train`` train and no test examples each."""
     rng = np.random.default_rng(0)
 
     def make(n):
@@ -136,7 +137,8 @@ def images(edit: Edit | None = None, *, shape=(28, 28), x_dtype=np.float32, y_dt
 
     held_out = None
     if held_out_clients is not None:
-        held_out = _population(make, (0,) * held_out_clients, (0,) * held_out_clients, None)
+        held_out = _population(make, (held_out_train,) * held_out_clients,
+                               (0,) * held_out_clients, None)
     return FederatedTask(_population(make, sizes, test_sizes, edit), held_out, "bad_images")
 
 
@@ -358,6 +360,12 @@ CASES: tuple[Case, ...] = (
     Case("held-out clients that are all empty", "data held_out: every one of its 2 clients has "
          "0 examples: expected at least one example", CNN,
          lambda: images(held_out_clients=2)),
+    Case("no client with test examples", "data train/test: all 3 clients have 0 test "
+         "examples: expected at least one (evaluation scores the test split)", CNN,
+         lambda: images(test_sizes=(0, 0, 0))),
+    Case("held-out clients with train examples only", "data held_out/test: all 2 clients have "
+         "0 test examples: expected at least one (evaluation scores the test split)", CNN,
+         lambda: images(held_out_clients=2, held_out_train=4)),
 )
 
 _TRAIN = ("launch/train.py", "--config=configs/shakespeare.py:quick")
