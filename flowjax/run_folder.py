@@ -282,7 +282,8 @@ def differing_run_fields(stored: dict[str, Any], requested: dict[str, Any]) -> l
     A run stored under ``on_divergence="stop"`` may be resumed or reused under
     ``"skip_clients"``: until a divergence both write the same records and checkpoints,
     and "stop" raises at the diverged round's record, before its checkpoint. Not the other
-    way: a "skip_clients" run may have gone on past a divergence.
+    way: a "skip_clients" run may have gone on past a divergence
+    (``runner.conflicting_fields`` allows it while ``went_past_a_divergence`` is False).
     """
     differing = differing_fields(_result_config(stored), _result_config(requested))
     if (stored.get("on_divergence", "stop") == "stop"
@@ -397,6 +398,19 @@ def run_files_present(workdir: str) -> list[str]:
     folders = [f"{name}/" for name in RUN_FOLDERS
                if os.path.isdir(path(workdir, name)) and os.listdir(path(workdir, name))]
     return files + folders
+
+
+def went_past_a_divergence(workdir: str) -> bool:
+    """Whether a record of ``workdir``'s ``metrics.jsonl`` dropped a client or counted a
+    non-finite prediction (what only ``on_divergence='skip_clients'`` goes on after)."""
+    return any(record.get("clients_skipped") or record.get("clients_nonfinite")
+               for record in read_metrics(workdir))
+
+
+def has_client_state_files(workdir: str) -> bool:
+    """Whether ``workdir`` keeps client-state rows on disk (``client_states/``)."""
+    folder = path(workdir, CLIENT_STATES)
+    return os.path.isdir(folder) and bool(os.listdir(folder))
 
 
 def run_started(workdir: str) -> bool:

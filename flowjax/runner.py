@@ -48,7 +48,17 @@ def conflicting_fields(workdir: str, resolved: dict, remedy: str) -> list[str]:
                          f"(top-level learning_rate/gamma, no config.sgd), so it cannot be "
                          f"resumed or compared; nothing was deleted; {remedy}")
     differing = run_folder.differing_run_fields(previous, resolved)
+    if differing == ["on_divergence"] and not run_folder.went_past_a_divergence(workdir):
+        # Stored as skip_clients, asked as stop: the same run while no client was dropped
+        # (an attempt that stopped before it saved anything rewrote config.json only).
+        differing = []
     checkpoints = run_folder.checkpoint_rounds(workdir)
+    if (checkpoints and resolved.get("client_states", "memory") != "disk"
+            and run_folder.has_client_state_files(workdir) and not run_folder.finished(workdir)):
+        # Refused here, before config.json is rewritten, not when the checkpoint is read.
+        raise ValueError(f"{workdir} holds an unfinished run whose client states are in its "
+                         f"client_states/ (client_states='disk'); expected "
+                         f"--config.client_states=disk to resume it, or {remedy}")
     if (not differing and checkpoints and not resolved.get("checkpoint_every")
             and not run_folder.finished(workdir)):
         raise ValueError(f"{workdir} holds this config's unfinished run with checkpoints up "

@@ -1113,7 +1113,8 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               "as wrong (they used to score as argmax's class 0: Acc_p 0.25 here) and "
               "`results.json` counts the clients as `clients_nonfinite`; rerun so in the "
               "stopped run's workdir, it resumes from round 2's checkpoint to a fresh "
-              "`skip_clients` run's bytes (a `skip_clients` run is not resumed under `stop`)",
+              "`skip_clients` run's bytes (a `skip_clients` run that dropped a client or counted a "
+              "non-finite prediction is not resumed under `stop`)",
               "tests/test_resume.py::"
               "test_a_diverged_personalization_stops_and_skip_clients_resumes_it"),
     Behaviour("`--config.seed=4294967296` (2^32)", "keys (`flowjax/core/prng.py`)", "runs with "

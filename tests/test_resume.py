@@ -170,12 +170,16 @@ def test_client_states_on_disk_resume_exactly_with_the_memory_runs_bytes(ditto_i
     # 2's, the files hold round 4's rows, and nothing is applied.
     killed = train(tmp_path / "b", *disk, fault="saved:4")
     assert killed.returncode == -signal.SIGKILL
-    # Its rows are not in the checkpoint: resuming it in memory is refused in one line.
+    # Its rows are not in the checkpoint: resuming it in memory is refused in one line,
+    # before its config.json is touched (it used to be rewritten to say "memory").
+    config_bytes = (tmp_path / "b" / "config.json").read_bytes()
     refused = train(tmp_path / "b", "--config.algorithm=ditto")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
-    assert refused.stderr.strip().splitlines()[-1].endswith(
-        "expected --config.client_states=disk to resume it; use another --workdir or "
-        "--overwrite")
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"error: {tmp_path / 'b'} holds an unfinished run whose client states are in its "
+        "client_states/ (client_states='disk'); expected --config.client_states=disk to "
+        "resume it, or use --overwrite to replace the run or another --workdir")
+    assert (tmp_path / "b" / "config.json").read_bytes() == config_bytes
     resumed = train(tmp_path / "b", *disk)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((tmp_path / "b" / "run.json").read_text())["resumed_from_round"] == 4
@@ -455,6 +459,21 @@ def test_a_diverged_personalization_stops_and_skip_clients_resumes_it(tmp_path):
     back = train(tmp_path / "fresh", *LOCAL_DIVERGES)
     assert back.returncode == 2
     assert "holds a run with a different config (differs in: on_divergence)" in back.stderr
+
+
+def test_stop_resumes_a_run_that_a_skip_clients_attempt_left_before_dropping_anyone(
+        uninterrupted, tmp_path):
+    """A skip_clients attempt rewrites config.json at its start; stopped before it dropped
+    a client (here killed after its round 4, before saving it) the run is still the one
+    stop would make, so the original command resumes it to the same bytes."""
+    killed = train(tmp_path, fault="checkpoint:4")
+    assert killed.returncode == -signal.SIGKILL
+    again = train(tmp_path, "--config.on_divergence=skip_clients", fault="round:4")
+    assert again.returncode == -signal.SIGKILL
+    assert json.loads((tmp_path / "config.json").read_text())["on_divergence"] == "skip_clients"
+    resumed = train(tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert same_run(tmp_path, uninterrupted)
 
 
 def test_metrics_jsonl_is_on_disk_before_results_json_marks_the_run_finished(tmp_path,
