@@ -11,6 +11,7 @@ replaces, are complete: an interrupted run never leaves a half-deleted ``checkpo
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import threading
@@ -106,16 +107,33 @@ class Checkpointer:
             restored = self._manager.restore(rounds_done, args=ocp.args.Composite(**items))
         except Exception as error:  # orbax raises many types; the user needs one line
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            raise ValueError(
-                f"checkpoint {self.directory}/{rounds_done} cannot be restored "
-                f"({type(error).__name__}: {first_line[:200]}); it is corrupt or from a "
-                f"different model/config: use another --workdir or --overwrite") from None
+            what = (f"checkpoint {self.directory}/{rounds_done} cannot be restored "
+                    f"({type(error).__name__}: {first_line[:200]})")
+            if _not_the_checkpoints_fault(error):
+                raise CheckpointUnreadable(
+                    f"{what}; the checkpoint may be intact: fix that and run the same "
+                    f"command again (--overwrite would delete the run)") from None
+            raise ValueError(f"{what}; it is corrupt or from a different model/config: use "
+                             f"another --workdir or --overwrite") from None
         rows = _rows_from_tree(restored["clients"]) if stateful else None
         return _placed_like(restored["state"], target_state), rows, dict(restored["meta"])
 
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+class CheckpointUnreadable(ValueError):
+    """A checkpoint that could not be read for a cause outside it (permissions, memory,
+    the disk): not to be called corrupt, nor deleted."""
+
+
+def _not_the_checkpoints_fault(error: BaseException) -> bool:
+    """Whether reading failed for a cause outside the checkpoint's files: no permission,
+    no memory, an I/O error or too many open files (a missing file is the checkpoint's)."""
+    return isinstance(error, (PermissionError, MemoryError)) or (
+        isinstance(error, OSError)
+        and error.errno in (errno.EIO, errno.ENOMEM, errno.EMFILE, errno.ENFILE))
 
 
 def _placed_like(restored: PyTree, target: PyTree) -> PyTree:

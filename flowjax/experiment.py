@@ -35,7 +35,9 @@ def run(simulation: Simulation, *, workdir: str | None = None,
       checkpoint_every: save every N rounds and after the last one (0: never). With a
         workdir holding checkpoints, the run resumes from the newest complete one and
         replays exactly what the uninterrupted run would have done.
-      run_fingerprint: JSON metadata a resumed checkpoint must match (the config).
+      run_fingerprint: JSON metadata a resumed checkpoint must match (the config). None
+        checks nothing: a ``workdir`` holding another run's checkpoints is resumed as it
+        is (the launchers pass the config, and refuse another run's folder before this).
       on_divergence, warn: see ``flowjax.engine.callbacks.DivergenceGuard``.
       callbacks: more callbacks, run after these.
     """

@@ -276,6 +276,29 @@ def test_corrupt_checkpoint_fails_in_one_line_and_is_left_in_place(uninterrupted
         assert (tmp_path / name).read_bytes() == (uninterrupted / name).read_bytes(), name
 
 
+def test_a_checkpoint_unreadable_for_a_cause_outside_it_is_not_called_corrupt(
+        uninterrupted, tmp_path, monkeypatch):
+    """A permission or memory error while reading must not advise --overwrite (which
+    deletes an intact run) nor a move to an older checkpoint."""
+    import orbax.checkpoint as ocp
+
+    from flowjax.runner import run_config_to_workdir
+    shutil.copytree(uninterrupted, tmp_path, dirs_exist_ok=True)
+    for name in ("results.json", "run.json"):
+        (tmp_path / name).unlink()
+
+    def unreadable(self, step, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", f"{self.directory}/{step}/state")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", unreadable)
+    with pytest.raises(ValueError) as failed:
+        run_config_to_workdir(run_config(), str(tmp_path), progress=False)
+    assert str(failed.value) == (
+        f"checkpoint {tmp_path}/checkpoints/6 cannot be restored (PermissionError: [Errno 13] "
+        f"Permission denied: '{tmp_path}/checkpoints/6/state'); the checkpoint may be intact: "
+        f"fix that and run the same command again (--overwrite would delete the run)")
+
+
 def run_config(**fields):
     """``RUN``'s config (in this process: the runner's checks of a workdir need no
     launcher), with ``fields`` set."""

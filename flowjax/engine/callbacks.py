@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from flowjax import distributed, run_folder
-from flowjax.checkpoint import Checkpointer
+from flowjax.checkpoint import CheckpointUnreadable, Checkpointer
 from flowjax.engine.round import ServerState
 from flowjax.evaluation.metrics import EvalSummary
 
@@ -129,6 +129,8 @@ class Checkpoints(Callback):
         try:
             state, rows, meta = checkpointer.restore(latest, run.state,
                                                      simulation.algorithm.stateful)
+        except CheckpointUnreadable:
+            raise  # not the checkpoint's fault: no older one to point at
         except ValueError as error:
             older = [r for r in checkpointer.rounds() if r < latest]
             states = simulation.client_states
