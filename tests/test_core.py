@@ -40,6 +40,19 @@ def test_weighted_mean_with_equal_weights_is_the_mean():
                                   jit_mean(stacked[jnp.array([0, 1, 3])]))
 
 
+def test_weighted_mean_keeps_float64_leaves_to_float64_precision():
+    # With x64 on, the weights' sum and its inverse were float32: three clients equal to
+    # 1.0 averaged to 1.0000000298.
+    with jax.enable_x64(True):
+        ones = jnp.ones((3, 2), jnp.float64)
+        np.testing.assert_array_equal(weighted_mean(ones, jnp.array([1.0, 1.0, 1.0])), 1.0)
+        np.testing.assert_array_equal(weighted_mean(ones, jnp.array([1.0, 2.0, 3.0])), 1.0)
+        values = jnp.array([1.0, 2.0, 3.0], jnp.float64)
+        got = weighted_mean(values, jnp.array([1.0, 2.0, 3.0]))
+        assert got.dtype == jnp.float64
+        np.testing.assert_allclose(got, 14.0 / 6.0, rtol=2e-16)
+
+
 def test_weighted_mean_with_equal_weights_does_not_depend_on_their_value():
     stacked = {"a": jax.random.normal(jax.random.key(1), (10, 33, 17)),
                "b": jax.random.normal(jax.random.key(2), (10,))}

@@ -33,6 +33,11 @@ def weighted_mean(stacked: PyTree, weights: jax.Array) -> PyTree:
     scale = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
 
     def leaf_mean(leaf):
+        if leaf.dtype == jnp.float64:  # an x64 run: the sum and its inverse in float64 too
+            wide = weights.astype(jnp.float64)
+            wide_total = jnp.sum(wide)
+            return jnp.tensordot(wide, leaf, axes=1) * jnp.where(
+                wide_total > 0, 1.0 / jnp.where(wide_total > 0, wide_total, 1.0), 0.0)
         summed = jnp.tensordot(weights.astype(leaf.dtype), leaf, axes=1)
         return summed * scale.astype(leaf.dtype)
 
