@@ -92,6 +92,15 @@ class Checkpointer:
             # (told next that this checkpoint exists) drops what restores the previous one.
             fsync_tree(os.path.join(self.directory, str(rounds_done)))
 
+    def meta(self, rounds_done: int) -> dict[str, Any]:
+        """The metadata saved with a checkpoint ({} if it cannot be read)."""
+        try:
+            restored = self._manager.restore(
+                rounds_done, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        except Exception:  # what restore() would name, when the run reads it
+            return {}
+        return dict(restored["meta"] or {})
+
     def restore(self, rounds_done: int, target_state: PyTree,
                 stateful: bool) -> tuple[PyTree, dict[str, Any] | None, dict[str, Any]]:
         """``(state, client rows or None, meta)`` of a checkpoint.
@@ -128,12 +137,19 @@ class CheckpointUnreadable(ValueError):
     the disk): not to be called corrupt, nor deleted."""
 
 
+# The statuses tensorstore (which reads the arrays' data) puts first in its errors for a
+# cause outside the files: absl's PERMISSION_DENIED, RESOURCE_EXHAUSTED, UNAVAILABLE.
+_TENSORSTORE_NOT_THE_FILES = ("PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "UNAVAILABLE")
+
+
 def _not_the_checkpoints_fault(error: BaseException) -> bool:
     """Whether reading failed for a cause outside the checkpoint's files: no permission,
     no memory, an I/O error or too many open files (a missing file is the checkpoint's)."""
-    return isinstance(error, (PermissionError, MemoryError)) or (
-        isinstance(error, OSError)
-        and error.errno in (errno.EIO, errno.ENOMEM, errno.EMFILE, errno.ENFILE))
+    return (isinstance(error, (PermissionError, MemoryError))
+            or (isinstance(error, OSError)
+                and error.errno in (errno.EIO, errno.ENOMEM, errno.EMFILE, errno.ENFILE))
+            or (isinstance(error, ValueError)
+                and str(error).lstrip().startswith(_TENSORSTORE_NOT_THE_FILES)))
 
 
 def _placed_like(restored: PyTree, target: PyTree) -> PyTree:

@@ -22,7 +22,8 @@ from flowjax.core.server_opt import server_optimizer
 from flowjax.data import FederatedTask, load_task
 from flowjax.experiment import RunSettings, Simulation
 from flowjax.models import RoutableModel
-from flowjax.validation import validate_cohort_size, validate_config, validate_task
+from flowjax.validation import (validate_cohort_size, validate_config,
+                                validate_evaluated_populations, validate_task)
 
 
 def _optional_int(value):
@@ -131,6 +132,7 @@ def resolve(config, task: FederatedTask | None = None) -> ResolvedRun:
     task = task or build_task(config)
     validate_task(task, model)
     validate_cohort_size(config, task)
+    validate_evaluated_populations(config, task)
     return ResolvedRun(config, method, model, task, build_settings(config, method.sgd),
                        example_batch(task, method.sgd.batch_size))
 

@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -401,10 +402,33 @@ def run_files_present(workdir: str) -> list[str]:
 
 
 def went_past_a_divergence(workdir: str) -> bool:
-    """Whether a record of ``workdir``'s ``metrics.jsonl`` dropped a client or counted a
-    non-finite prediction (what only ``on_divergence='skip_clients'`` goes on after)."""
-    return any(record.get("clients_skipped") or record.get("clients_nonfinite")
-               for record in read_metrics(workdir))
+    """Whether ``workdir``'s run went on past a divergence, as only
+    ``on_divergence='skip_clients'`` does: a record of a round it will not replay (up to
+    its newest checkpoint; all of a finished run's) dropped a client, counted a
+    non-finite prediction or a non-finite loss."""
+    last = None if finished(workdir) else (checkpoint_rounds(workdir) or [0])[-1]
+
+    def diverged(record: dict[str, Any]) -> bool:
+        loss = record.get("loss")
+        return bool(record.get("clients_skipped") or record.get("clients_nonfinite")
+                    or record.get("server_nonfinite")
+                    or (record.get("kind") == "train" and loss is not None
+                        and not math.isfinite(loss)))
+
+    return any(diverged(record) for record in read_metrics(workdir)
+               if last is None or record.get("round", 0) <= last)
+
+
+def resumable_differences(workdir: str, stored: dict[str, Any],
+                          requested: dict[str, Any]) -> list[str]:
+    """``differing_run_fields`` of a run in ``workdir``, less ``on_divergence`` where it
+    was stored as "skip_clients", is asked as "stop" and never went past a divergence
+    (the same run: an attempt under "skip_clients" writes its config at its start)."""
+    differing = differing_run_fields(stored, requested)
+    if (differing == ["on_divergence"] and requested.get("on_divergence", "stop") == "stop"
+            and not went_past_a_divergence(workdir)):
+        return []
+    return differing
 
 
 def has_client_state_files(workdir: str) -> bool:

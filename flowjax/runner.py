@@ -14,6 +14,7 @@ import numpy as np
 
 from flowjax import config as run_config
 from flowjax import distributed, run_folder
+from flowjax.checkpoint import Checkpointer
 from flowjax.core import client_state
 from flowjax.core.checks import new_folder_problem
 from flowjax.engine import loop
@@ -47,14 +48,12 @@ def conflicting_fields(workdir: str, resolved: dict, remedy: str) -> list[str]:
         raise ValueError(f"{workdir} holds a run written by an older flowjax config schema "
                          f"(top-level learning_rate/gamma, no config.sgd), so it cannot be "
                          f"resumed or compared; nothing was deleted; {remedy}")
-    differing = run_folder.differing_run_fields(previous, resolved)
-    if differing == ["on_divergence"] and not run_folder.went_past_a_divergence(workdir):
-        # Stored as skip_clients, asked as stop: the same run while no client was dropped
-        # (an attempt that stopped before it saved anything rewrote config.json only).
-        differing = []
+    differing = run_folder.resumable_differences(workdir, previous, resolved)
     checkpoints = run_folder.checkpoint_rounds(workdir)
     if (checkpoints and resolved.get("client_states", "memory") != "disk"
-            and run_folder.has_client_state_files(workdir) and not run_folder.finished(workdir)):
+            and not run_folder.finished(workdir) and run_folder.has_client_state_files(workdir)
+            and (Checkpointer(run_folder.path(workdir, run_folder.CHECKPOINTS)).meta(
+                checkpoints[-1]).get("fingerprint") or {}).get("client_states") == "disk"):
         # Refused here, before config.json is rewritten, not when the checkpoint is read.
         raise ValueError(f"{workdir} holds an unfinished run whose client states are in its "
                          f"client_states/ (client_states='disk'); expected "
@@ -250,9 +249,7 @@ def explain_divergence(simulation, run: run_config.ResolvedRun,
         # Not plain averaging: the server's steps can grow the model the clients receive.
         knobs += f" or config.server.learning_rate (now {server.learning_rate:g})"
     # The guard's remedy ("Lower the learning rate, or ...") with the values to lower.
-    remedy = error.remedy.replace("the learning rate", knobs, 1).replace(
-        "the server learning rate",
-        f"config.server.learning_rate (now {run.config.server.learning_rate:g})", 1)
+    remedy = error.remedy.replace("the learning rate", knobs, 1)
     if error.stage == "evaluation":
         return error.explained(error.cause, remedy)
     cohort = simulation.host_cohort(error.round_number - 1)

@@ -515,17 +515,25 @@ class _ClientChecker(_SplitChecker):
 
     def check(self) -> None:
         spec = dict(zip(("x", "y"), self.check_example_spec()))
+        counts = np.asarray(self.data.num_examples(self.split))
         for index, client in enumerate(self.data.client_ids):
+            if counts[index] == 0:
+                continue  # nothing of it is ever read
             rows = self.data.client(index, self.split)
             for feature, empty in spec.items():
                 array = np.asarray(rows[feature]) if feature in rows else None
-                if array is None or array.shape[1:] != empty.shape[1:] or (
-                        array.dtype != empty.dtype):
+                # The cohort casts to the spec's dtype: a kind that casts losslessly in
+                # range (int64 labels for int32) is fine; the values are checked below.
+                if (array is None or array.shape[1:] != empty.shape[1:]
+                        or array.dtype.kind != empty.dtype.kind
+                        or len(array) != counts[index]):
                     got = ("no such feature" if array is None else
-                           f"{array.dtype} {_shape_text(array.shape[1:])} per example")
+                           f"{len(array)} rows of {array.dtype} "
+                           f"{_shape_text(array.shape[1:])}")
                     self.fail(feature, f" of client {client!r}: {got}; expected "
-                                       f"{empty.dtype} {_shape_text(empty.shape[1:])}, "
-                                       f"its example_spec")
+                                       f"{counts[index]} rows (num_examples) of "
+                                       f"{empty.dtype} {_shape_text(empty.shape[1:])}, its "
+                                       f"example_spec")
                 self.client = client
                 self.check_values(feature, array)
 
@@ -596,9 +604,9 @@ def validate_task(task: FederatedTask, model: RoutableModel) -> None:
     Labels must lie in ``[0, num_classes)``, float features must be finite, token ids
     must lie in ``[0, vocab_size)`` (and a store that records its number of token ids
     must have the model's ``vocab_size``), feature shapes and dtypes must be what the model
-    takes, every population must have clients, some training client must have
-    training examples and some client of each population test examples (individual empty
-    clients are fine: they weigh 0). In-memory data
+    takes, every population must have clients, and some training client must have
+    training examples and some test examples (individual empty clients are fine: they
+    weigh 0). In-memory data
     is checked as a whole, a store from the value ranges it recorded, and data known only
     through the ``FederatedData`` protocol by reading each client once.
 
@@ -620,10 +628,24 @@ def validate_task(task: FederatedTask, model: RoutableModel) -> None:
     if int(np.sum(task.train.num_examples("train"))) == 0:
         raise ValueError(f"data train/train: all {len(task.train.client_ids)} training clients "
                          f"have 0 training examples: expected at least one")
-    for name, data in populations.items():
-        # Every evaluation scores each population's test split; found here, not after the
-        # run has trained (a run evaluates at its end).
-        if data is not None and int(np.sum(data.num_examples("test"))) == 0:
-            raise ValueError(f"data {name}/test: all {len(data.client_ids)} clients have 0 "
-                             f"test examples: expected at least one (evaluation scores the "
-                             f"test split)")
+    _check_some_test_example("train", task.train)
+
+
+def _check_some_test_example(name: str, data: Any) -> None:
+    # An evaluation scores the test split, and every run evaluates at its end: found here,
+    # not after the run has trained.
+    if int(np.sum(data.num_examples("test"))) == 0:
+        raise ValueError(f"data {name}/test: all {len(data.client_ids)} clients have 0 test "
+                         f"examples: expected at least one (evaluation scores the test split)")
+
+
+def validate_evaluated_populations(config: Any, task: FederatedTask) -> None:
+    """The held-out population, when the run evaluates it (``eval.held_out``), must have
+    a test example (``validate_task`` checks the training clients').
+
+    Raises:
+      ValueError: one line naming the population.
+    """
+    held_out = _field(config, "eval.held_out")
+    if task.held_out is not None and (held_out is _MISSING or held_out):
+        _check_some_test_example("held_out", task.held_out)

@@ -303,9 +303,9 @@ CASES: tuple[Case, ...] = (
     _config("methods.fedrep.head_epochs", 0, "config.methods.fedrep.body_epochs=0: expected "
             "head_epochs + body_epochs >= 1 (head_epochs=0)", **{"methods.fedrep.body_epochs": 0}),
     _config("server.learning_rate", 1e39, "config.server.learning_rate=1e+39: expected a "
-            "finite number > 0 that stays so in float32 (1e-45 to 3.4e38)"),
+            "finite number > 0 that stays so in float32 (1.4e-45 to 3.4e38)"),
     _config("server.eps", 1e-50, "config.server.eps=1e-50: expected a finite number > 0 that "
-            "stays so in float32 (1e-45 to 3.4e38)"),
+            "stays so in float32 (1.4e-45 to 3.4e38)"),
     _config("methods.local.sgd.epochs", 0, "config.methods.local.sgd.epochs=0: expected an "
             "integer >= 1"),
     _config("methods.local.sgd.learning_rate", 0.0, "config.methods.local.sgd.learning_rate="
@@ -365,7 +365,8 @@ CASES: tuple[Case, ...] = (
          lambda: images(test_sizes=(0, 0, 0))),
     Case("held-out clients with train examples only", "data held_out/test: all 2 clients have "
          "0 test examples: expected at least one (evaluation scores the test split)", CNN,
-         lambda: images(held_out_clients=2, held_out_train=4)),
+         lambda: images(held_out_clients=2, held_out_train=4),
+         checked_by="data (`validate_evaluated_populations`)"),
 )
 
 _TRAIN = ("launch/train.py", "--config=configs/shakespeare.py:quick")
@@ -503,8 +504,8 @@ CASES += (
     Case("a NaN pixel in such data", "data train/train/x=nan at client 'c1' (1 bad value): "
          "expected finite values", CNN, lambda: protocol_images(put("x", (5, 3, 3), np.nan))),
     Case("such data whose client c2 returns images of another shape than its example_spec",
-         "data train/train/x of client 'c2': float32 [28, 27] per example; expected float32 "
-         "[28, 28], its example_spec", CNN,
+         "data train/train/x of client 'c2': 5 rows of float32 [28, 27]; expected 5 rows "
+         "(num_examples) of float32 [28, 28], its example_spec", CNN,
          lambda: protocol_images(client_x=(2, np.zeros((5, 28, 27), np.float32)))),
 )
 
@@ -1051,11 +1052,12 @@ COMMAND_CASES += (
                  "--config.clients_per_round=3", "--config.checkpoint_every=1",
                  "--config.algorithm=fedavg", "--config.sgd.learning_rate=10",
                  "--config.server.learning_rate=3e38", "--config.on_divergence=skip_clients"),
-                "error: round 1: training diverged: the server's step made its parameters "
-                "non-finite (every client update was finite), while the round's inputs and "
-                "labels are valid; stopping, no checkpoint was written. Lower "
+                "error: round 1: training diverged: the server's update (the clients' mean "
+                "and the server optimizer's step) made its parameters non-finite (every client "
+                "update was finite), while the round's inputs and labels are valid; stopping, "
+                "no checkpoint was written. Lower config.sgd.learning_rate (now 10) or "
                 "config.server.learning_rate (now 3e+38); on_divergence='skip_clients' cannot "
-                "drop a server step", _TRAIN_WHERE, workdir="{tmp}/run", trains=True),
+                "drop the server's update", _TRAIN_WHERE, workdir="{tmp}/run", trains=True),
     CommandCase("FedAvg at `--config.sgd.learning_rate=1e30` (losses grow by ~28 orders of "
                 "magnitude and stay finite)",
                 _TRAIN + (*_TINY, "--config.algorithm=fedavg", "--config.sgd.learning_rate=1e30"),

@@ -193,6 +193,43 @@ def test_client_states_on_disk_resume_exactly_with_the_memory_runs_bytes(ditto_i
     assert same_run(tmp_path / "c", ditto_in_memory)
 
 
+def test_went_past_a_divergence_reads_the_rounds_a_resume_will_not_replay(tmp_path):
+    from flowjax.run_folder import went_past_a_divergence
+
+    def records(*lines):
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+    train_record = {"round": 1, "kind": "train", "loss": 2.0, "clients_skipped": 0}
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    records(train_record, {**train_record, "round": 3, "clients_skipped": 1})
+    assert not went_past_a_divergence(tmp_path)  # round 3 comes after the checkpoint
+    for diverged in ({"clients_skipped": 2}, {"loss": float("nan")}, {"server_nonfinite": 1}):
+        records({**train_record, **diverged})
+        assert went_past_a_divergence(tmp_path), diverged
+    records(train_record, {"round": 2, "kind": "eval", "clients_nonfinite": 3})
+    assert went_past_a_divergence(tmp_path)
+    records(train_record, {**train_record, "round": 3, "clients_skipped": 1})
+    (tmp_path / "results.json").write_text("{}")  # finished: every record counts
+    assert went_past_a_divergence(tmp_path)
+
+
+def test_a_memory_checkpoint_resumes_in_memory_after_a_disk_attempt_saved_nothing(
+        ditto_in_memory, tmp_path):
+    """Files in client_states/ alone do not make the newest checkpoint a disk run's: a disk
+    attempt killed before its first checkpoint left round 2's memory checkpoint, whose
+    rows are in it, and the memory command resumes from it to the same bytes."""
+    killed = train(tmp_path, "--config.algorithm=ditto", fault="round:3")
+    assert killed.returncode == -signal.SIGKILL
+    disk = train(tmp_path, "--config.algorithm=ditto", "--config.client_states=disk",
+                 fault="round:3")
+    assert disk.returncode == -signal.SIGKILL
+    assert os.listdir(tmp_path / "client_states")
+    resumed = train(tmp_path, "--config.algorithm=ditto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((tmp_path / "run.json").read_text())["resumed_from_round"] == 2
+    assert same_run(tmp_path, ditto_in_memory)
+
+
 @pytest.mark.slow  # the store's side is test_client_state_disk.py's memory-checkpoint test
 def test_a_run_out_of_memory_resumes_with_its_client_states_on_disk(ditto_in_memory, tmp_path):
     killed = train(tmp_path, "--config.algorithm=ditto", fault="round:3")
@@ -287,16 +324,23 @@ def test_a_checkpoint_unreadable_for_a_cause_outside_it_is_not_called_corrupt(
     for name in ("results.json", "run.json"):
         (tmp_path / name).unlink()
 
-    def unreadable(self, step, *args, **kwargs):
-        raise PermissionError(13, "Permission denied", f"{self.directory}/{step}/state")
+    # As Python raises them, and as tensorstore does (it reads the arrays' data; a test
+    # run as root cannot take a file's permission away, so the errors are injected).
+    for error, shown in (
+            (PermissionError(13, "Permission denied", f"{tmp_path}/checkpoints/6/state"),
+             f"PermissionError: [Errno 13] Permission denied: '{tmp_path}/checkpoints/6/state'"),
+            (ValueError("PERMISSION_DENIED: Error opening \"file\" driver: Permission denied"),
+             'ValueError: PERMISSION_DENIED: Error opening "file" driver: Permission denied')):
+        def unreadable(self, step, *args, error=error, **kwargs):
+            raise error
 
-    monkeypatch.setattr(ocp.CheckpointManager, "restore", unreadable)
-    with pytest.raises(ValueError) as failed:
-        run_config_to_workdir(run_config(), str(tmp_path), progress=False)
-    assert str(failed.value) == (
-        f"checkpoint {tmp_path}/checkpoints/6 cannot be restored (PermissionError: [Errno 13] "
-        f"Permission denied: '{tmp_path}/checkpoints/6/state'); the checkpoint may be intact: "
-        f"fix that and run the same command again (--overwrite would delete the run)")
+        monkeypatch.setattr(ocp.CheckpointManager, "restore", unreadable)
+        with pytest.raises(ValueError) as failed:
+            run_config_to_workdir(run_config(), str(tmp_path), progress=False)
+        assert str(failed.value) == (
+            f"checkpoint {tmp_path}/checkpoints/6 cannot be restored ({shown}); the checkpoint "
+            f"may be intact: fix that and run the same command again (--overwrite would "
+            f"delete the run)")
 
 
 def run_config(**fields):
@@ -433,8 +477,9 @@ def test_a_server_step_that_diverges_stops_before_its_checkpoint_under_either_se
                      f"--config.on_divergence={setting}")
         assert done.returncode == 2, done.stderr[-3000:]
         assert done.stderr.strip().splitlines()[-1].startswith(
-            "error: round 1: training diverged: the server's step made its parameters "
-            "non-finite (every client update was finite)")
+            "error: round 1: training diverged: the server's update (the clients' mean and "
+            "the server optimizer's step) made its parameters non-finite (every client update "
+            "was finite)")
         records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
         assert [(r["round"], r["server_nonfinite"], r["clients_skipped"]) for r in records] == [
             (1, 1.0, 0.0)]
@@ -487,13 +532,15 @@ def test_a_diverged_personalization_stops_and_skip_clients_resumes_it(tmp_path):
 def test_stop_resumes_a_run_that_a_skip_clients_attempt_left_before_dropping_anyone(
         uninterrupted, tmp_path):
     """A skip_clients attempt rewrites config.json at its start; stopped before it dropped
-    a client (here killed after its round 4, before saving it) the run is still the one
-    stop would make, so the original command resumes it to the same bytes."""
+    a client (here killed after its round 5, having saved round 4's checkpoint) the run is
+    still the one stop would make, so the original command resumes it to the same bytes
+    (the checkpoint's own config check agrees)."""
     killed = train(tmp_path, fault="checkpoint:4")
     assert killed.returncode == -signal.SIGKILL
-    again = train(tmp_path, "--config.on_divergence=skip_clients", fault="round:4")
+    again = train(tmp_path, "--config.on_divergence=skip_clients", fault="round:5")
     assert again.returncode == -signal.SIGKILL
     assert json.loads((tmp_path / "config.json").read_text())["on_divergence"] == "skip_clients"
+    assert sorted(os.listdir(tmp_path / "checkpoints"))[-1] == "4"  # saved under skip_clients
     resumed = train(tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert same_run(tmp_path, uninterrupted)

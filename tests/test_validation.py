@@ -78,6 +78,39 @@ def test_real_and_partly_empty_data_are_valid():
     validate_task(images(sizes=(0, 3, 0), test_sizes=(2, 0, 0)), get_model("emnist_cnn"))
 
 
+def test_protocol_only_data_of_castable_dtypes_and_empty_clients_is_valid():
+    """Checked client by client: int64 labels for an int32 spec (the cohort casts them,
+    their values checked), and an empty client returning any empty array, are fine."""
+    from flowjax.data.federated import ArrayFederatedData, RaggedSplit
+    from tests.bad_input_cases import ProtocolOnly
+
+    data = images(sizes=(0, 3, 5)).train
+    splits = {split: RaggedSplit({"x": ragged.features["x"],
+                                  "y": ragged.features["y"].astype(np.int64)}, ragged.offsets)
+              for split, ragged in data.splits.items()}
+
+    class Int64Labels(ProtocolOnly):
+        def client(self, index, split):
+            rows = self.data.client(index, split)
+            return rows if len(rows["y"]) else {"x": np.zeros(0), "y": np.zeros(0)}
+
+        @property
+        def example_spec(self):
+            return {"x": ((28, 28), np.dtype(np.float32)), "y": ((), np.dtype(np.int32))}
+
+    source = Int64Labels(ArrayFederatedData(data.client_ids, splits))
+    validate_task(FederatedTask(source, None, "int64_labels"), get_model("emnist_cnn"))
+
+
+def test_held_out_clients_without_test_examples_are_fine_when_not_evaluated():
+    from flowjax import config as run_config
+    from tests.bad_input_cases import base_config
+
+    task = images(held_out_clients=2, held_out_train=4)
+    config = base_config({"model": "emnist_cnn", "eval.held_out": False})
+    assert run_config.resolve(config, task).task is task
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_example_input_is_what_the_data_checks_accept_and_the_model_runs(name):
     model = get_model(name)

@@ -15,6 +15,8 @@ import numbers
 import os
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 Check = Callable[[Any], "str | None"]  # value -> what is expected, or None when fine
 
 
@@ -75,17 +77,13 @@ def optional_cap(value: Any) -> str | None:
     return "expected None (no cap) or an integer >= 1"
 
 
-# float32's largest finite value and half its smallest subnormal: the run computes in
-# float32, where a larger value is inf and a value at or below the bound rounds to 0.
-FLOAT32_MAX = 3.4028234663852886e38
-FLOAT32_ZERO_BELOW = 0.7006492321624085e-45
-
-
 def positive(value: Any) -> str | None:
     if not (is_number(value) and value > 0):
         return "expected a finite number > 0"
-    if not FLOAT32_ZERO_BELOW < value <= FLOAT32_MAX:
-        return "expected a finite number > 0 that stays so in float32 (1e-45 to 3.4e38)"
+    with np.errstate(over="ignore"):
+        as_float32 = np.float32(value)  # what the run computes with
+    if not (np.isfinite(as_float32) and as_float32 > 0):
+        return "expected a finite number > 0 that stays so in float32 (1.4e-45 to 3.4e38)"
     return None
 
 

@@ -111,10 +111,11 @@ class Checkpoints(Callback):
       workdir: the run folder.
       every: rounds between checkpoints (>= 1).
       fingerprint: JSON metadata a resumed checkpoint must match (the config, compared as
-        ``run_folder.differing_run_fields`` does).
+        ``run_folder.resumable_differences`` does).
     """
 
     def __init__(self, workdir: str, every: int, fingerprint: dict[str, Any] | None = None):
+        self.workdir = workdir
         self.directory = run_folder.path(workdir, run_folder.CHECKPOINTS)
         self.every = every
         self.fingerprint = fingerprint
@@ -143,7 +144,8 @@ class Checkpoints(Callback):
         if self.fingerprint is not None:
             stored = meta.get("fingerprint")
             differing = (["(no config recorded)"] if not isinstance(stored, dict)
-                         else run_folder.differing_run_fields(stored, self.fingerprint))
+                         else run_folder.resumable_differences(self.workdir, stored,
+                                                               self.fingerprint))
             if differing:
                 raise ValueError(f"checkpoint {checkpointer.directory}/{latest} was written "
                                  f"by a different config (differs in: "
@@ -236,8 +238,8 @@ def run_folder_callbacks(workdir: str | None, checkpoint_every: int = 0,
 # ---------------------------------------------------------------------------- divergence
 DEFAULT_REMEDY = ("Lower the learning rate, or set on_divergence='skip_clients' to drop "
                   "such clients and go on")
-SERVER_REMEDY = ("Lower the server learning rate; on_divergence='skip_clients' cannot drop a "
-                 "server step")
+SERVER_REMEDY = ("Lower the learning rate; on_divergence='skip_clients' cannot drop the "
+                 "server's update")
 EVALUATION_REMEDY = ("Lower the learning rate, or set on_divergence='skip_clients' to count "
                      "such predictions as wrong and go on")
 # A training loss above this multiple of the run's first finite training loss is reported
@@ -307,7 +309,8 @@ def check_server_finite(record: Record, last_good: int | None) -> None:
         clients = (f"{skipped} client update(s) were non-finite and dropped" if skipped
                    else "every client update was finite")
         raise DivergenceError(record["round"], record.get("loss"), skipped, last_good,
-                              f"the server's step made its parameters non-finite ({clients})",
+                              f"the server's update (the clients' mean and the server "
+                              f"optimizer's step) made its parameters non-finite ({clients})",
                               SERVER_REMEDY)
 
 
