@@ -29,17 +29,23 @@ def weighted_mean(stacked: PyTree, weights: jax.Array) -> PyTree:
     largest = jnp.max(weights)
     equal = jnp.all((weights == largest) | (weights == 0))
     weights = jnp.where(equal, (weights > 0).astype(jnp.float32), weights)
-    total = jnp.sum(weights)
-    scale = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+
+    def inverse_total(dtype):
+        """``1 / total`` (0 for no weight) at ``dtype``."""
+        total = jnp.sum(weights.astype(dtype))
+        return jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+
+    # float32, or float64 for an x64 run's float64 leaves; each computed once.
+    scales = {jnp.dtype(jnp.float32): inverse_total(jnp.float32)}
+
+    def scale_in(dtype):
+        if dtype not in scales:
+            scales[dtype] = inverse_total(dtype)
+        return scales[dtype]
 
     def leaf_mean(leaf):
-        if leaf.dtype == jnp.float64:  # an x64 run: the sum and its inverse in float64 too
-            wide = weights.astype(jnp.float64)
-            wide_total = jnp.sum(wide)
-            return jnp.tensordot(wide, leaf, axes=1) * jnp.where(
-                wide_total > 0, 1.0 / jnp.where(wide_total > 0, wide_total, 1.0), 0.0)
         summed = jnp.tensordot(weights.astype(leaf.dtype), leaf, axes=1)
-        return summed * scale.astype(leaf.dtype)
+        return summed * scale_in(jnp.promote_types(leaf.dtype, jnp.float32)).astype(leaf.dtype)
 
     return jax.tree.map(leaf_mean, stacked)
 
