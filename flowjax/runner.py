@@ -50,10 +50,7 @@ def conflicting_fields(workdir: str, resolved: dict, remedy: str) -> list[str]:
                          f"resumed or compared; nothing was deleted; {remedy}")
     differing = run_folder.resumable_differences(workdir, previous, resolved)
     checkpoints = run_folder.checkpoint_rounds(workdir)
-    if (checkpoints and resolved.get("client_states", "memory") != "disk"
-            and not run_folder.finished(workdir) and run_folder.has_client_state_files(workdir)
-            and (Checkpointer(run_folder.path(workdir, run_folder.CHECKPOINTS)).meta(
-                checkpoints[-1]).get("fingerprint") or {}).get("client_states") == "disk"):
+    if _disk_states_asked_in_memory(workdir, resolved, checkpoints):
         # Refused here, before config.json is rewritten, not when the checkpoint is read.
         raise ValueError(f"{workdir} holds an unfinished run whose client states are in its "
                          f"client_states/ (client_states='disk'); expected "
@@ -65,6 +62,16 @@ def conflicting_fields(workdir: str, resolved: dict, remedy: str) -> list[str]:
                          f"resume: the run would start over and lose them; expected "
                          f"checkpoint_every >= 1 to resume it (any value), or {remedy}")
     return differing
+
+
+def _disk_states_asked_in_memory(workdir: str, resolved: dict, checkpoints: list[int]) -> bool:
+    """Whether ``resolved`` keeps client states in memory while the unfinished run's newest
+    checkpoint left them in ``client_states/`` (its fingerprint says "disk")."""
+    if (not checkpoints or resolved.get("client_states", "memory") == "disk"
+            or run_folder.finished(workdir) or not run_folder.has_client_state_files(workdir)):
+        return False
+    meta = Checkpointer(run_folder.path(workdir, run_folder.CHECKPOINTS)).meta(checkpoints[-1])
+    return (meta.get("fingerprint") or {}).get("client_states") == "disk"
 
 
 UNKNOWN_RUN_REMEDY = ("move its files away to run there (--overwrite deletes only a run "
