@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, SGDConfig,
-                                     client_optimizer, plain_loss_sums,
+                                     client_optimizer, plain_loss_sums, plain_sgd_step,
                                      separate_models_predict, sgd_step, train_plain,
                                      valid_examples)
 from flowjax.core.checks import FieldError, Interval, check_fields, one_of
@@ -114,7 +114,7 @@ def apfl(model: RoutableModel, config: APFLConfig) -> FederatedAlgorithm:
     def plain_sums(params, batch, key):
         return plain_loss_sums(model, params, batch, key)
 
-    global_step = sgd_step(plain_sums, optimizer)
+    global_step = plain_sgd_step(model, optimizer)  # train_plain's step: the copy relies on it
 
     def apfl_step(carry, batch, key, personal_trains=None):
         """One minibatch: the ``w`` and ``v`` steps, both from the pre-step values; with
