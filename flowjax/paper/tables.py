@@ -70,19 +70,16 @@ class Entry:
 # others: a finished seed without the marker predates it, and its values of those fields
 # are stale, absent or counted otherwise (HypCluster's client_snapshot counted flowjax's
 # Acc_p against the copy before it reported their Acc_p model).
-_MARKED_FIELDS = {row: ("acc_p_client_snapshot",
-                        ("acc_p_client_snapshot", "clients_benefiting_snapshot"))
-                  for row in AUTHORS_ACC_P_ROWS}
+_MARKER = "acc_p_client_snapshot"
+_MARKED = ("acc_p_client_snapshot", "clients_benefiting_snapshot")
 
 
-def _stale_seeds(results: Results, dataset: str, variant: str, population: str,
-                 field: str) -> set[int]:
-    """The finished seeds of ``variant`` whose ``field`` predates its marker."""
-    marker, fields = _MARKED_FIELDS.get(variant, (None, ()))
-    if field not in fields:
+def _stale_seeds(results: Results, dataset: str, variant: str, population: str, field: str,
+                 finished: set[int]) -> set[int]:
+    """The ``finished`` seeds of ``variant`` whose ``field`` predates its marker."""
+    if variant not in AUTHORS_ACC_P_ROWS or field not in _MARKED:
         return set()
-    return (finished_seeds(results, dataset, variant, population)
-            - set(metric_by_seed(results, dataset, variant, population, marker)))
+    return finished - set(metric_by_seed(results, dataset, variant, population, _MARKER))
 
 
 def _row_entries(spec: TableSpec, row: Row, results: Results, datasets: Sequence[str],
@@ -90,15 +87,16 @@ def _row_entries(spec: TableSpec, row: Row, results: Results, datasets: Sequence
                  ) -> list[Entry]:
     entries = []
     for dataset in datasets:
+        finished = finished_seeds(results, dataset, row.variant, population)
         for metric in spec.metrics:
             field = row.field(metric)
-            stale = _stale_seeds(results, dataset, row.variant, population, field) & set(seeds)
+            stale = _stale_seeds(results, dataset, row.variant, population, field,
+                                 finished) & set(seeds)
             by_seed = metric_by_seed(results, dataset, row.variant, population, field)
             stats = seed_stats({s: v for s, v in by_seed.items() if s not in stale}, seeds)
             # A metric that the row's finished runs do not report (the client snapshot of a
             # method without one) is absent by definition, not a missing seed.
-            unreported = stats.n == 0 and finished_seeds(results, dataset, row.variant,
-                                                         population)
+            unreported = stats.n == 0 and finished
             if lacks_model(row.variant, metric):
                 status = "not_applicable"
             elif stale:
