@@ -8,7 +8,7 @@ import pytest
 
 from flowjax.core.client_state import expected_clients, memory_forecast
 from flowjax.core.cohort import assemble_cohort, examples_per_client, padding_efficiency
-from flowjax.core.local_training import epoch_batches, run_epochs
+from flowjax.core.local_training import epoch_batches, run_epochs, run_epochs_each
 from flowjax.core.mapping import ClientMapping, map_clients
 from flowjax.core.sampler import ClientSampler
 from flowjax.core.server_opt import apply_server_update, server_optimizer
@@ -142,6 +142,37 @@ def test_run_epochs_skips_padded_steps():
                              key=jax.random.key(1))
     assert float(total) == 3 * (0 + 1 + 2 + 3 + 4)
     assert float(sums[1]) == 15
+
+
+def test_run_epochs_each_keeps_every_epochs_sums_and_run_with_copies_takes_first_and_last():
+    """A step whose loss statistic is the running total seen so far: each epoch's sums
+    differ, ``run_epochs`` is their sum, and ``run_with_copies`` returns the carry and sums
+    of the first epoch and of the last, those of one uncut run."""
+    from flowjax.algorithms.base import run_with_copies
+
+    def step(total, batch, key):
+        x, _, w = batch
+        total = total + jnp.sum(x * w)
+        return total, jnp.stack([total, jnp.sum(w)])
+
+    x = jnp.arange(10.0)
+    member = x < 5
+    common = dict(batch_size=2, key=jax.random.key(1))
+    total, each = run_epochs_each(step, jnp.zeros(()), x, x, member, num_epochs=4, **common)
+    assert float(total) == 4 * 10.0
+    assert each.shape == (4, 2)
+    np.testing.assert_array_equal(each[:, 1], [5, 5, 5, 5])
+    summed = run_epochs(step, jnp.zeros(()), x, x, member, num_epochs=4, **common)
+    assert float(summed[0]) == float(total)
+    np.testing.assert_array_equal(summed[1], np.sum(np.asarray(each), axis=0))
+    for epochs in (1, 2, 4):
+        first, first_sums, last, last_sums = run_with_copies(
+            step, jnp.zeros(()), x, x, member, epochs=epochs, **common)
+        whole, whole_each = run_epochs_each(step, jnp.zeros(()), x, x, member,
+                                            num_epochs=epochs, **common)
+        assert float(first) == 10.0 and float(last) == float(whole) == epochs * 10.0
+        np.testing.assert_array_equal(first_sums, whole_each[0])
+        np.testing.assert_array_equal(last_sums, whole_each[-1])
 
 
 @pytest.mark.parametrize("steps_per_loop", [2, 3, 7])

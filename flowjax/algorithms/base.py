@@ -40,7 +40,7 @@ import optax
 
 from flowjax.core.checks import Interval, check_fields, integer, optional_integer, positive
 from flowjax.core.cohort import ClientExamples
-from flowjax.core.local_training import run_epochs
+from flowjax.core.local_training import run_epochs, run_epochs_each
 from flowjax.core.losses import mean_from_sums, weighted_cross_entropy
 from flowjax.engine.protocol import ClientResult, FederatedAlgorithm, Predictions
 from flowjax.models.base import Params, RoutableModel, forward, instance_weights
@@ -237,9 +237,9 @@ def run_with_copies(step: Callable[..., Any], carry: Any, x: jax.Array, y: jax.A
                     member: jax.Array, *, epochs: int, batch_size: int, key: jax.Array,
                     steps_per_loop: int = 1) -> tuple[Any, jax.Array, Any, jax.Array]:
     """``epochs`` (>= 1) of ``run_epochs`` in one run, split where the Flow authors'
-    evaluation reads it: after the first epoch and before the last. Each part continues
-    from the previous one's carry (optimizer state included) and epoch index, so the
-    epochs, keys and steps are one call's.
+    evaluation copies it: after the first epoch. The second part continues from the
+    first's carry (optimizer state included) and epoch index, so the epochs, keys and
+    steps are one call's.
 
     Returns:
       ``(carry after the first epoch, that epoch's [loss_sum, weight_sum], carry after
@@ -247,14 +247,11 @@ def run_with_copies(step: Callable[..., Any], carry: Any, x: jax.Array, y: jax.A
     """
     common = dict(batch_size=batch_size, key=key, steps_per_loop=steps_per_loop)
     first, first_sums = run_epochs(step, carry, x, y, member, num_epochs=1, **common)
-    carry, last_sums = first, first_sums
-    if epochs > 2:
-        carry, _ = run_epochs(step, carry, x, y, member, num_epochs=epochs - 2, first_epoch=1,
-                              **common)
-    if epochs > 1:
-        carry, last_sums = run_epochs(step, carry, x, y, member, num_epochs=1,
-                                      first_epoch=epochs - 1, **common)
-    return first, first_sums, carry, last_sums
+    if epochs == 1:
+        return first, first_sums, first, first_sums
+    last, each = run_epochs_each(step, first, x, y, member, num_epochs=epochs - 1,
+                                 first_epoch=1, **common)
+    return first, first_sums, last, each[-1]
 
 
 def part_sgd_step(model: RoutableModel, frozen: Params, optimizer: optax.GradientTransformation

@@ -65,6 +65,25 @@ def run_epochs(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array, member
                steps_per_loop: int = 1, first_epoch: int = 0) -> tuple[Carry, jax.Array]:
     """Runs ``num_epochs`` shuffled epochs of ``step_fn`` over the member examples.
 
+    ``run_epochs_each``'s run; returns its final carry and the ``[loss_sum, weight_sum]``
+    summed over all epochs.
+    """
+    carry, stats = run_epochs_each(step_fn, carry, x, y, member, num_epochs=num_epochs,
+                                   batch_size=batch_size, key=key, max_members=max_members,
+                                   batches_fn=batches_fn, steps_per_loop=steps_per_loop,
+                                   first_epoch=first_epoch)
+    return carry, jnp.sum(stats, axis=0)
+
+
+def run_epochs_each(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array,
+                    member: jax.Array, *, num_epochs: int, batch_size: int, key: jax.Array,
+                    max_members: int | None = None,
+                    batches_fn: Callable[[jax.Array, jax.Array],
+                                         tuple[jax.Array, jax.Array]] | None = None,
+                    steps_per_loop: int = 1, first_epoch: int = 0) -> tuple[Carry, jax.Array]:
+    """Runs ``num_epochs`` shuffled epochs of ``step_fn`` over the member examples, keeping
+    each epoch's statistics apart.
+
     Args:
       step_fn: ``step_fn(carry, (x, y, weights), key) -> (carry, loss_sum_and_count)``
         where the second output is a float array ``[2]`` (summed loss, summed weight).
@@ -87,7 +106,8 @@ def run_epochs(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array, member
         first's ``num_epochs`` with its carry, runs the one call's epochs.
 
     Returns:
-      The final carry and the summed ``[loss_sum, weight_sum]`` over executed steps.
+      The final carry and ``[num_epochs, 2]``: each epoch's ``[loss_sum, weight_sum]``
+      summed over its executed steps.
     """
     max_members = x.shape[0] if max_members is None else max_members
     if steps_per_loop < 1:
@@ -125,5 +145,4 @@ def run_epochs(step_fn: StepFn, carry: Carry, x: jax.Array, y: jax.Array, member
 
     # arange(start, stop): with first_epoch = 0 the very program of arange(num_epochs).
     epochs = jnp.arange(first_epoch, first_epoch + num_epochs)
-    carry, stats = jax.lax.scan(epoch, carry, epochs)
-    return carry, jnp.sum(stats, axis=0)
+    return jax.lax.scan(epoch, carry, epochs)
