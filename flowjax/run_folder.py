@@ -401,21 +401,23 @@ def run_files_present(workdir: str) -> list[str]:
     return files + folders
 
 
+def record_diverged(record: dict[str, Any]) -> bool:
+    """Whether a ``metrics.jsonl`` record shows what ``on_divergence='stop'`` stops at: a
+    dropped client, a non-finite prediction, a non-finite server step or a non-finite
+    training loss (``engine.callbacks.DivergenceGuard``; a test holds the two equal)."""
+    loss = record.get("loss")
+    return bool(record.get("clients_skipped") or record.get("clients_nonfinite")
+                or record.get("server_nonfinite")
+                or (record.get("kind") == "train" and loss is not None
+                    and not math.isfinite(loss)))
+
+
 def went_past_a_divergence(workdir: str) -> bool:
     """Whether ``workdir``'s run went on past a divergence, as only
     ``on_divergence='skip_clients'`` does: a record of a round it will not replay (up to
-    its newest checkpoint; all of a finished run's) dropped a client, counted a
-    non-finite prediction or a non-finite loss."""
+    its newest checkpoint; all of a finished run's) is one ``record_diverged``."""
     last = None if finished(workdir) else (checkpoint_rounds(workdir) or [0])[-1]
-
-    def diverged(record: dict[str, Any]) -> bool:
-        loss = record.get("loss")
-        return bool(record.get("clients_skipped") or record.get("clients_nonfinite")
-                    or record.get("server_nonfinite")
-                    or (record.get("kind") == "train" and loss is not None
-                        and not math.isfinite(loss)))
-
-    return any(diverged(record) for record in read_metrics(workdir)
+    return any(record_diverged(record) for record in read_metrics(workdir)
                if last is None or record.get("round", 0) <= last)
 
 

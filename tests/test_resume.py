@@ -213,6 +213,35 @@ def test_went_past_a_divergence_reads_the_rounds_a_resume_will_not_replay(tmp_pa
     assert went_past_a_divergence(tmp_path)
 
 
+def test_record_diverged_is_what_the_stop_guard_stops_at():
+    """``run_folder.record_diverged`` (read on disk to refuse a 'stop' resume of a run that
+    went on past a divergence) and ``DivergenceGuard('stop')`` (which stops a run) repeat
+    one rule in two modules: the guard raises for a record exactly when it holds."""
+    from flowjax.engine.callbacks import DivergenceError, DivergenceGuard, RunState
+    from flowjax.run_folder import record_diverged
+
+    guard = DivergenceGuard("stop", warn=lambda message: None)
+    run = RunState(simulation=None, state=None)
+    train_record = {"round": 1, "kind": "train", "loss": 2.0, "clients_skipped": 0,
+                    "server_nonfinite": False}
+    eval_record = {"round": 1, "kind": "eval", "population": "train_clients",
+                   "num_clients": 4, "clients_nonfinite": 0}
+    cases = [train_record, eval_record, {**train_record, "loss": None},
+             {**train_record, "clients_skipped": 2}, {**train_record, "loss": float("nan")},
+             {**train_record, "loss": float("inf")}, {**train_record, "server_nonfinite": True},
+             {**eval_record, "clients_nonfinite": 1},
+             {**train_record, "loss": 1e30}]  # large but finite: a warning, not a stop
+    stops = []
+    for record in cases:
+        try:
+            guard.on_record(run, record)
+            stops.append(False)
+        except DivergenceError:
+            stops.append(True)
+    assert stops == [record_diverged(record) for record in cases]
+    assert stops == [False, False, False, True, True, True, True, True, False]
+
+
 def test_a_memory_checkpoint_resumes_in_memory_after_a_disk_attempt_saved_nothing(
         ditto_in_memory, tmp_path):
     """Files in client_states/ alone do not make the newest checkpoint a disk run's: a disk
