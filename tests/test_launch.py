@@ -3,6 +3,7 @@
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -296,3 +297,17 @@ def test_argparse_launchers_refuse_bad_values_in_one_line():
         assert process.returncode == 2, (args, stderr)
         assert len(stderr.strip().splitlines()) == 1, (args, stderr)
         assert stderr.startswith(f"error: {expected[args]}"), (args, stderr)
+
+
+def test_bench_layers_times_the_cnn_convolutions_beside_pytorch():
+    """``bench_layers.py --torch_convs`` (README "Speed"): one line per convolution of the
+    EMNIST CNN with flowjax's and PyTorch's times and their ratios."""
+    pytest.importorskip("torch")
+    done = launch("bench_layers.py", "--torch_convs", "--repeats=1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("conv")]
+    assert [line.split()[0] for line in lines] == ["conv1", "conv2"]
+    pattern = (r"^conv\d batch 20: forward flowjax [\d.]+ ms, PyTorch [\d.]+ ms \([\d.]+x\); "
+               r"forward\+backward flowjax [\d.]+ ms, PyTorch [\d.]+ ms \([\d.]+x\); "
+               r"flowjax with XLA's autodiff [\d.]+ ms \([\d.]+x\)$")
+    assert all(re.match(pattern, line) for line in lines), lines
