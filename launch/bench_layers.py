@@ -126,28 +126,21 @@ def compute_dtype_accuracy(rounds: int, conv_impl: str = "auto") -> dict[str, di
     return out
 
 
-def _median_ms(call: Callable[[], object], calls: int, repeats: int) -> float:
-    """Median over ``repeats`` of the mean ms of ``calls`` calls, after two warm-up calls."""
-    call(), call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        times.append((time.perf_counter() - start) / calls * 1e3)
-    return statistics.median(times)
-
-
-def torch_convs(batch: int, calls: int, repeats: int) -> dict[str, dict[str, float]]:
+def torch_convs(batch: int, repeats: int) -> dict[str, dict[str, float]]:
     """ms per call of the EMNIST CNN's two convolutions (``conv1`` 28x28x1 -> 32,
     ``conv2`` 26x26x32 -> 64, 3x3 VALID), forward and forward + backward, in flowjax
     (``Conv2D``, hand-written VJP; the backward with XLA's autodiff too) and in PyTorch
-    eager; prints one line per layer."""
+    eager, each the median of ``repeats`` calls; prints one line per layer."""
     import torch
 
     from flowjax.models.layers import Conv2D
+    from launch.bench_common import median_seconds
 
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    torch.set_num_threads(os.cpu_count() or 1)  # as launch/torch_reference.py times a round
+
+    def ms(call: Callable[[], object]) -> float:
+        return 1e3 * median_seconds(call, repeats)
+
     out = {}
     for name, (size, cin, cout) in (("conv1", (28, 1, 32)), ("conv2", (26, 32, 64))):
         layer = Conv2D(cout, custom_grad=True, impl="xla")
@@ -176,15 +169,11 @@ def torch_convs(batch: int, calls: int, repeats: int) -> dict[str, dict[str, flo
             conv_torch.zero_grad(set_to_none=True)
             (conv_torch(x_torch) ** 2).sum().backward()
 
-        out[name] = {
-            "forward_jax": _median_ms(lambda: jax.block_until_ready(forward_jax(params, x)),
-                                      calls, repeats),
-            "forward_torch": _median_ms(forward_torch, calls, repeats),
-            "backward_jax": _median_ms(lambda: jax.block_until_ready(grads_jax(params, x)),
-                                       calls, repeats),
-            "backward_jax_autodiff": _median_ms(
-                lambda: jax.block_until_ready(grads_autodiff(params, x)), calls, repeats),
-            "backward_torch": _median_ms(grads_torch, calls, repeats)}
+        out[name] = {"forward_jax": ms(lambda: forward_jax(params, x)),
+                     "forward_torch": ms(forward_torch),
+                     "backward_jax": ms(lambda: grads_jax(params, x)),
+                     "backward_jax_autodiff": ms(lambda: grads_autodiff(params, x)),
+                     "backward_torch": ms(grads_torch)}
         r = out[name]
         print(f"{name} batch {batch}: forward flowjax {r['forward_jax']:.3f} ms, PyTorch "
               f"{r['forward_torch']:.3f} ms ({r['forward_torch'] / r['forward_jax']:.2f}x); "
@@ -210,10 +199,11 @@ def main() -> None:
                         help="time the CNN's convolutions in flowjax and in PyTorch eager")
     args = parser.parse_args()
     if args.torch_convs:
+        calls = 100 * args.repeats  # sub-millisecond calls: many, for a stable median
         print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; "
               f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; ms per call, median of "
-              f"{max(args.repeats, 5)} x 50 calls; flowjax / PyTorch speed in brackets")
-        torch_convs(batch=20, calls=50, repeats=max(args.repeats, 5))
+              f"{calls} calls; flowjax / PyTorch speed in brackets")
+        torch_convs(batch=20, repeats=calls)
         return
     if args.compute_dtype_accuracy:
         print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
