@@ -58,10 +58,13 @@ class Checkpointer:
     The checkpoint of step ``r`` holds the state after ``r`` completed rounds.
     """
 
-    def __init__(self, directory: str, max_to_keep: int = 2):
+    def __init__(self, directory: str, max_to_keep: int = 2, read_only: bool = False):
+        """``read_only``: for a check that must leave the folder as it is (no folder
+        created, no unfinished save cleaned up, nothing saved)."""
         self.directory = os.path.abspath(directory)
-        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                               cleanup_tmp_directories=True)
+        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=not read_only,
+                                               cleanup_tmp_directories=not read_only,
+                                               read_only=read_only)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_round(self) -> int | None:
@@ -130,6 +133,16 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def checkpoint_meta(directory: str, rounds_done: int) -> dict[str, Any]:
+    """The metadata saved with checkpoint ``rounds_done`` in ``directory`` ({} if it cannot
+    be read), read without changing the folder."""
+    checkpointer = Checkpointer(directory, read_only=True)
+    try:
+        return checkpointer.meta(rounds_done)
+    finally:
+        checkpointer.close()
 
 
 class CheckpointUnreadable(ValueError):

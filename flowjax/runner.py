@@ -14,7 +14,7 @@ import numpy as np
 
 from flowjax import config as run_config
 from flowjax import distributed, run_folder
-from flowjax.checkpoint import Checkpointer
+from flowjax.checkpoint import checkpoint_meta
 from flowjax.core import client_state
 from flowjax.core.checks import new_folder_problem
 from flowjax.engine import loop
@@ -70,7 +70,7 @@ def _disk_states_asked_in_memory(workdir: str, resolved: dict, checkpoints: list
     if (not checkpoints or resolved.get("client_states", "memory") == "disk"
             or run_folder.finished(workdir) or not run_folder.has_client_state_files(workdir)):
         return False
-    meta = Checkpointer(run_folder.path(workdir, run_folder.CHECKPOINTS)).meta(checkpoints[-1])
+    meta = checkpoint_meta(run_folder.path(workdir, run_folder.CHECKPOINTS), checkpoints[-1])
     return (meta.get("fingerprint") or {}).get("client_states") == "disk"
 
 

@@ -173,6 +173,10 @@ def test_client_states_on_disk_resume_exactly_with_the_memory_runs_bytes(ditto_i
     # Its rows are not in the checkpoint: resuming it in memory is refused in one line,
     # before its config.json is touched (it used to be rewritten to say "memory").
     config_bytes = (tmp_path / "b" / "config.json").read_bytes()
+    # The killed run's stale lock is taken over and released; nothing else may change.
+    unlocked = lambda folder: {k: v for k, v in file_bytes(folder).items()  # noqa: E731
+                               if k != ".flowjax-lock"}
+    folder_before = unlocked(tmp_path / "b")
     refused = train(tmp_path / "b", "--config.algorithm=ditto")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert refused.stderr.strip().splitlines()[-1] == (
@@ -180,6 +184,7 @@ def test_client_states_on_disk_resume_exactly_with_the_memory_runs_bytes(ditto_i
         "client_states/ (client_states='disk'); expected --config.client_states=disk to "
         "resume it, or use --overwrite to replace the run or another --workdir")
     assert (tmp_path / "b" / "config.json").read_bytes() == config_bytes
+    assert unlocked(tmp_path / "b") == folder_before  # the check read, changed nothing
     resumed = train(tmp_path / "b", *disk)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((tmp_path / "b" / "run.json").read_text())["resumed_from_round"] == 4
