@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -30,22 +31,16 @@ def weighted_mean(stacked: PyTree, weights: jax.Array) -> PyTree:
     equal = jnp.all((weights == largest) | (weights == 0))
     weights = jnp.where(equal, (weights > 0).astype(jnp.float32), weights)
 
+    @functools.cache  # float32, or float64 for an x64 run's float64 leaves: once each
     def inverse_total(dtype):
         """``1 / total`` (0 for no weight) at ``dtype``."""
         total = jnp.sum(weights.astype(dtype))
         return jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
 
-    # float32, or float64 for an x64 run's float64 leaves; each computed once.
-    scales = {jnp.dtype(jnp.float32): inverse_total(jnp.float32)}
-
-    def scale_in(dtype):
-        if dtype not in scales:
-            scales[dtype] = inverse_total(dtype)
-        return scales[dtype]
-
     def leaf_mean(leaf):
         summed = jnp.tensordot(weights.astype(leaf.dtype), leaf, axes=1)
-        return summed * scale_in(jnp.promote_types(leaf.dtype, jnp.float32)).astype(leaf.dtype)
+        scale = inverse_total(jnp.promote_types(leaf.dtype, jnp.float32))
+        return summed * scale.astype(leaf.dtype)
 
     return jax.tree.map(leaf_mean, stacked)
 
