@@ -15,8 +15,9 @@ The stored keys are the raw ones (``fedjax/datasets/emnist.py`` lines 40-74, ``l
 ``preprocess_batch`` (EMNIST lines 119-125: ``x = 1 - pixels``): the raw keys are read here and go
 through the same encoders as TFF's files, so a FedJAX file and a TFF file holding the same
 clients under the same ids give the same store. FedJAX's own EMNIST and Shakespeare files
-carry a hash prefix on each id (``<16 hex>:f0000_14``, ``tests/fixtures/make_fedjax_sqlite.py``),
-so their clients are listed, and a seed samples them, in another order than TFF's. File names: ``federated_emnist_{train,test}.sqlite``
+carry a hash prefix on each id (``<16 hex>:f0000_14``,
+``tests/fixtures/make_fedjax_sqlite.py``), so their clients are listed, and a seed samples
+them, in another order than TFF's. File names: ``federated_emnist_{train,test}.sqlite``
 (``federated_emnist_digitsonly_*`` digits only), ``shakespeare_{train,test}.sqlite``,
 ``stackoverflow_{train,held_out,test}.sqlite``.
 
