@@ -20,7 +20,8 @@ from flowjax.core import prng
 from flowjax.core.mapping import ClientMapping, default_mapping
 from flowjax.core.server_opt import server_optimizer
 from flowjax.data import FederatedTask, load_task
-from flowjax.experiment import RunSettings, Simulation
+from flowjax.engine.callbacks import DivergenceGuard, RunState
+from flowjax.experiment import RunSettings, Simulation, finalize_metrics
 from flowjax.models import RoutableModel
 from flowjax.validation import (validate_cohort_size, validate_config,
                                 validate_evaluated_populations, validate_task)
@@ -147,9 +148,24 @@ def example_batch(task: FederatedTask, batch_size: int) -> jax.Array:
     return jax.numpy.zeros((batch_size, *shape), dtype)
 
 
-def warm_up(run: ResolvedRun) -> dict[str, Any] | None:
+def warm_up_simulation(run: ResolvedRun) -> Simulation:
+    """The FedAvg simulation of HypCluster's warm-up stage (``warm_up``): this run's SGD,
+    seed, client sampling, server optimizer and mapping."""
+    settings = dataclasses.replace(run.settings, num_rounds=max(warmup_rounds(run), 1))
+    return Simulation(fedavg(run.model, FedAvgConfig(sgd=run.sgd)), run.task, settings,
+                      server_optimizer=build_server_optimizer(run.config),
+                      mapping=build_mapping(run.config))
+
+
+def warm_up(run: ResolvedRun, guard: DivergenceGuard | None = None) -> dict[str, Any] | None:
     """HypCluster's warm-up stage: its factory's starting options, None for other methods
     or with neither warm-up rounds nor k-means init.
+
+    ``guard`` (the run's own, so its warnings stay once per run) checks each warm-up
+    round's training record as it checks the method's rounds: a client returning
+    non-finite parameters stops the run at that round under ``on_divergence='stop'``, and
+    a non-finite server step under either setting. The records are checked, not written
+    to ``metrics.jsonl`` (its lines start at the method's first round).
 
     ``{"warm_start": params}``: the server params after ``methods.hypcluster.warmup_rounds``
     rounds W of FedAvg with this run's SGD, seed, client sampling, server optimizer and
@@ -164,13 +180,17 @@ def warm_up(run: ResolvedRun) -> dict[str, Any] | None:
     kmeans = run.algorithm == "hypcluster" and run.method.init == "kmeans"
     if not rounds and not kmeans:
         return None
-    settings = dataclasses.replace(run.settings, num_rounds=max(rounds, 1))
-    simulation = Simulation(fedavg(run.model, FedAvgConfig(sgd=run.sgd)), run.task, settings,
-                            server_optimizer=build_server_optimizer(run.config),
-                            mapping=build_mapping(run.config))
-    state = simulation.init_state()
+    simulation = warm_up_simulation(run)
+    stage = RunState(simulation=simulation, state=simulation.init_state())
     for round_index in range(rounds):
-        state, _ = simulation.run_round(state, round_index)
+        stage.state, metrics = simulation.run_round(stage.state, round_index)
+        stage.rounds_done = round_index + 1
+        if guard is not None:
+            record = {"round": round_index + 1, "kind": "train", "stage": "warm-up",
+                      **finalize_metrics(distributed.fetch(metrics))}
+            stage.history.append(record)
+            guard.on_record(stage, record)
+    state = stage.state
     if not kmeans:
         return {"warm_start": state.params}
     seed = run.settings.seed

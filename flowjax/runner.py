@@ -336,18 +336,25 @@ def _run_in_workdir(config, workdir: str, run: run_config.ResolvedRun, resolved:
     # Timed from here: HypCluster's FedAvg warm-up (a stage of its own, before the
     # method's first round, run again by a resumed attempt) is part of the run's time.
     start = time.perf_counter()
-    simulation = run_config.simulation_for(run, run_config.warm_up(run), workdir)
-    task = simulation.task
-    print(f"{config.algorithm} on {task.name}: {len(task.train.client_ids)} training clients, "
-          f"{len(task.held_out.client_ids) if task.held_out else 0} held-out clients, "
-          f"{config.num_rounds} rounds x {config.clients_per_round} clients, "
-          f"mapping={simulation.mapping.strategy}", flush=True)
     bar = ProgressBar(config.num_rounds, config.algorithm, enabled=progress and primary)
     warnings: list[str] = []
 
     def warn(message):
         warnings.append(message)
         bar.write(f"warning: {message}")
+
+    # One guard for both stages: its warnings come once per run.
+    guard = DivergenceGuard(config.get("on_divergence", "stop"), warn)
+    try:
+        starts = run_config.warm_up(run, guard)
+    except DivergenceError as error:
+        raise explain_divergence(run_config.warm_up_simulation(run), run, error) from None
+    simulation = run_config.simulation_for(run, starts, workdir)
+    task = simulation.task
+    print(f"{config.algorithm} on {task.name}: {len(task.train.client_ids)} training clients, "
+          f"{len(task.held_out.client_ids) if task.held_out else 0} held-out clients, "
+          f"{config.num_rounds} rounds x {config.clients_per_round} clients, "
+          f"mapping={simulation.mapping.strategy}", flush=True)
 
     shapes = simulation.client_state_shapes()
     if shapes is not None:
@@ -364,7 +371,7 @@ def _run_in_workdir(config, workdir: str, run: run_config.ResolvedRun, resolved:
 
     callbacks = [*run_folder_callbacks(workdir, config.get("checkpoint_every", 0), resolved),
                  *([tensorboard] if tensorboard is not None else []),
-                 DivergenceGuard(config.get("on_divergence", "stop"), warn), bar]
+                 guard, bar]
     try:
         result = loop.run(simulation, callbacks)
     except DivergenceError as error:

@@ -1058,6 +1058,29 @@ COMMAND_CASES += (
                 "no checkpoint was written. Lower config.sgd.learning_rate (now 10) or "
                 "config.server.learning_rate (now 3e+38); on_divergence='skip_clients' cannot "
                 "drop the server's update", _TRAIN_WHERE, workdir="{tmp}/run", trains=True),
+    CommandCase("HypCluster whose FedAvg warm-up diverges (`--config.sgd.learning_rate=1e30`, "
+                "2 warm-up rounds): stopped at the warm-up's round, not at the method's first",
+                ("launch/train.py", "--config=configs/synthetic.py:quick",
+                 "--config.data.num_clients=12", "--config.num_rounds=4",
+                 "--config.clients_per_round=3", "--config.eval.clients=4",
+                 "--config.algorithm=hypcluster", "--config.methods.hypcluster.warmup_rounds=2",
+                 "--config.sgd.learning_rate=1e30"),
+                "error: round 1: training diverged: all 3 client(s) returned non-finite "
+                "parameters, while the round's inputs and labels are valid; stopping, no "
+                "checkpoint was written. Lower config.sgd.learning_rate (now 1e+30), or set "
+                "on_divergence='skip_clients' to drop such clients and go on", _TRAIN_WHERE,
+                workdir="{tmp}/run", trains=True),
+    CommandCase("the same under `--config.on_divergence=skip_clients`: the warm-up's dropped "
+                "clients are reported (its rounds have no `metrics.jsonl` lines)",
+                ("launch/train.py", "--config=configs/synthetic.py:quick",
+                 "--config.data.num_clients=12", "--config.num_rounds=4",
+                 "--config.clients_per_round=3", "--config.eval.clients=4",
+                 "--config.algorithm=hypcluster", "--config.methods.hypcluster.warmup_rounds=2",
+                 "--config.sgd.learning_rate=1e30", "--config.on_divergence=skip_clients"),
+                "warning: round 1: 3 client(s) returned non-finite parameters and were dropped "
+                "(on_divergence='skip_clients'; a warm-up stage's rounds are not in "
+                "metrics.jsonl)", "run (`flowjax.engine.callbacks.DivergenceGuard`)",
+                workdir="{tmp}/run", trains=True, exit_code=0),
     CommandCase("FedAvg at `--config.sgd.learning_rate=1e30` (losses grow by ~28 orders of "
                 "magnitude and stay finite)",
                 _TRAIN + (*_TINY, "--config.algorithm=fedavg", "--config.sgd.learning_rate=1e30"),
