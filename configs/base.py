@@ -31,7 +31,11 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
     # to its config dataclass (flowjax.algorithms.method_config). methods.<name>.sgd: the
     # SGD fields the paper sets for that method alone (None = as config.sgd).
     methods = dict(
-        fedavg=dict(),
+        # True: also score the server model trained one epoch on the client's train split,
+        # the authors' CIFAR FedAvg (and kNN-Per) Acc_g (acc_g_client_snapshot), on the
+        # test split (None) or, as their CIFAR-10 FedAvg, snapshot_split="train".
+        fedavg=dict(client_snapshot=config_dict.placeholder(bool),
+                    snapshot_split=config_dict.placeholder(str)),
         # True: also score the fine-tuned copy after the first of E epochs, the paper's
         # FedAvgFT Acc_g (acc_g_client_snapshot; flowjax.algorithms.fedavg). None: off.
         fedavg_ft=dict(client_snapshot=config_dict.placeholder(bool)),
@@ -79,7 +83,8 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
         hypcluster=dict(clusters=2, warmup_rounds=10, perturbation=0.01,
                         init=config_dict.placeholder(str),  # None or kmeans
                         client_snapshot=config_dict.placeholder(bool)),
-        knn_per=dict(neighbours=5, lam=0.5, max_datastore=4096),
+        knn_per=dict(neighbours=5, lam=0.5, max_datastore=4096,
+                     client_snapshot=config_dict.placeholder(bool)),  # as fedavg's
         local=dict(),
         partialfed=dict(temperature=1.0, strategy_learning_rate=0.11),
     )

@@ -283,6 +283,9 @@ CASES: tuple[Case, ...] = (
     _config("methods.apfl.snapshot_momentum", 0.9, "config.methods.apfl.snapshot_momentum="
             "0.9: expected None: it sets the momentum of the client snapshot, and "
             "client_snapshot is off"),
+    _config("methods.fedavg.snapshot_split", "train", "config.methods.fedavg.snapshot_split="
+            "'train': expected None or 'test': only FedAvg's client_snapshot (the authors' "
+            "CIFAR-10 FedAvg) is scored on the train split"),
     _config("methods.ditto.lam", -0.1, "config.methods.ditto.lam=-0.1: expected a finite "
             "number >= 0"),
     _config("methods.ditto.lam", 40.0, "config.methods.ditto.lam=40.0: expected lam < 2 / "

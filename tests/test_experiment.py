@@ -539,3 +539,38 @@ def test_flow_runs_when_the_first_client_has_no_train_examples():
     result = experiment.run(empty_first)
     assert [h["kind"] for h in result.history] == ["train", "eval"]  # no held-out clients
     assert np.isfinite(result.history[0]["loss"])
+
+
+def test_fedavg_and_knn_per_client_snapshot_is_fedavg_fts_first_epoch():
+    """``methods.{fedavg,knn_per}.client_snapshot``: the authors' CIFAR FedAvg and kNN-Per
+    Acc_g, the server model trained one epoch on the client's train split, is FedAvgFT's
+    copy after the first of its E fine-tuning epochs (the same server model, key and
+    batches), scored on the test split; training, Acc_g and Acc_p are as without it. On
+    the train split (their CIFAR-10 FedAvg) it scores otherwise, the rest unchanged."""
+    from tests.helpers import small_synthetic_config
+
+    def summary(name, **fields):
+        config = small_synthetic_config(algorithm=name, num_rounds=2, **{
+            "sgd.epochs": 2, "sgd.momentum": 0.9, **fields})
+        return run(config)[1].summaries["train_clients"]
+
+    fedavg_ft = summary("fedavg_ft", **{"methods.fedavg_ft.client_snapshot": True})
+    results = {}
+    for name in ("fedavg", "knn_per"):
+        off = summary(name)
+        on = results[name] = summary(name, **{f"methods.{name}.client_snapshot": True})
+        assert off.acc_g_client_snapshot is None
+        assert (on.acc_g, on.acc_p, on.clients_benefiting) == (
+            off.acc_g, off.acc_p, off.clients_benefiting)
+        assert on.acc_g == fedavg_ft.acc_g  # the same server model
+        assert on.acc_g_client_snapshot == fedavg_ft.acc_g_client_snapshot != on.acc_g
+        assert on.acc_g_client_snapshot_weighted == fedavg_ft.acc_g_client_snapshot_weighted
+    on_train = summary("fedavg", **{"methods.fedavg.client_snapshot": True,
+                                    "methods.fedavg.snapshot_split": "train"})
+    on_test = results["fedavg"]
+    assert (on_train.acc_g, on_train.acc_p, on_train.acc_g_weighted) == (
+        on_test.acc_g, on_test.acc_p, on_test.acc_g_weighted)
+    assert on_train.acc_g_client_snapshot != on_test.acc_g_client_snapshot
+    # Their harmed flag compares models on one split: Acc_p is the test split's.
+    assert on_test.clients_benefiting_snapshot is not None
+    assert on_train.clients_benefiting_snapshot is None

@@ -154,8 +154,60 @@ def test_apfl_snapshot_momentum_trains_only_the_copy_with_it(mlp, images_small, 
         build(client_snapshot=True, snapshot_momentum=1.5)
 
 
-def test_only_fedavg_ft_takes_a_client_snapshot():
+def _split_of(task, index, split):
+    cohort = assemble_cohort(task.train, split, [index], num_clients=1, padded_examples=32,
+                             batch_size=4)
+    return client_at(jax.tree.map(jnp.asarray, cohort), 0)
+
+
+@pytest.mark.parametrize("split", [None, "train"])
+def test_fedavg_client_snapshot_is_one_epoch_of_training_scored_on_its_split(
+        mlp, images_small, split):
+    """FedAvg's ``client_snapshot`` (the authors' CIFAR FedAvg Acc_g): the server model
+    trained one epoch, FedAvgFT's first (same key: equal to rounding), counted on the test
+    split, or on the train split with ``snapshot_split="train"`` (their CIFAR-10 code);
+    every other count is the test split's, as without the option, and Acc_p stays the
+    server model."""
+    from flowjax.core.losses import correct
+    from flowjax.evaluation.metrics import evaluate_client
+
+    sgd = SGDConfig(learning_rate=0.05, epochs=3, batch_size=4, momentum=0.9)
+    params = mlp.init(jax.random.key(0))
+    index = next(i for i, n in enumerate(images_small.train.num_examples("train")) if n >= 12)
+    train, test = _split_of(images_small, index, "train"), _split_of(images_small, index, "test")
+    key = jax.random.key(2)
+    algorithm = fedavg(mlp, FedAvgConfig(sgd=sgd, client_snapshot=True, snapshot_split=split))
+    personal = jax.jit(algorithm.personalize)(params, train, key)
+    assert_trees_equal(personal["personal"], params)
+    one_epoch = fedavg(mlp, FedAvgConfig(sgd=dataclasses.replace(sgd, epochs=1), finetune=True))
+    for a, b in zip(jax.tree.leaves(personal["snapshot"]),
+                    jax.tree.leaves(jax.jit(one_epoch.personalize)(params, train, key)),
+                    strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)  # two programs: rounding
+    assert differs(personal["snapshot"], params)
+
+    def count(alg):
+        return jax.jit(lambda p, tr, te, k: evaluate_client(alg, p, tr, te, k))(
+            params, train, test, key)
+
+    counts, without = count(algorithm), count(fedavg(mlp, FedAvgConfig(sgd=sgd)))
+    scored = train if split == "train" else test
+    x, y, mask = scored.flat()
+    by_hand = jnp.sum(correct(forward(mlp, personal["snapshot"], x), y) & mask)
+    assert float(counts.correct_global_snapshot) == float(by_hand)
+    assert float(counts.snapshot_instances) == float(scored.num_examples)
+    assert float(counts.instances) == float(test.num_examples) != float(train.num_examples)
+    for field in ("instances", "correct_global", "correct_personal", "groups", "nonfinite"):
+        np.testing.assert_array_equal(getattr(counts, field), getattr(without, field))
+    assert float(without.snapshot_instances) == 0.0
+
+
+def test_only_fedavg_takes_the_train_split_and_only_with_its_snapshot():
     sgd = SGDConfig(learning_rate=0.05, epochs=1, batch_size=4)
-    with pytest.raises(ValueError, match=r"^client_snapshot=True: expected None or False: only "
-                                         r"FedAvgFT \(finetune=True\) has a fine-tuned copy"):
-        FedAvgConfig(sgd=sgd, client_snapshot=True)
+    for fields in ({"snapshot_split": "train"},
+                   {"finetune": True, "client_snapshot": True, "snapshot_split": "train"}):
+        with pytest.raises(ValueError, match=r"^snapshot_split='train': expected None or "
+                                             r"'test': only FedAvg's client_snapshot"):
+            FedAvgConfig(sgd=sgd, **fields)
+    with pytest.raises(ValueError, match=r"^snapshot_split='val': expected one of "):
+        FedAvgConfig(sgd=sgd, client_snapshot=True, snapshot_split="val")

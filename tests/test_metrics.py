@@ -134,6 +134,21 @@ def test_clients_benefiting_over_the_snapshot_counts_strict_gains_over_it():
     assert s.acc_p_client_snapshot is None and s.acc_p_client_snapshot_weighted is None
 
 
+def test_a_train_split_snapshot_is_averaged_over_its_own_instances():
+    """FedAvg's ``snapshot_split="train"`` (their CIFAR-10 evaluation): each client's copy
+    scores its correct train instances over its train instances, a client without any
+    is left out of the copy's means (not counted as 0), and no client is counted as
+    benefiting over it: Acc_p is the test split's."""
+    counts = _counts(GROUP_COUNTS)  # test instances per client: 10, 2, 4
+    counts = counts.replace(correct_global_snapshot=np.array([30.0, 0.0, 3.0], np.float32),
+                            snapshot_instances=np.array([40.0, 0.0, 4.0], np.float32))
+    s = summarize(counts, snapshot_split="train")
+    assert s.acc_g_client_snapshot == pytest.approx((30 / 40 + 3 / 4) / 2, rel=1e-15)
+    assert s.acc_g_client_snapshot_weighted == pytest.approx(33 / 44, rel=1e-15)
+    assert s.clients_benefiting_snapshot is None
+    assert s.acc_g == summarize(_counts(GROUP_COUNTS)).acc_g  # the test split's, untouched
+
+
 def test_the_authors_personalized_model_is_scored_and_counted_against_the_snapshot():
     """HypCluster's client_snapshot: their fine-tuned model's accuracy beside Acc_p, and
     their harmed flag compares it (not Acc_p) with the global copy."""

@@ -7,6 +7,14 @@ Its ``Acc_g`` is the server's model (the paper's Eq. 11). The paper's FedAvgFT `
 figures score a client-side copy instead: the fine-tuned model after the first of the E
 epochs (the authors' ``*_generalized_test``). ``client_snapshot=True`` scores that copy
 too, as ``acc_g_client_snapshot`` beside ``acc_g``, from the same fine-tuning run.
+
+FedAvg's own ``client_snapshot=True`` scores what the authors' CIFAR evaluation reports
+as FedAvg's (and kNN-Per's) ``Acc_g``: the server model trained one epoch on the client's
+train split (``client_fedavg.py``, ``client_knnper.py``: ``cifar*_generalized_test``,
+``range(1)``; on the other datasets they score the server model, ``acc_g`` itself). It is
+the first epoch of FedAvgFT's fine-tuning, the same batches from the same key. Their
+CIFAR-10 FedAvg scores it on the train split, not the test split:
+``snapshot_split="train"``. FedAvg's ``Acc_p`` stays the server model.
 """
 
 from __future__ import annotations
@@ -30,21 +38,26 @@ class FedAvgConfig:
     Attributes:
       sgd: the clients' SGD (its epochs are also FedAvgFT's fine-tuning epochs).
       finetune: evaluate a fine-tuned copy per client (FedAvgFT).
-      client_snapshot: FedAvgFT only: also score the fine-tuned copy after the first of
-        the E epochs (the paper's baseline Acc_g; None = off).
+      client_snapshot: also score the client-side copy of the authors' evaluation
+        (the paper's baseline Acc_g; None = off): FedAvgFT's fine-tuned copy after the
+        first of the E epochs; FedAvg's server model trained one epoch.
+      snapshot_split: FedAvg with ``client_snapshot``: the split that copy is scored on,
+        ``"test"`` (None) or ``"train"`` (their CIFAR-10 FedAvg).
     """
 
     sgd: SGDConfig
     finetune: bool = False
     client_snapshot: bool | None = None
+    snapshot_split: str | None = None
 
     def __post_init__(self):
         check_fields(self, {"finetune": one_of((False, True)),
-                            "client_snapshot": one_of((None, False, True))})
-        if self.client_snapshot and not self.finetune:
-            raise FieldError("client_snapshot", self.client_snapshot,
-                             "expected None or False: only FedAvgFT (finetune=True) has a "
-                             "fine-tuned copy to snapshot")
+                            "client_snapshot": one_of((None, False, True)),
+                            "snapshot_split": one_of((None, "test", "train"))})
+        if self.snapshot_split == "train" and (self.finetune or not self.client_snapshot):
+            raise FieldError("snapshot_split", self.snapshot_split,
+                             "expected None or 'test': only FedAvg's client_snapshot (the "
+                             "authors' CIFAR-10 FedAvg) is scored on the train split")
 
 
 def fedavg(model: RoutableModel, config: FedAvgConfig) -> FederatedAlgorithm:
@@ -65,6 +78,12 @@ def fedavg(model: RoutableModel, config: FedAvgConfig) -> FederatedAlgorithm:
     def personalize(params, examples: ClientExamples, key, client_state=None):
         del client_state  # stateless
         if not config.finetune:
+            if config.client_snapshot:  # one epoch: FedAvgFT's first, from the same key
+                snapshot = train_plain(model, params, optimizer, examples,
+                                       valid_examples(examples), epochs=1,
+                                       batch_size=config.sgd.batch_size, key=key,
+                                       **config.sgd.loop)[0]
+                return {"personal": params, "snapshot": snapshot}
             return params
         if config.client_snapshot:
             fine_tuned, snapshot = train_part_with_snapshot(
@@ -83,4 +102,6 @@ def fedavg(model: RoutableModel, config: FedAvgConfig) -> FederatedAlgorithm:
                               init=model.init, client_update=client_update,
                               personalize=personalize,
                               predict=(separate_models_predict(model, config.client_snapshot)
-                                       if config.finetune else global_only_predict))
+                                       if config.finetune or config.client_snapshot
+                                       else global_only_predict),
+                              snapshot_split=config.snapshot_split or "test")

@@ -36,6 +36,12 @@ Choices where the paper is silent:
 * A client with an empty datastore (no train instances), or with fewer than ``k``
   entries, uses the neighbours it has; with none at all it falls back to the global
   model's probabilities.
+
+``client_snapshot=True`` also scores, as ``acc_g_client_snapshot``, what the Flow authors'
+CIFAR evaluation reports as kNN-Per's Acc_g: the server model trained one epoch on the
+client's train split, scored on its test split (``client_knnper.py``,
+``cifar*_generalized_test``: FedAvg's ``client_snapshot``, the same copy). Their Acc_p
+builds its datastore from that copy's predicted labels; flowjax's stays the method's.
 """
 
 from __future__ import annotations
@@ -49,10 +55,10 @@ import jax.numpy as jnp
 
 from flowjax.algorithms.base import (FederatedAlgorithm, Predictions, SGDConfig,
                                      instance_weights, unrouted_predictions)
-from flowjax.core.checks import FieldError, Interval, check_fields, integer
+from flowjax.core.checks import FieldError, Interval, check_fields, integer, one_of
 from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
 from flowjax.core.cohort import ClientExamples
-from flowjax.models.base import Params, RoutableModel, layer_key
+from flowjax.models.base import Params, RoutableModel, forward, layer_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,16 +70,20 @@ class KnnPerConfig:
       neighbours: k, the neighbours of a test instance.
       lam: weight of ``p_kNN`` in the mixture, in [0, 1].
       max_datastore: static datastore capacity per client (instances), >= neighbours.
+      client_snapshot: also score the authors' CIFAR Acc_g copy (module docstring;
+        None = off).
     """
 
     sgd: SGDConfig
     neighbours: int  # no default: the paper sets k and lam per dataset (configs/)
     lam: float
     max_datastore: int = 4096
+    client_snapshot: bool | None = None
 
     def __post_init__(self):
         check_fields(self, {"neighbours": integer(1), "lam": Interval(0, 1, closed_high=True),
-                            "max_datastore": integer(1)})
+                            "max_datastore": integer(1),
+                            "client_snapshot": one_of((None, False, True))})
         if self.max_datastore < self.neighbours:
             raise FieldError("max_datastore", self.max_datastore,
                              f"expected an integer >= neighbours ({self.neighbours})")
@@ -185,13 +195,23 @@ def mix_log_probs(log_knn: jax.Array, logits: jax.Array, lam: float) -> jax.Arra
 
 def knn_per(model: RoutableModel, config: KnnPerConfig) -> FederatedAlgorithm:
     """kNN-Per for ``model``: FedAvg training, kNN-mixture personalization."""
-    base = fedavg(model, FedAvgConfig(sgd=config.sgd))
+    base = fedavg(model, FedAvgConfig(sgd=config.sgd, client_snapshot=config.client_snapshot))
 
-    def personalize(params, examples: ClientExamples, key, client_state=None) -> Datastore:
+    def personalize(params, examples: ClientExamples, key, client_state=None):
         del client_state  # stateless
-        return build_datastore(model, params, examples, key, config.max_datastore)
+        store = build_datastore(model, params, examples, key, config.max_datastore)
+        if not config.client_snapshot:
+            return store
+        # FedAvg's copy from the same key: kNN-Per trains and evaluates as FedAvg does.
+        return {"store": store, "snapshot": base.personalize(params, examples, key)["snapshot"]}
 
-    def predict(params, store: Datastore, x) -> Predictions:
+    def predict(params, personal, x) -> Predictions:
+        if not config.client_snapshot:
+            return knn_predict(params, personal, x)
+        predictions = knn_predict(params, personal["store"], x)
+        return predictions.replace(global_snapshot=forward(model, personal["snapshot"], x))
+
+    def knn_predict(params, store: Datastore, x) -> Predictions:
         phi, logits = embed_and_logits(model, params, x)
         queries = phi.reshape(-1, phi.shape[-1])
         flat_logits = logits.reshape(-1, logits.shape[-1])

@@ -53,10 +53,11 @@ class Predictions:
       global_snapshot: logits of a client-side copy of the global model, where a method's
         evaluation defines one (Flow's reference evaluation: the global branch after the
         client's first routing epoch; FedAvgFT's ``client_snapshot``: the model after its
-        first fine-tuning epoch; APFL's and Ditto's: the global model after E epochs of
-        local training; FedRep's, LG-FedAvg's and HypCluster's: after one epoch of their
-        evaluation's fine-tuning); None elsewhere. Reported beside, never instead of,
-        the server model's ``global_logits``.
+        first fine-tuning epoch; FedAvg's and kNN-Per's: the server model trained one
+        epoch, scored on ``FederatedAlgorithm.snapshot_split``; APFL's and Ditto's: the
+        global model after E epochs of local training; FedRep's, LG-FedAvg's and
+        HypCluster's: after one epoch of their evaluation's fine-tuning); None elsewhere.
+        Reported beside, never instead of, the server model's ``global_logits``.
       personal_snapshot: logits of the personalized model a method's evaluation of the
         authors defines where it is not ``personal_hard`` (HypCluster's
         ``client_snapshot``: the cluster fine-tuned E epochs); None elsewhere. Reported
@@ -91,6 +92,15 @@ class FederatedAlgorithm:
     init_client_state: Callable[[PyTree], PyTree] | None = None
     # Methods whose prediction draws randomness: each test batch's own personal state.
     for_test_batch: Callable[[PyTree, jax.Array], PyTree] = same_for_every_batch
+    # The split ``Predictions.global_snapshot`` is scored on: "test", or "train" where the
+    # authors' evaluation scores its copy on the client's train split (their CIFAR-10
+    # FedAvg: ``flowjax.algorithms.fedavg``).
+    snapshot_split: str = "test"
+
+    def __post_init__(self):
+        if self.snapshot_split not in ("test", "train"):
+            raise ValueError(f"snapshot_split={self.snapshot_split!r}: expected 'test' or "
+                             "'train'")
 
     @property
     def stateful(self) -> bool:

@@ -269,5 +269,6 @@ class Simulation:
             chunks = distributed.fetch(chunks)
             counts = jax.tree.map(lambda *a: np.concatenate(a), *chunks)
             names = [data.client_ids[i] if i >= 0 else "" for i in np.concatenate(rows)]
-            summaries[name] = summarize(counts, names)
+            summaries[name] = summarize(counts, names,
+                                        snapshot_split=self.algorithm.snapshot_split)
         return summaries

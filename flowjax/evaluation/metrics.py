@@ -128,11 +128,10 @@ def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: j
         nonfinite=jnp.sum(~finite * weights))
 
 
-def evaluate_client(algorithm: FederatedAlgorithm, params: Any, train: ClientExamples,
-                    test: ClientExamples, key: jax.Array, client_state: Any = None) -> ClientCounts:
-    """Personalize on ``train`` and count on ``test`` (one client; map it for many); the
-    ``index``-th test batch is predicted with ``algorithm.for_test_batch(personal, index)``."""
-    personal = algorithm.personalize(params, train, key, client_state)
+def _summed_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any,
+                   split: ClientExamples) -> ClientCounts:
+    """``batch_counts`` summed over the batches of ``split``; the ``index``-th batch is
+    predicted with ``algorithm.for_test_batch(personal, index)``."""
 
     def counts(batch):
         index, x, y, mask = batch
@@ -142,10 +141,27 @@ def evaluate_client(algorithm: FederatedAlgorithm, params: Any, train: ClientExa
     def step(total, batch):
         return jax.tree.map(jnp.add, total, counts(batch)), None
 
-    batches = (jnp.arange(test.x.shape[0], dtype=jnp.int32), test.x, test.y, test.mask)
+    batches = (jnp.arange(split.x.shape[0], dtype=jnp.int32), split.x, split.y, split.mask)
     zeros = jax.tree.map(jnp.zeros_like,
                          jax.eval_shape(counts, jax.tree.map(lambda a: a[0], batches)))
     total, _ = jax.lax.scan(step, zeros, batches)
+    return total
+
+
+def evaluate_client(algorithm: FederatedAlgorithm, params: Any, train: ClientExamples,
+                    test: ClientExamples, key: jax.Array, client_state: Any = None) -> ClientCounts:
+    """Personalize on ``train`` and count on ``test`` (one client; map it for many); the
+    ``index``-th test batch is predicted with ``algorithm.for_test_batch(personal, index)``.
+
+    With ``algorithm.snapshot_split == "train"`` the client-side snapshot's counts are
+    those of ``train`` instead (every other count stays the test split's).
+    """
+    personal = algorithm.personalize(params, train, key, client_state)
+    total = _summed_counts(algorithm, params, personal, test)
+    if algorithm.snapshot_split == "train":
+        on_train = _summed_counts(algorithm, params, personal, train)
+        total = total.replace(correct_global_snapshot=on_train.correct_global_snapshot,
+                              snapshot_instances=on_train.snapshot_instances)
     return total
 
 
@@ -261,7 +277,8 @@ def _spread(name: str, accuracies: np.ndarray) -> dict[str, float]:
             f"{name}_p90": float(np.percentile(accuracies, 90))}
 
 
-def summarize(counts: ClientCounts, client_ids: Sequence[str] | None = None) -> EvalSummary:
+def summarize(counts: ClientCounts, client_ids: Sequence[str] | None = None,
+              snapshot_split: str = "test") -> EvalSummary:
     """The paper's aggregates from stacked per-client counts (numpy on the host).
 
     Per-client accuracy is averaged over clients with at least one counted instance (the
@@ -269,7 +286,9 @@ def summarize(counts: ClientCounts, client_ids: Sequence[str] | None = None) -> 
     ``breakdown`` pool instances. A client benefits when ``Acc_p > Acc_g`` strictly; ties
     are reported separately. A diverged prediction (``losses.finite_rows``) counts as
     wrong, and ``clients_nonfinite`` counts the clients that had one. With ``client_ids``
-    (the rows' clients) a routing method's summary also holds ``routing_client``.
+    (the rows' clients) a routing method's summary also holds ``routing_client``. A
+    snapshot counted on the train split (``snapshot_split``, the algorithm's) has its
+    accuracies but no ``clients_benefiting_snapshot``: Acc_p is the test split's.
     """
     counts = jax.tree.map(np.asarray, counts)
     keep = counts.instances > 0
@@ -295,14 +314,20 @@ def summarize(counts: ClientCounts, client_ids: Sequence[str] | None = None) -> 
             acc_p_client_snapshot=float(np.mean(acc["personal_snapshot"])),
             acc_p_client_snapshot_weighted=float(
                 np.sum(counts.correct_personal_snapshot[keep], dtype=np.float64) / total))
-    if np.sum(counts.snapshot_instances[keep]) > 0:
-        snapshot_acc = counts.correct_global_snapshot[keep] / n
-        their_personal = acc.get("personal_snapshot", acc["personal"])
+    # Over the clients whose snapshot counted an instance: all of ``keep`` on the test
+    # split, on the train split (``FederatedAlgorithm.snapshot_split``) those with one.
+    scored = counts.snapshot_instances[keep] > 0
+    if np.any(scored):
+        snapshot_n = counts.snapshot_instances[keep][scored].astype(np.float64)
+        snapshot_correct = counts.correct_global_snapshot[keep][scored]
+        snapshot_acc = snapshot_correct / snapshot_n
+        their_personal = acc.get("personal_snapshot", acc["personal"])[scored]
         snapshot.update(
             acc_g_client_snapshot=float(np.mean(snapshot_acc)),
             acc_g_client_snapshot_weighted=float(
-                np.sum(counts.correct_global_snapshot[keep], dtype=np.float64) / total),
-            clients_benefiting_snapshot=float(np.mean(their_personal > snapshot_acc)))
+                np.sum(snapshot_correct, dtype=np.float64) / np.sum(snapshot_n)),
+            clients_benefiting_snapshot=(float(np.mean(their_personal > snapshot_acc))
+                                         if snapshot_split == "test" else None))
     return EvalSummary(
         num_clients=int(np.sum(keep)),
         acc_g=float(np.mean(acc["global"])),
