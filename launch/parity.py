@@ -685,6 +685,7 @@ def import_their_trainer(reference_dir: str, module_name: str = "trainers.client
         "flwr.server": _stand_in("flwr.server"),
         "flwr.server.app": _stand_in("flwr.server.app", ServerConfig=object),
         "tensorflow": _stand_in("tensorflow"),
+        "torchviz": _stand_in("torchviz", make_dot=None),  # client_fedavg.py's graph drawing
         "colorama": _stand_in("colorama", Fore=types.SimpleNamespace(
             RED="", BLUE="", WHITE="", YELLOW="", GREEN="")),
         "trainers.server_fedavg": _stand_in("trainers.server_fedavg", FedAvg=object),

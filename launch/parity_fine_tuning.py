@@ -37,6 +37,15 @@ is (each cluster of flowjax's after one epoch, and after E, must match theirs fo
 cluster only). Its client has 100 train examples, whole minibatches of 20, where their
 criterion and flowjax's mean loss over the epoch's examples rank alike.
 
+FedAvg's ``client_snapshot`` with ``snapshot_split="train"`` is what their CIFAR-10
+FedAvg evaluation reports as Acc_g (``client_fedavg.py``, ``cifar10_generalized_test``):
+one epoch of SGD (momentum 0.9) from the server model on the client's train split, then
+that net scored on the train split (``cifar10_test(net, train_data)``; their "before" and
+"after" figures are the same net's). That function of theirs runs here on their
+``EMNISTNet`` (it moves the channel axis of NHWC images first, as that net takes them):
+the procedure, not the ResNet, is checked. flowjax's figure is the engine's own count
+(``evaluation.metrics.evaluate_client``) on the train split.
+
 ``flowjax_side_of(method)`` needs no PyTorch: ``tests/test_parity.py`` recomputes it and
 compares it with the committed figures of the PyTorch side
 (``tests/fixtures/parity_<method>.json``).
@@ -56,8 +65,9 @@ from launch import parity
 
 ROOT = parity.ROOT
 
-METHODS = ("fedavg_ft", "fedrep", "lg_fedavg", "hypcluster")
-THEIR_MODULES = {"fedavg_ft": "trainers.client_fedavg_finetuning",
+METHODS = ("fedavg_ft", "fedrep", "lg_fedavg", "hypcluster", "fedavg")
+THEIR_MODULES = {"fedavg": "trainers.client_fedavg",
+                 "fedavg_ft": "trainers.client_fedavg_finetuning",
                  "fedrep": "trainers.client_fedrep", "lg_fedavg": "trainers.client_lgfedavg",
                  "hypcluster": "trainers.client_hypcluster"}
 TITLES = {"fedavg_ft": "FedAvgFT (every layer)",
@@ -264,6 +274,90 @@ def hypcluster_torch_side(reference_dir: str, ours: dict[str, Any],
                 metrics=parity.reported_metrics(figures))
 
 
+def fedavg_flowjax_side(settings: dict = SETTINGS) -> dict[str, Any]:
+    """FedAvg's copy for their CIFAR-10 evaluation: initial and trained weights (their
+    layout), its logits on the train examples, its train-split figures as the engine
+    counts them, and the batches of its one epoch then of their scoring pass (consecutive
+    batches); no PyTorch needed."""
+    import jax
+    import jax.numpy as jnp
+
+    from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
+    from flowjax.evaluation.metrics import evaluate_client
+
+    model, sgd, data, train, key = _client(settings)
+    algorithm = fedavg(model, FedAvgConfig(sgd=sgd, client_snapshot=True,
+                                           snapshot_split="train"))
+    params = algorithm.init(jax.random.key(settings["seed"]))
+    personal = jax.jit(algorithm.personalize)(params, train, key)
+    test = parity.client_examples(data["test_x"], data["test_y"], settings["batch_size"])
+    counts = jax.jit(lambda p, tr, te, k: evaluate_client(algorithm, p, tr, te, k))(
+        params, train, test, key)
+    correct, total = int(counts.correct_global_snapshot), int(counts.snapshot_instances)
+    predictions = algorithm.predict(params, personal, jnp.asarray(data["train_x"]))
+    logits = np.asarray(predictions.global_snapshot)
+    n, batch = len(data["train_x"]), settings["batch_size"]
+    scoring = ("all", [np.arange(i, min(i + batch, n)) for i in range(0, n, batch)])
+    return dict(initial=parity.cnn_to_torch_layout(params),
+                updated=parity.cnn_to_torch_layout(personal["snapshot"]),
+                eval_snapshot_logits=logits, eval_personal_logits=logits,
+                metrics=dict(before_accuracy=correct / total, after_accuracy=correct / total,
+                             correct=correct, total=total),
+                server_logits=np.asarray(predictions.global_logits),  # a control: untrained
+                passes=_passes(key, train, {**settings, "epochs": 1}) + [scoring])
+
+
+def fedavg_torch_side(reference_dir: str, ours: dict[str, Any],
+                      settings: dict = SETTINGS) -> dict[str, Any]:
+    """Their ``cifar10_generalized_test`` (``client_fedavg.py``) on their ``EMNISTNet``
+    (no dropout) from flowjax's initial weights, fed flowjax's epoch and then the scoring
+    pass over NHWC images with int64 labels (as their CIFAR loader gives): the trained
+    weights, the logits of their scoring pass and their figures."""
+    import torch
+    torch.set_num_threads(1)
+    trainer = parity.import_their_trainer(reference_dir, THEIR_MODULES["fedavg"])
+    trainer.__dict__.update(lr=settings["learning_rate"], DEVICE="cpu")
+    data = parity.client_data(**settings)
+    train = parity.ScriptedDataset(data["train_x"][..., None],
+                                   data["train_y"].astype(np.int64), ours["passes"])
+    test = parity.BatchedDataset(data["test_x"][..., None], data["test_y"].astype(np.int64),
+                                 100)
+    net = parity.their_net(trainer, ours["initial"])
+    captured = []
+    net.register_forward_hook(lambda module, args, output: None if module.training
+                              else captured.append(output.detach().numpy().copy()))
+    figures = trainer.cifar10_generalized_test(net, train, test)
+    if not train.exhausted():
+        raise AssertionError("their evaluation read fewer passes than flowjax's plan")
+    _, before_accuracy, _, after_accuracy, correct, total = figures
+    logits = np.concatenate(captured)
+    return dict(updated={k: v.detach().numpy().copy() for k, v in net.state_dict().items()},
+                eval_snapshot_logits=logits, eval_personal_logits=logits,
+                metrics=dict(before_accuracy=before_accuracy, after_accuracy=after_accuracy,
+                             correct=correct, total=total))
+
+
+def fedavg_check(reference_dir: str, write_fixture: bool, torch_version: str) -> bool:
+    """Both sides of their CIFAR-10 FedAvg evaluation; within ``TOLERANCE``, and the copy
+    moved from the server model (one epoch trained)."""
+    ours = fedavg_flowjax_side()
+    theirs = fedavg_torch_side(reference_dir, ours)
+    diffs = parity.compare(ours, theirs)
+    print(f"FedAvg, their CIFAR-10 evaluation (one epoch of SGD, momentum "
+          f"{SETTINGS['momentum']}, then the train split scored), on their EMNISTNet "
+          f"(torch {torch_version}, float32, dropout off on both sides)")
+    print(f"  max abs diff, every parameter after the epoch:  {diffs['params']:.3e}"
+          f"  (largest move from the init: {diffs['params_moved']:.3e})")
+    print(f"  max abs diff, the copy's logits (train split):  {diffs['snapshot_logits']:.3e}")
+    print(f"  max abs diff, evaluation metrics:               {diffs['metrics']:.3e}"
+          f"  (theirs: {theirs['metrics']})")
+    if write_fixture:
+        _write_fixture("fedavg", settings_of("fedavg"), ours, theirs, torch_version)
+    worst = parity.worst_diff(diffs)
+    return _verdict("fedavg", worst,
+                    worst <= TOLERANCE and diffs["params_moved"] > 100 * TOLERANCE)
+
+
 def settings_of(method: str) -> dict:
     """The client and hyperparameters of ``method``'s check."""
     return HYPCLUSTER_SETTINGS if method == "hypcluster" else SETTINGS
@@ -271,6 +365,8 @@ def settings_of(method: str) -> dict:
 
 def flowjax_side_of(method: str) -> dict[str, Any]:
     """flowjax's side of ``method``'s check (no PyTorch needed)."""
+    if method == "fedavg":
+        return fedavg_flowjax_side()
     return hypcluster_flowjax_side() if method == "hypcluster" else flowjax_side(method)
 
 
@@ -334,6 +430,8 @@ def check(method: str, reference_dir: str, write_fixture: bool, torch_version: s
     whether they are within ``TOLERANCE`` and the control tells copy from final model."""
     if method == "hypcluster":
         return hypcluster_check(reference_dir, write_fixture, torch_version)
+    if method == "fedavg":
+        return fedavg_check(reference_dir, write_fixture, torch_version)
     ours = flowjax_side(method)
     theirs = torch_side(reference_dir, ours, method)
     diffs = parity.compare(ours, theirs)
