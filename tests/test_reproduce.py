@@ -206,8 +206,9 @@ def test_client_snapshot_table_puts_the_papers_figures_beside_their_evaluations_
     population = {**summary([0.5, 0.5], [0.7, 0.7]), "acc_g_client_snapshot": 0.6,
                   "clients_benefiting_snapshot": 0.5}
     hypcluster = {**population, "acc_p_client_snapshot": 0.8}
-    variants = ["fedavg_ft_snapshot", "apfl_snapshot", "ditto_snapshot", "fedrep_snapshot",
-                "lg_fedavg_snapshot", "hypcluster_snapshot", "flow_reference"]
+    variants = ["fedavg_snapshot", "fedavg_snapshot_train", "fedavg_ft_snapshot",
+                "apfl_snapshot", "ditto_snapshot", "fedrep_snapshot", "lg_fedavg_snapshot",
+                "hypcluster_snapshot", "flow_reference"]
     for variant in variants:
         for seed in seeds:
             write_cell(tmp_path, "emnist", variant, seed, {"train_clients": (
@@ -236,6 +237,32 @@ def test_client_snapshot_table_puts_the_papers_figures_beside_their_evaluations_
         assert md_cell(markdown, row, "EMNIST % Acc_p > Acc_g") == "100.00 ± 0.00 (paper —)"
         assert md_cell(markdown, row, "EMNIST % Acc_p > snapshot") == (
             f"50.00 ± 0.00 (paper {improved})")
+    # FedAvg's copy is their CIFAR code's: their EMNIST FedAvg scores the server model, so
+    # the paper's figure goes beside Acc_g; FedAvg has no personalized model.
+    for row in ("FedAvg, SGD momentum 0.9, copy on the test", "FedAvg, SGD momentum 0.9, "
+                "copy on the train"):
+        assert md_cell(markdown, row, "EMNIST Acc_g") == "50.00 ± 0.00 (paper 85.10 ± 1.32)"
+        assert md_cell(markdown, row, "EMNIST Acc_g client snapshot") == (
+            "60.00 ± 0.00 (paper —)")
+        for column in ("Acc_p", "Acc_p client snapshot", "% Acc_p > Acc_g",
+                       "% Acc_p > snapshot"):
+            assert md_cell(markdown, row, f"EMNIST {column}") == "—"
+    # On CIFAR the paper's FedAvg Acc_g is the copy: on the train split for CIFAR-10,
+    # on the test split for CIFAR-100.
+    cifar = ["cifar10_0.1", "cifar100_0.1"]
+    for dataset in cifar:
+        for variant in ("fedavg_snapshot", "fedavg_snapshot_train"):
+            for seed in seeds:
+                write_cell(tmp_path, dataset, variant, seed, {"train_clients": population})
+    markdown = _markdown(tmp_path, "client_snapshot", cifar, spec.variants, seeds)
+    for row, dataset, paper in (("copy on the test", "CIFAR10 (0.1)", "—"),
+                                ("copy on the train", "CIFAR10 (0.1)", "60.98 ± 1.12"),
+                                ("copy on the test", "CIFAR100 (0.1)", "28.11 ± 0.31"),
+                                ("copy on the train", "CIFAR100 (0.1)", "—")):
+        label = f"FedAvg, SGD momentum 0.9, {row}"
+        assert md_cell(markdown, label, f"{dataset} Acc_g") == "50.00 ± 0.00 (paper —)"
+        assert md_cell(markdown, label, f"{dataset} Acc_g client snapshot") == (
+            f"60.00 ± 0.00 (paper {paper})")
 
 
 def test_gain_source_marks_fedavgs_personal_columns_absent(tmp_path):
