@@ -134,6 +134,20 @@ def test_clients_benefiting_over_the_snapshot_counts_strict_gains_over_it():
     assert s.acc_p_client_snapshot is None and s.acc_p_client_snapshot_weighted is None
 
 
+def test_routing_sums_over_clients_stay_exact_past_float32s_integers():
+    """q0 sums and histogram counts are summed over clients in float64: in float32,
+    2^24 + 1 + 1 instances would read 2^24 (each + 1 rounds away)."""
+    counts = _counts(GROUP_COUNTS)
+    q0 = np.zeros((3, 4, 1), np.float32)
+    q0[:, 0, 0] = [2.0 ** 24, 1.0, 1.0]
+    histogram = np.zeros((3, 4, 1, 20), np.float32)
+    histogram[:, 0, 0, 19] = [2.0 ** 24, 1.0, 1.0]
+    s = summarize(counts.replace(q0_sums=q0, q0_histogram=histogram))
+    assert s.q0_histogram["both_correct"][0][19] == 2.0 ** 24 + 2
+    groups = GROUP_COUNTS[:, 0].sum()
+    assert s.q0_by_group["both_correct"][0] == (2.0 ** 24 + 2) / groups
+
+
 def test_a_train_split_snapshot_is_averaged_over_its_own_instances():
     """FedAvg's ``snapshot_split="train"`` (their CIFAR-10 evaluation): each client's copy
     scores its correct train instances over its train instances, a client without any

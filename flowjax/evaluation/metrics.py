@@ -300,7 +300,10 @@ def summarize(counts: ClientCounts, client_ids: Sequence[str] | None = None,
     total = float(np.sum(n))
     groups = counts.groups[keep].sum(axis=0, dtype=np.float64)
     group_fractions = counts.groups[keep] / n[:, None]  # [clients, 4]
-    q0_sums = counts.q0_sums[keep].sum(axis=0)  # [4, L]
+    # float64 over clients, as the other sums: numpy adds along axis 0 one row at a time,
+    # and float32 counts stop being exact past 2^24 instances (Stack Overflow's).
+    q0_sums = counts.q0_sums[keep].sum(axis=0, dtype=np.float64)  # [4, L]
+    q0_histogram = counts.q0_histogram[keep].sum(axis=0, dtype=np.float64)  # [4, L, bins]
     # None (JSON null) marks a group without instances, so results compare and serialize.
     q0_by_group = {group: (q0_sums[g] / groups[g]).tolist() if groups[g] > 0
                    else [None] * q0_sums.shape[1]
@@ -345,7 +348,7 @@ def summarize(counts: ClientCounts, client_ids: Sequence[str] | None = None,
                                for g, group in enumerate(GROUPS)},
         q0_by_group=q0_by_group,
         **_spread("acc_p", acc["personal"]), **_spread("acc_g", acc["global"]),
-        q0_histogram={group: counts.q0_histogram[keep].sum(axis=0)[g].tolist()
+        q0_histogram={group: q0_histogram[g].tolist()
                       for g, group in enumerate(GROUPS)},
         routing_client=None if client_ids is None else routing_client(counts, client_ids),
         clients_nonfinite=len(diverged),
