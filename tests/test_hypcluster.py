@@ -156,6 +156,25 @@ def test_client_picks_and_trains_only_the_cluster_that_fits_it(mlp, images_small
                              params[chosen])
 
 
+def test_a_cluster_with_a_non_finite_loss_is_not_chosen_over_a_finite_one(mlp, images_small):
+    """A bare argmin picks the first NaN; the choice reads a non-finite loss as +inf, so
+    the client trains the finite cluster, whichever index holds the NaN one, and with
+    every loss NaN falls back to the lowest index, as a tie does."""
+    client = _client(images_small, 1, padded_examples=32)
+    finite = mlp.init(jax.random.key(0))
+    broken = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), finite)
+    update = jax.jit(hypcluster(mlp, HypClusterConfig(**CONFIG, clusters=2)).client_update)
+    n = float(client.num_examples)
+    for nan_cluster in (0, 1):
+        params = {f"cluster{nan_cluster}": broken, f"cluster{1 - nan_cluster}": finite}
+        assert not np.isfinite(float(mean_train_loss(mlp, broken, client)))
+        result = update(params, client, jax.random.key(2))
+        assert float(result.weight[f"cluster{1 - nan_cluster}"]) == n
+        assert float(result.weight[f"cluster{nan_cluster}"]) == 0.0
+    result = update({"cluster0": broken, "cluster1": broken}, client, jax.random.key(2))
+    assert float(result.weight["cluster0"]) == n and float(result.weight["cluster1"]) == 0.0
+
+
 def test_selection_loss_is_the_masked_mean_and_ignores_padding(mlp, images_small):
     params = mlp.init(jax.random.key(0))
     n = int(images_small.train.num_examples("train")[2])

@@ -6,7 +6,8 @@ Each round every sampled client, from the broadcast cluster models:
 
 1. evaluates every ``w_i`` on its whole train split: the masked mean cross-entropy of
    the plain model in evaluation mode (no dropout), ``L_i``;
-2. picks ``c = argmin_i L_i`` (ties go to the lowest index);
+2. picks ``c = argmin_i L_i`` (ties go to the lowest index; a non-finite ``L_i`` reads
+   as +inf, so a cluster whose loss overflowed or is NaN is picked only when all are);
 3. trains only ``w_c`` for E epochs of minibatch SGD on its train split (as FedAvg);
 4. returns all k groups: the trained ``w_c`` and the untouched other clusters, with
    weight ``{"cluster{c}": n, others: 0}`` (n = its example count).
@@ -248,14 +249,16 @@ def hypcluster(model: RoutableModel, config: HypClusterConfig,
         stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *clusters)
         return chosen, jax.tree.map(lambda leaf: leaf[chosen], stacked)
 
+    def finite_or_inf(losses: Sequence[jax.Array]) -> list[jax.Array]:
+        """A diverged cluster's (non-finite) loss as +inf: chosen only when all are (a
+        bare argmin would pick the first NaN). Finite losses pass unchanged."""
+        return [jnp.where(jnp.isfinite(loss), loss, jnp.inf) for loss in losses]
+
     def choose(params, examples: ClientExamples):
         """(index of the lowest-loss cluster, that cluster's params)."""
-        return lowest([mean_train_loss(model, params[name], examples) for name in names],
+        return lowest(finite_or_inf([mean_train_loss(model, params[name], examples)
+                                     for name in names]),
                       [params[name] for name in names])
-
-    def finite_or_inf(losses: Sequence[jax.Array]) -> list[jax.Array]:
-        """A diverged cluster's (non-finite) loss as +inf: copied only when all are."""
-        return [jnp.where(jnp.isfinite(loss), loss, jnp.inf) for loss in losses]
 
     def authors_evaluation(params, examples: ClientExamples, key) -> tuple[Params, Params]:
         """The authors' evaluation copies (module docstring): every cluster fine-tuned E
