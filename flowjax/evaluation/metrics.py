@@ -21,7 +21,7 @@ pooled one, beside the client-mean ``acc_g`` / ``acc_p``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import flax.struct
 import jax
@@ -78,6 +78,15 @@ class ClientCounts:
     nonfinite: jax.Array
 
 
+def _scored(logits: jax.Array | None, y: jax.Array,
+            weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(correct, counted) instances of a model's ``logits`` (zeros for a model the
+    method does not have)."""
+    if logits is None:
+        return jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+    return jnp.sum(correct(logits, y) * weights), jnp.sum(weights)
+
+
 def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: jax.Array,
                  y: jax.Array, example_mask: jax.Array) -> ClientCounts:
     """Counts of one test batch."""
@@ -106,14 +115,9 @@ def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: j
     else:
         loss_global = loss_personal = jnp.zeros((), jnp.float32)
 
-    def snapshot_counts(logits: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-        if logits is None:
-            return jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
-        return jnp.sum(correct(logits, y) * weights), jnp.sum(weights)
-
-    snapshot_correct, snapshot_instances = snapshot_counts(predictions.global_snapshot)
-    personal_snapshot_correct, personal_snapshot_instances = snapshot_counts(
-        predictions.personal_snapshot)
+    snapshot_correct, snapshot_instances = _scored(predictions.global_snapshot, y, weights)
+    personal_snapshot_correct, personal_snapshot_instances = _scored(
+        predictions.personal_snapshot, y, weights)
     return ClientCounts(
         instances=jnp.sum(weights),
         correct_global=jnp.sum(global_ok * weights),
@@ -128,22 +132,17 @@ def batch_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any, x: j
         nonfinite=jnp.sum(~finite * weights))
 
 
-def _summed_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any,
-                   split: ClientExamples) -> ClientCounts:
-    """``batch_counts`` summed over the batches of ``split``; the ``index``-th batch is
-    predicted with ``algorithm.for_test_batch(personal, index)``."""
-
-    def counts(batch):
-        index, x, y, mask = batch
-        return batch_counts(algorithm, params, algorithm.for_test_batch(personal, index),
-                            x, y, mask)
+def _summed(counts: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], Any],
+            split: ClientExamples) -> Any:
+    """``counts(index, x, y, mask)`` of each batch of ``split``, summed over the batches."""
 
     def step(total, batch):
-        return jax.tree.map(jnp.add, total, counts(batch)), None
+        return jax.tree.map(jnp.add, total, counts(*batch)), None
 
     batches = (jnp.arange(split.x.shape[0], dtype=jnp.int32), split.x, split.y, split.mask)
     zeros = jax.tree.map(jnp.zeros_like,
-                         jax.eval_shape(counts, jax.tree.map(lambda a: a[0], batches)))
+                         jax.eval_shape(lambda b: counts(*b),
+                                        jax.tree.map(lambda a: a[0], batches)))
     total, _ = jax.lax.scan(step, zeros, batches)
     return total
 
@@ -151,17 +150,31 @@ def _summed_counts(algorithm: FederatedAlgorithm, params: Any, personal: Any,
 def evaluate_client(algorithm: FederatedAlgorithm, params: Any, train: ClientExamples,
                     test: ClientExamples, key: jax.Array, client_state: Any = None) -> ClientCounts:
     """Personalize on ``train`` and count on ``test`` (one client; map it for many); the
-    ``index``-th test batch is predicted with ``algorithm.for_test_batch(personal, index)``.
+    ``index``-th batch is predicted with ``algorithm.for_test_batch(personal, index)``.
 
     With ``algorithm.snapshot_split == "train"`` the client-side snapshot's counts are
-    those of ``train`` instead (every other count stays the test split's).
+    those of ``train`` instead (every other count stays the test split's); only the
+    snapshot is scored there.
     """
     personal = algorithm.personalize(params, train, key, client_state)
-    total = _summed_counts(algorithm, params, personal, test)
+
+    def personal_of(index):
+        return algorithm.for_test_batch(personal, index)
+
+    def test_counts(index, x, y, mask):
+        return batch_counts(algorithm, params, personal_of(index), x, y, mask)
+
+    total = _summed(test_counts, test)
     if algorithm.snapshot_split == "train":
-        on_train = _summed_counts(algorithm, params, personal, train)
-        total = total.replace(correct_global_snapshot=on_train.correct_global_snapshot,
-                              snapshot_instances=on_train.snapshot_instances)
+        def snapshot_counts(index, x, y, mask):
+            logits = algorithm.predict(params, personal_of(index), x).global_snapshot
+            weights = instance_weights(algorithm.model, y, mask.astype(jnp.float32),
+                                       for_metrics=True)
+            return _scored(logits, y, weights)
+
+        snapshot_correct, snapshot_instances = _summed(snapshot_counts, train)
+        total = total.replace(correct_global_snapshot=snapshot_correct,
+                              snapshot_instances=snapshot_instances)
     return total
 
 
