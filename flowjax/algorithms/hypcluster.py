@@ -244,20 +244,17 @@ def hypcluster(model: RoutableModel, config: HypClusterConfig,
                 for i, name in enumerate(names)}
 
     def lowest(losses: Sequence[jax.Array], clusters: Sequence[Params]):
-        """(index of the lowest loss, ties to the lowest index; that cluster's params)."""
-        chosen = jnp.argmin(jnp.stack(losses))
+        """(index of the lowest loss, ties to the lowest index; that cluster's params).
+        A non-finite loss reads as +inf: such a cluster wins only when all are (a bare
+        argmin would pick the first NaN); finite losses pass unchanged."""
+        finite = [jnp.where(jnp.isfinite(loss), loss, jnp.inf) for loss in losses]
+        chosen = jnp.argmin(jnp.stack(finite))
         stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *clusters)
         return chosen, jax.tree.map(lambda leaf: leaf[chosen], stacked)
 
-    def finite_or_inf(losses: Sequence[jax.Array]) -> list[jax.Array]:
-        """A diverged cluster's (non-finite) loss as +inf: chosen only when all are (a
-        bare argmin would pick the first NaN). Finite losses pass unchanged."""
-        return [jnp.where(jnp.isfinite(loss), loss, jnp.inf) for loss in losses]
-
     def choose(params, examples: ClientExamples):
         """(index of the lowest-loss cluster, that cluster's params)."""
-        return lowest(finite_or_inf([mean_train_loss(model, params[name], examples)
-                                     for name in names]),
+        return lowest([mean_train_loss(model, params[name], examples) for name in names],
                       [params[name] for name in names])
 
     def authors_evaluation(params, examples: ClientExamples, key) -> tuple[Params, Params]:
@@ -276,8 +273,7 @@ def hypcluster(model: RoutableModel, config: HypClusterConfig,
             first_losses.append(mean_from_sums(*first_sums))
             after_all.append(last[0])
             last_losses.append(mean_from_sums(*last_sums))
-        return (lowest(finite_or_inf(first_losses), after_first)[1],
-                lowest(finite_or_inf(last_losses), after_all)[1])
+        return lowest(first_losses, after_first)[1], lowest(last_losses, after_all)[1]
 
     def client_update(params, examples: ClientExamples, key, client_state=None) -> ClientResult:
         del client_state  # stateless
