@@ -84,7 +84,9 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
                         init=config_dict.placeholder(str),  # None or kmeans
                         client_snapshot=config_dict.placeholder(bool)),
         knn_per=dict(neighbours=5, lam=0.5, max_datastore=4096,
-                     client_snapshot=config_dict.placeholder(bool)),  # as fedavg's
+                     client_snapshot=config_dict.placeholder(bool),  # as fedavg's
+                     # The authors' kNN-Per Acc_p (flowjax/algorithms/knn_per.py).
+                     reference_acc_p=config_dict.placeholder(bool)),
         local=dict(),
         partialfed=dict(temperature=1.0, strategy_learning_rate=0.11),
     )

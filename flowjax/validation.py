@@ -19,6 +19,7 @@ from flowjax.algorithms import flow_reference, flow_reference_resnet
 from flowjax.algorithms.flow_reference_networks import NETWORKS
 from flowjax.algorithms.ditto import unstable_lam
 from flowjax.algorithms.fedrep import head_layer_names
+from flowjax.algorithms.knn_per import reference_key_layer
 from flowjax.algorithms.lg_fedavg import global_layer_names
 from flowjax.core.checks import (FieldError, Interval, integer, is_int, one_of, optional_cap,
                                  optional_integer, plain, positive)
@@ -239,6 +240,11 @@ def _check_model_fields(config: Any, method: Any, model: RoutableModel) -> None:
             _fail("model_options.groups", options["groups"],
                   "expected it unset with methods.flow.semantics='reference': the authors' "
                   "CIFAR network has its own GroupNorm (2 channels per group)")
+    if config.algorithm == "knn_per" and method.reference_acc_p:
+        try:
+            reference_key_layer(model)
+        except ValueError as error:
+            _fail("methods.knn_per.reference_acc_p", True, str(error))
     if config.algorithm == "hypcluster" and method.warmup_rounds >= config.num_rounds:
         _fail("methods.hypcluster.warmup_rounds", method.warmup_rounds,
               f"expected fewer than num_rounds={config.num_rounds}: the warm-up's FedAvg "

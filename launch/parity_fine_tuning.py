@@ -46,6 +46,20 @@ that net scored on the train split (``cifar10_test(net, train_data)``; their "be
 the procedure, not the ResNet, is checked. flowjax's figure is the engine's own count
 (``evaluation.metrics.evaluate_client``) on the train split.
 
+kNN-Per's ``reference_acc_p`` is what their kNN-Per evaluation reports as Acc_p
+(``client_knnper.py``): a datastore of the train examples' embeddings (their memoization
+``EMNISTNet``'s flattened convolutions, the input of ``linear_1``) and the model's
+PREDICTED labels, and per test example (their test loader has batch 1) the scores
+``(1 - lambda) logits + lambda sum_j exp(-d_j) onehot(label_j)`` over the k nearest.
+``knn_per`` runs their ``emnist_generalized_test`` (the server model, their EMNIST k = 10,
+lambda = 0.4), ``knn_per_cifar`` their ``cifar10_generalized_test`` on the same net (one
+epoch of SGD, momentum 0.9, first: FedAvg's copy, then the datastore and scores from it;
+their CIFAR-10 k = 5, lambda = 0.5). Each test image is a train image plus a little noise,
+so its nearest entry is close and its vote moves the scores (between unrelated images
+``exp(-d)`` is below 1e-30); the script prints the largest vote as a control. Their scores
+are read where their code takes their argmax (``torch.max``), their datastore's labels
+where it computes them (``torch.argmax``).
+
 ``flowjax_side_of(method)`` needs no PyTorch: ``tests/test_parity.py`` recomputes it and
 compares it with the committed figures of the PyTorch side
 (``tests/fixtures/parity_<method>.json``).
@@ -65,8 +79,10 @@ from launch import parity
 
 ROOT = parity.ROOT
 
-METHODS = ("fedavg_ft", "fedrep", "lg_fedavg", "hypcluster", "fedavg")
+METHODS = ("fedavg_ft", "fedrep", "lg_fedavg", "hypcluster", "fedavg", "knn_per",
+           "knn_per_cifar")
 THEIR_MODULES = {"fedavg": "trainers.client_fedavg",
+                 "knn_per": "trainers.client_knnper", "knn_per_cifar": "trainers.client_knnper",
                  "fedavg_ft": "trainers.client_fedavg_finetuning",
                  "fedrep": "trainers.client_fedrep", "lg_fedavg": "trainers.client_lgfedavg",
                  "hypcluster": "trainers.client_hypcluster"}
@@ -360,6 +376,152 @@ def fedavg_check(reference_dir: str, write_fixture: bool, torch_version: str) ->
     return _verdict("fedavg", worst, worst <= TOLERANCE and control > 100 * TOLERANCE)
 
 
+# kNN-Per's two checks: (their function, their k and lambda, whether it scores the
+# one-epoch copy) from their configs/hyperparameters.py (emnist_knnper, cifar10_knnper).
+KNN_CASES = {"knn_per": ("emnist_generalized_test", 10, 0.4, False),
+             "knn_per_cifar": ("cifar10_generalized_test", 5, 0.5, True)}
+# The noise on the train images that make the test images (module docstring).
+KNN_NOISE = 0.02
+
+
+def knn_client_data(settings: dict) -> dict[str, np.ndarray]:
+    """``parity.client_data``'s train split; each test example a distinct train example
+    (its label too) plus uniform noise of width ``KNN_NOISE``, clipped to [0, 1]."""
+    data = parity.client_data(**settings)
+    rng = np.random.default_rng(settings["seed"] + 2)
+    chosen = rng.choice(settings["train_examples"], settings["test_examples"], replace=False)
+    noise = rng.uniform(-KNN_NOISE, KNN_NOISE, data["train_x"][chosen].shape)
+    test_x = np.clip(data["train_x"][chosen] + noise, 0.0, 1.0).astype(np.float32)
+    return dict(data, test_x=test_x, test_y=data["train_y"][chosen])
+
+
+def knn_flowjax_side(method: str, settings: dict = SETTINGS) -> dict[str, Any]:
+    """kNN-Per's ``reference_acc_p`` (with ``client_snapshot`` for the CIFAR case; the
+    EMNIST case's server model is the init trained E epochs on the client, so that it
+    predicts more than one class): the initial and the scored model's weights (their layout), that model's logits and the
+    reference scores on the test examples, their figures, the datastore's labels and the
+    batches of the copy's epoch (CIFAR) and of the datastore's pass; no PyTorch needed."""
+    import jax
+    import jax.numpy as jnp
+
+    from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
+    from flowjax.algorithms.knn_per import KnnPerConfig, knn_per
+
+    _, neighbours, lam, copy = KNN_CASES[method]
+    model, sgd, _, _, key = _client(settings)
+    data = knn_client_data(settings)
+    train = parity.client_examples(data["train_x"], data["train_y"], settings["batch_size"])
+    algorithm = knn_per(model, KnnPerConfig(sgd=sgd, neighbours=neighbours, lam=lam,
+                                            client_snapshot=copy or None,
+                                            reference_acc_p=True))
+    params = algorithm.init(jax.random.key(settings["seed"]))
+    if not copy:  # a server model that predicts something: E epochs on the client's data
+        tune = fedavg(model, FedAvgConfig(sgd=sgd, finetune=True))
+        params = jax.jit(tune.personalize)(params, train, jax.random.key(settings["seed"] + 3))
+    personal = jax.jit(algorithm.personalize)(params, train, key)
+    predictions = algorithm.predict(params, personal, jnp.asarray(data["test_x"]))
+    before = np.asarray(predictions.global_snapshot if copy else predictions.global_logits)
+    scores = np.asarray(predictions.personal_snapshot)
+    store = personal["reference_store"]
+    n, batch = settings["train_examples"], settings["batch_size"]
+    datastore_pass = ("all", [np.arange(i, min(i + batch, n)) for i in range(0, n, batch)])
+    return dict(initial=parity.cnn_to_torch_layout(params),
+                updated=parity.cnn_to_torch_layout(personal.get("snapshot", params)),
+                eval_snapshot_logits=before, eval_personal_logits=scores,
+                metrics=parity.generalized_test_metrics(before, scores, data["test_y"]),
+                datastore_labels=np.asarray(store.labels)[np.asarray(store.valid)].tolist(),
+                passes=(_passes(key, train, {**settings, "epochs": 1}) if copy else [])
+                + [datastore_pass])
+
+
+class _RecordedTorch:
+    """Their module's ``torch`` recording what ``max`` is taken over (their scores) and
+    what ``argmax`` gives (their datastore's labels)."""
+
+    def __init__(self, torch):
+        self._torch, self.max_inputs, self.argmax_results = torch, [], []
+
+    def __getattr__(self, name: str):
+        return getattr(self._torch, name)
+
+    def max(self, tensor, *args, **kwargs):
+        self.max_inputs.append(tensor.detach().numpy().copy())
+        return self._torch.max(tensor, *args, **kwargs)
+
+    def argmax(self, tensor, *args, **kwargs):
+        result = self._torch.argmax(tensor, *args, **kwargs)
+        self.argmax_results.append(int(result))
+        return result
+
+
+def knn_torch_side(reference_dir: str, ours: dict[str, Any], method: str,
+                   settings: dict = SETTINGS) -> dict[str, Any]:
+    """Their kNN-Per ``*_generalized_test`` on their memoization ``EMNISTNet`` (no
+    dropout) from flowjax's initial weights, fed flowjax's passes (the CIFAR one gets
+    NHWC images and int64 labels, as their CIFAR loader gives) and the test examples one
+    by one: their scored net's weights, its logits and their scores per test example,
+    their figures and their datastore's labels."""
+    import torch
+    torch.set_num_threads(1)
+    function, neighbours, lam, copy = KNN_CASES[method]
+    trainer = parity.import_their_trainer(reference_dir, THEIR_MODULES[method])
+    recorded = _RecordedTorch(torch)
+    trainer.__dict__.update(lr=settings["learning_rate"], knn_neighbors_count=neighbours,
+                            lambda_=lam, DEVICE="cpu", torch=recorded)
+    data = knn_client_data(settings)
+    if copy:  # their CIFAR loader: channels last, int64 labels
+        data = {k: (v[..., None] if k.endswith("_x") else v.astype(np.int64))
+                for k, v in data.items()}
+    train = parity.ScriptedDataset(data["train_x"], data["train_y"], ours["passes"])
+    test = parity.BatchedDataset(data["test_x"], data["test_y"], 1)
+    net = parity.their_net(trainer, ours["initial"])
+    figures = getattr(trainer, function)(net, train, test)
+    if not train.exhausted():
+        raise AssertionError("their evaluation read fewer passes than flowjax's plan")
+    # Per test example their torch.max is taken over the net's logits, then the scores.
+    return dict(updated={k: v.detach().numpy().copy() for k, v in net.state_dict().items()},
+                eval_snapshot_logits=np.concatenate(recorded.max_inputs[0::2]),
+                eval_personal_logits=np.concatenate(recorded.max_inputs[1::2]),
+                metrics=parity.reported_metrics(figures),
+                datastore_labels=recorded.argmax_results)
+
+
+def knn_check(method: str, reference_dir: str, write_fixture: bool,
+              torch_version: str) -> bool:
+    """Both sides of their kNN-Per evaluation; within ``TOLERANCE``, the same datastore
+    labels, and votes that moved the scores."""
+    function, neighbours, lam, copy = KNN_CASES[method]
+    ours = knn_flowjax_side(method)
+    theirs = knn_torch_side(reference_dir, ours, method)
+    diffs = parity.compare(ours, theirs)
+    model = "the one-epoch copy" if copy else "the server model"
+    print(f"kNN-Per, their {function} (k = {neighbours}, lambda = {lam}, scores from {model}) "
+          f"on their memoization EMNISTNet (torch {torch_version}, float32, dropout off)")
+    if copy:
+        print(f"  max abs diff, every parameter after the epoch:  {diffs['params']:.3e}"
+              f"  (largest move from the init: {diffs['params_moved']:.3e})")
+    print(f"  max abs diff, the scored model's logits:        {diffs['snapshot_logits']:.3e}")
+    print(f"  max abs diff, their kNN-Per scores (Acc_p):     {diffs['personal_logits']:.3e}")
+    print(f"  max abs diff, evaluation metrics:               {diffs['metrics']:.3e}"
+          f"  (theirs: {theirs['metrics']})")
+    same_labels = ours["datastore_labels"] == theirs["datastore_labels"]
+    true = np.asarray(knn_client_data(SETTINGS)["train_y"])
+    print(f"  datastore: {len(theirs['datastore_labels'])} predicted labels, "
+          f"{'the same as theirs' if same_labels else 'NOT theirs'} "
+          f"({int(np.sum(np.asarray(ours['datastore_labels']) == true))} of them the true "
+          "label)")
+    # The check can fail: the votes move their scores away from (1 - lambda) logits.
+    vote = float(np.max(np.abs(theirs["eval_personal_logits"]
+                               - (1 - lam) * theirs["eval_snapshot_logits"])))
+    print(f"  control, the largest vote lambda sum exp(-d) in their scores: {vote:.3e}")
+    if write_fixture:
+        _write_fixture(method, settings_of(method), ours, theirs, torch_version,
+                       datastore_labels=theirs["datastore_labels"])
+    worst = parity.worst_diff(diffs)
+    return _verdict(method, worst, worst <= TOLERANCE and same_labels
+                    and vote > 100 * TOLERANCE)
+
+
 def settings_of(method: str) -> dict:
     """The client and hyperparameters of ``method``'s check."""
     return HYPCLUSTER_SETTINGS if method == "hypcluster" else SETTINGS
@@ -369,16 +531,19 @@ def flowjax_side_of(method: str) -> dict[str, Any]:
     """flowjax's side of ``method``'s check (no PyTorch needed)."""
     if method == "fedavg":
         return fedavg_flowjax_side()
+    if method in KNN_CASES:
+        return knn_flowjax_side(method)
     return hypcluster_flowjax_side() if method == "hypcluster" else flowjax_side(method)
 
 
 def _write_fixture(method: str, settings: dict, ours: dict[str, Any], theirs: dict[str, Any],
-                   torch_version: str) -> None:
+                   torch_version: str, **extra: Any) -> None:
     """``tests/fixtures/parity_<method>.json``: the PyTorch side's figures, written whole
     or not at all (a kill leaves the old one)."""
     from flowjax import run_folder
     fixture = dict(settings=settings, torch_version=torch_version, tolerance=TOLERANCE,
-                   passes=parity.passes_json(ours["passes"]), **parity.fixture_entry(theirs))
+                   passes=parity.passes_json(ours["passes"]), **parity.fixture_entry(theirs),
+                   **extra)
     run_folder.write_text_atomic(FIXTURES[method], json.dumps(fixture))
     print(f"wrote {os.path.relpath(FIXTURES[method], ROOT)}")
 
@@ -434,6 +599,8 @@ def check(method: str, reference_dir: str, write_fixture: bool, torch_version: s
         return hypcluster_check(reference_dir, write_fixture, torch_version)
     if method == "fedavg":
         return fedavg_check(reference_dir, write_fixture, torch_version)
+    if method in KNN_CASES:
+        return knn_check(method, reference_dir, write_fixture, torch_version)
     ours = flowjax_side(method)
     theirs = torch_side(reference_dir, ours, method)
     diffs = parity.compare(ours, theirs)

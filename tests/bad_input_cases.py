@@ -296,6 +296,10 @@ CASES: tuple[Case, ...] = (
             "in [0, 1]"),
     _config("methods.knn_per.max_datastore", 2, "config.methods.knn_per.max_datastore=2: "
             "expected an integer >= neighbours (3)"),
+    _config("methods.knn_per.reference_acc_p", True, "config.methods.knn_per.reference_acc_p="
+            "True: expected a model of ['emnist_cnn', 'resnet18_gn']: the authors' kNN-Per "
+            "Acc_p is reproduced for their image networks, not shakespeare_lstm",
+            algorithm="knn_per"),
     _config("methods.hypcluster.clusters", 0, "config.methods.hypcluster.clusters=0: expected "
             "an integer >= 1"),
     _config("methods.hypcluster.warmup_rounds", -1, "config.methods.hypcluster.warmup_rounds=-1: "

@@ -217,3 +217,121 @@ def test_mixture_is_lam_knn_plus_rest_global_softmax():
     expected = 0.45 * np.exp(np.asarray(log_knn)) + 0.55 * np.asarray(jax.nn.softmax(logits))
     np.testing.assert_allclose(np.exp(mixed), expected, rtol=1e-6)
     np.testing.assert_array_equal(mix_log_probs(log_knn, logits, 1.0), log_knn)
+
+
+def _their_scores(model, scored, train, x, neighbours, lam):
+    """The authors' kNN-Per scores in numpy, from their code's recipe (client_knnper.py,
+    emnist_generalized_test): every valid train example's fc1 input and ``scored``'s
+    predicted label; per query ``(1 - lam) logits + lam sum exp(-d) onehot`` over the k
+    nearest by ``|q - key|``."""
+    layer = model.layer_names.index("fc1")
+    # Batch by batch as the datastore is built: a duplicate's distance is then exactly 0
+    # (near 0 the square root turns a rounding difference of 1e-12 into 1e-6).
+    per_batch = [embed_and_logits(model, scored, x, layer) for x in train.x]
+    mask = np.asarray(train.mask).reshape(-1)
+    keys = np.concatenate([np.asarray(phi, np.float64) for phi, _ in per_batch])[mask]
+    labels = np.concatenate([np.asarray(logits) for _, logits in per_batch]).argmax(-1)[mask]
+    queries, logits = (np.asarray(a, np.float64) for a in embed_and_logits(
+        model, scored, x, layer))
+    scores = []
+    for query, row in zip(queries, logits):
+        distance = np.linalg.norm(keys - query, axis=-1)
+        nearest = np.argsort(distance)[:neighbours]
+        votes = np.bincount(labels[nearest], np.exp(-distance[nearest]), minlength=row.size)
+        scores.append((1 - lam) * row + lam * votes)
+    return np.asarray(scores), labels
+
+
+def test_reference_acc_p_is_the_authors_raw_logit_vote_of_predicted_labels(cnn, images_small):
+    """``reference_acc_p``: their datastore (fc1's input, the model's predicted labels) and
+    scores, recomputed in numpy; on test examples that duplicate train examples, so the
+    votes are large. The method's own predictions are those without the option."""
+    lam, k = 0.4, 3
+    config = dict(KNN, lam=lam, neighbours=k)
+    algorithm = knn_per(cnn, KnnPerConfig(**config, reference_acc_p=True))
+    plain = knn_per(cnn, KnnPerConfig(**config))
+    params = algorithm.init(jax.random.key(0))
+    train = _client(images_small.train, 4, padded_examples=16)
+    x = train.x[1]
+    personal = jax.jit(algorithm.personalize)(params, train, jax.random.key(1))
+    predictions = jax.jit(algorithm.predict)(params, personal, x)
+    expected, labels = _their_scores(cnn, params, train, x, k, lam)
+    np.testing.assert_allclose(predictions.personal_snapshot, expected, atol=2e-6)
+    store = personal["reference_store"]
+    np.testing.assert_array_equal(np.asarray(store.labels)[np.asarray(store.valid)], labels)
+    votes = np.asarray(predictions.personal_snapshot) - (1 - lam) * np.asarray(
+        predictions.global_logits)
+    assert votes.max() > 0.3  # a duplicate's exp(-0) = 1, weighed by lam
+    without = jax.jit(plain.predict)(
+        params, jax.jit(plain.personalize)(params, train, jax.random.key(1)), x)
+    np.testing.assert_array_equal(predictions.personal_hard, without.personal_hard)
+    np.testing.assert_array_equal(predictions.global_logits, without.global_logits)
+    assert predictions.global_snapshot is None
+
+
+def test_reference_acc_p_scores_the_copy_when_client_snapshot_is_on(cnn, images_small):
+    """With ``client_snapshot`` (their CIFAR evaluation) the datastore and the scores come
+    from the one-epoch copy; at lam = 0 the scores are that copy's logits exactly."""
+    train = _client(images_small.train, 4, padded_examples=16)
+    x = train.x[1]
+    for lam in (0.0, 0.5):
+        algorithm = knn_per(cnn, KnnPerConfig(**dict(KNN, lam=lam), client_snapshot=True,
+                                              reference_acc_p=True))
+        params = algorithm.init(jax.random.key(0))
+        personal = jax.jit(algorithm.personalize)(params, train, jax.random.key(1))
+        predictions = jax.jit(algorithm.predict)(params, personal, x)
+        if lam == 0.0:
+            np.testing.assert_array_equal(predictions.personal_snapshot,
+                                          predictions.global_snapshot)
+            continue
+        expected, _ = _their_scores(cnn, personal["snapshot"], train, x, 3, lam)
+        np.testing.assert_allclose(predictions.personal_snapshot, expected, atol=2e-6)
+        server, _ = _their_scores(cnn, params, train, x, 3, lam)
+        assert np.max(np.abs(server - expected)) > 1e-3  # not the server model's
+
+
+def test_reference_acc_p_votes_with_the_entries_a_small_store_has(cnn, images_small):
+    """Fewer train examples than k: their topk would raise; here the entries present
+    vote and absent ones add nothing; none at all leaves (1 - lam) logits."""
+    algorithm = knn_per(cnn, KnnPerConfig(**dict(KNN, neighbours=10, lam=0.5),
+                                          reference_acc_p=True))
+    params = algorithm.init(jax.random.key(0))
+    client = _client(images_small.train, 0, padded_examples=8)
+    few = client.replace(mask=client.mask.at[1:].set(False).at[0, 3:].set(False),
+                         num_examples=jnp.int32(3))
+    x = client.x[0]
+    predictions = algorithm.predict(params, algorithm.personalize(params, few, jax.random.key(1)),
+                                    x)
+    expected, _ = _their_scores(cnn, params, few, x, 10, 0.5)
+    np.testing.assert_allclose(predictions.personal_snapshot, expected, atol=2e-6)
+    empty = client.replace(mask=jnp.zeros_like(client.mask), num_examples=jnp.int32(0))
+    predictions = algorithm.predict(params, algorithm.personalize(params, empty,
+                                                                  jax.random.key(1)), x)
+    np.testing.assert_array_equal(predictions.personal_snapshot,
+                                  0.5 * predictions.global_logits)
+
+
+def test_reference_acc_p_is_refused_for_models_their_evaluation_does_not_cover(lstm):
+    with pytest.raises(ValueError, match=r"^expected a model of \['emnist_cnn', "
+                                         r"'resnet18_gn'\]: .* not shakespeare_lstm$"):
+        knn_per(lstm, KnnPerConfig(**KNN, reference_acc_p=True))
+
+
+def test_reference_acc_p_run_reports_it_beside_an_unchanged_acc_p():
+    """Through ``experiment.run``: ``acc_p_client_snapshot`` is their Acc_p; Acc_g, Acc_p
+    and training are as without the option."""
+    from tests.bad_input_cases import base_config, images
+
+    def result(**fields):
+        config = base_config({"model": "emnist_cnn", "algorithm": "knn_per", "num_rounds": 1,
+                              "methods.knn_per.max_datastore": 16, **fields})
+        data = images(sizes=(6, 9, 12), test_sizes=(3, 4, 5))
+        return experiment.run(run_config.simulation_for(run_config.resolve(config, data)))
+
+    on = result(**{"methods.knn_per.reference_acc_p": True})
+    off = result()
+    assert on.history[0]["loss"] == off.history[0]["loss"]
+    a, b = on.summaries["train_clients"], off.summaries["train_clients"]
+    assert (a.acc_g, a.acc_p, a.clients_benefiting) == (b.acc_g, b.acc_p, b.clients_benefiting)
+    assert b.acc_p_client_snapshot is None and a.acc_g_client_snapshot is None
+    assert 0.0 <= a.acc_p_client_snapshot <= 1.0

@@ -317,3 +317,24 @@ def test_flowjax_hypcluster_copies_match_the_authors_before_and_final_nets(tmp_p
         assert sorted(matching) == [False, True]  # one cluster is theirs, the other not
         matches[part] = matching.index(True)
     assert matches["cluster"] != matches["final_cluster"]
+
+
+@pytest.mark.parametrize("method", ["knn_per", "knn_per_cifar"])
+def test_flowjax_knn_per_reference_acc_p_matches_the_authors_evaluation(tmp_path, method):
+    """``tests/fixtures/parity_knn_per{,_cifar}.json`` hold their kNN-Per
+    ``emnist_generalized_test`` (the server model) and ``cifar10_generalized_test`` (one
+    epoch first, on their memoization EMNISTNet), fed flowjax's passes: the scored net,
+    its logits, their scores (what their argmax is taken over), their figures and their
+    datastore's predicted labels. kNN-Per's ``reference_acc_p`` must reach them."""
+    from launch import parity_fine_tuning
+
+    ours, theirs = _fine_tuning_sides(tmp_path, method)
+    _assert_matches(ours, theirs, theirs["tolerance"])
+    assert ours["datastore_labels"] == theirs["datastore_labels"]
+    true = parity_fine_tuning.knn_client_data(parity_settings(method))["train_y"].tolist()
+    assert theirs["datastore_labels"] != true  # predicted labels, not the true ones
+    # The check can fail: without the votes, (1 - lambda) times the logits is not theirs.
+    lam = parity_fine_tuning.KNN_CASES[method][2]
+    with pytest.raises(AssertionError):
+        _check((1 - lam) * ours["eval_snapshot_logits"], theirs["eval_personal_logits"],
+               "no votes", theirs["tolerance"])

@@ -40,8 +40,31 @@ Choices where the paper is silent:
 ``client_snapshot=True`` also scores, as ``acc_g_client_snapshot``, what the Flow authors'
 CIFAR evaluation reports as kNN-Per's Acc_g: the server model trained one epoch on the
 client's train split, scored on its test split (``client_knnper.py``,
-``cifar*_generalized_test``: FedAvg's ``client_snapshot``, the same copy). Their Acc_p
-builds its datastore from that copy's predicted labels; flowjax's stays the method's.
+``cifar*_generalized_test``: FedAvg's ``client_snapshot``, the same copy).
+
+``reference_acc_p=True`` also scores, as ``acc_p_client_snapshot``, what the Flow authors'
+image evaluation reports as kNN-Per's Acc_p (``client_knnper.py``,
+``emnist_generalized_test``, ``cifar*_generalized_test``), beside the method's ``acc_p``.
+From the model their evaluation scores as Acc_g, ``m`` (the ``client_snapshot`` copy where
+that is on, as their CIFAR code; the server model otherwise, as their EMNIST code):
+
+1. datastore: for every train instance, the key is the embedding their memoization
+   networks return, the input of their first linear layer (``REFERENCE_KEY_LAYERS``: the
+   EMNIST CNN's ``fc1``, 9,216 values; the ResNet's ``fc``), and the value is ``m``'s
+   PREDICTED label ``argmax m(x)``;
+2. a test instance's score is ``(1 - lam) m(x) + lam sum_j exp(-d_j) onehot(value_j)``
+   over its k nearest entries (Euclidean ``d``): raw logits plus an unnormalized vote,
+   its argmax the prediction (their test loader has batch 1, so their ``knn_logits[0]``
+   is every instance's).
+
+Where theirs would fail, this gives an answer: a store with fewer than ``k`` entries
+votes with those it has (their ``topk`` raises), an empty one leaves ``(1 - lam) m(x)``.
+The store is ``max_datastore`` slots as the method's, the same kept instances (theirs
+keeps every train instance: equal up to 4,096). It holds ``max_datastore x D`` floats per
+evaluated client (151 MB for the EMNIST CNN at 4,096): lower ``max_datastore`` or
+``eval.chunk`` where that is too much. Their text models key a whole sequence (every
+position's LSTM output) and their indexing adds the vote to no class or to a diagonal
+(README, "Baselines as implemented"): not offered, the option is refused there.
 """
 
 from __future__ import annotations
@@ -72,6 +95,8 @@ class KnnPerConfig:
       max_datastore: static datastore capacity per client (instances), >= neighbours.
       client_snapshot: also score the authors' CIFAR Acc_g copy (module docstring;
         None = off).
+      reference_acc_p: also score the authors' kNN-Per Acc_p (module docstring; None =
+        off); for the models of ``REFERENCE_KEY_LAYERS`` only.
     """
 
     sgd: SGDConfig
@@ -79,14 +104,23 @@ class KnnPerConfig:
     lam: float
     max_datastore: int = 4096
     client_snapshot: bool | None = None
+    reference_acc_p: bool | None = None
 
     def __post_init__(self):
         check_fields(self, {"neighbours": integer(1), "lam": Interval(0, 1, closed_high=True),
                             "max_datastore": integer(1),
-                            "client_snapshot": one_of((None, False, True))})
+                            "client_snapshot": one_of((None, False, True)),
+                            "reference_acc_p": one_of((None, False, True))})
         if self.max_datastore < self.neighbours:
             raise FieldError("max_datastore", self.max_datastore,
                              f"expected an integer >= neighbours ({self.neighbours})")
+
+
+# The layer whose input keys the authors' kNN-Per datastore: the embedding their
+# memoization networks return (models/emnist_cnn_memoization.py: the flattened pooled
+# convolutions, before linear_1; models/cifar100_resnet_memoization.py: the pooled
+# features, before fc).
+REFERENCE_KEY_LAYERS = {"emnist_cnn": "fc1", "resnet18_gn": "fc"}
 
 
 @flax.struct.dataclass
@@ -95,7 +129,7 @@ class Datastore:
 
     Attributes:
       keys: ``[M, D]`` penultimate embeddings.
-      labels: int32 ``[M]`` true labels.
+      labels: int32 ``[M]`` labels (true ones; predicted ones for the authors' Acc_p).
       valid: bool ``[M]``; False for padding entries.
     """
 
@@ -104,19 +138,26 @@ class Datastore:
     valid: jax.Array
 
 
-def embed_and_logits(model: RoutableModel, params: Params,
-                     x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def embed_and_logits(model: RoutableModel, params: Params, x: jax.Array,
+                     key_layer: int | None = None) -> tuple[jax.Array, jax.Array]:
     """``(phi(x) [*instance, D], logits [*instance, C])`` of the plain model in eval mode.
 
-    ``phi`` is the input of the last routable layer; the logits equal ``forward``'s.
+    ``phi`` is the input of layer ``key_layer`` (default: the last routable layer),
+    flattened past the instance axes; the logits equal ``forward``'s.
     """
     key = jax.random.key(0)  # eval mode: glue never draws from it
-    h = model.embed_input(x)
     last = model.num_layers - 1
+    key_layer = last if key_layer is None else key_layer
+    h = model.embed_input(x)
+    phi = None
     for j, name in enumerate(model.layer_names[:last]):
+        if j == key_layer:
+            phi = h
         h = model.glue_apply(j, model.layer_apply(j, params[name], h), False, layer_key(key, j))
+    phi = h if phi is None else phi
     logits = model.layer_apply(last, params[model.layer_names[last]], h)
-    return h, model.glue_apply(last, logits, False, layer_key(key, last))
+    logits = model.glue_apply(last, logits, False, layer_key(key, last))
+    return phi.reshape(logits.shape[:-1] + (-1,)), logits
 
 
 def _kept_instances(priority: jax.Array, capacity: int) -> jax.Array:
@@ -132,11 +173,15 @@ def _kept_instances(priority: jax.Array, capacity: int) -> jax.Array:
 
 
 def build_datastore(model: RoutableModel, params: Params, examples: ClientExamples,
-                    key: jax.Array, max_size: int) -> Datastore:
+                    key: jax.Array, max_size: int, key_layer: int | None = None,
+                    predicted_labels: bool = False) -> Datastore:
     """The client's datastore: embeddings and true labels of its valid train instances.
 
     Entries are written in the split's order (example, then position); when there are
     more than the capacity, a seeded uniformly random subset is kept (module docstring).
+    ``key_layer`` picks the embedding (``embed_and_logits``); ``predicted_labels`` stores
+    the model's argmax instead of the true label (the authors' evaluation); neither
+    changes which instances are kept.
     """
     steps = examples.mask.shape[0]
     weights = jax.vmap(lambda y, m: instance_weights(model, y, m.astype(jnp.float32)))(
@@ -149,16 +194,19 @@ def build_datastore(model: RoutableModel, params: Params, examples: ClientExampl
     priority = jnp.where(weights.reshape(steps, per_step) > 0, draws, -1.0)
     kept = _kept_instances(priority.reshape(-1), capacity)
     slots = jnp.where(kept, jnp.cumsum(kept) - 1, capacity).reshape(steps, per_step)
-    dim = jax.eval_shape(lambda x: embed_and_logits(model, params, x)[0], examples.x[0]).shape[-1]
+    dim = jax.eval_shape(lambda x: embed_and_logits(model, params, x, key_layer)[0],
+                         examples.x[0]).shape[-1]
 
     def write(store, inputs):
         x, y, slot = inputs
 
         def add(store):
             keys, labels = store
-            phi = embed_and_logits(model, params, x)[0].reshape(per_step, dim)
-            return (keys.at[slot].set(phi, mode="drop"),
-                    labels.at[slot].set(y.reshape(per_step).astype(jnp.int32), mode="drop"))
+            phi, logits = embed_and_logits(model, params, x, key_layer)
+            value = jnp.argmax(logits, axis=-1) if predicted_labels else y
+            return (keys.at[slot].set(phi.reshape(per_step, dim), mode="drop"),
+                    labels.at[slot].set(value.reshape(per_step).astype(jnp.int32),
+                                        mode="drop"))
 
         # Steps with nothing kept (padding) skip the forward pass.
         return jax.lax.cond(jnp.any(slot < capacity), add, lambda s: s, store), None
@@ -169,21 +217,46 @@ def build_datastore(model: RoutableModel, params: Params, examples: ClientExampl
     return Datastore(keys=keys, labels=labels, valid=jnp.arange(capacity) < jnp.sum(kept))
 
 
-def knn_log_probs(store: Datastore, queries: jax.Array, neighbours: int,
-                  num_classes: int) -> tuple[jax.Array, jax.Array]:
-    """``(log p_kNN [Q, C], has_neighbour [Q])`` for query embeddings ``[Q, D]``."""
+def nearest(store: Datastore, queries: jax.Array,
+            neighbours: int) -> tuple[jax.Array, jax.Array]:
+    """``(-d [Q, k], index [Q, k])``: each query's k nearest valid entries by Euclidean
+    distance ``d``, nearest first; ``-inf`` where the store has fewer valid entries."""
     # Full-precision products: TF32 matmuls would blur near-duplicate distances.
     cross = jnp.matmul(queries, store.keys.T, precision=jax.lax.Precision.HIGHEST)
     squared = (jnp.sum(queries ** 2, axis=-1, keepdims=True) - 2.0 * cross
                + jnp.sum(store.keys ** 2, axis=-1)[None, :])
     distance = jnp.where(store.valid[None, :], jnp.sqrt(jnp.maximum(squared, 0.0)), jnp.inf)
-    neg_distance, index = jax.lax.top_k(-distance, min(neighbours, store.labels.shape[0]))
+    return jax.lax.top_k(-distance, min(neighbours, store.labels.shape[0]))
+
+
+def knn_log_probs(store: Datastore, queries: jax.Array, neighbours: int,
+                  num_classes: int) -> tuple[jax.Array, jax.Array]:
+    """``(log p_kNN [Q, C], has_neighbour [Q])`` for query embeddings ``[Q, D]``."""
+    neg_distance, index = nearest(store, queries, neighbours)
     # exp(-d_j) / sum_j exp(-d_j) is a softmax of -d; absent neighbours (-inf) weigh 0.
     has_neighbour = jnp.isfinite(neg_distance[:, 0])
     weights = jax.nn.softmax(jnp.where(has_neighbour[:, None], neg_distance, 0.0), axis=-1)
     weights = jnp.where(jnp.isfinite(neg_distance), weights, 0.0)
     one_hot = jax.nn.one_hot(store.labels[index], num_classes, dtype=jnp.float32)
     return jnp.log(jnp.einsum("qk,qkc->qc", weights, one_hot)), has_neighbour
+
+
+def reference_scores(store: Datastore, queries: jax.Array, logits: jax.Array,
+                     neighbours: int, lam: float) -> jax.Array:
+    """The authors' kNN-Per scores ``[Q, C]``: ``(1 - lam) logits + lam sum_j exp(-d_j)
+    onehot(label_j)`` over each query's k nearest entries (absent ones add nothing).
+
+    The neighbours are ``nearest``'s; their distances are then taken as ``|q - key|``, as
+    theirs (``torch.norm(embeddings - input_embeddings)``): the expanded form cancels
+    badly on long embeddings (9,216 values: 7e-5 on a vote, measured).
+    """
+    neg_distance, index = nearest(store, queries, neighbours)
+    difference = queries[:, None, :] - store.keys[index]  # [Q, k, D], only the neighbours
+    distance = jnp.sqrt(jnp.sum(difference * difference, axis=-1))
+    weights = jnp.where(jnp.isfinite(neg_distance), jnp.exp(-distance), 0.0)
+    one_hot = jax.nn.one_hot(store.labels[index], logits.shape[-1], dtype=jnp.float32)
+    votes = jnp.einsum("qk,qkc->qc", weights, one_hot)
+    return (1.0 - lam) * logits + lam * votes
 
 
 def mix_log_probs(log_knn: jax.Array, logits: jax.Array, lam: float) -> jax.Array:
@@ -193,23 +266,54 @@ def mix_log_probs(log_knn: jax.Array, logits: jax.Array, lam: float) -> jax.Arra
     return jnp.logaddexp(log_lam + log_knn, log_rest + jax.nn.log_softmax(logits, axis=-1))
 
 
+def reference_key_layer(model: RoutableModel) -> int:
+    """Index of the layer whose input keys the authors' datastore (``REFERENCE_KEY_LAYERS``).
+
+    Raises:
+      ValueError: their image evaluation has no network like ``model`` (one line).
+    """
+    if model.name not in REFERENCE_KEY_LAYERS:
+        raise ValueError(f"expected a model of {sorted(REFERENCE_KEY_LAYERS)}: the authors' "
+                         f"kNN-Per Acc_p is reproduced for their image networks, not "
+                         f"{model.name}")
+    return model.layer_names.index(REFERENCE_KEY_LAYERS[model.name])
+
+
 def knn_per(model: RoutableModel, config: KnnPerConfig) -> FederatedAlgorithm:
     """kNN-Per for ``model``: FedAvg training, kNN-mixture personalization."""
     base = fedavg(model, FedAvgConfig(sgd=config.sgd, client_snapshot=config.client_snapshot))
+    key_layer = reference_key_layer(model) if config.reference_acc_p else None
+    extras = bool(config.client_snapshot or config.reference_acc_p)
 
     def personalize(params, examples: ClientExamples, key, client_state=None):
         del client_state  # stateless
         store = build_datastore(model, params, examples, key, config.max_datastore)
-        if not config.client_snapshot:
+        if not extras:
             return store
-        # FedAvg's copy from the same key: kNN-Per trains and evaluates as FedAvg does.
-        return {"store": store, "snapshot": base.personalize(params, examples, key)["snapshot"]}
+        personal = {"store": store}
+        theirs = params  # the model their evaluation scores as Acc_g (module docstring)
+        if config.client_snapshot:
+            # FedAvg's copy from the same key: kNN-Per trains and evaluates as FedAvg does.
+            personal["snapshot"] = theirs = base.personalize(params, examples, key)["snapshot"]
+        if config.reference_acc_p:
+            personal["reference_store"] = build_datastore(
+                model, theirs, examples, key, config.max_datastore, key_layer,
+                predicted_labels=True)
+        return personal
 
     def predict(params, personal, x) -> Predictions:
-        if not config.client_snapshot:
+        if not extras:
             return knn_predict(params, personal, x)
         predictions = knn_predict(params, personal["store"], x)
-        return predictions.replace(global_snapshot=forward(model, personal["snapshot"], x))
+        if config.client_snapshot:
+            predictions = predictions.replace(
+                global_snapshot=forward(model, personal["snapshot"], x))
+        if config.reference_acc_p:
+            phi, logits = embed_and_logits(model, personal.get("snapshot", params), x,
+                                           key_layer)
+            predictions = predictions.replace(personal_snapshot=reference_scores(
+                personal["reference_store"], phi, logits, config.neighbours, config.lam))
+        return predictions
 
     def knn_predict(params, store: Datastore, x) -> Predictions:
         phi, logits = embed_and_logits(model, params, x)
