@@ -55,10 +55,9 @@ PREDICTED labels, and per test example (their test loader has batch 1) the score
 lambda = 0.4), ``knn_per_cifar`` their ``cifar10_generalized_test`` on the same net (one
 epoch of SGD, momentum 0.9, first: FedAvg's copy, then the datastore and scores from it;
 their CIFAR-10 k = 5, lambda = 0.5). Each test image is a train image plus a little noise,
-so its nearest entry is close and its vote moves the scores (between unrelated images
-``exp(-d)`` is below 1e-30); the script prints the largest vote as a control. Their scores
-are read where their code takes their argmax (``torch.max``), their datastore's labels
-where it computes them (``torch.argmax``).
+so its nearest entry is close and its vote moves the scores; the script prints the
+largest vote as a control. Their scores are read where their code takes their argmax
+(``torch.max``), their datastore's labels where it computes them (``torch.argmax``).
 
 ``flowjax_side_of(method)`` needs no PyTorch: ``tests/test_parity.py`` recomputes it and
 compares it with the committed figures of the PyTorch side
@@ -386,7 +385,7 @@ KNN_NOISE = 0.02
 
 def knn_client_data(settings: dict) -> dict[str, np.ndarray]:
     """``parity.client_data``'s train split; each test example a distinct train example
-    (its label too) plus uniform noise of width ``KNN_NOISE``, clipped to [0, 1]."""
+    (its label too) plus uniform noise in [-KNN_NOISE, KNN_NOISE], clipped to [0, 1]."""
     data = parity.client_data(**settings)
     rng = np.random.default_rng(settings["seed"] + 2)
     chosen = rng.choice(settings["train_examples"], settings["test_examples"], replace=False)

@@ -335,3 +335,25 @@ def test_reference_acc_p_run_reports_it_beside_an_unchanged_acc_p():
     assert (a.acc_g, a.acc_p, a.clients_benefiting) == (b.acc_g, b.acc_p, b.clients_benefiting)
     assert b.acc_p_client_snapshot is None and a.acc_g_client_snapshot is None
     assert 0.0 <= a.acc_p_client_snapshot <= 1.0
+
+
+def test_knn_votes_launcher_measures_the_votes_of_a_run():
+    """``launch/knn_votes.py``'s measurement on a small CNN run: per test example the
+    nearest entry's distance and the largest vote, which lies between lam exp(-d) (the
+    nearest entry's class) and lam k exp(-d); a changed prediction needs a vote."""
+    from launch import knn_votes
+    from tests.bad_input_cases import base_config, images
+
+    config = base_config({"model": "emnist_cnn", "algorithm": "knn_per", "num_rounds": 1,
+                          "methods.knn_per.reference_acc_p": True,
+                          "methods.knn_per.max_datastore": 16})
+    run = run_config.resolve(config, images(sizes=(6, 9, 12), test_sizes=(3, 4, 5)))
+    simulation = run_config.simulation_for(run)
+    result = experiment.run(simulation)
+    votes = knn_votes.client_votes(simulation, run.method, result.final_state.params)
+    assert votes["distance"].shape == votes["vote"].shape == (3 + 4 + 5,)
+    lam, k = run.method.lam, run.method.neighbours
+    nearest = lam * np.exp(-votes["distance"].astype(np.float64))
+    assert np.all(votes["vote"] >= nearest * (1 - 1e-5))
+    assert np.all(votes["vote"] <= k * nearest * (1 + 1e-5))
+    assert not np.any(votes["changed"] & (votes["vote"] == 0))

@@ -206,13 +206,17 @@ def test_client_snapshot_table_puts_the_papers_figures_beside_their_evaluations_
     population = {**summary([0.5, 0.5], [0.7, 0.7]), "acc_g_client_snapshot": 0.6,
                   "clients_benefiting_snapshot": 0.5}
     hypcluster = {**population, "acc_p_client_snapshot": 0.8}
+    # kNN-Per's EMNIST row scores the server model: no copy there.
+    knn_per = {**summary([0.5, 0.5], [0.7, 0.7]), "acc_p_client_snapshot": 0.8,
+               "clients_benefiting_snapshot": 0.5}
+    cells = {"hypcluster_snapshot": hypcluster, "knn_per_snapshot": knn_per}
     variants = ["fedavg_snapshot", "fedavg_snapshot_train", "fedavg_ft_snapshot",
                 "apfl_snapshot", "ditto_snapshot", "fedrep_snapshot", "lg_fedavg_snapshot",
-                "hypcluster_snapshot", "flow_reference"]
+                "hypcluster_snapshot", "knn_per_snapshot", "flow_reference"]
     for variant in variants:
         for seed in seeds:
-            write_cell(tmp_path, "emnist", variant, seed, {"train_clients": (
-                hypcluster if variant == "hypcluster_snapshot" else population)})
+            write_cell(tmp_path, "emnist", variant, seed,
+                       {"train_clients": cells.get(variant, population)})
     spec, datasets = TABLES["client_snapshot"], ["emnist"]
     assert [cell_name(row.variant) for row in spec.rows] == variants
     markdown = _markdown(tmp_path, "client_snapshot", datasets, spec.variants, seeds)
@@ -247,14 +251,31 @@ def test_client_snapshot_table_puts_the_papers_figures_beside_their_evaluations_
         for column in ("Acc_p", "Acc_p client snapshot", "% Acc_p > Acc_g",
                        "% Acc_p > snapshot"):
             assert md_cell(markdown, row, f"EMNIST {column}") == "—"
+    # kNN-Per's EMNIST evaluation scores the server model, and their Acc_p and harmed
+    # flags go beside their Acc_p model and the count against the server model.
+    label = "kNN-Per, SGD momentum 0.9, their Acc_p"
+    assert md_cell(markdown, label, "EMNIST Acc_g") == "50.00 ± 0.00 (paper 85.20 ± 0.95)"
+    assert md_cell(markdown, label, "EMNIST Acc_g client snapshot") == "—"
+    assert md_cell(markdown, label, "EMNIST Acc_p") == "70.00 ± 0.00 (paper —)"
+    assert md_cell(markdown, label, "EMNIST Acc_p client snapshot") == (
+        "80.00 ± 0.00 (paper 88.28 ± 1.02)")
+    assert md_cell(markdown, label, "EMNIST % Acc_p > snapshot") == (
+        "50.00 ± 0.00 (paper 89.97)")
     # On CIFAR the paper's FedAvg Acc_g is the copy: on the train split for CIFAR-10,
-    # on the test split for CIFAR-100.
+    # on the test split for CIFAR-100; their kNN-Per scores the copy on both.
     cifar = ["cifar10_0.1", "cifar100_0.1"]
     for dataset in cifar:
-        for variant in ("fedavg_snapshot", "fedavg_snapshot_train"):
+        for variant in ("fedavg_snapshot", "fedavg_snapshot_train", "knn_per_snapshot"):
             for seed in seeds:
-                write_cell(tmp_path, dataset, variant, seed, {"train_clients": population})
+                write_cell(tmp_path, dataset, variant, seed, {"train_clients": (
+                    {**population, "acc_p_client_snapshot": 0.8}
+                    if variant == "knn_per_snapshot" else population)})
     markdown = _markdown(tmp_path, "client_snapshot", cifar, spec.variants, seeds)
+    assert md_cell(markdown, label, "CIFAR10 (0.1) Acc_g") == "50.00 ± 0.00 (paper —)"
+    assert md_cell(markdown, label, "CIFAR10 (0.1) Acc_g client snapshot") == (
+        "60.00 ± 0.00 (paper 59.62 ± 1.41)")
+    assert md_cell(markdown, label, "CIFAR100 (0.1) Acc_p client snapshot") == (
+        "80.00 ± 0.00 (paper 33.62 ± 0.57)")
     for row, dataset, paper in (("copy on the test", "CIFAR10 (0.1)", "—"),
                                 ("copy on the train", "CIFAR10 (0.1)", "60.98 ± 1.12"),
                                 ("copy on the test", "CIFAR100 (0.1)", "28.11 ± 0.31"),
@@ -605,6 +626,28 @@ def test_apfl_snapshot_row_takes_the_authors_momentum_per_model():
         momenta[cell.dataset] = (built.sgd.momentum, built.snapshot_momentum)
     assert momenta == {"emnist": (0.0, None), "stackoverflow": (0.0, 0.9),
                        "shakespeare": (0.0, None), "cifar10_0.1": (0.9, None)}
+
+
+def test_knn_per_snapshot_row_takes_the_authors_evaluation_per_model():
+    """Their kNN-Per Acc_p is reproduced for the image models, from the server model on
+    EMNIST and the one-epoch copy on CIFAR; on the LSTMs the row is kNN-Per with their
+    momentum only (their text kNN-Per is not reproduced). The configs validate."""
+    from flowjax.algorithms import method_config
+    from flowjax.validation import validate_config
+    datasets = ["emnist", "stackoverflow", "shakespeare", "cifar10_0.1", "cifar100_0.6"]
+    request = reproduce.build_request("client_snapshot", "/tmp/unused", ["0"], datasets,
+                                      "paper", ["knn_per_snapshot"], [])
+    settings = {}
+    for cell in request.cells:
+        config = reproduce.cell_config(cell, request, reproduce.load_dataset_config)
+        assert config.algorithm == "knn_per"
+        validate_config(config)
+        built = method_config(config, "knn_per")
+        assert built.sgd.momentum == 0.9
+        settings[cell.dataset] = (built.reference_acc_p, built.client_snapshot)
+    assert settings == {"emnist": (True, None), "stackoverflow": (False, None),
+                        "shakespeare": (False, None), "cifar10_0.1": (True, True),
+                        "cifar100_0.6": (True, True)}
 
 
 def test_fedrep_and_lg_fedavg_snapshot_rows_take_the_authors_top_layers():

@@ -63,8 +63,11 @@ The store is ``max_datastore`` slots as the method's, the same kept instances (t
 keeps every train instance: equal up to 4,096). It holds ``max_datastore x D`` floats per
 evaluated client (151 MB for the EMNIST CNN at 4,096): lower ``max_datastore`` or
 ``eval.chunk`` where that is too much. Their text models key a whole sequence (every
-position's LSTM output) and their indexing adds the vote to no class or to a diagonal
-(README, "Baselines as implemented"): not offered, the option is refused there.
+position's LSTM output, flattened) and store per sequence, from logits laid out
+``[vocabulary, positions]``, the argmax over positions for each token; their vote then
+goes to every class alike at those positions (Shakespeare: no prediction can change) or
+to token ``t`` at position ``t`` (Stack Overflow): not offered, the option is refused
+there (README, "Baselines as implemented").
 """
 
 from __future__ import annotations

@@ -213,11 +213,13 @@ class EvalSummary:
     acc_g_client_snapshot_weighted: float | None = None
     # Share of clients whose Acc_p (acc_p_client_snapshot where there is one) beats that
     # snapshot strictly (the authors' count: ``harmed = before_accuracy >=
-    # after_accuracy``), beside ``clients_benefiting``.
+    # after_accuracy``), beside ``clients_benefiting``; where their Acc_p model is
+    # reported without a snapshot (kNN-Per's reference_acc_p alone: their EMNIST code
+    # scores the server model), it beats Acc_g's server model.
     clients_benefiting_snapshot: float | None = None
-    # HypCluster's client_snapshot only: the accuracy of the personalized model the
-    # authors' evaluation scores where it is not the method's own (their "after_accuracy":
-    # the cluster fine-tuned E epochs), beside Acc_p.
+    # The accuracy of the personalized model the authors' evaluation scores where it is
+    # not the method's own (their "after_accuracy": HypCluster's client_snapshot, the
+    # cluster fine-tuned E epochs; kNN-Per's reference_acc_p), beside Acc_p.
     acc_p_client_snapshot: float | None = None
     acc_p_client_snapshot_weighted: float | None = None
     # The breakdown as a mean over clients of each client's group fractions (pairs with
@@ -329,7 +331,10 @@ def summarize(counts: ClientCounts, client_ids: Sequence[str] | None = None,
         snapshot.update(
             acc_p_client_snapshot=float(np.mean(acc["personal_snapshot"])),
             acc_p_client_snapshot_weighted=float(
-                np.sum(counts.correct_personal_snapshot[keep], dtype=np.float64) / total))
+                np.sum(counts.correct_personal_snapshot[keep], dtype=np.float64) / total),
+            # Their harmed flag against the server model, unless a snapshot replaces it.
+            clients_benefiting_snapshot=float(np.mean(acc["personal_snapshot"]
+                                                      > acc["global"])))
     # Over the clients whose snapshot counted an instance: all of ``keep`` on the test
     # split, on the train split (``FederatedAlgorithm.snapshot_split``) those with one.
     scored = counts.snapshot_instances[keep] > 0
