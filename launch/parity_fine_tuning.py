@@ -449,7 +449,7 @@ class _RecordedTorch:
 
     def argmax(self, tensor, *args, **kwargs):
         result = self._torch.argmax(tensor, *args, **kwargs)
-        self.argmax_results.append(int(result))
+        self.argmax_results.append(result.tolist())  # an int for one row's logits
         return result
 
 

@@ -357,3 +357,24 @@ def test_knn_votes_launcher_measures_the_votes_of_a_run():
     assert np.all(votes["vote"] >= nearest * (1 - 1e-5))
     assert np.all(votes["vote"] <= k * nearest * (1 + 1e-5))
     assert not np.any(votes["changed"] & (votes["vote"] == 0))
+
+
+def test_their_text_knn_launcher_tells_a_class_constant_vote_from_a_diagonal_one():
+    """``launch/their_text_knn.py``'s reading of their scores: a vote the same for every
+    class of a position (their Shakespeare indexing) changes no prediction; one on class
+    t at position t (their Stack Overflow indexing) is found on the diagonal only."""
+    from launch.their_text_knn import describe
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 30, 20))  # [sequences, classes, positions]
+    labels = np.ones((2, 20), np.int64)
+    everywhere = np.zeros_like(logits)
+    everywhere[:, :, [3, 7]] = 0.8  # every class of positions 3 and 7
+    diagonal = np.zeros_like(logits)
+    diagonal[:, [3, 7], [3, 7]] = 5.0  # class 3 at position 3, class 7 at position 7
+    found = [describe("case", dict(logits=logits, scores=0.5 * logits + vote, lam=0.5,
+                                   labels=labels)) for vote in (everywhere, diagonal)]
+    assert found[0]["changed"] == 0 and found[0]["spread"] < 1e-12
+    assert found[0]["classes"] == list(range(30)) and not found[0]["on_diagonal"]
+    assert found[1]["on_diagonal"] and found[1]["classes"] == [3, 7]
+    assert found[1]["changed"] == 4 and found[1]["spread"] == pytest.approx(5.0)

@@ -66,8 +66,9 @@ evaluated client (151 MB for the EMNIST CNN at 4,096): lower ``max_datastore`` o
 position's LSTM output, flattened) and store per sequence, from logits laid out
 ``[vocabulary, positions]``, the argmax over positions for each token; their vote then
 goes to every class alike at those positions (Shakespeare: no prediction can change) or
-to token ``t`` at position ``t`` (Stack Overflow): not offered, the option is refused
-there (README, "Baselines as implemented").
+to token ``t`` at position ``t`` (Stack Overflow), as ``launch/their_text_knn.py`` shows
+on their code: not offered, the option is refused there (README, "Baselines as
+implemented").
 """
 
 from __future__ import annotations
