@@ -8,7 +8,8 @@ adds ``lam sum_j exp(-d_j) onehot(label_j)`` over the k nearest datastore entrie
 the first linear layer (9,216 values for the EMNIST CNN). For each cell of the
 ``knn_per_snapshot`` row this retrains it (the same config and seed as
 ``launch/reproduce.py --table=client_snapshot``: the same model, run for run), then for
-every evaluated client and each of its test examples reports the distance to its nearest
+every evaluated client (personalized with the final evaluation's key, so a
+``client_snapshot`` copy is the one the run scored) and each of its test examples reports the distance to its nearest
 entry, the largest vote, and how many predictions the vote changes (argmax of the scores
 against argmax of the logits). It prints the run's Acc_g and their Acc_p, to be set beside
 the table's.
@@ -27,7 +28,8 @@ from launch import cli
 def client_votes(simulation, config, params) -> dict[str, np.ndarray]:
     """Per test example of every evaluated train client of ``simulation`` (kNN-Per with
     ``config``, its ``KnnPerConfig``, at server ``params``): the nearest entry's distance,
-    the largest vote, and whether the vote changed the prediction."""
+    the largest vote, whether the vote changed the prediction, whether their scores'
+    prediction is right, and the client's index."""
     import jax
     import jax.numpy as jnp
 
@@ -35,14 +37,23 @@ def client_votes(simulation, config, params) -> dict[str, np.ndarray]:
                                             reference_scores)
     from flowjax.core.cohort import assemble_cohort, client_at
 
+    from flowjax.core import prng
+
     algorithm, settings = simulation.algorithm, simulation.settings
     model = algorithm.model
+    # The final evaluation's keys (engine.round.make_eval_chunk: train_clients is the
+    # first population, the round index the rounds done), so a client_snapshot copy is
+    # the one the run scored.
+    populations = list(simulation.eval_populations())
+    stream = jax.random.fold_in(prng.stream_key(simulation.seed_words, prng.Purpose.EVAL),
+                                populations.index("train_clients"))
+    key_of_round = prng.round_key(stream, settings.num_rounds)
     layer = reference_key_layer(model)
     data = simulation.eval_populations()["train_clients"]
     personalize = jax.jit(algorithm.personalize)
 
     @jax.jit
-    def measure(personal, x):
+    def measure(personal, x, y):
         scored = personal.get("snapshot", params)
         queries, logits = embed_and_logits(model, scored, x, layer)
         store = personal["reference_store"]
@@ -50,21 +61,25 @@ def client_votes(simulation, config, params) -> dict[str, np.ndarray]:
         neg_distance, _ = nearest(store, queries, config.neighbours)
         votes = scores - (1.0 - config.lam) * logits
         return (-neg_distance[:, 0], jnp.max(votes, axis=-1),
-                jnp.argmax(scores, -1) != jnp.argmax(logits, -1))
+                jnp.argmax(scores, -1) != jnp.argmax(logits, -1),
+                jnp.argmax(scores, -1) == y)
 
-    rows: dict[str, list[np.ndarray]] = {"distance": [], "vote": [], "changed": []}
+    rows: dict[str, list[np.ndarray]] = {"distance": [], "vote": [], "changed": [],
+                                         "correct": [], "client": []}
     for index in simulation.eval_client_indices("train_clients"):
         cohort = {split: client_at(jax.tree.map(jnp.asarray, assemble_cohort(
             data, split, [index], num_clients=1, batch_size=settings.batch_size,
             padded_examples=padded, max_examples=settings.max_eval_examples)), 0)
             for split, padded in (("train", simulation.eval_train_examples),
                                   ("test", simulation.eval_test_examples))}
-        personal = personalize(params, cohort["train"], jax.random.key(0))
-        for x, mask in zip(cohort["test"].x, np.asarray(cohort["test"].mask)):
-            distance, vote, changed = (np.asarray(a) for a in measure(personal, x))
-            for name, value in (("distance", distance), ("vote", vote),
-                                ("changed", changed)):
-                rows[name].append(value[mask])
+        personal = personalize(params, cohort["train"],
+                               prng.client_key(key_of_round, cohort["train"].client_id))
+        test = cohort["test"]
+        for x, y, mask in zip(test.x, test.y, np.asarray(test.mask)):
+            measured = [np.asarray(a)[mask] for a in measure(personal, x, y)]
+            for name, value in zip(("distance", "vote", "changed", "correct"), measured):
+                rows[name].append(value)
+            rows["client"].append(np.full(int(mask.sum()), index))
     return {name: np.concatenate(values) for name, values in rows.items()}
 
 

@@ -338,25 +338,37 @@ def test_reference_acc_p_run_reports_it_beside_an_unchanged_acc_p():
 
 
 def test_knn_votes_launcher_measures_the_votes_of_a_run():
-    """``launch/knn_votes.py``'s measurement on a small CNN run: per test example the
-    nearest entry's distance and the largest vote, which lies between lam exp(-d) (the
-    nearest entry's class) and lam k exp(-d); a changed prediction needs a vote."""
+    """``launch/knn_votes.py``'s measurement of a small CNN run with their CIFAR scoring
+    (the copy): per test example the nearest entry's distance and the largest vote, which
+    lies between lam exp(-d) (the nearest entry's class) and lam k exp(-d); a changed
+    prediction needs a vote; and from the run's own model, copy and keys their scores'
+    accuracy is the run's acc_p_client_snapshot (another copy's reads 26.4, not 34.7)."""
+    from flowjax.data.synthetic import synthetic_images
     from launch import knn_votes
-    from tests.bad_input_cases import base_config, images
+    from tests.bad_input_cases import base_config
 
-    config = base_config({"model": "emnist_cnn", "algorithm": "knn_per", "num_rounds": 1,
-                          "methods.knn_per.reference_acc_p": True,
-                          "methods.knn_per.max_datastore": 16})
-    run = run_config.resolve(config, images(sizes=(6, 9, 12), test_sizes=(3, 4, 5)))
+    config = base_config({"model": "emnist_cnn", "algorithm": "knn_per", "num_rounds": 2,
+                          "model_options": {"num_classes": 10}, "sgd.learning_rate": 0.05,
+                          "sgd.batch_size": 4, "methods.knn_per.reference_acc_p": True,
+                          "methods.knn_per.client_snapshot": True,
+                          "methods.knn_per.max_datastore": 32})
+    data = synthetic_images(num_clients=6, num_classes=10, examples=(6, 30), seed=1,
+                            held_out=0)
+    run = run_config.resolve(config, data)
     simulation = run_config.simulation_for(run)
     result = experiment.run(simulation)
     votes = knn_votes.client_votes(simulation, run.method, result.final_state.params)
-    assert votes["distance"].shape == votes["vote"].shape == (3 + 4 + 5,)
     lam, k = run.method.lam, run.method.neighbours
     nearest = lam * np.exp(-votes["distance"].astype(np.float64))
     assert np.all(votes["vote"] >= nearest * (1 - 1e-5))
     assert np.all(votes["vote"] <= k * nearest * (1 + 1e-5))
     assert not np.any(votes["changed"] & (votes["vote"] == 0))
+    assert votes["changed"].any()  # votes here are large enough to move predictions
+    accuracy = [votes["correct"][votes["client"] == c].mean()
+                for c in np.unique(votes["client"])]
+    summary = result.summaries["train_clients"]
+    assert 0 < summary.acc_p_client_snapshot != summary.acc_g_client_snapshot
+    assert np.mean(accuracy) == pytest.approx(summary.acc_p_client_snapshot, abs=1e-12)
 
 
 def test_their_text_knn_launcher_tells_a_class_constant_vote_from_a_diagonal_one():
@@ -378,3 +390,26 @@ def test_their_text_knn_launcher_tells_a_class_constant_vote_from_a_diagonal_one
     assert found[0]["classes"] == list(range(30)) and not found[0]["on_diagonal"]
     assert found[1]["on_diagonal"] and found[1]["classes"] == [3, 7]
     assert found[1]["changed"] == 4 and found[1]["spread"] == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("name, shape, dim", [("emnist_cnn", (3, 28, 28), 9216),
+                                              ("resnet18_gn", (2, 32, 32, 3), 512)])
+def test_reference_key_is_the_input_of_their_first_linear_layer(name, shape, dim):
+    """Their memoization networks' embedding is what their first linear layer takes (the
+    EMNIST CNN's flattened pooled convolutions, the ResNet's pooled features): the rest of
+    the model applied to the key gives the logits exactly."""
+    from flowjax.algorithms.knn_per import reference_key_layer
+    from flowjax.models.base import layer_key
+
+    model = get_model(name, num_classes=10)
+    params = model.init(jax.random.key(0))
+    x = jax.random.uniform(jax.random.key(1), shape)
+    first = reference_key_layer(model)
+    phi, logits = embed_and_logits(model, params, x, first)
+    assert phi.shape == (shape[0], dim)
+    h = phi
+    for j in range(first, model.num_layers):
+        h = model.layer_apply(j, params[model.layer_names[j]], h)
+        h = model.glue_apply(j, h, False, layer_key(jax.random.key(0), j))
+    np.testing.assert_array_equal(h, logits)
+    np.testing.assert_array_equal(logits, forward(model, params, x))
