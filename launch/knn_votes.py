@@ -36,18 +36,17 @@ def client_votes(simulation, config, params) -> dict[str, np.ndarray]:
     from flowjax.algorithms.knn_per import (embed_and_logits, nearest, reference_key_layer,
                                             reference_scores)
     from flowjax.core.cohort import assemble_cohort, client_at
+    from flowjax.engine.round import eval_round_key
 
     from flowjax.core import prng
 
     algorithm, settings = simulation.algorithm, simulation.settings
     model = algorithm.model
-    # The final evaluation's keys (engine.round.make_eval_chunk: train_clients is the
-    # first population, the round index the rounds done), so a client_snapshot copy is
-    # the one the run scored.
-    populations = list(simulation.eval_populations())
-    stream = jax.random.fold_in(prng.stream_key(simulation.seed_words, prng.Purpose.EVAL),
-                                populations.index("train_clients"))
-    key_of_round = prng.round_key(stream, settings.num_rounds)
+    # The final evaluation's keys (its round index is the rounds done), so a
+    # client_snapshot copy is the one the run scored.
+    key_of_round = eval_round_key(simulation.seed_words,
+                                  list(simulation.eval_populations()).index("train_clients"),
+                                  settings.num_rounds)
     layer = reference_key_layer(model)
     data = simulation.eval_populations()["train_clients"]
     personalize = jax.jit(algorithm.personalize)

@@ -782,6 +782,26 @@ def _zero_grad(mode: str):
         torch.optim.Optimizer.zero_grad = original
 
 
+class RecordedTorch:
+    """Their module's ``torch`` recording what ``max`` is taken over (their scores) and
+    what ``argmax`` gives (their datastore's labels)."""
+
+    def __init__(self, torch):
+        self._torch, self.max_inputs, self.argmax_results = torch, [], []
+
+    def __getattr__(self, name: str):
+        return getattr(self._torch, name)
+
+    def max(self, tensor, *args, **kwargs):
+        self.max_inputs.append(tensor.detach().numpy().copy())
+        return self._torch.max(tensor, *args, **kwargs)
+
+    def argmax(self, tensor, *args, **kwargs):
+        result = self._torch.argmax(tensor, *args, **kwargs)
+        self.argmax_results.append(result.tolist())  # an int for one row's logits
+        return result
+
+
 def their_net(trainer, state: dict[str, np.ndarray], dropout: bool = False):
     """Their trainer module's ``EMNISTNet`` holding ``state``, its dropout off unless
     ``dropout``."""

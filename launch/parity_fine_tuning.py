@@ -433,26 +433,6 @@ def knn_flowjax_side(method: str, settings: dict = SETTINGS) -> dict[str, Any]:
                 + [datastore_pass])
 
 
-class _RecordedTorch:
-    """Their module's ``torch`` recording what ``max`` is taken over (their scores) and
-    what ``argmax`` gives (their datastore's labels)."""
-
-    def __init__(self, torch):
-        self._torch, self.max_inputs, self.argmax_results = torch, [], []
-
-    def __getattr__(self, name: str):
-        return getattr(self._torch, name)
-
-    def max(self, tensor, *args, **kwargs):
-        self.max_inputs.append(tensor.detach().numpy().copy())
-        return self._torch.max(tensor, *args, **kwargs)
-
-    def argmax(self, tensor, *args, **kwargs):
-        result = self._torch.argmax(tensor, *args, **kwargs)
-        self.argmax_results.append(result.tolist())  # an int for one row's logits
-        return result
-
-
 def knn_torch_side(reference_dir: str, ours: dict[str, Any], method: str,
                    settings: dict = SETTINGS) -> dict[str, Any]:
     """Their kNN-Per ``*_generalized_test`` on their memoization ``EMNISTNet`` (no
@@ -464,7 +444,7 @@ def knn_torch_side(reference_dir: str, ours: dict[str, Any], method: str,
     torch.set_num_threads(1)
     function, neighbours, lam, copy = KNN_CASES[method]
     trainer = parity.import_their_trainer(reference_dir, THEIR_MODULES[method])
-    recorded = _RecordedTorch(torch)
+    recorded = parity.RecordedTorch(torch)
     trainer.__dict__.update(lr=settings["learning_rate"], knn_neighbors_count=neighbours,
                             lambda_=lam, DEVICE="cpu", torch=recorded)
     data = knn_client_data(settings)

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from launch import parity, parity_fine_tuning
+from launch import parity
 
 # (their function, their network's class and arguments, their k and lambda
 # (configs/hyperparameters.py: shakespeare_knnper, stackoverflow_nwp_knnper), vocabulary,
@@ -50,7 +50,7 @@ def their_run(reference_dir: str, name: str) -> dict[str, Any]:
     torch.manual_seed(0)
     function, net_class, arguments, neighbours, lam, vocabulary, length = CASES[name]
     trainer = parity.import_their_trainer(reference_dir, "trainers.client_knnper")
-    recorded = parity_fine_tuning._RecordedTorch(torch)
+    recorded = parity.RecordedTorch(torch)
     trainer.__dict__.update(knn_neighbors_count=neighbours, lambda_=lam,
                             vocab_size=vocabulary, DEVICE="cpu", torch=recorded)
     data = parity.token_client_data(seed=0, train_examples=TRAIN, test_examples=0,

@@ -320,15 +320,15 @@ def knn_per(model: RoutableModel, config: KnnPerConfig) -> FederatedAlgorithm:
         if not extras:
             return knn_predict(params, personal, x)
         predictions = knn_predict(params, personal["store"], x)
-        if config.client_snapshot:
-            predictions = predictions.replace(
-                global_snapshot=forward(model, personal["snapshot"], x))
-        if config.reference_acc_p:
-            phi, logits = embed_and_logits(model, personal.get("snapshot", params), x,
-                                           key_layer)
-            predictions = predictions.replace(personal_snapshot=reference_scores(
-                personal["reference_store"], phi, logits, config.neighbours, config.lam))
-        return predictions
+        if not config.reference_acc_p:
+            return predictions.replace(global_snapshot=forward(model, personal["snapshot"], x))
+        # One pass of the model their evaluation scores: its logits are forward's, the
+        # copy's global_snapshot where client_snapshot is on.
+        phi, logits = embed_and_logits(model, personal.get("snapshot", params), x, key_layer)
+        return predictions.replace(
+            global_snapshot=logits if config.client_snapshot else None,
+            personal_snapshot=reference_scores(personal["reference_store"], phi, logits,
+                                               config.neighbours, config.lam))
 
     def knn_predict(params, store: Datastore, x) -> Predictions:
         phi, logits = embed_and_logits(model, params, x)

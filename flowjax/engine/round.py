@@ -125,6 +125,14 @@ def make_round(algorithm: FederatedAlgorithm, server_optimizer: optax.GradientTr
     return round_fn
 
 
+def eval_round_key(seed_words: jax.Array, population: jax.Array | int,
+                   round_index: jax.Array | int) -> jax.Array:
+    """The evaluation's key of ``round_index`` for population number ``population`` (the
+    order of ``Simulation.eval_populations``); ``prng.client_key`` of it is a client's."""
+    stream = jax.random.fold_in(prng.stream_key(seed_words, prng.Purpose.EVAL), population)
+    return prng.round_key(stream, round_index)
+
+
 def make_eval_chunk(algorithm: FederatedAlgorithm, mapping: ClientMapping) -> EvalChunkFn:
     """The pure evaluation of a chunk of clients ``(params, train, test, round_index,
     population, client_states, seed_words) -> ClientCounts``: each client is personalized
@@ -134,8 +142,7 @@ def make_eval_chunk(algorithm: FederatedAlgorithm, mapping: ClientMapping) -> Ev
     def eval_chunk(params: PyTree, train: ClientExamples, test: ClientExamples,
                    round_index: jax.Array, population: jax.Array,
                    client_states: PyTree, seed_words: jax.Array) -> ClientCounts:
-        stream = jax.random.fold_in(prng.stream_key(seed_words, prng.Purpose.EVAL), population)
-        key_of_round = prng.round_key(stream, round_index)
+        key_of_round = eval_round_key(seed_words, population, round_index)
 
         def one_client(train_examples, test_examples, client_state):
             key = prng.client_key(key_of_round, train_examples.client_id)

@@ -326,18 +326,18 @@ def summarize(counts: ClientCounts, client_ids: Sequence[str] | None = None,
     difference = acc["personal"] - acc["global"]
     diverged = np.flatnonzero(keep & (counts.nonfinite > 0))
     snapshot = {}
+    # Over the clients whose snapshot counted an instance: all of ``keep`` on the test
+    # split, on the train split (``FederatedAlgorithm.snapshot_split``) those with one.
+    scored = counts.snapshot_instances[keep] > 0
     if np.sum(counts.personal_snapshot_instances[keep]) > 0:
         acc["personal_snapshot"] = counts.correct_personal_snapshot[keep] / n
         snapshot.update(
             acc_p_client_snapshot=float(np.mean(acc["personal_snapshot"])),
             acc_p_client_snapshot_weighted=float(
-                np.sum(counts.correct_personal_snapshot[keep], dtype=np.float64) / total),
-            # Their harmed flag against the server model, unless a snapshot replaces it.
-            clients_benefiting_snapshot=float(np.mean(acc["personal_snapshot"]
-                                                      > acc["global"])))
-    # Over the clients whose snapshot counted an instance: all of ``keep`` on the test
-    # split, on the train split (``FederatedAlgorithm.snapshot_split``) those with one.
-    scored = counts.snapshot_instances[keep] > 0
+                np.sum(counts.correct_personal_snapshot[keep], dtype=np.float64) / total))
+        if not np.any(scored):  # their Acc_g model is the server's (kNN-Per's EMNIST code)
+            snapshot["clients_benefiting_snapshot"] = float(
+                np.mean(acc["personal_snapshot"] > acc["global"]))
     if np.any(scored):
         snapshot_n = counts.snapshot_instances[keep][scored].astype(np.float64)
         snapshot_correct = counts.correct_global_snapshot[keep][scored]
