@@ -54,10 +54,14 @@ PREDICTED labels, and per test example (their test loader has batch 1) the score
 ``knn_per`` runs their ``emnist_generalized_test`` (the server model, their EMNIST k = 10,
 lambda = 0.4), ``knn_per_cifar`` their ``cifar10_generalized_test`` on the same net (one
 epoch of SGD, momentum 0.9, first: FedAvg's copy, then the datastore and scores from it;
-their CIFAR-10 k = 5, lambda = 0.5). Each test image is a train image plus a little noise,
-so its nearest entry is close and its vote moves the scores; the script prints the
-largest vote as a control. Their scores are read where their code takes their argmax
-(``torch.max``), their datastore's labels where it computes them (``torch.argmax``).
+their CIFAR-10 k = 5, lambda = 0.5); in both, the server model is the init trained E
+epochs on the client first, so that it predicts more than one class. The client is dense
+(``knn_client_data``: every image one base image plus a little noise and a faint label
+stripe), so the entries are near each other, the votes are large and some of them change
+a prediction: the script prints the largest vote and the test examples whose prediction
+the votes changed (``flipped``), which both sides must agree on. Their scores are read
+where their code takes their argmax (``torch.max``), their datastore's labels where it
+computes them (``torch.argmax``).
 
 ``flowjax_side_of(method)`` needs no PyTorch: ``tests/test_parity.py`` recomputes it and
 compares it with the committed figures of the PyTorch side
@@ -379,27 +383,42 @@ def fedavg_check(reference_dir: str, write_fixture: bool, torch_version: str) ->
 # one-epoch copy) from their configs/hyperparameters.py (emnist_knnper, cifar10_knnper).
 KNN_CASES = {"knn_per": ("emnist_generalized_test", 10, 0.4, False),
              "knn_per_cifar": ("cifar10_generalized_test", 5, 0.5, True)}
-# The noise on the train images that make the test images (module docstring).
-KNN_NOISE = 0.02
+# The kNN client's images: one base image plus uniform noise in [-KNN_SPREAD,
+# KNN_SPREAD] and a stripe of KNN_STRIPE at a label-dependent row. Dense enough that the
+# datastore's entries are near each other (votes up to about lambda) and faint enough that
+# the scored model's margins are small, so that votes change some predictions (measured
+# on the flowjax side at 0.05 / 0.1: none changed; at 0.1 / 0.2: six and one).
+KNN_SPREAD = 0.1
+KNN_STRIPE = 0.2
 
 
 def knn_client_data(settings: dict) -> dict[str, np.ndarray]:
-    """``parity.client_data``'s train split; each test example a distinct train example
-    (its label too) plus uniform noise in [-KNN_NOISE, KNN_NOISE], clipped to [0, 1]."""
-    data = parity.client_data(**settings)
+    """A dense client with ``parity.client_data``'s labels (module docstring): train and
+    test images drawn alike, pixels clipped to [0, 1]."""
+    labels = parity.client_data(**settings)
+    labels = np.concatenate([labels["train_y"], labels["test_y"]])
     rng = np.random.default_rng(settings["seed"] + 2)
-    chosen = rng.choice(settings["train_examples"], settings["test_examples"], replace=False)
-    noise = rng.uniform(-KNN_NOISE, KNN_NOISE, data["train_x"][chosen].shape)
-    test_x = np.clip(data["train_x"][chosen] + noise, 0.0, 1.0).astype(np.float32)
-    return dict(data, test_x=test_x, test_y=data["train_y"][chosen])
+    base = rng.random((28, 28))
+    x = base + rng.uniform(-KNN_SPREAD, KNN_SPREAD, (len(labels), 28, 28))
+    x[np.arange(len(labels)), labels % 28, :] += KNN_STRIPE
+    x = np.clip(x, 0.0, 1.0).astype(np.float32)
+    n = settings["train_examples"]
+    return dict(train_x=x[:n], train_y=labels[:n], test_x=x[n:], test_y=labels[n:])
+
+
+def flipped(logits: np.ndarray, scores: np.ndarray) -> list[int]:
+    """The test examples whose prediction the votes changed (argmax over the scored
+    model's logits against argmax over the kNN-Per scores)."""
+    return np.flatnonzero(np.argmax(logits, -1) != np.argmax(scores, -1)).tolist()
 
 
 def knn_flowjax_side(method: str, settings: dict = SETTINGS) -> dict[str, Any]:
     """kNN-Per's ``reference_acc_p`` (with ``client_snapshot`` for the CIFAR case; the
-    EMNIST case's server model is the init trained E epochs on the client, so that it
-    predicts more than one class): the initial and the scored model's weights (their layout), that model's logits and the
-    reference scores on the test examples, their figures, the datastore's labels and the
-    batches of the copy's epoch (CIFAR) and of the datastore's pass; no PyTorch needed."""
+    server model is the init trained E epochs on the client, so that it predicts more
+    than one class): the server and the scored model's weights (their layout), that
+    model's logits and the reference scores on the test examples, their figures, the
+    examples the votes flipped, the datastore's labels and the batches of the copy's epoch
+    (CIFAR) and of the datastore's pass; no PyTorch needed."""
     import jax
     import jax.numpy as jnp
 
@@ -414,9 +433,9 @@ def knn_flowjax_side(method: str, settings: dict = SETTINGS) -> dict[str, Any]:
                                             client_snapshot=copy or None,
                                             reference_acc_p=True))
     params = algorithm.init(jax.random.key(settings["seed"]))
-    if not copy:  # a server model that predicts something: E epochs on the client's data
-        tune = fedavg(model, FedAvgConfig(sgd=sgd, finetune=True))
-        params = jax.jit(tune.personalize)(params, train, jax.random.key(settings["seed"] + 3))
+    # A server model that predicts something: E epochs on the client's data.
+    tune = fedavg(model, FedAvgConfig(sgd=sgd, finetune=True))
+    params = jax.jit(tune.personalize)(params, train, jax.random.key(settings["seed"] + 3))
     personal = jax.jit(algorithm.personalize)(params, train, key)
     predictions = algorithm.predict(params, personal, jnp.asarray(data["test_x"]))
     before = np.asarray(predictions.global_snapshot if copy else predictions.global_logits)
@@ -428,7 +447,7 @@ def knn_flowjax_side(method: str, settings: dict = SETTINGS) -> dict[str, Any]:
                 updated=parity.cnn_to_torch_layout(personal.get("snapshot", params)),
                 eval_snapshot_logits=before, eval_personal_logits=scores,
                 metrics=parity.generalized_test_metrics(before, scores, data["test_y"]),
-                datastore_labels=np.asarray(store.labels)[np.asarray(store.valid)].tolist(),
+                flipped=flipped(before, scores), datastore_labels=np.asarray(store.labels)[np.asarray(store.valid)].tolist(),
                 passes=(_passes(key, train, {**settings, "epochs": 1}) if copy else [])
                 + [datastore_pass])
 
@@ -458,10 +477,11 @@ def knn_torch_side(reference_dir: str, ours: dict[str, Any], method: str,
     if not train.exhausted():
         raise AssertionError("their evaluation read fewer passes than flowjax's plan")
     # Per test example their torch.max is taken over the net's logits, then the scores.
+    logits = np.concatenate(recorded.max_inputs[0::2])
+    scores = np.concatenate(recorded.max_inputs[1::2])
     return dict(updated={k: v.detach().numpy().copy() for k, v in net.state_dict().items()},
-                eval_snapshot_logits=np.concatenate(recorded.max_inputs[0::2]),
-                eval_personal_logits=np.concatenate(recorded.max_inputs[1::2]),
-                metrics=parity.reported_metrics(figures),
+                eval_snapshot_logits=logits, eval_personal_logits=scores,
+                metrics=parity.reported_metrics(figures), flipped=flipped(logits, scores),
                 datastore_labels=recorded.argmax_results)
 
 
@@ -484,21 +504,29 @@ def knn_check(method: str, reference_dir: str, write_fixture: bool,
     print(f"  max abs diff, evaluation metrics:               {diffs['metrics']:.3e}"
           f"  (theirs: {theirs['metrics']})")
     same_labels = ours["datastore_labels"] == theirs["datastore_labels"]
-    true = np.asarray(knn_client_data(SETTINGS)["train_y"])
+    data = knn_client_data(SETTINGS)
     print(f"  datastore: {len(theirs['datastore_labels'])} predicted labels, "
           f"{'the same as theirs' if same_labels else 'NOT theirs'} "
-          f"({int(np.sum(np.asarray(ours['datastore_labels']) == true))} of them the true "
-          "label)")
+          f"({int(np.sum(np.asarray(ours['datastore_labels']) == data['train_y']))} of them "
+          f"the true label; {len(set(theirs['datastore_labels']))} classes)")
     # The check can fail: the votes move their scores away from (1 - lambda) logits.
     vote = float(np.max(np.abs(theirs["eval_personal_logits"]
                                - (1 - lam) * theirs["eval_snapshot_logits"])))
     print(f"  control, the largest vote lambda sum exp(-d) in their scores: {vote:.3e}")
+    same_flips = ours["flipped"] == theirs["flipped"]
+    changes = ", ".join(
+        f"#{i} {np.argmax(theirs['eval_snapshot_logits'][i])} -> "
+        f"{np.argmax(theirs['eval_personal_logits'][i])} (true {data['test_y'][i]})"
+        for i in theirs["flipped"])
+    print(f"  predictions the votes changed: {len(theirs['flipped'])} of "
+          f"{len(data['test_y'])}, {'the same as' if same_flips else 'NOT'} flowjax's: "
+          f"{changes or 'none'}")
     if write_fixture:
         _write_fixture(method, settings_of(method), ours, theirs, torch_version,
-                       datastore_labels=theirs["datastore_labels"])
+                       datastore_labels=theirs["datastore_labels"], flipped=theirs["flipped"])
     worst = parity.worst_diff(diffs)
-    return _verdict(method, worst, worst <= TOLERANCE and same_labels
-                    and vote > 100 * TOLERANCE)
+    return _verdict(method, worst, worst <= TOLERANCE and same_labels and same_flips
+                    and bool(theirs["flipped"]) and vote > 100 * TOLERANCE)
 
 
 def settings_of(method: str) -> dict:

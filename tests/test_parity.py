@@ -325,12 +325,16 @@ def test_flowjax_knn_per_reference_acc_p_matches_the_authors_evaluation(tmp_path
     ``emnist_generalized_test`` (the server model) and ``cifar10_generalized_test`` (one
     epoch first, on their memoization EMNISTNet), fed flowjax's passes: the scored net,
     its logits, their scores (what their argmax is taken over), their figures and their
-    datastore's predicted labels. kNN-Per's ``reference_acc_p`` must reach them."""
+    datastore's predicted labels, and the test examples whose prediction their votes
+    changed. kNN-Per's ``reference_acc_p`` must reach them."""
     from launch import parity_fine_tuning
 
     ours, theirs = _fine_tuning_sides(tmp_path, method)
     _assert_matches(ours, theirs, theirs["tolerance"])
     assert ours["datastore_labels"] == theirs["datastore_labels"]
+    # The votes change predictions (a vote that could not would pass for any class).
+    assert ours["flipped"] == theirs["flipped"] != []
+    assert len(set(theirs["datastore_labels"])) > 1
     true = parity_fine_tuning.knn_client_data(parity_settings(method))["train_y"].tolist()
     assert theirs["datastore_labels"] != true  # predicted labels, not the true ones
     # The check can fail: without the votes, (1 - lambda) times the logits is not theirs.
