@@ -157,15 +157,30 @@ def warm_up_simulation(run: ResolvedRun) -> Simulation:
                       mapping=build_mapping(run.config))
 
 
-def warm_up(run: ResolvedRun, guard: DivergenceGuard | None = None) -> dict[str, Any] | None:
-    """HypCluster's warm-up stage: its factory's starting options, None for other methods
-    or with neither warm-up rounds nor k-means init.
+@dataclasses.dataclass(frozen=True)
+class WarmUp:
+    """HypCluster's warm-up stage, done (``warm_up``).
+
+    Attributes:
+      options: the method factory's starting options (``warm_start``, ``cluster_starts``).
+      records: the stage's training records, rounds 1 to W, each marked
+        ``"stage": "warm-up"``: the run's history starts with them (``simulation_for``).
+    """
+
+    options: dict[str, Any]
+    records: tuple[dict[str, Any], ...] = ()
+
+
+def warm_up(run: ResolvedRun, guard: DivergenceGuard | None = None) -> WarmUp | None:
+    """HypCluster's warm-up stage: its factory's starting options and its rounds' training
+    records; None for other methods or with neither warm-up rounds nor k-means init.
 
     ``guard`` (the run's own, so its warnings stay once per run) checks each warm-up
     round's training record as it checks the method's rounds: a client returning
     non-finite parameters stops the run at that round under ``on_divergence='stop'``, and
-    a non-finite server step under either setting. The records are checked, not written
-    to ``metrics.jsonl`` (its lines start at the method's first round).
+    a non-finite server step under either setting. The records start the method's
+    simulation's history (``Simulation.earlier_records``), so ``metrics.jsonl`` has a line
+    for every round of the run.
 
     ``{"warm_start": params}``: the server params after ``methods.hypcluster.warmup_rounds``
     rounds W of FedAvg with this run's SGD, seed, client sampling, server optimizer and
@@ -185,14 +200,15 @@ def warm_up(run: ResolvedRun, guard: DivergenceGuard | None = None) -> dict[str,
     for round_index in range(rounds):
         stage.state, metrics = simulation.run_round(stage.state, round_index)
         stage.rounds_done = round_index + 1
+        record = {"round": round_index + 1, "kind": "train", "stage": "warm-up",
+                  **finalize_metrics(distributed.fetch(metrics))}
+        stage.history.append(record)
         if guard is not None:
-            record = {"round": round_index + 1, "kind": "train", "stage": "warm-up",
-                      **finalize_metrics(distributed.fetch(metrics))}
-            stage.history.append(record)
             guard.on_record(stage, record)
+    records = tuple(stage.history)
     state = stage.state
     if not kmeans:
-        return {"warm_start": state.params}
+        return WarmUp({"warm_start": state.params}, records)
     seed = run.settings.seed
     cohort = simulation.host_cohort(rounds)
     key_of_round = prng.round_key(prng.base_key(seed, prng.Purpose.KMEANS_INIT), rounds)
@@ -200,9 +216,9 @@ def warm_up(run: ResolvedRun, guard: DivergenceGuard | None = None) -> dict[str,
     real = np.flatnonzero(cohort.num_examples > 0)
     first = int(real[prng.host_rng(seed, int(prng.Purpose.KMEANS_INIT), rounds)
                      .integers(len(real))])
-    return {"cluster_starts": kmeans_starts(run.model, run.sgd, state.params, cohort, keys,
-                                            run.method.clusters, first,
-                                            build_mapping(run.config))}
+    return WarmUp({"cluster_starts": kmeans_starts(run.model, run.sgd, state.params, cohort,
+                                                   keys, run.method.clusters, first,
+                                                   build_mapping(run.config))}, records)
 
 
 def warmup_rounds(run: ResolvedRun) -> int:
@@ -210,9 +226,10 @@ def warmup_rounds(run: ResolvedRun) -> int:
     return getattr(run.method, "warmup_rounds", 0) if run.algorithm == "hypcluster" else 0
 
 
-def simulation_for(run: ResolvedRun, starts: dict[str, Any] | None = None,
+def simulation_for(run: ResolvedRun, starts: WarmUp | None = None,
                    workdir: str | None = None) -> Simulation:
-    """The run's simulation; ``starts``: HypCluster's starting options (``warm_up``).
+    """The run's simulation; ``starts``: HypCluster's warm-up stage (``warm_up``), whose
+    options the method starts from and whose records start the run's history.
 
     After a warm-up of W rounds the simulation runs rounds W to ``num_rounds - 1`` of the
     seed's streams (``Settings.first_round``): the warm-up's cohorts and keys are not
@@ -223,14 +240,17 @@ def simulation_for(run: ResolvedRun, starts: dict[str, Any] | None = None,
     Raises:
       ValueError: ``client_states="disk"`` for a stateful method without a ``workdir``.
     """
-    options, settings = dict(starts or {}), run.settings
+    starts = starts or WarmUp({})
+    settings = run.settings
     if warmup_rounds(run):
         settings = dataclasses.replace(settings, first_round=warmup_rounds(run))
-    algorithm = make_algorithm(run.algorithm, run.model, run.method, run.example_x, **options)
+    algorithm = make_algorithm(run.algorithm, run.model, run.method, run.example_x,
+                               **starts.options)
     return Simulation(algorithm, run.task, settings,
                       server_optimizer=build_server_optimizer(run.config),
                       mapping=build_mapping(run.config),
-                      client_state_dir=client_state_dir(run.config, algorithm, workdir))
+                      client_state_dir=client_state_dir(run.config, algorithm, workdir),
+                      earlier_records=starts.records)
 
 
 def client_state_dir(config, algorithm, workdir: str | None) -> str | None:

@@ -1,5 +1,6 @@
 """HypCluster: cluster choice, per-cluster aggregation, warm start, and k = 1 = FedAvg."""
 
+import dataclasses
 import os
 import sys
 
@@ -268,8 +269,9 @@ def test_bad_config_and_warm_start_raise_one_line_errors(cnn):
 
 
 def test_warm_started_run_trains_and_evaluates():
-    """The warm-up's rounds count within ``num_rounds``: after 1 FedAvg round, HypCluster
-    trains rounds 2 and 3 of 3, logged and evaluated by their run index."""
+    """The warm-up's rounds count within ``num_rounds``: after 1 FedAvg round (its record
+    first in the history), HypCluster trains rounds 2 and 3 of 3, logged and evaluated by
+    their run index."""
     config = small_config(algorithm="hypcluster", num_rounds=3)
     config.model_options = ml_collections.ConfigDict({"hidden": 32})
     config.methods.hypcluster.warmup_rounds = 1
@@ -283,8 +285,9 @@ def test_warm_started_run_trains_and_evaluates():
 
     result = experiment.run(simulation, callbacks=[bar, ShownAtStart()])
     assert (shown, bar.rounds_shown) == ([1], 3)  # the bar starts after the warm-up
-    train = [h for h in result.history if h["kind"] == "train"]
-    assert [h["round"] for h in train] == [2, 3]
+    warm, *train = [h for h in result.history if h["kind"] == "train"]
+    assert (warm["round"], warm["stage"], [h["round"] for h in train]) == (1, "warm-up", [2, 3])
+    assert np.isfinite(warm["loss"]) and "clients_in_cluster0" not in warm
     assert all(np.isfinite(h["loss"]) for h in train)
     assert {h["round"] for h in result.history if h["kind"] == "eval"} == {3}
     for record in train:
@@ -336,19 +339,45 @@ def test_kmeans_starts_pick_a_client_then_the_one_worst_served_so_far(mlp, image
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_metrics_jsonl_logs_the_warm_up_rounds_as_fedavgs_first_rounds(tmp_path):
+    """``metrics.jsonl`` has a line for every round: a HypCluster run's first W training
+    records are its FedAvg warm-up's, marked ``"stage": "warm-up"``, and equal FedAvg's
+    first W records of the same config (the warm-up is those rounds)."""
+    from flowjax import run_folder
+    from flowjax.runner import run_config_to_workdir
+    config = small_config(algorithm="hypcluster", num_rounds=3)
+    config.model_options = ml_collections.ConfigDict({"hidden": 32})
+    config.methods.hypcluster.warmup_rounds = 2
+    run_config_to_workdir(config, str(tmp_path), progress=False)
+    logged = [r for r in run_folder.read_metrics(str(tmp_path)) if r["kind"] == "train"]
+    assert [(r["round"], r.get("stage")) for r in logged] == [
+        (1, "warm-up"), (2, "warm-up"), (3, None)]
+    config.algorithm = "fedavg"
+    fedavg_run = experiment.run(run_config.build_simulation(config)).history
+    fedavg_train = [r for r in fedavg_run if r["kind"] == "train"]
+    assert [{k: v for k, v in r.items() if k != "stage"} for r in logged[:2]] == fedavg_train[:2]
+
+
 def test_kmeans_init_starts_a_run_at_its_picks_and_is_seeded():
     config = small_synthetic_config(algorithm="hypcluster", num_rounds=3)
     config.methods.hypcluster.update(warmup_rounds=1, init="kmeans")
     run = run_config.resolve(config)
-    starts = run_config.warm_up(run)["cluster_starts"]
+    warm = run_config.warm_up(run)
+    starts = warm.options["cluster_starts"]
     assert not _leaves_equal(starts[0], starts[1])
-    again = run_config.warm_up(run_config.resolve(config))["cluster_starts"]
+    again = run_config.warm_up(run_config.resolve(config)).options["cluster_starts"]
     assert _leaves_equal(starts, again)  # a resumed attempt computes the same starts
-    simulation = run_config.simulation_for(run, {"cluster_starts": starts})
+    simulation = run_config.simulation_for(run, warm)
+    late = dataclasses.replace(warm, records=(*warm.records, {"round": 2, "kind": "train"}))
+    with pytest.raises(ValueError, match=r"^earlier_records: round 2 is not an earlier "
+                       r"stage's: expected rounds 1 to first_round=1$"):
+        run_config.simulation_for(run, late)
     params = simulation.init_state().params
     assert _leaves_equal(params["cluster0"], starts[0])
     assert _leaves_equal(params["cluster1"], starts[1])
     result = experiment.run(simulation)
-    assert [h["round"] for h in result.history if h["kind"] == "train"] == [2, 3]
+    # The history starts with the warm-up's round, then HypCluster's own.
+    assert [(h["round"], h.get("stage")) for h in result.history if h["kind"] == "train"] == [
+        (1, "warm-up"), (2, None), (3, None)]
     with pytest.raises(ValueError, match=r"^init='kmeanz': expected one of \[None, 'kmeans'\]$"):
         HypClusterConfig(**CONFIG, init="kmeanz")

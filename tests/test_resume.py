@@ -147,6 +147,12 @@ def test_hypcluster_resumes_after_its_warm_up_exactly(tmp_path):
                                       killed_at=5)
     resumed = json.loads((tmp_path / "killed" / "run.json").read_text())
     assert resumed["resumed_from_round"] == 4
+    # Its metrics.jsonl (the checkpoint's history) holds the warm-up's rounds, once.
+    train_records = [json.loads(line) for line in
+                     (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
+                     if json.loads(line)["kind"] == "train"]
+    assert [(r["round"], r.get("stage")) for r in train_records] == [
+        (1, "warm-up"), (2, "warm-up"), (3, None), (4, None), (5, None), (6, None)]
 
 
 def same_run(workdir, reference):

@@ -120,7 +120,7 @@ def test_a_run_builds_its_model_and_resolves_its_method_once(monkeypatch):
 def test_hypcluster_warm_up_is_a_stage_equal_to_fedavg_rounds():
     config = _tiny(algorithm="hypcluster", num_rounds=3,
                    **{"methods.hypcluster.warmup_rounds": 2})
-    warm = run_config.warm_up(run_config.resolve(config))["warm_start"]
+    warm = run_config.warm_up(run_config.resolve(config)).options["warm_start"]
     simulation = run_config.build_simulation(_tiny(algorithm="fedavg", num_rounds=2))
     state = simulation.init_state()
     for round_index in range(2):

@@ -75,7 +75,7 @@ for devices in (1, 2):
     config = small_synthetic_config(algorithm="hypcluster", num_rounds=2,
                                     **{"mapping.num_devices": devices})
     config.methods.hypcluster.update(warmup_rounds=1, init="kmeans")
-    starts[devices] = run_config.warm_up(run_config.resolve(config))["cluster_starts"]
+    starts[devices] = run_config.warm_up(run_config.resolve(config)).options["cluster_starts"]
 for a, b in zip(jax.tree.leaves(starts[1]), jax.tree.leaves(starts[2])):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7)
 assert set(mapped) == {1, 2}, mapped  # the training and the losses, on 1 then 2 devices

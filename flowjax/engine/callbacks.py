@@ -397,14 +397,10 @@ class DivergenceGuard(Callback):
             check_finite(record, run.last_checkpoint)
         check_server_finite(record, run.last_checkpoint)
         if self.on_divergence == "skip_clients" and record.get("clients_skipped"):
-            # A warm-up stage's records (HypCluster's FedAvg rounds) are checked, not logged.
-            counted = ("a warm-up stage's rounds are not in metrics.jsonl"
-                       if record.get("stage") == "warm-up"
-                       else "metrics.jsonl counts them per round")
             self._warn_once("skipped", f"round {record['round']}: "
                             f"{int(record['clients_skipped'])} client(s) returned non-finite "
                             f"parameters and were dropped (on_divergence='skip_clients'; "
-                            f"{counted})")
+                            f"metrics.jsonl counts them per round)")
         self._warn_once("growth", loss_growth(run.history, record))
 
 

@@ -69,9 +69,11 @@ def run(simulation: Simulation, callbacks: Sequence[Callback] = ()) -> RunResult
     callback, whatever happens.
     """
     settings = simulation.settings
-    # A later stage starts after its earlier stage's rounds (``Settings.first_round``).
+    # A later stage starts after its earlier stage's rounds (``Settings.first_round``), its
+    # history with that stage's records (a resume replaces it with the checkpoint's).
     run_state = RunState(simulation=simulation, state=simulation.init_state(),
-                         rounds_done=settings.first_round)
+                         rounds_done=settings.first_round,
+                         history=list(simulation.earlier_records))
     pending: list[tuple[int, dict[str, jax.Array]]] = []
 
     def emit(record: Record) -> None:

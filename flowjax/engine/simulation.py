@@ -8,7 +8,7 @@ It runs whatever ``FederatedAlgorithm`` it is given and never imports one.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -84,7 +84,9 @@ class Simulation:
     """A federated simulation of one algorithm on one task.
 
     ``trace_counts`` counts the traces (so compilations) of the round and the evaluation:
-    one each in a run, whatever its length.
+    one each in a run, whatever its length. ``earlier_records``: the training records of
+    an earlier stage's rounds 1 to ``settings.first_round`` (HypCluster's FedAvg warm-up),
+    with which the run's history, so ``metrics.jsonl``, starts.
 
     Example:
       >>> sim = Simulation(algorithm, task, settings, server_optimizer=optax.sgd(1.0))
@@ -94,7 +96,14 @@ class Simulation:
 
     def __init__(self, algorithm: FederatedAlgorithm, task: FederatedTask, settings: RunSettings,
                  server_optimizer: optax.GradientTransformation, mapping: ClientMapping | None = None,
-                 client_state_dir: str | None = None):
+                 client_state_dir: str | None = None,
+                 earlier_records: Sequence[dict[str, Any]] = ()):
+        late = [r.get("round") for r in earlier_records
+                if not 1 <= r.get("round", 0) <= settings.first_round]
+        if late:
+            raise ValueError(f"earlier_records: round {late[0]} is not an earlier stage's: "
+                             f"expected rounds 1 to first_round={settings.first_round}")
+        self.earlier_records = tuple(earlier_records)
         self.algorithm = algorithm
         # Where a stateful method's client states live: host memory (None) or files of
         # this folder (``DiskClientStateStore``).
