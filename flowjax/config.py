@@ -182,11 +182,11 @@ def warm_up(run: ResolvedRun, guard: DivergenceGuard | None = None) -> WarmUp | 
     simulation's history (``Simulation.earlier_records``), so ``metrics.jsonl`` has a line
     for every round of the run.
 
-    ``{"warm_start": params}``: the server params after ``methods.hypcluster.warmup_rounds``
+    Options ``{"warm_start": params}``: the server params after ``methods.hypcluster.warmup_rounds``
     rounds W of FedAvg with this run's SGD, seed, client sampling, server optimizer and
     mapping (no evaluation). They are the run's rounds 1 to W of ``num_rounds``, so
     HypCluster trains on as many cohorts as every other method; its own rounds are W + 1
-    to ``num_rounds`` (``simulation_for``). With ``init="kmeans"``,
+    to ``num_rounds`` (``simulation_for``). With ``init="kmeans"``, options
     ``{"cluster_starts": [...]}``: ``hypcluster.kmeans_starts`` from those params (the
     plain init when W = 0) over the clients of round W, HypCluster's first cohort, with
     keys and the first pick from the ``KMEANS_INIT`` stream of round W.

@@ -18,7 +18,9 @@ again; so the new file starts with a purge marker at its first round, and Tensor
 hides the first attempt's events from that step on (the replayed values are the same:
 the run is deterministic). A run resumed, or a finished run reused, with
 ``config.tensorboard`` newly on (it may change at a resume: ``run_folder.OUTPUT_ONLY_FIELDS``)
-first logs the records it already has, when the folder holds no event file.
+first logs the records it already has, when the folder holds no event file. A fresh
+HypCluster run's history starts with its FedAvg warm-up's records (rounds 1 to W), which
+it logs the same way at its start.
 ``--overwrite`` removes the folder with the other run files.
 """
 
@@ -111,17 +113,19 @@ class TensorBoardLog(Callback):
 
     def on_run_start(self, run: RunState) -> None:
         # Runs after the checkpoint's restore (the runner lists it later), so a run resumed
-        # with config.tensorboard newly on logs the rounds it resumed past as well.
+        # with config.tensorboard newly on logs the rounds it resumed past as well (and a
+        # fresh HypCluster run its warm-up's records).
         self.log_earlier(run.history)
 
     def on_record(self, run: RunState, record: Mapping[str, Any]) -> None:
         self(record)
 
     def log_earlier(self, records: Iterable[Mapping[str, Any]]) -> None:
-        """Logs ``records`` of earlier attempts unless a cleanly closed event file holds them
-        all; else all of them again, and TensorBoard hides the earlier files' steps from
-        the first one on (``purge_step``), so an attempt that was killed before its
-        events were flushed, or that ran with ``config.tensorboard`` off, leaves no gap."""
+        """Logs ``records`` of earlier attempts (or stages) unless a cleanly closed event
+        file holds them all; else all of them again, and TensorBoard hides the earlier
+        files' steps from the first one on (``purge_step``), so an attempt that was killed
+        before its events were flushed, or that ran with ``config.tensorboard`` off,
+        leaves no gap."""
         records = list(records)
         if not records or (_event_files(self.logdir) and _logged_through(self.logdir)
                            >= max(int(record["round"]) for record in records)):

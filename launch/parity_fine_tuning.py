@@ -406,24 +406,60 @@ def knn_client_data(settings: dict) -> dict[str, np.ndarray]:
     return dict(train_x=x[:n], train_y=labels[:n], test_x=x[n:], test_y=labels[n:])
 
 
+# An argmax both sides must agree on exactly is more than this far from a tie: two values
+# each within TOLERANCE of the other side's cannot swap their order across such a gap
+# (the largest differences seen are about 1e-6).
+MARGIN = 2 * TOLERANCE
+
+
 def flipped(logits: np.ndarray, scores: np.ndarray) -> list[int]:
     """The test examples whose prediction the votes changed (argmax over the scored
     model's logits against argmax over the kNN-Per scores)."""
     return np.flatnonzero(np.argmax(logits, -1) != np.argmax(scores, -1)).tolist()
 
 
+def votes(logits: np.ndarray, scores: np.ndarray, lam: float) -> np.ndarray:
+    """Each test example's vote ``lambda sum_j exp(-d_j) onehot(label_j)``: the scores
+    less ``(1 - lambda)`` times the logits (exactly 0 for a class no neighbour has)."""
+    return np.asarray(scores, np.float32) - np.float32(1 - lam) * np.asarray(logits, np.float32)
+
+
+def sparse(values: np.ndarray) -> dict[str, Any]:
+    """A fixture entry for a mostly-zero array: its shape, and its nonzero entries."""
+    flat = values.reshape(-1)
+    nonzero = np.flatnonzero(flat)
+    return dict(shape=list(values.shape), indices=nonzero.tolist(),
+                values=flat[nonzero].astype(np.float64).tolist())
+
+
+def dense(entry: dict[str, Any]) -> np.ndarray:
+    """``sparse``'s array again."""
+    flat = np.zeros(int(np.prod(entry["shape"])))
+    flat[entry["indices"]] = entry["values"]
+    return flat.reshape(entry["shape"])
+
+
+def smallest_margin(logits: np.ndarray) -> float:
+    """The smallest gap between an example's largest and second largest value: how far
+    its argmax is from a tie."""
+    top = np.sort(np.asarray(logits, np.float64), axis=-1)
+    return float(np.min(top[:, -1] - top[:, -2]))
+
+
 def knn_flowjax_side(method: str, settings: dict = SETTINGS) -> dict[str, Any]:
     """kNN-Per's ``reference_acc_p`` (with ``client_snapshot`` for the CIFAR case; the
     server model is the init trained E epochs on the client, so that it predicts more
-    than one class): the server and the scored model's weights (their layout), that
-    model's logits and the reference scores on the test examples, their figures, the
-    examples the votes flipped, the datastore's labels and the batches of the copy's epoch
+    than one class): the server (``initial``) and the scored model's weights (their
+    layout), that model's logits and the reference scores on the test examples, their
+    figures, the examples the votes flipped, the votes, the smallest top-2 margins of the
+    argmaxes compared exactly, the datastore's labels and the batches of the copy's epoch
     (CIFAR) and of the datastore's pass; no PyTorch needed."""
     import jax
     import jax.numpy as jnp
 
     from flowjax.algorithms.fedavg import FedAvgConfig, fedavg
     from flowjax.algorithms.knn_per import KnnPerConfig, knn_per
+    from flowjax.models.base import forward
 
     _, neighbours, lam, copy = KNN_CASES[method]
     model, sgd, _, _, key = _client(settings)
@@ -441,13 +477,20 @@ def knn_flowjax_side(method: str, settings: dict = SETTINGS) -> dict[str, Any]:
     before = np.asarray(predictions.global_snapshot if copy else predictions.global_logits)
     scores = np.asarray(predictions.personal_snapshot)
     store = personal["reference_store"]
+    scored = personal.get("snapshot", params)
     n, batch = settings["train_examples"], settings["batch_size"]
     datastore_pass = ("all", [np.arange(i, min(i + batch, n)) for i in range(0, n, batch)])
+    # How near a tie the argmaxes compared exactly (flips, datastore labels) are.
+    train_logits = np.asarray(forward(model, scored, jnp.asarray(data["train_x"])))
+    margins = dict(test_logits=smallest_margin(before), scores=smallest_margin(scores),
+                   datastore_logits=smallest_margin(train_logits))
     return dict(initial=parity.cnn_to_torch_layout(params),
-                updated=parity.cnn_to_torch_layout(personal.get("snapshot", params)),
+                updated=parity.cnn_to_torch_layout(scored),
                 eval_snapshot_logits=before, eval_personal_logits=scores,
                 metrics=parity.generalized_test_metrics(before, scores, data["test_y"]),
-                flipped=flipped(before, scores), datastore_labels=np.asarray(store.labels)[np.asarray(store.valid)].tolist(),
+                flipped=flipped(before, scores), votes=votes(before, scores, lam),
+                margins=margins,
+                datastore_labels=np.asarray(store.labels)[np.asarray(store.valid)].tolist(),
                 passes=(_passes(key, train, {**settings, "epochs": 1}) if copy else [])
                 + [datastore_pass])
 
@@ -455,10 +498,11 @@ def knn_flowjax_side(method: str, settings: dict = SETTINGS) -> dict[str, Any]:
 def knn_torch_side(reference_dir: str, ours: dict[str, Any], method: str,
                    settings: dict = SETTINGS) -> dict[str, Any]:
     """Their kNN-Per ``*_generalized_test`` on their memoization ``EMNISTNet`` (no
-    dropout) from flowjax's initial weights, fed flowjax's passes (the CIFAR one gets
-    NHWC images and int64 labels, as their CIFAR loader gives) and the test examples one
-    by one: their scored net's weights, its logits and their scores per test example,
-    their figures and their datastore's labels."""
+    dropout) from flowjax's server model, fed flowjax's passes (the CIFAR one gets NHWC
+    images and int64 labels, as their CIFAR loader gives) and the test examples one by
+    one: their scored net's weights, its logits and their scores per test example, the
+    examples their votes flipped and the votes, their figures and their datastore's
+    labels."""
     import torch
     torch.set_num_threads(1)
     function, neighbours, lam, copy = KNN_CASES[method]
@@ -482,13 +526,14 @@ def knn_torch_side(reference_dir: str, ours: dict[str, Any], method: str,
     return dict(updated={k: v.detach().numpy().copy() for k, v in net.state_dict().items()},
                 eval_snapshot_logits=logits, eval_personal_logits=scores,
                 metrics=parity.reported_metrics(figures), flipped=flipped(logits, scores),
-                datastore_labels=recorded.argmax_results)
+                votes=votes(logits, scores, lam), datastore_labels=recorded.argmax_results)
 
 
 def knn_check(method: str, reference_dir: str, write_fixture: bool,
               torch_version: str) -> bool:
-    """Both sides of their kNN-Per evaluation; within ``TOLERANCE``, the same datastore
-    labels, and votes that moved the scores."""
+    """Both sides of their kNN-Per evaluation; within ``TOLERANCE`` (the votes too), the
+    same datastore labels, votes that moved the scores and changed the same predictions
+    (at least one), every argmax compared exactly at least ``MARGIN`` from a tie."""
     function, neighbours, lam, copy = KNN_CASES[method]
     ours = knn_flowjax_side(method)
     theirs = knn_torch_side(reference_dir, ours, method)
@@ -498,7 +543,7 @@ def knn_check(method: str, reference_dir: str, write_fixture: bool,
           f"on their memoization EMNISTNet (torch {torch_version}, float32, dropout off)")
     if copy:
         print(f"  max abs diff, every parameter after the epoch:  {diffs['params']:.3e}"
-              f"  (largest move from the init: {diffs['params_moved']:.3e})")
+              f"  (largest move from the server model: {diffs['params_moved']:.3e})")
     print(f"  max abs diff, the scored model's logits:        {diffs['snapshot_logits']:.3e}")
     print(f"  max abs diff, their kNN-Per scores (Acc_p):     {diffs['personal_logits']:.3e}")
     print(f"  max abs diff, evaluation metrics:               {diffs['metrics']:.3e}"
@@ -513,6 +558,12 @@ def knn_check(method: str, reference_dir: str, write_fixture: bool,
     vote = float(np.max(np.abs(theirs["eval_personal_logits"]
                                - (1 - lam) * theirs["eval_snapshot_logits"])))
     print(f"  control, the largest vote lambda sum exp(-d) in their scores: {vote:.3e}")
+    vote_diff = float(np.max(np.abs(ours["votes"] - theirs["votes"])))
+    print(f"  max abs diff, the votes (every class of every test example): {vote_diff:.3e}")
+    margin = min(ours["margins"].values())
+    print("  smallest top-2 margin of the argmaxes compared exactly: " + ", ".join(
+        f"{name} {value:.2e}" for name, value in ours["margins"].items())
+          + f" ({'all' if margin > MARGIN else 'NOT all'} above {MARGIN:g})")
     same_flips = ours["flipped"] == theirs["flipped"]
     changes = ", ".join(
         f"#{i} {np.argmax(theirs['eval_snapshot_logits'][i])} -> "
@@ -523,10 +574,12 @@ def knn_check(method: str, reference_dir: str, write_fixture: bool,
           f"{changes or 'none'}")
     if write_fixture:
         _write_fixture(method, settings_of(method), ours, theirs, torch_version,
-                       datastore_labels=theirs["datastore_labels"], flipped=theirs["flipped"])
-    worst = parity.worst_diff(diffs)
+                       datastore_labels=theirs["datastore_labels"], flipped=theirs["flipped"],
+                       votes=sparse(theirs["votes"]))
+    worst = max(parity.worst_diff(diffs), vote_diff)
     return _verdict(method, worst, worst <= TOLERANCE and same_labels and same_flips
-                    and bool(theirs["flipped"]) and vote > 100 * TOLERANCE)
+                    and bool(theirs["flipped"]) and vote > 100 * TOLERANCE
+                    and margin > MARGIN)
 
 
 def settings_of(method: str) -> dict:

@@ -325,8 +325,8 @@ def test_flowjax_knn_per_reference_acc_p_matches_the_authors_evaluation(tmp_path
     ``emnist_generalized_test`` (the server model) and ``cifar10_generalized_test`` (one
     epoch first, on their memoization EMNISTNet), fed flowjax's passes: the scored net,
     its logits, their scores (what their argmax is taken over), their figures and their
-    datastore's predicted labels, and the test examples whose prediction their votes
-    changed. kNN-Per's ``reference_acc_p`` must reach them."""
+    datastore's predicted labels, the test examples whose prediction their votes
+    changed and every vote. kNN-Per's ``reference_acc_p`` must reach them."""
     from launch import parity_fine_tuning
 
     ours, theirs = _fine_tuning_sides(tmp_path, method)
@@ -335,6 +335,14 @@ def test_flowjax_knn_per_reference_acc_p_matches_the_authors_evaluation(tmp_path
     # The votes change predictions (a vote that could not would pass for any class).
     assert ours["flipped"] == theirs["flipped"] != []
     assert len(set(theirs["datastore_labels"])) > 1
+    # Every class's vote of every test example, not only the sampled scores; each argmax
+    # compared exactly above a margin that values within the tolerance cannot cross.
+    their_votes = parity_fine_tuning.dense(theirs["votes"])
+    np.testing.assert_allclose(ours["votes"], their_votes, rtol=0, atol=theirs["tolerance"])
+    assert min(ours["margins"].values()) > parity_fine_tuning.MARGIN
+    # The check can fail: the same votes given to other classes.
+    assert np.max(np.abs(np.roll(ours["votes"], 1, axis=-1) - their_votes)) > 100 * theirs[
+        "tolerance"]
     true = parity_fine_tuning.knn_client_data(parity_settings(method))["train_y"].tolist()
     assert theirs["datastore_labels"] != true  # predicted labels, not the true ones
     # The check can fail: without the votes, (1 - lambda) times the logits is not theirs.

@@ -198,7 +198,8 @@ class Checkpoints(Callback):
 class MetricsFile(Callback):
     """``<workdir>/metrics.jsonl``: at the start exactly the records up to the resumed
     round (lines a killed run wrote after its last checkpoint are replayed, not
-    duplicated), then one line per record. Only the primary process of a multi-host run
+    duplicated), or a fresh run's earlier stage's (HypCluster's warm-up), then one line
+    per record. Only the primary process of a multi-host run
     writes."""
 
     def __init__(self, workdir: str):

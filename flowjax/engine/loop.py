@@ -66,7 +66,9 @@ def run(simulation: Simulation, callbacks: Sequence[Callback] = ()) -> RunResult
     rounds a callback ``syncs_at``, a checkpoint's, and before an evaluation), so the host
     prepares the next cohort while the device trains the current one. Each record goes to
     ``history`` and then to every callback's ``on_record``; ``on_run_end`` runs for every
-    callback, whatever happens.
+    callback, whatever happens. The history starts with ``simulation.earlier_records``
+    (or, resumed, the checkpoint's): callbacks see those in ``on_run_start``, as
+    ``run.history``, not in ``on_record``.
     """
     settings = simulation.settings
     # A later stage starts after its earlier stage's rounds (``Settings.first_round``), its
