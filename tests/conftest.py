@@ -97,7 +97,7 @@ FILE_SECONDS = {
     "tests/test_sharding.py": 14, "tests/test_core.py": 13, "tests/test_reproduce.py": 10,
     "tests/test_trace_summary.py": 8, "tests/test_metrics.py": 8, "tests/test_local.py": 7,
     "tests/test_mnist_family.py": 6, "tests/test_client_state_disk.py": 5,
-    "tests/test_forkserver.py": 15, "tests/test_tensorboard.py": 4,
+    "tests/test_forkserver.py": 15, "tests/test_tensorboard.py": 10,
     "tests/test_policy_size.py": 9,  # 2026-12-04, this machine, not the CI run above
 }
 

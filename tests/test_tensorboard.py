@@ -218,3 +218,16 @@ def test_missing_tensorboardx_names_the_option(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "tensorboardX", None)  # makes the import fail
     with pytest.raises(ImportError, match=r"config.tensorboard=True needs tensorboardX"):
         tensorboard_log.TensorBoardLog(str(tmp_path))
+
+
+def test_hypclusters_warm_up_rounds_are_logged_like_its_own(tmp_path):
+    # The warm-up's records start the run's history: logged at its start, steps 1 to W.
+    config = small_config(tensorboard=True, algorithm="hypcluster", num_rounds=2,
+                          checkpoint_every=0, log_every=1, **{"eval.held_out": False})
+    config.methods.hypcluster.warmup_rounds = 1
+    run_config_to_workdir(config, str(tmp_path), progress=False)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["round"]: r["loss"] for r in records if r["kind"] == "train"}
+    assert [r.get("stage") for r in records if r["kind"] == "train"] == ["warm-up", None]
+    logged = scalars(read_events(tmp_path / "tensorboard"))
+    assert logged["train/loss"] == pytest.approx(losses, rel=1e-6) and set(losses) == {1, 2}
