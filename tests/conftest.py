@@ -75,7 +75,8 @@ if os.environ.get("FLOWJAX_TEST_XLA_O2") != "1":
 # call and teardown, subprocesses included), measured in one fresh-clone run of the whole
 # suite with TEST_XLA_FLAGS on the 2-core machine (two workers; files under 4 s left out;
 # 2026-12-03, the launcher children forked by tests/forkserver.py; test_parity.py and
-# test_forkserver.py raised by their new tests' durations on 2026-12-04).
+# test_forkserver.py raised by their new tests' durations on 2026-12-04, test_tensorboard.py
+# on 2026-12-05).
 # CI runs two xdist workers with ``--dist loadfile``: each takes one file at a time, and
 # the heaviest files started last would leave one worker running alone at the end.
 # Remeasure a file when its tests change much; a file not listed runs last.
