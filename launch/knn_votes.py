@@ -35,10 +35,9 @@ def client_votes(simulation, config, params) -> dict[str, np.ndarray]:
 
     from flowjax.algorithms.knn_per import (embed_and_logits, nearest, reference_key_layer,
                                             reference_scores)
+    from flowjax.core import prng
     from flowjax.core.cohort import assemble_cohort, client_at
     from flowjax.engine.round import eval_round_key
-
-    from flowjax.core import prng
 
     algorithm, settings = simulation.algorithm, simulation.settings
     model = algorithm.model
