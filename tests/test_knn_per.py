@@ -266,7 +266,8 @@ def test_reference_acc_p_is_the_authors_raw_logit_vote_of_predicted_labels(cnn, 
         params, jax.jit(plain.personalize)(params, train, jax.random.key(1)), x)
     np.testing.assert_array_equal(predictions.personal_hard, without.personal_hard)
     np.testing.assert_array_equal(predictions.global_logits, without.global_logits)
-    assert predictions.global_snapshot is None
+    # The model their EMNIST evaluation scores as Acc_g is the server model.
+    np.testing.assert_array_equal(predictions.global_snapshot, predictions.global_logits)
 
 
 def test_reference_acc_p_scores_the_copy_when_client_snapshot_is_on(cnn, images_small):
@@ -333,8 +334,13 @@ def test_reference_acc_p_run_reports_it_beside_an_unchanged_acc_p():
     assert on.history[0]["loss"] == off.history[0]["loss"]
     a, b = on.summaries["train_clients"], off.summaries["train_clients"]
     assert (a.acc_g, a.acc_p, a.clients_benefiting) == (b.acc_g, b.acc_p, b.clients_benefiting)
-    assert b.acc_p_client_snapshot is None and a.acc_g_client_snapshot is None
+    assert b.acc_p_client_snapshot is None and b.acc_g_client_snapshot is None
     assert 0.0 <= a.acc_p_client_snapshot <= 1.0
+    # Their Acc_g model is the server model: its snapshot is Acc_g, and their harmed flag
+    # counts their Acc_p against it.
+    assert (a.acc_g_client_snapshot, a.acc_g_client_snapshot_weighted) == (a.acc_g,
+                                                                           a.acc_g_weighted)
+    assert a.clients_benefiting_snapshot is not None
 
 
 def test_knn_votes_launcher_measures_the_votes_of_a_run():

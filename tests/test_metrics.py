@@ -181,18 +181,23 @@ def test_the_authors_personalized_model_is_scored_and_counted_against_the_snapsh
     assert s.acc_p == pytest.approx((6 / 10 + 2 / 2 + 1 / 4) / 3, rel=1e-15)  # untouched
 
 
-def test_the_authors_personalized_model_without_a_snapshot_is_counted_against_acc_g():
-    """kNN-Per's reference_acc_p alone (their EMNIST evaluation scores the server model):
-    their harmed flag compares their Acc_p model with the server model's Acc_g."""
+def test_the_authors_personalized_model_is_counted_only_against_a_snapshot():
+    """Their harmed flag compares their Acc_p model with the model they score as Acc_g
+    (kNN-Per's reference_acc_p reports the server model's logits as that snapshot); a
+    personalized snapshot with no global one to beat gets no count."""
     counts = _counts(GROUP_COUNTS)  # Acc_g per client: 8/10, 0/2, 1/4
-    counts = counts.replace(
+    theirs = counts.replace(
         correct_personal_snapshot=np.array([8.0, 1.0, 3.0], np.float32),
         personal_snapshot_instances=counts.instances.astype(np.float32))
-    s = summarize(counts)
-    assert s.acc_g_client_snapshot is None
-    assert s.acc_p_client_snapshot == pytest.approx((8 / 10 + 1 / 2 + 3 / 4) / 3, rel=1e-15)
+    alone = summarize(theirs)
+    assert alone.acc_p_client_snapshot == pytest.approx((8 / 10 + 1 / 2 + 3 / 4) / 3,
+                                                        rel=1e-15)
+    assert alone.acc_g_client_snapshot is None and alone.clients_benefiting_snapshot is None
+    server = summarize(theirs.replace(correct_global_snapshot=counts.correct_global,
+                                      snapshot_instances=counts.instances))
+    assert server.acc_g_client_snapshot == server.acc_g
     # Theirs 8/10 = 8/10, 1/2 > 0/2, 3/4 > 1/4: two of three.
-    assert s.clients_benefiting_snapshot == pytest.approx(2 / 3, rel=1e-15)
+    assert server.clients_benefiting_snapshot == pytest.approx(2 / 3, rel=1e-15)
     assert summarize(_counts(GROUP_COUNTS)).clients_benefiting_snapshot is None
 
 

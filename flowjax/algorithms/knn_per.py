@@ -44,11 +44,12 @@ client's train split, scored on its test split (``client_knnper.py``,
 
 ``reference_acc_p=True`` also scores, as ``acc_p_client_snapshot``, what the Flow authors'
 image evaluation reports as kNN-Per's Acc_p (``client_knnper.py``,
-``emnist_generalized_test``, ``cifar*_generalized_test``), beside the method's ``acc_p``.
-From the model their evaluation scores as Acc_g, ``m`` (the ``client_snapshot`` copy where
-that is on, as their CIFAR code, trained with the method's ``sgd``: their copy's SGD has
-momentum 0.9, which the plan's ``knn_per_snapshot`` row sets; the server model
-otherwise, as their EMNIST code):
+``emnist_generalized_test``, ``cifar*_generalized_test``), beside the method's ``acc_p``,
+and as ``acc_g_client_snapshot`` the model their evaluation scores as Acc_g, ``m`` (the
+``client_snapshot`` copy where that is on, as their CIFAR code, trained with the method's
+``sgd``: their copy's SGD has momentum 0.9, which the plan's ``knn_per_snapshot`` row
+sets; the server model otherwise, as their EMNIST code, so then it equals ``acc_g``);
+``clients_benefiting_snapshot`` counts their Acc_p against ``m``. From ``m``:
 
 1. datastore: for every train instance, the key is the embedding their memoization
    networks return, the input of their first linear layer (``REFERENCE_KEY_LAYERS``: the
@@ -322,11 +323,13 @@ def knn_per(model: RoutableModel, config: KnnPerConfig) -> FederatedAlgorithm:
         predictions = knn_predict(params, personal["store"], x)
         if not config.reference_acc_p:
             return predictions.replace(global_snapshot=forward(model, personal["snapshot"], x))
-        # One pass of the model their evaluation scores: its logits are forward's, the
-        # copy's global_snapshot where client_snapshot is on.
+        # One pass of the model their evaluation scores as Acc_g, the global_snapshot: the
+        # copy where client_snapshot is on, else the server model, whose logits are Acc_g's
+        # own (so acc_g_client_snapshot equals acc_g exactly and their harmed flag is
+        # counted against it as on every other row).
         phi, logits = embed_and_logits(model, personal.get("snapshot", params), x, key_layer)
         return predictions.replace(
-            global_snapshot=logits if config.client_snapshot else None,
+            global_snapshot=logits if config.client_snapshot else predictions.global_logits,
             personal_snapshot=reference_scores(personal["reference_store"], phi, logits,
                                                config.neighbours, config.lam))
 

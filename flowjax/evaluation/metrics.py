@@ -206,16 +206,15 @@ class EvalSummary:
     acc_g_p90: float | None = None
     # Default so summaries saved in checkpoints before the histogram existed still load.
     q0_histogram: dict[str, list[list[float]]] = dataclasses.field(default_factory=dict)
-    # Flow's reference evaluation and the client_snapshot of the baselines that have one
-    # only: accuracy of the client's copy of the global model that the authors' evaluation
-    # scores (their "before_accuracy"), beside Acc_g.
+    # Flow's reference evaluation, the client_snapshot of the baselines that have one and
+    # kNN-Per's reference_acc_p only: accuracy of the model the authors' evaluation scores
+    # as Acc_g (their "before_accuracy": the client's copy of the global model; kNN-Per's
+    # without client_snapshot, as their EMNIST code, the server model: acc_g), beside Acc_g.
     acc_g_client_snapshot: float | None = None
     acc_g_client_snapshot_weighted: float | None = None
     # Share of clients whose Acc_p (acc_p_client_snapshot where there is one) beats that
     # snapshot strictly (the authors' count: ``harmed = before_accuracy >=
-    # after_accuracy``), beside ``clients_benefiting``; where their Acc_p model is
-    # reported without a snapshot (kNN-Per's reference_acc_p alone: their EMNIST code
-    # scores the server model), it beats Acc_g's server model.
+    # after_accuracy``), beside ``clients_benefiting``.
     clients_benefiting_snapshot: float | None = None
     # The accuracy of the personalized model the authors' evaluation scores where it is
     # not the method's own (their "after_accuracy": HypCluster's client_snapshot, the
@@ -335,9 +334,6 @@ def summarize(counts: ClientCounts, client_ids: Sequence[str] | None = None,
             acc_p_client_snapshot=float(np.mean(acc["personal_snapshot"])),
             acc_p_client_snapshot_weighted=float(
                 np.sum(counts.correct_personal_snapshot[keep], dtype=np.float64) / total))
-        if not np.any(scored):  # their Acc_g model is the server's (kNN-Per's EMNIST code)
-            snapshot["clients_benefiting_snapshot"] = float(
-                np.mean(acc["personal_snapshot"] > acc["global"]))
     if np.any(scored):
         snapshot_n = counts.snapshot_instances[keep][scored].astype(np.float64)
         snapshot_correct = counts.correct_global_snapshot[keep][scored]
