@@ -77,9 +77,17 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
         fedrep=dict(head_epochs=config_dict.placeholder(int),
                     body_epochs=config_dict.placeholder(int),
                     client_snapshot=config_dict.placeholder(bool),
-                    head_layers=config_dict.placeholder(tuple)),  # None = the model's head
+                    head_layers=config_dict.placeholder(tuple),  # None = the model's head
+                    # None: "stored" / "budget"; "fresh" / "each": the authors' code.
+                    personal_init=config_dict.placeholder(str),
+                    phase_epochs=config_dict.placeholder(str),
+                    frozen_momentum=config_dict.placeholder(str)),  # None: "set_to_none"
         lg_fedavg=dict(global_layers=config_dict.placeholder(tuple),  # None = the head
-                       client_snapshot=config_dict.placeholder(bool)),
+                       client_snapshot=config_dict.placeholder(bool),
+                       # None: "stored" / "joint"; "fresh" / "alternating": the authors'.
+                       personal_init=config_dict.placeholder(str),
+                       local_update=config_dict.placeholder(str),
+                       frozen_momentum=config_dict.placeholder(str)),  # as fedrep's
         hypcluster=dict(clusters=2, warmup_rounds=10, perturbation=0.01,
                         init=config_dict.placeholder(str),  # None or kmeans
                         client_snapshot=config_dict.placeholder(bool)),

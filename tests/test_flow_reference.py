@@ -13,7 +13,8 @@ from flowjax.algorithms import build_algorithm
 from flowjax.algorithms.base import client_optimizer, plain_loss_sums, sgd_step
 from flowjax.algorithms.flow import FlowConfig, flow
 from flowjax.algorithms import method_config
-from flowjax.algorithms.flow_reference import (PAPER, group_sgd_step, reference_options,
+from flowjax.algorithms.base import group_sgd_step
+from flowjax.algorithms.flow_reference import (PAPER, reference_options,
                                                reference_regularizer_mean, resolve,
                                                shard_batches_fn, shard_member)
 from flowjax.core.checks import FieldError

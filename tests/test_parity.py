@@ -290,6 +290,37 @@ def test_flowjax_fedavg_train_split_snapshot_matches_the_authors_cifar10_evaluat
                theirs["tolerance"])
 
 
+@pytest.mark.parametrize("method", ["fedrep_train", "lg_fedavg_train"])
+def test_flowjax_their_training_round_matches_the_authors_emnist_train(tmp_path, method):
+    """``tests/fixtures/parity_{fedrep,lg_fedavg}_train.json`` hold their ``emnist_train``
+    (``client_fedrep.py``, ``client_lgfedavg.py``) in float64 from flowjax's start (the
+    server's shared layers with the round's fresh personal ones), fed flowjax's epochs,
+    under both PyTorch rules for a frozen part: the weights after the round and the logits
+    of the test pass that ends it. flowjax's round with ``personal_init="fresh"`` (and
+    FedRep's ``phase_epochs="each"``, LG-FedAvg's ``local_update="alternating"``) and
+    ``frozen_momentum`` of the same rule must reach them in float64; the other rule, and
+    LG-FedAvg's joint update, must not."""
+    from launch import parity
+
+    ours, theirs = _fine_tuning_sides(tmp_path, method)
+    tolerance = theirs["tolerance"]
+    assert tolerance <= 1e-9  # float64
+    assert set(theirs["modes"]) == set(ours["modes"]) == set(parity.ZERO_GRAD_MODES)
+    for mode, entry in theirs["modes"].items():
+        side = ours["modes"][mode]
+        assert set(side["updated"]) == set(entry["tensors"])
+        for name, summary in entry["tensors"].items():
+            _check(side["updated"][name], summary, f"{mode} {name}", tolerance)
+        _check(side["test_logits"], entry["test_logits"], f"{mode} test logits", tolerance)
+        for other, control in {**ours["modes"], **ours["controls"]}.items():
+            if other != mode:  # the check can fail: another round lands far from theirs
+                gap = max(np.max(np.abs(np.asarray(control["updated"][k], np.float64)
+                                        .reshape(-1)[t["indices"]] - t["values"]))
+                          for k, t in entry["tensors"].items())
+                assert gap > 100 * parity.TOLERANCE, (mode, other, gap)
+    assert set(ours["controls"]) == ({"joint"} if method == "lg_fedavg_train" else set())
+
+
 def parity_settings(method: str) -> dict:
     from launch import parity_fine_tuning
     return parity_fine_tuning.settings_of(method)

@@ -47,7 +47,9 @@ from flowjax.models.base import Params, RoutableModel, forward, instance_weights
 
 # The methods import the protocol and the instance weights from here too (re-exported).
 __all__ = ["ClientResult", "FederatedAlgorithm", "Predictions", "SGDConfig", "client_optimizer",
-           "instance_weights", "layer_names_or_none", "no_routing", "part_sgd_step",
+           "FROZEN_MOMENTUM", "PERSONAL_INITS", "group_sgd_step", "instance_weights",
+           "check_fresh_init", "layer_names_or_none", "no_routing",
+           "part_sgd_step", "personal_start",
            "plain_loss_sums", "plain_sgd_step", "run_with_copies", "separate_models_predict",
            "sgd_step", "split_layers",
            "top_layer_names", "train_part", "train_part_with_snapshot", "train_plain",
@@ -180,6 +182,95 @@ def split_layers(params: Params, names: Sequence[str]) -> tuple[Params, Params]:
     chosen = {name: layer for name, layer in params.items() if name in names}
     rest = {name: layer for name, layer in params.items() if name not in names}
     return chosen, rest
+
+
+# How PyTorch's one momentum SGD over parameter groups treats a group a phase freezes
+# (``requires_grad = False``): "set_to_none", PyTorch >= 2.0's ``zero_grad()``, skips it
+# (one momentum state per group); "zero_grad", the pre-2.0 default the Flow authors'
+# code ran under (their environment: PyTorch 1.11), steps it with a zero gradient, so a
+# group with velocity keeps moving by its momentum.
+FROZEN_MOMENTUM = ("set_to_none", "zero_grad")
+
+
+def group_sgd_step(loss_sums: Callable[[dict, Any, jax.Array], jax.Array],
+                   active: tuple[str, ...], optimizer: optax.GradientTransformation,
+                   frozen_momentum: str):
+    """A ``run_epochs`` step of the clients' SGD (``base.client_optimizer``) over a dict of
+    parameter groups, training the ``active`` groups on ``loss_sums(params, batch, key)``'s
+    batch mean: PyTorch's one ``SGD(momentum)`` over parameter groups.
+
+    Carry: ``(params, {group: optimizer.init(params[group])})``, one state per group (a
+    zero momentum buffer with a zero gradient moves nothing, as PyTorch's missing buffer).
+    ``frozen_momentum="zero_grad"``: frozen groups step with a zero gradient (momentum
+    carries them on); ``"set_to_none"``: frozen groups and their states stay as they are.
+    ``optax.sgd``'s trace is ``torch.optim.SGD``'s buffer (dampening 0, no Nesterov):
+    ``buf <- momentum * buf + g``, ``p <- p - lr * buf``; with momentum 0, ``p - lr * g``.
+    """
+
+    def mean_loss(trained, params, batch, key):
+        sums = loss_sums({**params, **trained}, batch, key)
+        return mean_from_sums(sums[0], sums[1]), sums
+
+    def step(carry, batch, key):
+        params, states = carry
+        grads, sums = jax.grad(mean_loss, has_aux=True)(
+            {g: params[g] for g in active}, params, batch, key)
+        new_params, new_states = dict(params), dict(states)
+        for group in params:
+            if group in active:
+                grad = grads[group]
+            elif frozen_momentum == "zero_grad" and jax.tree.leaves(states[group]):
+                grad = jax.tree.map(jnp.zeros_like, params[group])  # momentum only
+            else:  # a stateless SGD moves nothing on a zero gradient
+                continue
+            updates, new_states[group] = optimizer.update(grad, states[group], params[group])
+            new_params[group] = optax.apply_updates(params[group], updates)
+        return (new_params, new_states), sums
+
+    return step
+
+
+# How a method with personal layers (FedRep's head, LG-FedAvg's local layers) starts
+# them: "stored", the client's own from its last round (the methods' papers), or "fresh",
+# a new random init every round and at every evaluation (the Flow authors' code, whose
+# client objects are rebuilt each round and never load those layers).
+PERSONAL_INITS = ("stored", "fresh")
+
+
+def check_fresh_init(model: RoutableModel, names: Sequence[str], option: str) -> None:
+    """Refuses ``personal_init="fresh"`` where it hangs: on CPU, a fresh init of layers
+    ``names`` whose program calls LAPACK (the LSTMs' orthogonal recurrent kernels: a QR).
+    Measured (jax 0.10.2, 2 cores, 2026-12-05): a 2-round Shakespeare LG-FedAvg run with
+    fresh local layers hung in XLA's CPU runtime, the CPUs idle, in each of 9 tries (2 of
+    them with ``--xla_cpu_multi_thread_eigen=false``, 2 with one OpenBLAS thread); its
+    vmapped personalization alone in 4 of 8 (0 of 4 with that flag; 1 of 6 with an
+    optimization barrier between the init and the training). The cause was not found.
+    The EMNIST CNN's and the ResNet's inits call no LAPACK.
+
+    Raises:
+      ValueError: one line naming the option, the layers and what is expected.
+    """
+    if jax.default_backend() != "cpu":
+        return
+    program = jax.jit(lambda key: split_layers(model.init(key), names)[0]).lower(
+        jax.random.key(0)).compile().as_text()
+    if 'custom_call_target="lapack_' in program:
+        raise ValueError(f"{option}='fresh': the fresh init of {list(names)} of "
+                         f"{model.name} calls LAPACK (a QR), which hung XLA's CPU runtime "
+                         "in a round; expected personal layers whose init calls none on CPU "
+                         "(the CNN's, the ResNet's) or an accelerator")
+
+
+def personal_start(model: RoutableModel, names: Sequence[str], fresh: bool,
+                   stored: Params, key: jax.Array) -> tuple[Params, jax.Array]:
+    """The personal layers ``names`` a client starts from and the key left for its
+    training: ``stored`` and ``key`` itself, or with ``fresh`` those layers of a new
+    init of ``model`` from the first half of ``jax.random.split(key)`` and the second
+    half (so no training key is reused for the init)."""
+    if not fresh:
+        return stored, key
+    init_key, key = jax.random.split(key)
+    return split_layers(model.init(init_key), names)[0], key
 
 
 def train_part(model: RoutableModel, trainable: Params, frozen: Params,

@@ -30,7 +30,8 @@ Epochs. The Flow paper gives every method the same E local epochs per round; for
 ``epochs_for_budget(E)`` returns and the run config uses unless
 ``methods.fedrep.head_epochs`` / ``body_epochs`` are set. It is also the rule of the
 FedRep authors' code (head epochs = local epochs - representation epochs, default 1 body
-epoch). ``E = 1`` follows the same formula: 0 head epochs + 1 body epoch, as their code
+epoch). The Flow authors' code trains E head epochs and then E body epochs a round, and E
+head epochs at evaluation: ``phase_epochs="each"``. ``E = 1`` follows the same formula: 0 head epochs + 1 body epoch, as their code
 does with one local epoch. FedRep then trains no head, neither in a round nor at
 evaluation, so its personalized model is its global model up to float rounding: Acc_g's
 head is the example-weighted mean of identical copies of it (``Acc_p = Acc_g`` for every
@@ -40,11 +41,23 @@ quick Shakespeare config (E = 1) shows that, the paper's configs (E = 3 or 5) do
 Choices where the paper is silent or the reference code differs:
 
 * A client's head persists across the rounds in which it is sampled (client state); it
-  is never re-initialized at the start of a round (the reference implementation's bug).
+  is never re-initialized at the start of a round. ``personal_init="fresh"`` runs the
+  Flow authors' code instead (``client_fedrep.py``: each round's client object is a new
+  network whose ``set_parameters`` loads every layer but the ``linear`` ones): every
+  round and every evaluation starts the head from a new random init of the model, drawn
+  from the first half of ``jax.random.split`` of the client's key (the second half is the
+  key of the phases below); no client state is kept, and the server's mean of the trained
+  heads (``h_bar``) is their server's mean of those layers.
 * The server mean is example-weighted (the FedAvg convention used by every method here);
   the paper's Algorithm 1 writes a uniform mean over the sampled clients.
 * Each phase starts a fresh optimizer state, so with momentum > 0 no velocity of one
-  phase moves the group the other phase freezes.
+  phase moves the group the other phase freezes. ``frozen_momentum="zero_grad"`` runs the
+  Flow authors' code as their environment ran it instead: their one ``optim.SGD(momentum
+  =0.9)`` covers both phases, and PyTorch 1.11's ``zero_grad()`` zeroes the frozen head's
+  gradient rather than dropping it, so through the body phase the head keeps stepping by
+  the momentum it built (``base.group_sgd_step``; under PyTorch >= 2, "set_to_none",
+  frozen groups are skipped, which is the default here). Evaluation is unaffected (its
+  body never has a gradient).
 * Randomness: the head phase uses ``fold_in(key, 0)``, the body phase ``fold_in(key, 1)``;
   each epoch reshuffles the client's examples.
 * Personalized model at evaluation: the current body ``phi`` with the client's stored head
@@ -63,8 +76,9 @@ client's head after the first of the evaluation's head epochs, as
 ``acc_g_client_snapshot`` beside ``acc_g`` (with ``head_epochs = 0``, the stored head:
 the personalized model itself). Training, Acc_g and Acc_p are unchanged. Their
 evaluation starts that head from a fresh random init (their client objects are rebuilt
-each round and never load the head) and trains it E epochs; here it starts from the
-client's stored head and Acc_p's run has ``head_epochs`` epochs.
+each round and never load the head) and trains it E epochs: ``personal_init="fresh"``
+and ``phase_epochs="each"``; by default it starts from the client's stored head and
+Acc_p's run has ``head_epochs`` epochs.
 """
 
 from __future__ import annotations
@@ -75,14 +89,22 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, SGDConfig,
-                                     layer_names_or_none, split_layers, top_layer_names,
-                                     train_part, train_part_with_snapshot, unrouted_predict,
+from flowjax.algorithms.base import (FROZEN_MOMENTUM, PERSONAL_INITS, ClientResult,
+                                     check_fresh_init,
+                                     FederatedAlgorithm, SGDConfig, group_sgd_step,
+                                     layer_names_or_none, personal_start, plain_loss_sums,
+                                     split_layers, top_layer_names, train_part,
+                                     train_part_with_snapshot, unrouted_predict,
                                      valid_examples)
 from flowjax.core.checks import FieldError, check_fields, one_of, optional_integer
 from flowjax.core.cohort import ClientExamples
+from flowjax.core.local_training import run_epochs
 from flowjax.core.server_opt import ClientMean
 from flowjax.models.base import Params, RoutableModel, forward
+
+
+# ``FedRepConfig.phase_epochs``: E - 1 head + 1 body epoch, or E of each.
+PHASE_EPOCHS = ("budget", "each")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +122,16 @@ class FedRepConfig:
         ``head_layers``, its last layer; the Flow authors' EMNIST and Stack Overflow
         FedRep takes both dense layers); validated against the model by
         ``head_layer_names``.
+      personal_init: where a client's head starts, each round and at evaluation:
+        "stored" (None), its own from its last round; "fresh", a new random init (the
+        Flow authors' code; the method is then stateless). Module docstring.
+      phase_epochs: how E splits into the phases left None: "budget" (None), E - 1 head
+        epochs and 1 body epoch (``epochs_for_budget``); "each", E head epochs and E body
+        epochs, as the Flow authors' code trains (``epochs_each_phase``).
+      frozen_momentum: the round's optimizer state: "set_to_none" (None), each phase its
+        own; "zero_grad", one over the model, so in the body phase the head keeps moving
+        by the velocity of the head phase (the Flow authors' code under the PyTorch 1.11
+        of their environment; ``base.FROZEN_MOMENTUM``). Module docstring.
     """
 
     sgd: SGDConfig
@@ -107,6 +139,9 @@ class FedRepConfig:
     body_epochs: int | None = None
     client_snapshot: bool | None = None
     head_layers: tuple[str, ...] | None = None
+    personal_init: str | None = None
+    phase_epochs: str | None = None
+    frozen_momentum: str | None = None
 
     def __post_init__(self):
         if self.head_layers is not None:  # a config file's list reads as a tuple
@@ -114,8 +149,12 @@ class FedRepConfig:
         check_fields(self, {"head_epochs": optional_integer(0),
                             "body_epochs": optional_integer(0),
                             "client_snapshot": one_of((None, False, True)),
-                            "head_layers": layer_names_or_none})
-        head, body = epochs_for_budget(self.sgd.epochs)
+                            "head_layers": layer_names_or_none,
+                            "personal_init": one_of((None, *PERSONAL_INITS)),
+                            "phase_epochs": one_of((None, *PHASE_EPOCHS)),
+                            "frozen_momentum": one_of((None, *FROZEN_MOMENTUM))})
+        head, body = (epochs_each_phase if self.phase_epochs == "each"
+                      else epochs_for_budget)(self.sgd.epochs)
         for name, derived in (("head_epochs", head), ("body_epochs", body)):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, derived)
@@ -133,6 +172,14 @@ def epochs_for_budget(epochs: int) -> tuple[int, int]:
     return epochs - 1, 1
 
 
+def epochs_each_phase(epochs: int) -> tuple[int, int]:
+    """``(head_epochs, body_epochs) = (E, E)``: the Flow authors' FedRep (``client_fedrep.py``,
+    ``*_train``: E epochs on their ``linear`` layers, then E on the others)."""
+    if epochs < 1:
+        raise ValueError(f"epochs must be >= 1, got {epochs}")
+    return epochs, epochs
+
+
 def head_layer_names(model: RoutableModel, requested: Sequence[str] | None = None
                      ) -> tuple[str, ...]:
     """FedRep's head for ``model``: ``requested`` or the model's ``head_layers``, validated
@@ -144,6 +191,9 @@ def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
     """FedRep for ``model`` with ``config.head_layers`` as the personal head."""
     head_names = head_layer_names(model, config.head_layers)
     optimizer = config.sgd.optimizer()
+    fresh = config.personal_init == "fresh"
+    if fresh:
+        check_fresh_init(model, head_names, "personal_init")
     train = dict(batch_size=config.sgd.batch_size, **config.sgd.loop)
 
     def init(key) -> Params:
@@ -156,11 +206,36 @@ def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
         return train_part(model, head, body, optimizer, examples, valid_examples(examples),
                           epochs=config.head_epochs, key=jax.random.fold_in(key, 0), **train)
 
+    def train_phases(body, head, examples: ClientExamples, key):
+        """The head phase, then the body phase: ``(body, head, head_sums, body_sums)``."""
+        if config.frozen_momentum != "zero_grad":  # each phase its own optimizer state
+            head, head_sums = train_head(body, head, examples, key)
+            body, body_sums = train_part(model, body, head, optimizer, examples,
+                                         valid_examples(examples), epochs=config.body_epochs,
+                                         key=jax.random.fold_in(key, 1), **train)
+            return body, head, head_sums, body_sums
+        # One state over both parts, as their one SGD under PyTorch < 2 (module docstring).
+        loss_sums = lambda parts, batch, k: plain_loss_sums(  # noqa: E731
+            model, {**parts["body"], **parts["head"]}, batch, k)
+        carry = ({"head": head, "body": body},
+                 {"head": optimizer.init(head), "body": optimizer.init(body)})
+        x, y, _ = examples.flat()
+        sums = []
+        for phase, (part, epochs) in enumerate((("head", config.head_epochs),
+                                                ("body", config.body_epochs))):
+            if epochs == 0:
+                sums.append(jnp.zeros((2,), jnp.float32))
+                continue
+            carry, phase_sums = run_epochs(
+                group_sgd_step(loss_sums, (part,), optimizer, "zero_grad"), carry, x, y,
+                valid_examples(examples), num_epochs=epochs,
+                key=jax.random.fold_in(key, phase), **train)
+            sums.append(phase_sums)
+        return carry[0]["body"], carry[0]["head"], *sums
+
     def client_update(params, examples: ClientExamples, key, client_state) -> ClientResult:
-        head, head_sums = train_head(params["body"], client_state, examples, key)
-        body, body_sums = train_part(model, params["body"], head, optimizer, examples,
-                                     valid_examples(examples), epochs=config.body_epochs,
-                                     key=jax.random.fold_in(key, 1), **train)
+        head, key = personal_start(model, head_names, fresh, client_state, key)
+        body, head, head_sums, body_sums = train_phases(params["body"], head, examples, key)
         sums = head_sums + body_sums
         weight = examples.num_examples.astype(jnp.float32)
         return ClientResult(
@@ -170,13 +245,14 @@ def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
             metrics={"loss_sum": sums[0], "loss_count": sums[1],
                      "head_loss_sum": head_sums[0], "head_loss_count": head_sums[1],
                      "body_loss_sum": body_sums[0], "body_loss_count": body_sums[1]},
-            client_state=head)
+            client_state=None if fresh else head)
 
     def personalize(params, examples: ClientExamples, key, client_state) -> Params:
+        head, key = personal_start(model, head_names, fresh, client_state, key)
         if not config.client_snapshot:
-            return train_head(params["body"], client_state, examples, key)[0]
+            return train_head(params["body"], head, examples, key)[0]
         head, snapshot = train_part_with_snapshot(
-            model, client_state, params["body"], optimizer, examples, valid_examples(examples),
+            model, head, params["body"], optimizer, examples, valid_examples(examples),
             epochs=config.head_epochs, key=jax.random.fold_in(key, 0), **train)
         return {"personal": head, "snapshot": snapshot}
 
@@ -190,4 +266,5 @@ def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
 
     return FederatedAlgorithm(name="fedrep", model=model, init=init,
                               client_update=client_update, personalize=personalize,
-                              predict=predict, init_client_state=init_client_state)
+                              predict=predict,
+                              init_client_state=None if fresh else init_client_state)

@@ -52,9 +52,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions, SGDConfig,
-                                     instance_weights, plain_loss_sums, valid_examples)
+                                     group_sgd_step, instance_weights, plain_loss_sums,
+                                     valid_examples)
 from flowjax.algorithms.flow_reference import (DEPARTURES, SEMANTICS, check_hard_tie,
-                                               group_sgd_step, reference_regularizer_mean,
+                                               reference_regularizer_mean,
                                                resolve, route_key_for_test_batch,
                                                shard_batches_fn, shard_member)
 from flowjax.algorithms.flow_reference_networks import NETWORKS

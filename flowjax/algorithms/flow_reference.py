@@ -61,16 +61,14 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 
+from flowjax.algorithms.base import FROZEN_MOMENTUM
 from flowjax.core.checks import FieldError
 from flowjax.core.local_training import packed_batches, run_epochs
-from flowjax.core.losses import mean_from_sums
 from flowjax.routing.policy import LAST_KINDS
 from flowjax.routing.routed import HARD_TIES, RECURRENCES
 
 HALVES = ("random", "shard", "shard_reshuffled", "none")
-FROZEN_MOMENTUM = ("set_to_none", "zero_grad")
 REGULARIZERS = ("paper", "reference")
 LOCAL_INITS = ("global", "server")
 EVALUATIONS = ("paper", "reference", "reference_policy")
@@ -188,44 +186,6 @@ def shard_batches_fn(valid: jax.Array, batch_size: int, index: int, reshuffle: b
 
 
 # ----------------------------------------------------------------------------- optimizer
-
-
-def group_sgd_step(loss_sums: Callable[[dict, Any, jax.Array], jax.Array],
-                   active: tuple[str, ...], optimizer: optax.GradientTransformation,
-                   frozen_momentum: str):
-    """A ``run_epochs`` step of the clients' SGD (``base.client_optimizer``) over a dict of
-    parameter groups, training the ``active`` groups on ``loss_sums(params, batch, key)``'s
-    batch mean: PyTorch's one ``SGD(momentum)`` over parameter groups.
-
-    Carry: ``(params, {group: optimizer.init(params[group])})``, one state per group (a
-    zero momentum buffer with a zero gradient moves nothing, as PyTorch's missing buffer).
-    ``frozen_momentum="zero_grad"``: frozen groups step with a zero gradient (momentum
-    carries them on); ``"set_to_none"``: frozen groups and their states stay as they are.
-    ``optax.sgd``'s trace is ``torch.optim.SGD``'s buffer (dampening 0, no Nesterov):
-    ``buf <- momentum * buf + g``, ``p <- p - lr * buf``; with momentum 0, ``p - lr * g``.
-    """
-
-    def mean_loss(trained, params, batch, key):
-        sums = loss_sums({**params, **trained}, batch, key)
-        return mean_from_sums(sums[0], sums[1]), sums
-
-    def step(carry, batch, key):
-        params, states = carry
-        grads, sums = jax.grad(mean_loss, has_aux=True)(
-            {g: params[g] for g in active}, params, batch, key)
-        new_params, new_states = dict(params), dict(states)
-        for group in params:
-            if group in active:
-                grad = grads[group]
-            elif frozen_momentum == "zero_grad" and jax.tree.leaves(states[group]):
-                grad = jax.tree.map(jnp.zeros_like, params[group])  # momentum only
-            else:  # a stateless SGD moves nothing on a zero gradient
-                continue
-            updates, new_states[group] = optimizer.update(grad, states[group], params[group])
-            new_params[group] = optax.apply_updates(params[group], updates)
-        return (new_params, new_states), sums
-
-    return step
 
 
 # ----------------------------------------------------------------------------- regularizer

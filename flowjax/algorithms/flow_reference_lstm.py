@@ -60,7 +60,7 @@ gradient, i.e. it is trainable there *and* in the phase's graph. Under ``frozen_
 ``"zero_grad"`` (PyTorch < 2.0, which their code was written for) every parameter that
 once had a gradient keeps stepping by its momentum; under ``"set_to_none"`` (PyTorch 2.x)
 the others stand still. Each layer is its own optimizer group so both rules hold layer by
-layer (``flow_reference.group_sgd_step``).
+layer (``base.group_sgd_step``).
 
 A client with one batch: its odd batches are empty. Shakespeare's training and Stack
 Overflow's evaluation loop over them and go on, and so does this module (no policy or
@@ -88,8 +88,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flowjax.algorithms.base import ClientResult, FederatedAlgorithm, Predictions, instance_weights
-from flowjax.algorithms.flow_reference import (epochs_with_snapshot, group_sgd_step,
+from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
+                                     group_sgd_step, instance_weights)
+from flowjax.algorithms.flow_reference import (epochs_with_snapshot,
                                                instance_mean, reference_terms,
                                                refuse_other_values, refuse_set_fields,
                                                route_key_for_test_batch, run_planned,

@@ -49,7 +49,7 @@ global branch under the client's shared norm), Acc_p the hard-routed net.
 Which parameters move follows PyTorch as in ``flow_reference_lstm``: one optimizer group
 per part (``shared``, ``global``, ``local``, ``policy``), each of whose parameters is either
 wholly in a phase's graph or wholly out of it, so ``frozen_momentum`` holds part by part
-(``flow_reference.group_sgd_step``).
+(``base.group_sgd_step``).
 
 Not theirs: the random draws (flowjax's keys; the flips from the client's key), and the
 batch size, ``config.sgd.batch_size`` (their loader's default is 20, Appendix B's
@@ -69,8 +69,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flowjax.algorithms.base import ClientResult, FederatedAlgorithm, Predictions, instance_weights
-from flowjax.algorithms.flow_reference import (epochs_with_snapshot, group_sgd_step,
+from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, Predictions,
+                                     group_sgd_step, instance_weights)
+from flowjax.algorithms.flow_reference import (epochs_with_snapshot,
                                                instance_mean, reference_terms,
                                                refuse_other_values, refuse_set_fields,
                                                run_planned)

@@ -32,6 +32,21 @@ Choices where the paper is silent or differs:
 * Every part starts from the model's initialization (no FedAvg pre-training; a warm
   start, as the reference code offers, is the launcher's business).
 * One optimizer state covers both parts, as in the paper's joint local update.
+  ``local_update="alternating"`` runs the Flow authors' update instead
+  (``client_lgfedavg.py``, ``*_train``): per batch an SGD step on the local layers with
+  the global ones frozen, then a step on the global layers from the updated local ones,
+  on the same batch; one momentum optimizer of theirs holds each part's velocity apart
+  (a frozen part has no gradient, so no step touches it), which is one optimizer state
+  per part here. The reported loss is the second forward's, as theirs. That is PyTorch
+  >= 2's ``zero_grad()``; under the PyTorch 1.11 of their environment ``zero_grad()``
+  zeroes a frozen part's gradient rather than dropping it, so each step also moves the
+  frozen part by its velocity: ``frozen_momentum="zero_grad"`` (``base.group_sgd_step``).
+* Where a client's local layers start: its stored ones (client state), or with
+  ``personal_init="fresh"`` a new random init of the model every round and at every
+  evaluation (the Flow authors' code: each round's client object is a new network whose
+  ``set_parameters`` loads only the ``linear`` layers), drawn from the first half of
+  ``jax.random.split`` of the client's key, the second half being the training's; no
+  client state is kept then.
 * Personalized model at evaluation: the client's local layers with the current global
   layers, frozen (the method's "client body + global head"), the local layers first
   trained for E epochs on the client's train split under that head, from the client's
@@ -51,26 +66,35 @@ after the first of the E epochs that train every layer but their ``linear`` ones
 client's local layers after the first epoch of the evaluation's local training, with the
 current global layers, as ``acc_g_client_snapshot`` beside ``acc_g``. Training, Acc_g and
 Acc_p are unchanged. Their evaluation starts the local layers from a fresh random init
-(their client objects are rebuilt each round and load only the ``linear`` layers); here
-they start from the client's stored ones.
+(their client objects are rebuilt each round and load only the ``linear`` layers):
+``personal_init="fresh"``; by default they start from the client's stored ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from flowjax.algorithms.base import (ClientResult, FederatedAlgorithm, SGDConfig,
-                                     layer_names_or_none, split_layers, top_layer_names,
-                                     train_part, train_part_with_snapshot, train_plain,
+from flowjax.algorithms.base import (FROZEN_MOMENTUM, PERSONAL_INITS, ClientResult,
+                                     check_fresh_init,
+                                     FederatedAlgorithm, SGDConfig, group_sgd_step,
+                                     layer_names_or_none, personal_start, plain_loss_sums,
+                                     split_layers, top_layer_names, train_part,
+                                     train_part_with_snapshot, train_plain,
                                      unrouted_predict, valid_examples)
-from flowjax.core.checks import check_fields, one_of
+from flowjax.core.local_training import run_epochs
+from flowjax.core.checks import FieldError, check_fields, one_of
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.server_opt import ClientMean
 from flowjax.models.base import Params, RoutableModel, forward
+
+
+# ``LGFedAvgConfig.local_update``: both parts in one step, or one after the other.
+LOCAL_UPDATES = ("joint", "alternating")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,17 +107,38 @@ class LGFedAvgConfig:
         ``head_layers``); which names fit is the model's business (``global_layer_names``).
       client_snapshot: also score the local layers after the first evaluation epoch, the
         authors' LG-FedAvg Acc_g (module docstring; None = off).
+      personal_init: where a client's local layers start, each round and at evaluation:
+        "stored" (None), its own from its last round; "fresh", a new random init (the
+        Flow authors' code; the method is then stateless). Module docstring.
+      local_update: "joint" (None), one SGD step on both parts per batch (the paper's);
+        "alternating", per batch a step on the local layers, then one on the global
+        layers from the updated local ones (the Flow authors' code). Module docstring.
+      frozen_momentum: with ``local_update="alternating"``, the part a step freezes:
+        "set_to_none" (None), each part its own optimizer state, left as it is; "zero_grad",
+        stepped by its momentum (the Flow authors' code under the PyTorch 1.11 of their
+        environment; ``base.FROZEN_MOMENTUM``). Refused with the joint update, which
+        freezes nothing.
     """
 
     sgd: SGDConfig
     global_layers: tuple[str, ...] | None = None
     client_snapshot: bool | None = None
+    personal_init: str | None = None
+    local_update: str | None = None
+    frozen_momentum: str | None = None
 
     def __post_init__(self):
         if self.global_layers is not None:  # a config file's list reads as a tuple
             object.__setattr__(self, "global_layers", tuple(self.global_layers))
         check_fields(self, {"global_layers": layer_names_or_none,
-                            "client_snapshot": one_of((None, False, True))})
+                            "client_snapshot": one_of((None, False, True)),
+                            "personal_init": one_of((None, *PERSONAL_INITS)),
+                            "local_update": one_of((None, *LOCAL_UPDATES)),
+                            "frozen_momentum": one_of((None, *FROZEN_MOMENTUM))})
+        if self.frozen_momentum is not None and self.local_update != "alternating":
+            raise FieldError("frozen_momentum", self.frozen_momentum,
+                             "expected None with the joint local update, which freezes no "
+                             "part (set local_update='alternating')")
 
 
 def global_layer_names(model: RoutableModel, requested: Sequence[str] | None) -> tuple[str, ...]:
@@ -104,7 +149,12 @@ def global_layer_names(model: RoutableModel, requested: Sequence[str] | None) ->
 def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorithm:
     """LG-FedAvg for ``model`` with ``config.global_layers`` averaged by the server."""
     global_names = global_layer_names(model, config.global_layers)
+    local_names = tuple(name for name in model.layer_names if name not in global_names)
     optimizer = config.sgd.optimizer()
+    fresh = config.personal_init == "fresh"
+    if fresh:
+        check_fresh_init(model, local_names, "personal_init")
+    train = dict(batch_size=config.sgd.batch_size, **config.sgd.loop)
 
     def init(key) -> Params:
         global_part, local_part = split_layers(model.init(key), global_names)
@@ -113,15 +163,23 @@ def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorith
                 "mean_local": ClientMean(jax.tree.map(jnp.copy, local_part))}
 
     def local_train(global_part, local_part, examples: ClientExamples, key):
+        member = valid_examples(examples)
+        if config.local_update == "alternating":
+            x, y, _ = examples.flat()
+            parts = {"local": local_part, "global": global_part}
+            states = {name: optimizer.init(part) for name, part in parts.items()}
+            (parts, _), sums = run_epochs(
+                alternating_step(model, optimizer, config.frozen_momentum or "set_to_none"),
+                (parts, states), x, y, member, num_epochs=config.sgd.epochs, key=key, **train)
+            return parts["global"], parts["local"], sums
         trained, sums = train_plain(model, {**local_part, **global_part}, optimizer, examples,
-                                    valid_examples(examples), epochs=config.sgd.epochs,
-                                    batch_size=config.sgd.batch_size, key=key,
-                                    **config.sgd.loop)
+                                    member, epochs=config.sgd.epochs, key=key, **train)
         global_part, local_part = split_layers(trained, global_names)
         return global_part, local_part, sums
 
     def client_update(params, examples: ClientExamples, key, client_state) -> ClientResult:
-        global_part, local_part, sums = local_train(params["global"], client_state, examples, key)
+        local_part, key = personal_start(model, local_names, fresh, client_state, key)
+        global_part, local_part, sums = local_train(params["global"], local_part, examples, key)
         weight = examples.num_examples.astype(jnp.float32)
         return ClientResult(
             params={"global": global_part, "initial_local": params["initial_local"],
@@ -130,18 +188,18 @@ def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorith
             weight={"global": weight, "initial_local": jnp.zeros_like(weight),
                     "mean_local": weight},
             metrics={"loss_sum": sums[0], "loss_count": sums[1]},
-            client_state=local_part)
+            client_state=None if fresh else local_part)
 
     def personalize(params, examples: ClientExamples, key, client_state) -> Params:
-        train = dict(epochs=config.sgd.epochs, batch_size=config.sgd.batch_size, key=key,
-                     **config.sgd.loop)
+        local_part, key = personal_start(model, local_names, fresh, client_state, key)
+        run = dict(epochs=config.sgd.epochs, key=key, **train)
         if not config.client_snapshot:
-            local_part, _ = train_part(model, client_state, params["global"], optimizer,
-                                       examples, valid_examples(examples), **train)
+            local_part, _ = train_part(model, local_part, params["global"], optimizer,
+                                       examples, valid_examples(examples), **run)
             return {**local_part, **params["global"]}
         local_part, snapshot = train_part_with_snapshot(
-            model, client_state, params["global"], optimizer, examples, valid_examples(examples),
-            **train)
+            model, local_part, params["global"], optimizer, examples, valid_examples(examples),
+            **run)
         return {"personal": {**local_part, **params["global"]},
                 "snapshot": {**snapshot, **params["global"]}}
 
@@ -154,4 +212,27 @@ def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorith
 
     return FederatedAlgorithm(name="lg_fedavg", model=model, init=init,
                               client_update=client_update, personalize=personalize,
-                              predict=predict, init_client_state=init_client_state)
+                              predict=predict,
+                              init_client_state=None if fresh else init_client_state)
+
+
+def alternating_step(model: RoutableModel, optimizer: optax.GradientTransformation,
+                     frozen_momentum: str) -> Callable[..., Any]:
+    """A ``run_epochs`` step of ``local_update="alternating"`` on the carry ``({"local",
+    "global"}: layers, {"local", "global"}: optimizer states)``: an SGD step on the local
+    layers (the global ones frozen), then one on the global layers from the updated local
+    ones, on the same batch, with the step key's ``fold_in`` 0 and 1 (dropout); a frozen
+    part as ``frozen_momentum`` says (``base.group_sgd_step``). Returns the second
+    forward's ``[loss_sum, weight_sum]``, the loss the authors' loop accumulates."""
+
+    def loss_sums(parts, batch, key):
+        return plain_loss_sums(model, {**parts["local"], **parts["global"]}, batch, key)
+
+    local_step = group_sgd_step(loss_sums, ("local",), optimizer, frozen_momentum)
+    global_step = group_sgd_step(loss_sums, ("global",), optimizer, frozen_momentum)
+
+    def step(carry, batch, key):
+        carry, _ = local_step(carry, batch, jax.random.fold_in(key, 0))
+        return global_step(carry, batch, jax.random.fold_in(key, 1))
+
+    return step

@@ -53,7 +53,10 @@ def epoch_batches(key: jax.Array, member: jax.Array, batch_size: int,
     # default jax_threefry_partitionable; the first word without it), a key the steps use
     # only as a key (dropout of layer 0, Flow's policy key), never for bits, so nothing is
     # drawn twice. Separate tags would be cleaner but would change every result.
-    draws = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(key, i)))(
+    # float32 spelled out: the default under JAX_ENABLE_X64 (a float64 parity run)
+    # would draw other numbers, so another order.
+    draws = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(key, i),
+                                                  dtype=jnp.float32))(
         jnp.arange(member.shape[0]))
     return packed_batches(draws, member, batch_size, max_members)
 

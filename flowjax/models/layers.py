@@ -290,7 +290,7 @@ class Conv2D(nn.Module):
         if impl in ("im2col", "im2col_slices"):
             im2col = conv2d_im2col if impl == "im2col" else conv2d_im2col_slices
             y = im2col(x_c, kernel_c, self.padding, self.stride, accumulate)
-        elif self.custom_grad and x_c.dtype == jnp.float32:  # float32, or bf16 on CPU
+        elif self.custom_grad and x_c.dtype in (jnp.float32, jnp.float64):  # bf16 on CPU: f32
             y = conv2d(x_c, kernel_c, self.padding)
         else:
             y = lax.conv_general_dilated(x_c, kernel_c, (self.stride, self.stride),
