@@ -206,12 +206,13 @@ def test_client_snapshot_table_puts_the_papers_figures_beside_their_evaluations_
     population = {**summary([0.5, 0.5], [0.7, 0.7]), "acc_g_client_snapshot": 0.6,
                   "clients_benefiting_snapshot": 0.5}
     hypcluster = {**population, "acc_p_client_snapshot": 0.8}
-    # kNN-Per's EMNIST row scores the server model: no copy there.
-    knn_per = {**summary([0.5, 0.5], [0.7, 0.7]), "acc_p_client_snapshot": 0.8,
-               "clients_benefiting_snapshot": 0.5}
+    # kNN-Per's EMNIST row scores the server model: its snapshot is Acc_g's.
+    knn_per = {**summary([0.5, 0.5], [0.7, 0.7]), "acc_g_client_snapshot": 0.5,
+               "acc_p_client_snapshot": 0.8, "clients_benefiting_snapshot": 0.5}
     cells = {"hypcluster_snapshot": hypcluster, "knn_per_snapshot": knn_per}
     variants = ["fedavg_snapshot", "fedavg_snapshot_train", "fedavg_ft_snapshot",
                 "apfl_snapshot", "ditto_snapshot", "fedrep_snapshot", "lg_fedavg_snapshot",
+                "fedrep_their_training", "lg_fedavg_their_training",
                 "hypcluster_snapshot", "knn_per_snapshot", "flow_reference"]
     for variant in variants:
         for seed in seeds:
@@ -227,6 +228,9 @@ def test_client_snapshot_table_puts_the_papers_figures_beside_their_evaluations_
             ("FedRep, SGD momentum 0.9, their head", ("89.95 ± 0.89", "89.77 ± 0.94",
                                                        "82.20")),
             ("LG-FedAvg, SGD momentum 0.9, their", ("87.43 ± 1.10", "91.70 ± 1.17", "66.16")),
+            # Trained as their code too: the same figures, theirs.
+            ("FedRep trained as their code", ("89.95 ± 0.89", "89.77 ± 0.94", "82.20")),
+            ("LG-FedAvg trained as their code", ("87.43 ± 1.10", "91.70 ± 1.17", "66.16")),
             ("HypCluster, SGD momentum 0.9", ("89.47 ± 0.90", "90.49 ± 1.13", "80.70")),
             ("Flow (reference", ("90.88 ± 1.16", "94.18 ± 1.21", "96.70"))):
         assert md_cell(markdown, row, "EMNIST Acc_g") == "50.00 ± 0.00 (paper —)"
@@ -255,7 +259,7 @@ def test_client_snapshot_table_puts_the_papers_figures_beside_their_evaluations_
     # flags go beside their Acc_p model and the count against the server model.
     label = "kNN-Per, SGD momentum 0.9, their Acc_p"
     assert md_cell(markdown, label, "EMNIST Acc_g") == "50.00 ± 0.00 (paper 85.20 ± 0.95)"
-    assert md_cell(markdown, label, "EMNIST Acc_g client snapshot") == "—"
+    assert md_cell(markdown, label, "EMNIST Acc_g client snapshot") == "50.00 ± 0.00 (paper —)"
     assert md_cell(markdown, label, "EMNIST Acc_p") == "70.00 ± 0.00 (paper —)"
     assert md_cell(markdown, label, "EMNIST Acc_p client snapshot") == (
         "80.00 ± 0.00 (paper 88.28 ± 1.02)")

@@ -195,6 +195,7 @@ def _build_figures() -> dict[tuple[str, str, str], PaperFigure]:
 SNAPSHOT_ROWS = {"fedavg_ft_snapshot": "fedavg_ft", "apfl_snapshot": "apfl",
                  "ditto_snapshot": "ditto", "fedrep_snapshot": "fedrep",
                  "lg_fedavg_snapshot": "lg_fedavg", "hypcluster_snapshot": "hypcluster",
+                 "fedrep_their_training": "fedrep", "lg_fedavg_their_training": "lg_fedavg",
                  "flow_reference": "flow"}
 
 
