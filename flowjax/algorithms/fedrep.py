@@ -31,7 +31,8 @@ Epochs. The Flow paper gives every method the same E local epochs per round; for
 ``methods.fedrep.head_epochs`` / ``body_epochs`` are set. It is also the rule of the
 FedRep authors' code (head epochs = local epochs - representation epochs, default 1 body
 epoch). The Flow authors' code trains E head epochs and then E body epochs a round, and E
-head epochs at evaluation: ``phase_epochs="each"``. ``E = 1`` follows the same formula: 0 head epochs + 1 body epoch, as their code
+head epochs at evaluation: ``phase_epochs="each"``. ``E = 1`` follows the budget's
+formula: 0 head epochs + 1 body epoch, as their code
 does with one local epoch. FedRep then trains no head, neither in a round nor at
 evaluation, so its personalized model is its global model up to float rounding: Acc_g's
 head is the example-weighted mean of identical copies of it (``Acc_p = Acc_g`` for every
@@ -90,11 +91,10 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (FROZEN_MOMENTUM, PERSONAL_INITS, ClientResult,
-                                     check_fresh_init,
-                                     FederatedAlgorithm, SGDConfig, group_sgd_step,
-                                     layer_names_or_none, personal_start, plain_loss_sums,
-                                     split_layers, top_layer_names, train_part,
-                                     train_part_with_snapshot, unrouted_predict,
+                                     FederatedAlgorithm, SGDConfig, check_fresh_init,
+                                     group_sgd_step, layer_names_or_none, personal_start,
+                                     plain_loss_sums, split_layers, top_layer_names,
+                                     train_part, train_part_with_snapshot, unrouted_predict,
                                      valid_examples)
 from flowjax.core.checks import FieldError, check_fields, one_of, optional_integer
 from flowjax.core.cohort import ClientExamples

@@ -80,11 +80,10 @@ import jax.numpy as jnp
 import optax
 
 from flowjax.algorithms.base import (FROZEN_MOMENTUM, PERSONAL_INITS, ClientResult,
-                                     check_fresh_init,
-                                     FederatedAlgorithm, SGDConfig, group_sgd_step,
-                                     layer_names_or_none, personal_start, plain_loss_sums,
-                                     split_layers, top_layer_names, train_part,
-                                     train_part_with_snapshot, train_plain,
+                                     FederatedAlgorithm, SGDConfig, check_fresh_init,
+                                     group_sgd_step, layer_names_or_none, personal_start,
+                                     plain_loss_sums, split_layers, top_layer_names,
+                                     train_part, train_part_with_snapshot, train_plain,
                                      unrouted_predict, valid_examples)
 from flowjax.core.local_training import run_epochs
 from flowjax.core.checks import FieldError, check_fields, one_of
