@@ -189,7 +189,7 @@ def test_their_training_runs_through_the_engine_keeping_no_client_state(method, 
                                                                         mapping):
     """The authors' round on the EMNIST CNN through ``experiment.run``, clients vmapped
     or looped: it trains and evaluates (their copy included), keeps no client state, and
-    the same config and seed give the same numbers."""
+    (vmapped) the same config and seed give the same numbers."""
     from tests.bad_input_cases import base_config, images
 
     def run():
@@ -207,9 +207,10 @@ def test_their_training_runs_through_the_engine_keeping_no_client_state(method, 
     assert len(train) == 2 and all(np.isfinite(h["loss"]) for h in train)
     summary = result.summaries["train_clients"]
     assert 0 <= summary.acc_p <= 1 and summary.acc_g_client_snapshot is not None
-    _, again = run()
-    assert again.history == result.history
-    assert again.summaries["train_clients"] == summary
+    if mapping == "vmap":  # once is enough to show the fresh draws repeat
+        _, again = run()
+        assert again.history == result.history
+        assert again.summaries["train_clients"] == summary
 
 
 def test_fresh_lstm_layers_are_refused_on_cpu():
