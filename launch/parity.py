@@ -802,11 +802,13 @@ class RecordedTorch:
         return result
 
 
-def their_net(trainer, state: dict[str, np.ndarray], dropout: bool = False):
+def their_net(trainer, state: dict[str, np.ndarray], dropout: bool = False,
+              float64: bool = False):
     """Their trainer module's ``EMNISTNet`` holding ``state``, its dropout off unless
-    ``dropout``."""
+    ``dropout``; with ``float64`` a float64 net (made so before ``state`` loads, which a
+    float32 net would round)."""
     import torch
-    net = trainer.EMNISTNet()
+    net = trainer.EMNISTNet().double() if float64 else trainer.EMNISTNet()
     net.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()},
                         strict=True)
     for module in net.modules():

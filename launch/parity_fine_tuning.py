@@ -522,11 +522,7 @@ def train_torch_side(reference_dir: str, ours: dict[str, Any], method: str, mode
     test = parity.BatchedDataset(data["test_x"].astype(np.float64), data["test_y"], 100)
     captured = []
     with parity._zero_grad(mode):
-        # float64 before the weights load: a float32 net would round them on the way.
-        net = parity.their_net(trainer, {k: np.zeros_like(v, np.float32) for k, v in
-                                         ours["modes"][mode]["initial"].items()}).double()
-        net.load_state_dict({k: torch.from_numpy(np.array(v, np.float64))
-                             for k, v in ours["modes"][mode]["initial"].items()}, strict=True)
+        net = parity.their_net(trainer, ours["modes"][mode]["initial"], float64=True)
         net.register_forward_hook(lambda module, args, output: None if module.training
                                   else captured.append(output.detach().numpy().copy()))
         trainer.emnist_train(net, train, test)
