@@ -454,7 +454,7 @@ def train_flowjax_side(method: str, settings: dict = TRAIN_SETTINGS) -> dict[str
     import jax
     import jax.numpy as jnp
 
-    from flowjax.algorithms.base import personal_start
+    from flowjax.algorithms.base import fresh_layers, personal_start
     from flowjax.models.base import forward
 
     model, sgd, data, train, key = _client(settings)
@@ -470,7 +470,7 @@ def train_flowjax_side(method: str, settings: dict = TRAIN_SETTINGS) -> dict[str
         algorithm, names, whole, sent = _their_training(method, model, sgd, rule)
         given, *_ = _their_training(method, model, sgd, rule, fresh=False)
         params = algorithm.init(jax.random.key(settings["seed"]))
-        part, train_key = personal_start(model, names, True, None, key)
+        part, train_key = personal_start(fresh_layers(model, names), None, key)
         if rule is None:  # a control: the float64 run alone
             fresh = same = None
         else:

@@ -4,6 +4,13 @@ LG-FedAvg's alternating update (``local_update``) and PyTorch's two rules for a 
 part (``frozen_momentum``). Their equality with the authors' ``emnist_train`` is
 ``tests/test_parity.py``'s; here each option is pinned to the method it modifies."""
 
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +18,8 @@ import pytest
 
 from flowjax import config as run_config
 from flowjax import experiment
-from flowjax.algorithms.base import SGDConfig, part_sgd_step, personal_start, split_layers
+from flowjax.algorithms.base import (SGDConfig, fresh_layers, part_sgd_step, personal_start,
+                                     split_layers)
 from flowjax.algorithms.fedrep import FedRepConfig, fedrep
 from flowjax.algorithms.lg_fedavg import LGFedAvgConfig, alternating_step, lg_fedavg
 from flowjax.core.cohort import assemble_cohort, client_at
@@ -51,7 +59,7 @@ def test_fresh_personal_layers_are_a_new_init_from_the_first_half_of_the_key(
     client, key = _client(images_small, 1), jax.random.key(7)
     init_key, train_key = jax.random.split(key)
     part = split_layers(cnn.init(init_key), names)[0]
-    started, rest = personal_start(cnn, names, True, None, key)
+    started, rest = personal_start(fresh_layers(cnn, names), None, key)
     assert_trees_equal(started, part)
     assert_trees_equal(jax.random.key_data(rest), jax.random.key_data(train_key))
     result = jax.jit(fresh.client_update)(params, client, key, None)
@@ -61,7 +69,7 @@ def test_fresh_personal_layers_are_a_new_init_from_the_first_half_of_the_key(
     assert_trees_equal(result.metrics, same.metrics)
     assert_trees_equal(jax.jit(fresh.personalize)(params, client, key, None),
                        jax.jit(stored.personalize)(params, client, train_key, part))
-    assert differs(personal_start(cnn, names, True, None, jax.random.key(8))[0], part)
+    assert differs(personal_start(fresh_layers(cnn, names), None, jax.random.key(8))[0], part)
     # The stored method is untouched by the option's existence: its own key, its state.
     assert differs(jax.jit(stored.client_update)(params, client, key, part).params,
                    same.params)
@@ -213,13 +221,63 @@ def test_their_training_runs_through_the_engine_keeping_no_client_state(method, 
         assert again.summaries["train_clients"] == summary
 
 
-def test_fresh_lstm_layers_are_refused_on_cpu():
-    """The LSTMs' orthogonal init calls LAPACK, which hung XLA's CPU runtime in a round
-    (``base.check_fresh_init``): refused in one line; their dense head is fine."""
-    config = small_config(algorithm="lg_fedavg", **{"methods.lg_fedavg.personal_init": "fresh"})
-    with pytest.raises(ValueError, match=r"^personal_init='fresh': the fresh init of "
-                       r"\['embedding', 'lstm1', 'lstm2'\] of shakespeare_lstm calls LAPACK "
-                       r"\(a QR\), which hung XLA's CPU runtime in a round; expected "):
-        run_config.build_simulation(config)
-    run_config.build_simulation(small_config(
-        algorithm="fedrep", **{"methods.fedrep.personal_init": "fresh"}))
+def _lapack_operand_shapes(program: str) -> list[str]:
+    """The operand shapes of the LAPACK calls in a compiled CPU ``program``."""
+    return re.findall(r"custom-call\(.*\), custom_call_target=\"lapack_\w+\", "
+                      r"operand_layout_constraints=\{(\w+\[[\d,]*\])", program)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU runtime's workaround")
+def test_a_fresh_init_calling_lapack_runs_one_client_at_a_time_with_the_same_numbers(cnn):
+    """``base.fresh_layers``: on CPU the LSTMs' fresh init (a QR per orthogonal kernel)
+    makes only unbatched LAPACK calls under ``vmap`` (a batched call can deadlock XLA's
+    CPU runtime, ``launch/lapack_pool_deadlock.py``), and its numbers are the batched
+    init's, bit for bit; the CNN's init, which calls no LAPACK, keeps its batched program."""
+    lstm = run_config.build_simulation(small_config(algorithm="lg_fedavg")).algorithm.model
+    names = ("embedding", "lstm1", "lstm2")
+    keys = jax.random.split(jax.random.key(3), 3)
+    fresh = jax.jit(jax.vmap(fresh_layers(lstm, names)))
+    batched = jax.jit(jax.vmap(lambda key: split_layers(lstm.init(key), names)[0]))
+    shapes = _lapack_operand_shapes(fresh.lower(keys).compile().as_text())
+    assert shapes and all(shape.count(",") == 1 for shape in shapes)  # matrices, no batch
+    assert all(shape.startswith("f32[3,")  # the unwrapped init: batched calls
+               for shape in _lapack_operand_shapes(batched.lower(keys).compile().as_text()))
+    assert_trees_equal(fresh(keys), batched(keys))
+    assert_trees_equal(jax.tree.map(lambda leaf: leaf[1], fresh(keys)),
+                       jax.jit(fresh_layers(lstm, names))(keys[1]))
+    cnn_fresh = str(jax.make_jaxpr(jax.vmap(fresh_layers(cnn, LOCAL)))(keys))
+    assert "scan" not in cnn_fresh  # batched, not one client at a time
+    assert "scan" in str(jax.make_jaxpr(jax.vmap(fresh_layers(lstm, names)))(keys))
+
+
+THEIR_TEXT_LG_FEDAVG = """
+import json
+from flowjax import config as run_config, experiment
+from tests.helpers import small_config
+config = small_config(algorithm="lg_fedavg", num_rounds=2, **{
+    "methods.lg_fedavg.personal_init": "fresh", "methods.lg_fedavg.local_update": "alternating"})
+simulation = run_config.build_simulation(config)
+result = experiment.run(simulation)
+print(json.dumps({"stateless": simulation.client_states is None,
+                  "losses": [h["loss"] for h in result.history if h["kind"] == "train"],
+                  "acc_p": result.summaries["train_clients"].acc_p}))
+"""
+
+
+def test_their_text_lg_fedavg_trains_with_fresh_lstm_layers():
+    """Their Shakespeare LG-FedAvg (fresh local LSTM layers every round, the alternating
+    update) runs two rounds through ``experiment.run``, in a fresh process (a deadlock
+    fails the test instead of hanging the suite): before ``base.fresh_layers`` ran such an
+    init one client at a time, this run hung in every try on a 2-core CPU."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    try:
+        done = subprocess.run([sys.executable, "-c", THEIR_TEXT_LG_FEDAVG], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("their text LG-FedAvg with fresh LSTM layers hung (killed after 240 s)")
+    assert done.returncode == 0, done.stderr[-2000:]
+    outcome = json.loads(done.stdout.strip().splitlines()[-1])
+    assert outcome["stateless"] and len(outcome["losses"]) == 2
+    assert all(np.isfinite(outcome["losses"])) and 0 <= outcome["acc_p"] <= 1

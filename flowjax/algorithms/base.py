@@ -48,7 +48,7 @@ from flowjax.models.base import Params, RoutableModel, forward, instance_weights
 # The methods import the protocol and the instance weights from here too (re-exported).
 __all__ = ["ClientResult", "FederatedAlgorithm", "Predictions", "SGDConfig", "client_optimizer",
            "FROZEN_MOMENTUM", "PERSONAL_INITS", "group_sgd_step", "instance_weights",
-           "check_fresh_init", "layer_names_or_none", "no_routing",
+           "fresh_layers", "layer_names_or_none", "no_routing",
            "part_sgd_step", "personal_start",
            "plain_loss_sums", "plain_sgd_step", "run_with_copies", "separate_models_predict",
            "sgd_step", "split_layers",
@@ -237,40 +237,42 @@ def group_sgd_step(loss_sums: Callable[[dict, Any, jax.Array], jax.Array],
 PERSONAL_INITS = ("stored", "fresh")
 
 
-def check_fresh_init(model: RoutableModel, names: Sequence[str], option: str) -> None:
-    """Refuses ``personal_init="fresh"`` where it hangs: on CPU, a fresh init of layers
-    ``names`` whose program calls LAPACK (the LSTMs' orthogonal recurrent kernels: a QR).
-    Measured (jax 0.10.2, 2 cores, 2026-12-05): a 2-round Shakespeare LG-FedAvg run with
-    fresh local layers hung in XLA's CPU runtime, the CPUs idle, in each of 9 tries (2 of
-    them with ``--xla_cpu_multi_thread_eigen=false``, 2 with one OpenBLAS thread); its
-    vmapped personalization alone in 4 of 8 (0 of 4 with that flag; 1 of 6 with an
-    optimization barrier between the init and the training). The cause was not found.
-    The EMNIST CNN's and the ResNet's inits call no LAPACK.
+def fresh_layers(model: RoutableModel, names: Sequence[str]) -> Callable[[jax.Array], Params]:
+    """The random init of ``model``'s layers ``names`` from a key, for a method that starts
+    them fresh (``personal_init="fresh"``).
 
-    Raises:
-      ValueError: one line naming the option, the layers and what is expected.
+    On CPU, where that init calls LAPACK (the LSTMs' orthogonal recurrent kernels: a QR),
+    it runs one client at a time under ``vmap`` (``jax.custom_batching.sequential_vmap``),
+    the same numbers, because a batched LAPACK call can deadlock XLA's CPU runtime: jaxlib
+    (0.10.2) splits the batch into tasks on XLA's intra-op thread pool from a thread of that
+    pool and blocks until they are done, so two such calls at once on a pool of two threads
+    (two cores) leave no thread to run the tasks. Seen on 2026-12-05 in every 2-round
+    Shakespeare LG-FedAvg run with fresh local layers (the native stacks: both pool threads
+    in ``jax::ParallelBatchMap``'s ``BlockingCounter::Wait`` under ``lapack_sgeqrf_ffi``);
+    ``launch/lapack_pool_deadlock.py`` is the minimal program. An unbatched call runs inline.
+    The CNN's and the ResNet's inits call no LAPACK and keep the batched program.
     """
+    def init(key: jax.Array) -> Params:
+        return split_layers(model.init(key), names)[0]
+
     if jax.default_backend() != "cpu":
-        return
-    program = jax.jit(lambda key: split_layers(model.init(key), names)[0]).lower(
-        jax.random.key(0)).compile().as_text()
+        return init
+    program = jax.jit(init).lower(jax.random.key(0)).compile().as_text()
     if 'custom_call_target="lapack_' in program:
-        raise ValueError(f"{option}='fresh': the fresh init of {list(names)} of "
-                         f"{model.name} calls LAPACK (a QR), which hung XLA's CPU runtime "
-                         "in a round; expected personal layers whose init calls none on CPU "
-                         "(the CNN's, the ResNet's) or an accelerator")
+        return jax.custom_batching.sequential_vmap(init)
+    return init
 
 
-def personal_start(model: RoutableModel, names: Sequence[str], fresh: bool,
-                   stored: Params, key: jax.Array) -> tuple[Params, jax.Array]:
-    """The personal layers ``names`` a client starts from and the key left for its
-    training: ``stored`` and ``key`` itself, or with ``fresh`` those layers of a new
-    init of ``model`` from the first half of ``jax.random.split(key)`` and the second
-    half (so no training key is reused for the init)."""
-    if not fresh:
+def personal_start(fresh_init: Callable[[jax.Array], Params] | None, stored: Params,
+                   key: jax.Array) -> tuple[Params, jax.Array]:
+    """The personal layers a client starts from and the key left for its training:
+    ``stored`` and ``key`` itself, or with a ``fresh_init`` (``fresh_layers``) a new init
+    from the first half of ``jax.random.split(key)`` and the second half (so no training
+    key is reused for the init)."""
+    if fresh_init is None:
         return stored, key
     init_key, key = jax.random.split(key)
-    return split_layers(model.init(init_key), names)[0], key
+    return fresh_init(init_key), key
 
 
 def train_part(model: RoutableModel, trainable: Params, frozen: Params,

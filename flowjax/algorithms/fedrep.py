@@ -91,7 +91,7 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.algorithms.base import (FROZEN_MOMENTUM, PERSONAL_INITS, ClientResult,
-                                     FederatedAlgorithm, SGDConfig, check_fresh_init,
+                                     FederatedAlgorithm, SGDConfig, fresh_layers,
                                      group_sgd_step, layer_names_or_none, personal_start,
                                      plain_loss_sums, split_layers, top_layer_names,
                                      train_part, train_part_with_snapshot, unrouted_predict,
@@ -192,8 +192,7 @@ def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
     head_names = head_layer_names(model, config.head_layers)
     optimizer = config.sgd.optimizer()
     fresh = config.personal_init == "fresh"
-    if fresh:
-        check_fresh_init(model, head_names, "personal_init")
+    fresh_init = fresh_layers(model, head_names) if fresh else None
     train = dict(batch_size=config.sgd.batch_size, **config.sgd.loop)
 
     def init(key) -> Params:
@@ -234,7 +233,7 @@ def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
         return carry[0]["body"], carry[0]["head"], *sums
 
     def client_update(params, examples: ClientExamples, key, client_state) -> ClientResult:
-        head, key = personal_start(model, head_names, fresh, client_state, key)
+        head, key = personal_start(fresh_init, client_state, key)
         body, head, head_sums, body_sums = train_phases(params["body"], head, examples, key)
         sums = head_sums + body_sums
         weight = examples.num_examples.astype(jnp.float32)
@@ -248,7 +247,7 @@ def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
             client_state=None if fresh else head)
 
     def personalize(params, examples: ClientExamples, key, client_state) -> Params:
-        head, key = personal_start(model, head_names, fresh, client_state, key)
+        head, key = personal_start(fresh_init, client_state, key)
         if not config.client_snapshot:
             return train_head(params["body"], head, examples, key)[0]
         head, snapshot = train_part_with_snapshot(

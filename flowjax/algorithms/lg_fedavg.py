@@ -80,7 +80,7 @@ import jax.numpy as jnp
 import optax
 
 from flowjax.algorithms.base import (FROZEN_MOMENTUM, PERSONAL_INITS, ClientResult,
-                                     FederatedAlgorithm, SGDConfig, check_fresh_init,
+                                     FederatedAlgorithm, SGDConfig, fresh_layers,
                                      group_sgd_step, layer_names_or_none, personal_start,
                                      plain_loss_sums, split_layers, top_layer_names,
                                      train_part, train_part_with_snapshot, train_plain,
@@ -151,8 +151,7 @@ def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorith
     local_names = tuple(name for name in model.layer_names if name not in global_names)
     optimizer = config.sgd.optimizer()
     fresh = config.personal_init == "fresh"
-    if fresh:
-        check_fresh_init(model, local_names, "personal_init")
+    fresh_init = fresh_layers(model, local_names) if fresh else None
     train = dict(batch_size=config.sgd.batch_size, **config.sgd.loop)
 
     def init(key) -> Params:
@@ -177,7 +176,7 @@ def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorith
         return global_part, local_part, sums
 
     def client_update(params, examples: ClientExamples, key, client_state) -> ClientResult:
-        local_part, key = personal_start(model, local_names, fresh, client_state, key)
+        local_part, key = personal_start(fresh_init, client_state, key)
         global_part, local_part, sums = local_train(params["global"], local_part, examples, key)
         weight = examples.num_examples.astype(jnp.float32)
         return ClientResult(
@@ -190,7 +189,7 @@ def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorith
             client_state=None if fresh else local_part)
 
     def personalize(params, examples: ClientExamples, key, client_state) -> Params:
-        local_part, key = personal_start(model, local_names, fresh, client_state, key)
+        local_part, key = personal_start(fresh_init, client_state, key)
         run = dict(epochs=config.sgd.epochs, key=key, **train)
         if not config.client_snapshot:
             local_part, _ = train_part(model, local_part, params["global"], optimizer,
