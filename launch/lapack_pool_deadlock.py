@@ -1,6 +1,7 @@
 r"""Does a batched LAPACK call still deadlock XLA's CPU runtime? The minimal program.
 
   python launch/lapack_pool_deadlock.py [--tries=5] [--timeout_s=60] [--batch=8] [--size=128]
+      [--arms=batched,sequential]
 
 jaxlib's CPU LAPACK kernels (0.10.2) split a batch of matrices into tasks on XLA's
 intra-op thread pool and wait for them, from a thread of that same pool. One jitted
@@ -33,8 +34,9 @@ _TRIES = flags.DEFINE_integer("tries", 5, "Fresh processes per arm.")
 _TIMEOUT = flags.DEFINE_integer("timeout_s", 60, "Seconds before a process counts as hung.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Matrices per QR call.")
 _SIZE = flags.DEFINE_integer("size", 128, "Rows and columns of each matrix.")
-
 ARMS = ("batched", "sequential")
+_ARMS = flags.DEFINE_list("arms", list(ARMS), "Which arms to run, in this order.")
+cli.define_debug_flag()
 
 # argv: arm, batch, size. Twenty calls of one program with two independent QRs.
 PROGRAM = """
@@ -83,6 +85,10 @@ def main(argv):
         if value < 1:
             return cli.fail(ValueError(f"--{name}: {value} is not a positive integer; "
                                        "expected >= 1"))
+    unknown = [arm for arm in _ARMS.value if arm not in ARMS]
+    if unknown or not _ARMS.value:
+        return cli.fail(ValueError(f"--arms: {','.join(unknown) or 'none'} is not an arm; "
+                                   f"expected some of {', '.join(ARMS)}"))
     import jax
     import jaxlib
     cores = len(os.sched_getaffinity(0))
@@ -90,7 +96,7 @@ def main(argv):
           f"{_TRIES.value} tries per arm, {_BATCH.value} x {_SIZE.value} x {_SIZE.value}, "
           f"hung = killed after {_TIMEOUT.value} s\n")
     print("| arm | finished | hung |\n|---|---:|---:|")
-    for arm in ARMS:
+    for arm in _ARMS.value:
         finished, hung = run_arm(arm, _TRIES.value, _TIMEOUT.value, _BATCH.value, _SIZE.value)
         print(f"| {arm} | {finished} | {hung} |", flush=True)
     return 0

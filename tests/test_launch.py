@@ -245,6 +245,7 @@ def test_every_launcher_shows_the_traceback_of_a_bad_input_under_debug(tmp_path)
                                 f"--out={tmp_path / 'table'}"],
         "benchmark.py": ["--models=mlp"],
         "determinism_check.py": ["--models=mlp"],
+        "lapack_pool_deadlock.py": ["--arms=sequential,batchd"],
         "bench_store.py": ["--num_clients=3", f"--dir={not_a_store}"],
         # Its disk store would overwrite a workdir's client_states/ given as --dir.
         "client_state_memory.py": ["--rows=2", "--store=disk", f"--dir={not_a_store}"],
@@ -263,6 +264,19 @@ def test_every_launcher_shows_the_traceback_of_a_bad_input_under_debug(tmp_path)
             assert stderr.strip().splitlines()[-1].startswith("error: "), (script, stderr)
             assert "Traceback" not in stderr, (script, stderr)
     assert [p.name for p in not_a_store.iterdir()] == ["keep.txt"]
+
+
+def test_lapack_pool_deadlock_counts_finished_and_hung_processes():
+    """``launch/lapack_pool_deadlock.py``: the workaround's arm (``sequential_vmap``)
+    finishes in fresh processes and the table says so; a run past the timeout counts as
+    hung (the batched arm's deadlock is not forced here: it needs two busy pool threads)."""
+    done = launch("lapack_pool_deadlock.py", "--arms=sequential", "--tries=2", "--batch=2",
+                  "--size=8", "--timeout_s=300")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-3:] == ["| arm | finished | hung |", "|---|---:|---:|",
+                                             "| sequential | 2 | 0 |"]
+    from launch import lapack_pool_deadlock
+    assert lapack_pool_deadlock.run_arm("sequential", 1, 1e-3, 2, 8) == (0, 1)
 
 
 def test_ctrl_c_line_tells_how_to_resume_only_where_a_launcher_trains_run_folders(capsys):
