@@ -206,14 +206,12 @@ def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
                           epochs=config.head_epochs, key=jax.random.fold_in(key, 0), **train)
 
     def train_phases(body, head, examples: ClientExamples, key):
-        """The head phase, then the body phase: ``(body, head, head_sums, body_sums)``."""
-        if config.frozen_momentum != "zero_grad":  # each phase its own optimizer state
-            head, head_sums = train_head(body, head, examples, key)
-            body, body_sums = train_part(model, body, head, optimizer, examples,
-                                         valid_examples(examples), epochs=config.body_epochs,
-                                         key=jax.random.fold_in(key, 1), **train)
-            return body, head, head_sums, body_sums
-        # One state over both parts, as their one SGD under PyTorch < 2 (module docstring).
+        """The head phase, then the body phase: ``(body, head, head_sums, body_sums)``.
+
+        One SGD state per part over both phases, as their one SGD: under ``set_to_none``
+        (the default) the frozen part and its state stay as they are, so each phase
+        starts the part it trains from a fresh state; under ``zero_grad`` (PyTorch < 2,
+        module docstring) the head's velocity keeps moving it in the body phase."""
         loss_sums = lambda parts, batch, k: plain_loss_sums(  # noqa: E731
             model, {**parts["body"], **parts["head"]}, batch, k)
         carry = ({"head": head, "body": body},
@@ -226,8 +224,9 @@ def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
                 sums.append(jnp.zeros((2,), jnp.float32))
                 continue
             carry, phase_sums = run_epochs(
-                group_sgd_step(loss_sums, (part,), optimizer, "zero_grad"), carry, x, y,
-                valid_examples(examples), num_epochs=epochs,
+                group_sgd_step(loss_sums, (part,), optimizer,
+                               config.frozen_momentum or "set_to_none"),
+                carry, x, y, valid_examples(examples), num_epochs=epochs,
                 key=jax.random.fold_in(key, phase), **train)
             sums.append(phase_sums)
         return carry[0]["body"], carry[0]["head"], *sums
