@@ -249,7 +249,9 @@ def fresh_layers(model: RoutableModel, names: Sequence[str]) -> Callable[[jax.Ar
     (two cores) leave no thread to run the tasks. Seen on 2026-12-05 in every 2-round
     Shakespeare LG-FedAvg run with fresh local layers (the native stacks: both pool threads
     in ``jax::ParallelBatchMap``'s ``BlockingCounter::Wait`` under ``lapack_sgeqrf_ffi``);
-    ``launch/lapack_pool_deadlock.py`` is the minimal program. An unbatched call runs inline.
+    ``launch/lapack_pool_deadlock.py`` is the minimal program, and
+    ``docs/upstream/jaxlib-lapack-pool-deadlock.md`` the report to file. An unbatched call
+    runs inline.
     The CNN's and the ResNet's inits call no LAPACK and keep the batched program.
     """
     def init(key: jax.Array) -> Params:
