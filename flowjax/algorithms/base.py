@@ -251,8 +251,8 @@ def fresh_layers(model: RoutableModel, names: Sequence[str]) -> Callable[[jax.Ar
     in ``jax::ParallelBatchMap``'s ``BlockingCounter::Wait`` under ``lapack_sgeqrf_ffi``);
     ``launch/lapack_pool_deadlock.py`` is the minimal program, and
     ``docs/upstream/jaxlib-lapack-pool-deadlock.md`` the report to file. An unbatched call
-    runs inline.
-    The CNN's and the ResNet's inits call no LAPACK and keep the batched program.
+    runs inline. The CNN's and the ResNet's inits call no LAPACK and keep the batched
+    program.
     """
     def init(key: jax.Array) -> Params:
         return split_layers(model.init(key), names)[0]
