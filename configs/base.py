@@ -81,13 +81,15 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
                     # None: "stored" / "budget"; "fresh" / "each": the authors' code.
                     personal_init=config_dict.placeholder(str),
                     phase_epochs=config_dict.placeholder(str),
-                    frozen_momentum=config_dict.placeholder(str)),  # None: "set_to_none"
+                    frozen_momentum=config_dict.placeholder(str),  # None: "set_to_none"
+                    torch_layers=config_dict.placeholder(bool)),  # True: the authors'
         lg_fedavg=dict(global_layers=config_dict.placeholder(tuple),  # None = the head
                        client_snapshot=config_dict.placeholder(bool),
                        # None: "stored" / "joint"; "fresh" / "alternating": the authors'.
                        personal_init=config_dict.placeholder(str),
                        local_update=config_dict.placeholder(str),
-                       frozen_momentum=config_dict.placeholder(str)),  # as fedrep's
+                       frozen_momentum=config_dict.placeholder(str),  # as fedrep's
+                       torch_layers=config_dict.placeholder(bool)),
         hypcluster=dict(clusters=2, warmup_rounds=10, perturbation=0.01,
                         init=config_dict.placeholder(str),  # None or kmeans
                         client_snapshot=config_dict.placeholder(bool)),

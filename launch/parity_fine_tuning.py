@@ -83,13 +83,14 @@ from launch import parity
 ROOT = parity.ROOT
 
 METHODS = ("fedavg_ft", "fedrep", "lg_fedavg", "hypcluster", "fedavg", "knn_per",
-           "knn_per_cifar", "fedrep_train", "lg_fedavg_train")
+           "knn_per_cifar", "fedrep_train", "lg_fedavg_train", "lg_fedavg_train_shakespeare")
 THEIR_MODULES = {"fedavg": "trainers.client_fedavg",
                  "knn_per": "trainers.client_knnper", "knn_per_cifar": "trainers.client_knnper",
                  "fedavg_ft": "trainers.client_fedavg_finetuning",
                  "fedrep": "trainers.client_fedrep", "lg_fedavg": "trainers.client_lgfedavg",
                  "fedrep_train": "trainers.client_fedrep",
                  "lg_fedavg_train": "trainers.client_lgfedavg",
+                 "lg_fedavg_train_shakespeare": "trainers.client_lgfedavg",
                  "hypcluster": "trainers.client_hypcluster"}
 TITLES = {"fedavg_ft": "FedAvgFT (every layer)",
           "fedrep": "FedRep (head fc1, fc2; body frozen)",
@@ -394,34 +395,66 @@ def fedavg_check(reference_dir: str, write_fixture: bool, torch_version: str) ->
 # 3e-7 moved the conv weights by up to 1.1e-4 at E = 3, and at every one of 9 clients
 # tried, 80-100 examples, seeds 0-2, by 1.8e-5 to 2.3e-4), so float32 could not tell a
 # departure from rounding at the 1e-4 target; float64's rounding is 2^29 times finer.
-TRAIN_CASES = ("fedrep_train", "lg_fedavg_train")
+TRAIN_CASES = ("fedrep_train", "lg_fedavg_train", "lg_fedavg_train_shakespeare")
 TRAIN_TOLERANCE = 1e-9  # float64
 # 40 train examples (2 batches an epoch: 12 steps of FedRep's round, 6 double steps of
 # LG-FedAvg's), so that CI's recomputation of flowjax's float64 side stays short.
 TRAIN_SETTINGS = {**SETTINGS, "train_examples": 40}
+# Their Shakespeare LG-FedAvg (``client_lgfedavg.py``'s ``shakespeare_train``): their
+# ``ShakespeareNet`` (``nn.Embedding(padding_idx=0)``, a two-layer ``nn.LSTM``, ``fc``),
+# per batch a step on every parameter but ``fc``'s, then one on ``fc``'s; their
+# shakespeare_lgfedavg's embedding 8, vocabulary 90, batch 4, lr 0.1, momentum 0.9
+# (written in). An LSTM of 32 (theirs 256), sequences of 20 tokens and E = 2 (theirs 5)
+# over 8 sequences (2 batches an epoch) keep CI's float64 recomputation short. flowjax
+# runs it with ``torch_layers`` (``models.layers.with_torch_layers``: PyTorch's two LSTM
+# biases, the embedding's padding row); without it is a control.
+SHAKESPEARE_TRAIN_SETTINGS = dict(model="shakespeare_lstm", seed=0, train_examples=8,
+                                  test_examples=3, epochs=2, batch_size=4, learning_rate=0.1,
+                                  momentum=0.9, vocab_size=90, embed_dim=8, hidden=32,
+                                  sequence_length=20)
+# The fresh LSTM round against the stored round from its fresh layers: the same
+# computation in two programs, which under the suite's XLA flags round differently in the
+# last bits (max abs diff 1.5e-8 measured, 2026-12-05, moves of 0.1); under the
+# launchers' flags, and on the CNN, bit for bit.
+FRESH_LSTM_GAP = 1e-6
+# Their ``fc``: LG-FedAvg's global layer on their Shakespeare net.
+THEIR_SHAKESPEARE_LINEAR = ("dense",)
+
+
+def _training(method: str) -> str:
+    """The round ``method`` checks: ``"fedrep_train"`` or ``"lg_fedavg_train"``."""
+    return "lg_fedavg_train" if method.startswith("lg_fedavg_train") else method
+
+
+def _on_lstm(method: str) -> bool:
+    return method == "lg_fedavg_train_shakespeare"
 
 
 def _their_training(method: str, model, sgd, frozen_momentum: str | None,
-                    fresh: bool = True):
+                    fresh: bool = True, torch_layers: bool | None = None):
     """(flowjax's algorithm of ``method``'s round as their code trains it, with the
     personal layers fresh each round or, ``fresh=False``, given as the client state; the
     names of those layers; the whole model of ``(server params, personal layers)``; that
-    of a client result's params)."""
+    of a client result's params). ``torch_layers`` None: on for the LSTM's check."""
     from flowjax.algorithms.fedrep import FedRepConfig, fedrep
     from flowjax.algorithms.lg_fedavg import LGFedAvgConfig, lg_fedavg
 
     init = "fresh" if fresh else None
+    their_linear = THEIR_SHAKESPEARE_LINEAR if _on_lstm(method) else THEIR_LINEAR
+    if torch_layers is None:
+        torch_layers = _on_lstm(method) or None
     if method == "fedrep_train":
         return (fedrep(model, FedRepConfig(sgd=sgd, head_layers=THEIR_LINEAR,
                                            personal_init=init, phase_epochs="each",
                                            frozen_momentum=frozen_momentum)),
                 THEIR_LINEAR, lambda params, part: {**params["body"], **part},
                 lambda sent: {**sent["body"], **sent["mean_head"].value})
-    local = tuple(name for name in model.layer_names if name not in THEIR_LINEAR)
+    local = tuple(name for name in model.layer_names if name not in their_linear)
     update = "joint" if frozen_momentum is None else "alternating"
-    return (lg_fedavg(model, LGFedAvgConfig(sgd=sgd, global_layers=THEIR_LINEAR,
+    return (lg_fedavg(model, LGFedAvgConfig(sgd=sgd, global_layers=their_linear,
                                             personal_init=init, local_update=update,
-                                            frozen_momentum=frozen_momentum)),
+                                            frozen_momentum=frozen_momentum,
+                                            torch_layers=torch_layers)),
             local, lambda params, part: {**part, **params["global"]},
             lambda sent: {**sent["mean_local"].value, **sent["global"]})
 
@@ -441,45 +474,107 @@ def float64_start(tree: Any, seed: int) -> Any:
     return jax.tree_util.tree_map_with_path(draw, tree)
 
 
-def train_flowjax_side(method: str, settings: dict = TRAIN_SETTINGS) -> dict[str, Any]:
+def _lstm_client(settings: dict) -> tuple[Any, Any, dict, Any, Any]:
+    """``_client``'s five for the Shakespeare LSTM (no dropout to turn off) on a token client."""
+    import jax
+
+    from flowjax.algorithms.base import SGDConfig
+    from flowjax.models import get_model
+
+    model = get_model("shakespeare_lstm", vocab_size=settings["vocab_size"],
+                      embed_dim=settings["embed_dim"], hidden=settings["hidden"])
+    sgd = SGDConfig(learning_rate=settings["learning_rate"], epochs=settings["epochs"],
+                    batch_size=settings["batch_size"], momentum=settings["momentum"])
+    data = parity.token_client_data(**settings)
+    train = parity.client_examples(data["train_x"], data["train_y"], settings["batch_size"])
+    return model, sgd, data, train, jax.random.key(settings["seed"] + 1)
+
+
+def shakespeare_torch_state(params: dict) -> dict[str, np.ndarray]:
+    """flowjax's Shakespeare LSTM params as their ``ShakespeareNet``'s state dict: ``[out,
+    in]`` weights, layer ``lstm{k+1}`` as the ``nn.LSTM``'s ``_l{k}``, flowjax's one bias as
+    ``bias_ih``, ``bias_hh = 0`` (the cell adds both)."""
+    state = {"embeddings.weight": np.asarray(params["embedding"]["embedding"]),
+             "fc.weight": np.asarray(params["dense"]["kernel"]).T,
+             "fc.bias": np.asarray(params["dense"]["bias"])}
+    for k in range(2):
+        layer = params[f"lstm{k + 1}"]
+        state[f"lstm.weight_ih_l{k}"] = np.asarray(layer["kernel"]).T
+        state[f"lstm.weight_hh_l{k}"] = np.asarray(layer["recurrent_kernel"]).T
+        state[f"lstm.bias_ih_l{k}"] = np.asarray(layer["bias"])
+        state[f"lstm.bias_hh_l{k}"] = np.zeros_like(state[f"lstm.bias_ih_l{k}"])
+    return state
+
+
+def lstm_sum_of_biases(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A ``ShakespeareNet`` state dict with each layer's ``bias_ih + bias_hh`` (what the
+    cell adds) as ``lstm.bias_l{k}``: what both sides have, for comparison."""
+    out = {}
+    for name, value in state.items():
+        if "bias_hh" in name:
+            continue
+        if "bias_ih" in name:
+            value = value + state[name.replace("bias_ih", "bias_hh")]
+            name = name.replace("bias_ih", "bias")
+        out[name] = np.asarray(value)
+    return out
+
+
+def train_flowjax_side(method: str, settings: dict | None = None) -> dict[str, Any]:
     """flowjax's side of ``method``'s training check: per frozen-group rule the whole
-    model at the start and after the client update, and its logits on the test examples,
-    all in float64, and the batches (the same for both rules); the controls (LG-FedAvg's
-    joint update from the same start) likewise. No PyTorch needed.
+    model at the start (``start``, as their state dict) and after the client update, and
+    its logits on the test examples, all in float64, and the batches (the same for both
+    rules); the controls (LG-FedAvg's joint update and, on the LSTM, the round without
+    ``torch_layers``) likewise, compared as ``initial`` / ``updated`` (their LSTM's two
+    biases summed). No PyTorch needed.
 
     In float32 the round with ``personal_init="fresh"`` is first checked bit for bit
-    equal to the same method's round without it, given the fresh layers as the client
-    state and the training half of the split key. That second form runs in float64 from
-    ``float64_start`` weights (server layers and personal ones)."""
+    (the LSTM's within ``FRESH_LSTM_GAP``) equal to the same method's round without it,
+    given the fresh layers as the client state and the training half of the split key.
+    That second form runs in float64 from ``float64_start`` weights (server layers and
+    personal ones)."""
     import jax
     import jax.numpy as jnp
 
     from flowjax.algorithms.base import fresh_layers, personal_start
     from flowjax.models.base import forward
 
-    model, sgd, data, train, key = _client(settings)
+    settings = settings or settings_of(method)
+    lstm = _on_lstm(method)
+    model, sgd, data, train, key = (_lstm_client if lstm else _client)(settings)
+    if lstm:
+        to_state, compared = shakespeare_torch_state, lstm_sum_of_biases
+    else:
+        to_state, compared = parity.cnn_to_torch_layout, lambda state: state
 
     def wide(tree):
         return jax.tree.map(lambda a: a.astype(jnp.float64)
                             if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
+    runs = [(rule, rule, None) for rule in parity.ZERO_GRAD_MODES]
+    if _training(method) == "lg_fedavg_train":
+        runs.append(("joint", None, None))
+    if lstm:  # flowjax's own layers: one LSTM bias, a trained padding row
+        runs.append(("plain_layers", "set_to_none", False))
     sides, passes = {}, None
-    for rule in (*parity.ZERO_GRAD_MODES, None):
-        if rule is None and method != "lg_fedavg_train":
-            continue
-        algorithm, names, whole, sent = _their_training(method, model, sgd, rule)
-        given, *_ = _their_training(method, model, sgd, rule, fresh=False)
+    for name, rule, torch_layers in runs:
+        algorithm, names, whole, sent = _their_training(method, model, sgd, rule,
+                                                        torch_layers=torch_layers)
+        given, *_ = _their_training(method, model, sgd, rule, fresh=False,
+                                    torch_layers=torch_layers)
         params = algorithm.init(jax.random.key(settings["seed"]))
-        part, train_key = personal_start(fresh_layers(model, names), None, key)
-        if rule is None:  # a control: the float64 run alone
-            fresh = same = None
-        else:
+        # Jitted as in the round: an eager init may differ in the last bit (the LSTM's).
+        part, train_key = jax.jit(lambda k: personal_start(fresh_layers(model, names), None,
+                                                           k))(key)
+        if name in parity.ZERO_GRAD_MODES:
             fresh = jax.jit(algorithm.client_update)(params, train, key, None)
             assert fresh.client_state is None  # stateless: nothing carries over
             same = jax.jit(given.client_update)(params, train, train_key, part)
-            if not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(fresh.params),
-                                                             jax.tree.leaves(same.params))):
-                raise AssertionError("the fresh round is not the round from its fresh layers")
+            gap = max(float(np.max(np.abs(a - b))) for a, b in zip(
+                jax.tree.leaves(fresh.params), jax.tree.leaves(same.params)))
+            if gap > (FRESH_LSTM_GAP if lstm else 0.0):
+                raise AssertionError(f"the fresh round is not the round from its fresh "
+                                     f"layers: max abs diff {gap:.3g}")
         # The float64 round starts from weights numpy draws from the shapes alone
         # (``float64_start``): exact on every machine, where the float32 init may differ
         # by an ulp with the CPU and XLA's flags, and FedRep's round amplifies that.
@@ -488,48 +583,68 @@ def train_flowjax_side(method: str, settings: dict = TRAIN_SETTINGS) -> dict[str
         with jax.enable_x64(True):  # the model's init is float32's: it ran above
             updated = sent(jax.jit(given.client_update)(params, wide(train), train_key,
                                                         part).params)
-            sides["joint" if rule is None else rule] = dict(
-                initial=parity.cnn_to_torch_layout(whole(params, part)),
-                updated=parity.cnn_to_torch_layout(updated),
-                test_logits=np.asarray(forward(model, updated,
-                                               jnp.asarray(data["test_x"], jnp.float64))))
+            test_x = jnp.asarray(data["test_x"])
+            if jnp.issubdtype(test_x.dtype, jnp.floating):
+                test_x = test_x.astype(jnp.float64)
+            start = to_state(whole(params, part))
+            sides[name] = dict(start=start, initial=compared(start),
+                               updated=compared(to_state(updated)),
+                               test_logits=np.asarray(forward(model, updated, test_x)))
         phases = ((jax.random.fold_in(train_key, 0), jax.random.fold_in(train_key, 1))
                   if method == "fedrep_train" else (train_key,))
         passes = [batch for phase_key in phases for batch in _passes(phase_key, train, settings)]
     return dict(modes={rule: sides[rule] for rule in parity.ZERO_GRAD_MODES},
-                controls={rule: side for rule, side in sides.items()
-                          if rule not in parity.ZERO_GRAD_MODES},
+                controls={name: side for name, side in sides.items()
+                          if name not in parity.ZERO_GRAD_MODES},
                 passes=passes)
 
 
+def _their_shakespeare_net(trainer, state: dict[str, np.ndarray], settings: dict):
+    """Their trainer module's ``ShakespeareNet`` in float64 holding ``state``."""
+    import torch
+    net = trainer.ShakespeareNet(settings["embed_dim"], settings["vocab_size"],
+                                 settings["hidden"]).double()
+    net.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()},
+                        strict=True)
+    return net
+
+
 def train_torch_side(reference_dir: str, ours: dict[str, Any], method: str, mode: str,
-                     settings: dict = TRAIN_SETTINGS) -> dict[str, Any]:
-    """Their ``emnist_train`` of ``method`` on their ``EMNISTNet`` (62 classes, no dropout)
-    in float64 holding flowjax's start, fed flowjax's epochs, under PyTorch rule
-    ``mode``: the weights after it and the logits of the test pass that ends it."""
+                     settings: dict | None = None) -> dict[str, Any]:
+    """Their ``emnist_train`` (``shakespeare_train``) of ``method`` on their ``EMNISTNet``
+    (62 classes, no dropout; ``ShakespeareNet``) in float64 holding flowjax's start, fed
+    flowjax's epochs, under PyTorch rule ``mode``: the weights after it (the LSTM's two
+    biases summed) and the logits of the test pass that ends it."""
     import tempfile
 
     import torch
     torch.set_num_threads(1)
+    settings = settings or settings_of(method)
+    lstm = _on_lstm(method)
     trainer = parity.import_their_trainer(reference_dir, THEIR_MODULES[method])
     trainer.__dict__.update(lr=settings["learning_rate"], epochs=settings["epochs"],
                             DEVICE="cpu", METHOD=method, num_clients=10, total_clients=10,
                             total_rounds=1,  # their accuracy log's name; its folder:
                             checkpoint_dir=tempfile.mkdtemp(prefix="flowjax_parity_") + os.sep)
-    data = parity.client_data(**settings)
-    train = parity.ScriptedDataset(data["train_x"].astype(np.float64), data["train_y"],
-                                   ours["passes"])
-    test = parity.BatchedDataset(data["test_x"].astype(np.float64), data["test_y"], 100)
+    data = (parity.token_client_data if lstm else parity.client_data)(**settings)
+    if not lstm:
+        data = {k: v.astype(np.float64) if k.endswith("_x") else v for k, v in data.items()}
+    train = parity.ScriptedDataset(data["train_x"], data["train_y"], ours["passes"])
+    test = parity.BatchedDataset(data["test_x"], data["test_y"], 100)
     captured = []
+    start = ours["modes"][mode]["start"]
     with parity._zero_grad(mode):
-        net = parity.their_net(trainer, ours["modes"][mode]["initial"], float64=True)
+        net = (_their_shakespeare_net(trainer, start, settings) if lstm
+               else parity.their_net(trainer, start, float64=True))
         net.register_forward_hook(lambda module, args, output: None if module.training
                                   else captured.append(output.detach().numpy().copy()))
-        trainer.emnist_train(net, train, test)
+        getattr(trainer, "shakespeare_train" if lstm else "emnist_train")(net, train, test)
     if not train.exhausted():
         raise AssertionError("their loop ran fewer epochs than flowjax's plan")
-    return dict(updated={k: v.detach().numpy().copy() for k, v in net.state_dict().items()},
-                test_logits=np.concatenate(captured))
+    updated = {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
+    logits = np.concatenate(captured)
+    return dict(updated=lstm_sum_of_biases(updated) if lstm else updated,
+                test_logits=logits.transpose(0, 2, 1) if lstm else logits)  # [B, T, V]
 
 
 def train_diffs(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
@@ -552,12 +667,18 @@ def train_check(method: str, reference_dir: str, write_fixture: bool,
     from flowjax import run_folder
 
     ours = train_flowjax_side(method)
+    settings = settings_of(method)
     title = {"fedrep_train": "FedRep round (fresh head fc1, fc2: E epochs; then body conv1, "
                              "conv2: E epochs)",
              "lg_fedavg_train": "LG-FedAvg round (fresh local conv1, conv2; per batch a "
-                                "local step, then a global fc1, fc2 step)"}[method]
-    print(f"{title}, their emnist_train, E = {SETTINGS['epochs']}, SGD momentum "
-          f"{SETTINGS['momentum']} (torch {torch_version}, float64, dropout off)")
+                                "local step, then a global fc1, fc2 step)",
+             "lg_fedavg_train_shakespeare": "LG-FedAvg round on the Shakespeare LSTM (fresh "
+                                            "local embedding, lstm1, lstm2; per batch a local "
+                                            "step, then a global dense step; torch_layers)"
+             }[method]
+    their = "shakespeare_train" if _on_lstm(method) else "emnist_train"
+    print(f"{title}, their {their}, E = {settings['epochs']}, SGD momentum "
+          f"{settings['momentum']} (torch {torch_version}, float64, dropout off)")
     ok, worst, modes = True, 0.0, {}
     for mode in parity.ZERO_GRAD_MODES:
         theirs = train_torch_side(reference_dir, ours, method, mode)
@@ -793,7 +914,7 @@ def knn_check(method: str, reference_dir: str, write_fixture: bool,
 def settings_of(method: str) -> dict:
     """The client and hyperparameters of ``method``'s check."""
     if method in TRAIN_CASES:
-        return TRAIN_SETTINGS
+        return SHAKESPEARE_TRAIN_SETTINGS if _on_lstm(method) else TRAIN_SETTINGS
     return HYPCLUSTER_SETTINGS if method == "hypcluster" else SETTINGS
 
 

@@ -290,10 +290,14 @@ def test_flowjax_fedavg_train_split_snapshot_matches_the_authors_cifar10_evaluat
                theirs["tolerance"])
 
 
-@pytest.mark.parametrize("method", ["fedrep_train", "lg_fedavg_train"])
+@pytest.mark.parametrize("method", ["fedrep_train", "lg_fedavg_train",
+                                    "lg_fedavg_train_shakespeare"])
 def test_flowjax_their_training_round_matches_the_authors_emnist_train(tmp_path, method):
     """``tests/fixtures/parity_{fedrep,lg_fedavg}_train.json`` hold their ``emnist_train``
-    (``client_fedrep.py``, ``client_lgfedavg.py``) in float64 from flowjax's start (the
+    (``client_fedrep.py``, ``client_lgfedavg.py``), ``parity_lg_fedavg_train_shakespeare``
+    their LG-FedAvg ``shakespeare_train`` (with ``torch_layers``: PyTorch's two LSTM
+    biases and padding row; the round without them is a control), in float64 from
+    flowjax's start (the
     server's shared layers with the round's fresh personal ones), fed flowjax's epochs,
     under both PyTorch rules for a frozen part: the weights after the round and the logits
     of the test pass that ends it. flowjax's round with ``personal_init="fresh"`` (and
@@ -318,7 +322,9 @@ def test_flowjax_their_training_round_matches_the_authors_emnist_train(tmp_path,
                                         .reshape(-1)[t["indices"]] - t["values"]))
                           for k, t in entry["tensors"].items())
                 assert gap > 100 * tolerance, (mode, other, gap)
-    assert set(ours["controls"]) == ({"joint"} if method == "lg_fedavg_train" else set())
+    assert set(ours["controls"]) == {"fedrep_train": set(), "lg_fedavg_train": {"joint"},
+                                     "lg_fedavg_train_shakespeare": {"joint", "plain_layers"}
+                                     }[method]
 
 
 def parity_settings(method: str) -> dict:

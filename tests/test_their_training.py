@@ -178,8 +178,10 @@ def test_lg_fedavg_alternating_update_differs_from_the_joint_one(cnn, images_sma
 @pytest.mark.parametrize("cls,field", [(FedRepConfig, "personal_init"),
                                        (FedRepConfig, "phase_epochs"),
                                        (FedRepConfig, "frozen_momentum"),
+                                       (FedRepConfig, "torch_layers"),
                                        (LGFedAvgConfig, "personal_init"),
-                                       (LGFedAvgConfig, "local_update")])
+                                       (LGFedAvgConfig, "local_update"),
+                                       (LGFedAvgConfig, "torch_layers")])
 def test_bad_option_values_name_the_field_and_the_choices(cls, field):
     with pytest.raises(ValueError, match=rf"^{field}='sometimes': expected one of "):
         cls(sgd=SGDConfig(**SGD), **{field: "sometimes"})
@@ -221,6 +223,40 @@ def test_their_training_runs_through_the_engine_keeping_no_client_state(method, 
         assert again.summaries["train_clients"] == summary
 
 
+def test_torch_layers_learn_as_pytorch_two_lstm_biases_and_padding_row(cnn, images_small):
+    """``torch_layers`` (``models.layers.with_torch_layers``): the same logits bit for bit;
+    each LSTM bias gets twice its gradient (PyTorch's ``b_ih`` and ``b_hh`` both learn),
+    the embedding's row 0 none (``padding_idx=0``), every other gradient unchanged; on the
+    CNN (no LSTM, no embedding) an LG-FedAvg round is the same bit for bit."""
+    from flowjax.models import get_model
+    from flowjax.models.base import forward
+    from flowjax.models.layers import with_torch_layers
+
+    lstm = get_model("shakespeare_lstm", vocab_size=20, embed_dim=4, hidden=8)
+    torch_like = with_torch_layers(lstm)
+    params = lstm.init(jax.random.key(0))
+    x = jnp.array([[3, 4, 0, 0], [5, 0, 6, 7]])
+    assert_trees_equal(forward(torch_like, params, x), forward(lstm, params, x))
+
+    def grads(model):
+        return jax.grad(lambda p: jnp.sum(forward(model, p, x) ** 2))(params)
+
+    ours, theirs = grads(lstm), grads(torch_like)
+    for layer in ("lstm1", "lstm2"):
+        assert_trees_equal(theirs[layer]["bias"], 2.0 * ours[layer]["bias"])
+        for weight in ("kernel", "recurrent_kernel"):
+            assert_trees_equal(theirs[layer][weight], ours[layer][weight])
+    table, table_ours = theirs["embedding"]["embedding"], ours["embedding"]["embedding"]
+    assert not np.any(table[0]) and np.any(table_ours[0])
+    assert_trees_equal(table[1:], table_ours[1:])
+    assert_trees_equal(theirs["dense"], ours["dense"])
+    plain, torch_cnn = _lg_fedavg(cnn), _lg_fedavg(cnn, torch_layers=True)
+    params, client = plain.init(jax.random.key(0)), _client(images_small, 1)
+    state = plain.init_client_state(params)
+    assert_trees_equal(jax.jit(torch_cnn.client_update)(params, client, jax.random.key(2), state),
+                       jax.jit(plain.client_update)(params, client, jax.random.key(2), state))
+
+
 def _lapack_operand_shapes(program: str) -> list[str]:
     """The operand shapes of the LAPACK calls in a compiled CPU ``program``."""
     return re.findall(r"custom-call\(.*\), custom_call_target=\"lapack_\w+\", "
@@ -255,7 +291,8 @@ import json
 from flowjax import config as run_config, experiment
 from tests.helpers import small_config
 config = small_config(algorithm="lg_fedavg", num_rounds=2, **{
-    "methods.lg_fedavg.personal_init": "fresh", "methods.lg_fedavg.local_update": "alternating"})
+    "methods.lg_fedavg.personal_init": "fresh", "methods.lg_fedavg.local_update": "alternating",
+    "methods.lg_fedavg.torch_layers": True})
 simulation = run_config.build_simulation(config)
 result = experiment.run(simulation)
 print(json.dumps({"stateless": simulation.client_states is None,
@@ -266,7 +303,7 @@ print(json.dumps({"stateless": simulation.client_states is None,
 
 def test_their_text_lg_fedavg_trains_with_fresh_lstm_layers():
     """Their Shakespeare LG-FedAvg (fresh local LSTM layers every round, the alternating
-    update) runs two rounds through ``experiment.run``, in a fresh process (a deadlock
+    update, PyTorch's layers: ``torch_layers``) runs two rounds through ``experiment.run``, in a fresh process (a deadlock
     fails the test instead of hanging the suite): before ``base.fresh_layers`` ran such an
     init one client at a time, this run hung in every try on a 2-core CPU."""
     root = pathlib.Path(__file__).resolve().parents[1]

@@ -80,6 +80,13 @@ evaluation starts that head from a fresh random init (their client objects are r
 each round and never load the head) and trains it E epochs: ``personal_init="fresh"``
 and ``phase_epochs="each"``; by default it starts from the client's stored head and
 Acc_p's run has ``head_epochs`` epochs.
+
+On the LSTMs their layers are PyTorch's: ``nn.LSTM`` trains two biases per cell (``b_ih``
+and ``b_hh``, each with the gradient of their sum, so the sum moves twice as far as one
+bias would) and ``nn.Embedding(padding_idx=0)`` never trains the padding row;
+``torch_layers=True`` trains flowjax's layers so (``models.layers.with_torch_layers``; the
+outputs are the same; the CNN and the ResNet are unaffected). Checked against their code
+for LG-FedAvg's Shakespeare round (``launch/parity_fine_tuning.py``), not for FedRep's.
 """
 
 from __future__ import annotations
@@ -101,6 +108,7 @@ from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import run_epochs
 from flowjax.core.server_opt import ClientMean
 from flowjax.models.base import Params, RoutableModel, forward
+from flowjax.models.layers import with_torch_layers
 
 
 # ``FedRepConfig.phase_epochs``: E - 1 head + 1 body epoch, or E of each.
@@ -132,6 +140,10 @@ class FedRepConfig:
         own; "zero_grad", one over the model, so in the body phase the head keeps moving
         by the velocity of the head phase (the Flow authors' code under the PyTorch 1.11
         of their environment; ``base.FROZEN_MOMENTUM``). Module docstring.
+      torch_layers: True: the layers learn as the Flow authors' PyTorch ones: each LSTM
+        layer's bias as PyTorch's two (``b_ih``, ``b_hh``, both trained: twice the gradient
+        on their sum), no gradient to the embedding's padding row (``padding_idx=0``)
+        (``models.layers.with_torch_layers``; the outputs unchanged; None = off).
     """
 
     sgd: SGDConfig
@@ -142,6 +154,7 @@ class FedRepConfig:
     personal_init: str | None = None
     phase_epochs: str | None = None
     frozen_momentum: str | None = None
+    torch_layers: bool | None = None
 
     def __post_init__(self):
         if self.head_layers is not None:  # a config file's list reads as a tuple
@@ -152,7 +165,8 @@ class FedRepConfig:
                             "head_layers": layer_names_or_none,
                             "personal_init": one_of((None, *PERSONAL_INITS)),
                             "phase_epochs": one_of((None, *PHASE_EPOCHS)),
-                            "frozen_momentum": one_of((None, *FROZEN_MOMENTUM))})
+                            "frozen_momentum": one_of((None, *FROZEN_MOMENTUM)),
+                            "torch_layers": one_of((None, False, True))})
         head, body = (epochs_each_phase if self.phase_epochs == "each"
                       else epochs_for_budget)(self.sgd.epochs)
         for name, derived in (("head_epochs", head), ("body_epochs", body)):
@@ -189,6 +203,8 @@ def head_layer_names(model: RoutableModel, requested: Sequence[str] | None = Non
 
 def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
     """FedRep for ``model`` with ``config.head_layers`` as the personal head."""
+    if config.torch_layers:
+        model = with_torch_layers(model)
     head_names = head_layer_names(model, config.head_layers)
     optimizer = config.sgd.optimizer()
     fresh = config.personal_init == "fresh"

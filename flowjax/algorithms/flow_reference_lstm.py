@@ -100,7 +100,7 @@ from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import epoch_batches
 from flowjax.core.losses import weighted_cross_entropy
 from flowjax.models.base import RoutableModel
-from flowjax.models.layers import dropout, lstm_cell, lstm_weights
+from flowjax.models.layers import dropout, lstm_cell, lstm_weights, torch_lstm_bias
 
 PAD_ID = 0
 BRANCHES = ("global", "local")
@@ -232,18 +232,6 @@ def branch_groups(branch: str, net: Net) -> tuple[str, ...]:
     return ("embedding",) + tuple(f"{branch}/{layer}" for layer in net.layers)
 
 
-def torch_bias(layer_params: dict) -> dict:
-    """An LSTM layer's params whose bias learns as PyTorch's ``LSTMCell``'s.
-
-    ``LSTMCell`` has two biases, ``b_ih`` and ``b_hh``, and both receive the gradient of
-    their sum, so under SGD (with or without momentum, which is linear) the sum moves twice
-    as far per step as one bias would. ``2 b - stop_gradient(b)`` has the value ``b``
-    exactly (``2 b`` is exact and so is the subtraction) and twice its gradient.
-    """
-    b = layer_params["bias"]
-    return {**layer_params, "bias": 2.0 * b - lax.stop_gradient(b)}
-
-
 def plan_batches(key: jax.Array, valid: jax.Array, batch_size: int, epochs: int,
                  half: int | None, single_batch_uses_all: bool = True
                  ) -> tuple[jax.Array, jax.Array]:
@@ -315,7 +303,7 @@ def build(model: RoutableModel, config: Any) -> FederatedAlgorithm:
     def apply(groups, branch, layer, h):
         params = groups[f"{branch}/{layer}"]
         if layer in net.cells:
-            params = torch_bias(params)
+            params = torch_lstm_bias(params)
         j = layer_index[layer]
         return model.glue_apply(j, model.layer_apply(j, params, h), False, jax.random.key(0))
 
@@ -329,7 +317,7 @@ def build(model: RoutableModel, config: Any) -> FederatedAlgorithm:
     def mixed_cells(groups, e, key, rounded):
         """The routed recurrence: the last cell's mixed hidden states ``[B, T, H]`` and the
         state policy's routes ``[B, T, cells, 2]`` (index 0 local)."""
-        weights = {name: lstm_weights(torch_bias(groups[name])) for name in
+        weights = {name: lstm_weights(torch_lstm_bias(groups[name])) for name in
                    (f"{branch}/{cell}" for branch in BRANCHES for cell in net.cells)}
         batch = e.shape[0]
         hidden = weights[f"global/{net.cells[0]}"][1].shape[0]

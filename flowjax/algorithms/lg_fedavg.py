@@ -68,6 +68,13 @@ current global layers, as ``acc_g_client_snapshot`` beside ``acc_g``. Training, 
 Acc_p are unchanged. Their evaluation starts the local layers from a fresh random init
 (their client objects are rebuilt each round and load only the ``linear`` layers):
 ``personal_init="fresh"``; by default they start from the client's stored ones.
+
+On the LSTMs their layers are PyTorch's: ``nn.LSTM`` trains two biases per cell (``b_ih``
+and ``b_hh``, each with the gradient of their sum, so the sum moves twice as far as one
+bias would) and ``nn.Embedding(padding_idx=0)`` never trains the padding row;
+``torch_layers=True`` trains flowjax's layers so (``models.layers.with_torch_layers``; the
+outputs are the same; the CNN and the ResNet are unaffected). Their round is not reached
+on the LSTMs without it (``launch/parity_fine_tuning.py``'s Shakespeare check).
 """
 
 from __future__ import annotations
@@ -90,6 +97,7 @@ from flowjax.core.checks import FieldError, check_fields, one_of
 from flowjax.core.cohort import ClientExamples
 from flowjax.core.server_opt import ClientMean
 from flowjax.models.base import Params, RoutableModel, forward
+from flowjax.models.layers import with_torch_layers
 
 
 # ``LGFedAvgConfig.local_update``: both parts in one step, or one after the other.
@@ -117,6 +125,10 @@ class LGFedAvgConfig:
         stepped by its momentum (the Flow authors' code under the PyTorch 1.11 of their
         environment; ``base.FROZEN_MOMENTUM``). Refused with the joint update, which
         freezes nothing.
+      torch_layers: True: the layers learn as the Flow authors' PyTorch ones: each LSTM
+        layer's bias as PyTorch's two (``b_ih``, ``b_hh``, both trained: twice the gradient
+        on their sum), no gradient to the embedding's padding row (``padding_idx=0``)
+        (``models.layers.with_torch_layers``; the outputs unchanged; None = off).
     """
 
     sgd: SGDConfig
@@ -125,6 +137,7 @@ class LGFedAvgConfig:
     personal_init: str | None = None
     local_update: str | None = None
     frozen_momentum: str | None = None
+    torch_layers: bool | None = None
 
     def __post_init__(self):
         if self.global_layers is not None:  # a config file's list reads as a tuple
@@ -133,7 +146,8 @@ class LGFedAvgConfig:
                             "client_snapshot": one_of((None, False, True)),
                             "personal_init": one_of((None, *PERSONAL_INITS)),
                             "local_update": one_of((None, *LOCAL_UPDATES)),
-                            "frozen_momentum": one_of((None, *FROZEN_MOMENTUM))})
+                            "frozen_momentum": one_of((None, *FROZEN_MOMENTUM)),
+                            "torch_layers": one_of((None, False, True))})
         if self.frozen_momentum is not None and self.local_update != "alternating":
             raise FieldError("frozen_momentum", self.frozen_momentum,
                              "expected None with the joint local update, which freezes no "
@@ -147,6 +161,8 @@ def global_layer_names(model: RoutableModel, requested: Sequence[str] | None) ->
 
 def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorithm:
     """LG-FedAvg for ``model`` with ``config.global_layers`` averaged by the server."""
+    if config.torch_layers:
+        model = with_torch_layers(model)
     global_names = global_layer_names(model, config.global_layers)
     local_names = tuple(name for name in model.layer_names if name not in global_names)
     optimizer = config.sgd.optimizer()

@@ -20,6 +20,7 @@ maxima by comparisons within the window, not against the output as ``jnp.max``'s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Mapping, Sequence
 
@@ -536,6 +537,40 @@ def lstm_weights(layer_params: PyTree) -> tuple[jax.Array, jax.Array, jax.Array]
                                                                      "bias"}:
         return layer_params["kernel"], layer_params["recurrent_kernel"], layer_params["bias"]
     return None
+
+
+def torch_lstm_bias(layer_params: PyTree) -> PyTree:
+    """An LSTM layer's params whose bias learns as PyTorch's (``nn.LSTM``, ``LSTMCell``).
+
+    PyTorch's cell has two biases, ``b_ih`` and ``b_hh``, and both receive the gradient of
+    their sum, so under SGD (with or without momentum, which is linear) the sum moves twice
+    as far per step as one bias would. ``2 b - stop_gradient(b)`` has the value ``b``
+    exactly (``2 b`` is exact and so is the subtraction) and twice its gradient.
+    """
+    b = layer_params["bias"]
+    return {**layer_params, "bias": 2.0 * b - lax.stop_gradient(b)}
+
+
+# The token models' padding id (``shakespeare_lstm.PAD_ID``, ``stackoverflow_lstm.PAD_ID``).
+TORCH_PADDING_IDX = 0
+
+
+def with_torch_layers(model: RoutableModel) -> RoutableModel:
+    """``model`` whose layers learn as the Flow authors' PyTorch ones: each LSTM layer's
+    bias as PyTorch's two (``torch_lstm_bias``), and an embedding's lookups of id 0 as
+    ``nn.Embedding(padding_idx=0)``'s, their value passed but no gradient to that row.
+    The same outputs bit for bit; only those gradients differ; other layers as they are."""
+    apply = model.layer_apply
+
+    def layer_apply(j: int, layer_params: PyTree, h: jax.Array) -> jax.Array:
+        if lstm_weights(layer_params) is not None:
+            return apply(j, torch_lstm_bias(layer_params), h)
+        out = apply(j, layer_params, h)
+        if isinstance(layer_params, Mapping) and set(layer_params) == {"embedding"}:
+            out = jnp.where((h == TORCH_PADDING_IDX)[..., None], lax.stop_gradient(out), out)
+        return out
+
+    return dataclasses.replace(model, layer_apply=layer_apply)
 
 
 def _mix_states(hard: bool, q0_t: jax.Array, state_g: tuple[jax.Array, jax.Array],
