@@ -83,12 +83,14 @@ from launch import parity
 ROOT = parity.ROOT
 
 METHODS = ("fedavg_ft", "fedrep", "lg_fedavg", "hypcluster", "fedavg", "knn_per",
-           "knn_per_cifar", "fedrep_train", "lg_fedavg_train", "lg_fedavg_train_shakespeare")
+           "knn_per_cifar", "fedrep_train", "lg_fedavg_train", "fedrep_train_shakespeare",
+           "lg_fedavg_train_shakespeare")
 THEIR_MODULES = {"fedavg": "trainers.client_fedavg",
                  "knn_per": "trainers.client_knnper", "knn_per_cifar": "trainers.client_knnper",
                  "fedavg_ft": "trainers.client_fedavg_finetuning",
                  "fedrep": "trainers.client_fedrep", "lg_fedavg": "trainers.client_lgfedavg",
                  "fedrep_train": "trainers.client_fedrep",
+                 "fedrep_train_shakespeare": "trainers.client_fedrep",
                  "lg_fedavg_train": "trainers.client_lgfedavg",
                  "lg_fedavg_train_shakespeare": "trainers.client_lgfedavg",
                  "hypcluster": "trainers.client_hypcluster"}
@@ -395,16 +397,18 @@ def fedavg_check(reference_dir: str, write_fixture: bool, torch_version: str) ->
 # 3e-7 moved the conv weights by up to 1.1e-4 at E = 3, and at every one of 9 clients
 # tried, 80-100 examples, seeds 0-2, by 1.8e-5 to 2.3e-4), so float32 could not tell a
 # departure from rounding at the 1e-4 target; float64's rounding is 2^29 times finer.
-TRAIN_CASES = ("fedrep_train", "lg_fedavg_train", "lg_fedavg_train_shakespeare")
+TRAIN_CASES = ("fedrep_train", "lg_fedavg_train", "fedrep_train_shakespeare",
+               "lg_fedavg_train_shakespeare")
 TRAIN_TOLERANCE = 1e-9  # float64
 # 40 train examples (2 batches an epoch: 12 steps of FedRep's round, 6 double steps of
 # LG-FedAvg's), so that CI's recomputation of flowjax's float64 side stays short.
 TRAIN_SETTINGS = {**SETTINGS, "train_examples": 40}
-# Their Shakespeare LG-FedAvg (``client_lgfedavg.py``'s ``shakespeare_train``): their
-# ``ShakespeareNet`` (``nn.Embedding(padding_idx=0)``, a two-layer ``nn.LSTM``, ``fc``),
+# Their Shakespeare FedRep and LG-FedAvg (``client_fedrep.py``'s, ``client_lgfedavg.py``'s
+# ``shakespeare_train``): their ``ShakespeareNet`` (``nn.Embedding(padding_idx=0)``, a
+# two-layer ``nn.LSTM``, ``fc``); FedRep E epochs on ``fc`` then E on the rest, LG-FedAvg
 # per batch a step on every parameter but ``fc``'s, then one on ``fc``'s; their
 # shakespeare_lgfedavg's embedding 8, vocabulary 90, batch 4, lr 0.1, momentum 0.9
-# (written in). An LSTM of 32 (theirs 256), sequences of 20 tokens and E = 2 (theirs 5)
+# (written in; their FedRep's the same). An LSTM of 32 (theirs 256), sequences of 20 tokens and E = 2 (theirs 5)
 # over 8 sequences (2 batches an epoch) keep CI's float64 recomputation short. flowjax
 # runs it with ``torch_layers`` (``models.layers.with_torch_layers``: PyTorch's two LSTM
 # biases, the embedding's padding row); without it is a control.
@@ -417,17 +421,17 @@ SHAKESPEARE_TRAIN_SETTINGS = dict(model="shakespeare_lstm", seed=0, train_exampl
 # last bits (max abs diff 1.5e-8 measured, 2026-12-05, moves of 0.1); under the
 # launchers' flags, and on the CNN, bit for bit.
 FRESH_LSTM_GAP = 1e-6
-# Their ``fc``: LG-FedAvg's global layer on their Shakespeare net.
+# Their ``fc``: FedRep's head, LG-FedAvg's global layer on their Shakespeare net.
 THEIR_SHAKESPEARE_LINEAR = ("dense",)
 
 
 def _training(method: str) -> str:
     """The round ``method`` checks: ``"fedrep_train"`` or ``"lg_fedavg_train"``."""
-    return "lg_fedavg_train" if method.startswith("lg_fedavg_train") else method
+    return method.removesuffix("_shakespeare")
 
 
 def _on_lstm(method: str) -> bool:
-    return method == "lg_fedavg_train_shakespeare"
+    return method.endswith("_shakespeare")
 
 
 def _their_training(method: str, model, sgd, frozen_momentum: str | None,
@@ -443,11 +447,12 @@ def _their_training(method: str, model, sgd, frozen_momentum: str | None,
     their_linear = THEIR_SHAKESPEARE_LINEAR if _on_lstm(method) else THEIR_LINEAR
     if torch_layers is None:
         torch_layers = _on_lstm(method) or None
-    if method == "fedrep_train":
-        return (fedrep(model, FedRepConfig(sgd=sgd, head_layers=THEIR_LINEAR,
+    if _training(method) == "fedrep_train":
+        return (fedrep(model, FedRepConfig(sgd=sgd, head_layers=their_linear,
                                            personal_init=init, phase_epochs="each",
-                                           frozen_momentum=frozen_momentum)),
-                THEIR_LINEAR, lambda params, part: {**params["body"], **part},
+                                           frozen_momentum=frozen_momentum,
+                                           torch_layers=torch_layers)),
+                their_linear, lambda params, part: {**params["body"], **part},
                 lambda sent: {**sent["body"], **sent["mean_head"].value})
     local = tuple(name for name in model.layer_names if name not in their_linear)
     update = "joint" if frozen_momentum is None else "alternating"
@@ -591,7 +596,7 @@ def train_flowjax_side(method: str, settings: dict | None = None) -> dict[str, A
                                updated=compared(to_state(updated)),
                                test_logits=np.asarray(forward(model, updated, test_x)))
         phases = ((jax.random.fold_in(train_key, 0), jax.random.fold_in(train_key, 1))
-                  if method == "fedrep_train" else (train_key,))
+                  if _training(method) == "fedrep_train" else (train_key,))
         passes = [batch for phase_key in phases for batch in _passes(phase_key, train, settings)]
     return dict(modes={rule: sides[rule] for rule in parity.ZERO_GRAD_MODES},
                 controls={name: side for name, side in sides.items()
@@ -672,6 +677,9 @@ def train_check(method: str, reference_dir: str, write_fixture: bool,
                              "conv2: E epochs)",
              "lg_fedavg_train": "LG-FedAvg round (fresh local conv1, conv2; per batch a "
                                 "local step, then a global fc1, fc2 step)",
+             "fedrep_train_shakespeare": "FedRep round on the Shakespeare LSTM (fresh head "
+                                         "dense: E epochs; then body embedding, lstm1, "
+                                         "lstm2: E epochs; torch_layers)",
              "lg_fedavg_train_shakespeare": "LG-FedAvg round on the Shakespeare LSTM (fresh "
                                             "local embedding, lstm1, lstm2; per batch a local "
                                             "step, then a global dense step; torch_layers)"

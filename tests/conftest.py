@@ -83,7 +83,7 @@ if os.environ.get("FLOWJAX_TEST_XLA_O2") != "1":
 FILE_SECONDS = {
     "tests/test_resume.py": 129, "tests/test_conformance.py": 76,
     "tests/test_launch.py": 56, "tests/test_conv_impl.py": 50,
-    "tests/test_experiment.py": 50, "tests/test_parity.py": 143, "tests/test_layers.py": 44,
+    "tests/test_experiment.py": 50, "tests/test_parity.py": 156, "tests/test_layers.py": 44,
     "tests/test_flow.py": 44, "tests/test_validation.py": 44,
     "tests/test_flow_reference.py": 44, "tests/test_multihost.py": 42,
     "tests/test_routing.py": 40, "tests/test_ditto.py": 32, "tests/test_benchmark.py": 31,

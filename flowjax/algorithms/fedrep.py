@@ -85,8 +85,8 @@ On the LSTMs their layers are PyTorch's: ``nn.LSTM`` trains two biases per cell 
 and ``b_hh``, each with the gradient of their sum, so the sum moves twice as far as one
 bias would) and ``nn.Embedding(padding_idx=0)`` never trains the padding row;
 ``torch_layers=True`` trains flowjax's layers so (``models.layers.with_torch_layers``; the
-outputs are the same; the CNN and the ResNet are unaffected). Checked against their code
-for LG-FedAvg's Shakespeare round (``launch/parity_fine_tuning.py``), not for FedRep's.
+outputs are the same; the CNN and the ResNet are unaffected). Their round is not reached
+on the LSTMs without it (``launch/parity_fine_tuning.py``'s Shakespeare check).
 """
 
 from __future__ import annotations
