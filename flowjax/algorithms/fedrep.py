@@ -81,12 +81,9 @@ each round and never load the head) and trains it E epochs: ``personal_init="fre
 and ``phase_epochs="each"``; by default it starts from the client's stored head and
 Acc_p's run has ``head_epochs`` epochs.
 
-On the LSTMs their layers are PyTorch's: ``nn.LSTM`` trains two biases per cell (``b_ih``
-and ``b_hh``, each with the gradient of their sum, so the sum moves twice as far as one
-bias would) and ``nn.Embedding(padding_idx=0)`` never trains the padding row;
-``torch_layers=True`` trains flowjax's layers so (``models.layers.with_torch_layers``; the
-outputs are the same; the CNN and the ResNet are unaffected). Their round is not reached
-on the LSTMs without it (``launch/parity_fine_tuning.py``'s Shakespeare check).
+On the LSTMs their body trains as PyTorch's layers do (two LSTM biases, the embedding's
+padding row frozen): ``torch_layers=True``, as for LG-FedAvg (``algorithms.lg_fedavg``;
+checked against their ``shakespeare_train`` by ``launch/parity_fine_tuning.py``).
 """
 
 from __future__ import annotations
