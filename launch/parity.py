@@ -440,12 +440,13 @@ def lstm_to_torch_layout(params: dict, model_name: str) -> dict[str, np.ndarray]
 
 def lstm_effective(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A state dict with each cell's ``bias_ih + bias_hh`` (what the cell adds) as
-    ``bias``: what both sides have, for comparison."""
+    ``bias`` (an ``nn.LSTM``'s ``bias_ih_l0`` as ``bias_l0``): what both sides have, for
+    comparison."""
     out = {}
     for name, value in state.items():
-        if name.endswith("bias_hh"):
+        if "bias_hh" in name:
             continue
-        if name.endswith("bias_ih"):
+        if "bias_ih" in name:
             value = value + state[name.replace("bias_ih", "bias_hh")]
             name = name.replace("bias_ih", "bias")
         out[name] = np.asarray(value)
@@ -1004,13 +1005,16 @@ def _logged_test_without_dropout(trainer, test_name: str, net_class):
         setattr(trainer, test_name, test)
 
 
-def _their_lstm_net(net_class, state: dict[str, np.ndarray], settings: dict):
+def _their_lstm_net(net_class, state: dict[str, np.ndarray], settings: dict,
+                    float64: bool = False):
     import torch
     if settings["model"] == "shakespeare_lstm":
         net = net_class(settings["embed_dim"], settings["vocab_size"], settings["hidden"])
     else:
         net = net_class(settings["vocab_size"], settings["embed_dim"], settings["hidden"],
                         settings["sequence_length"], 1)
+    if float64:  # before ``state`` loads, which a float32 net would round
+        net = net.double()
     full = {k: v.detach().numpy() for k, v in net.state_dict().items()}
     unknown = set(state) - set(full)
     assert not unknown, unknown

@@ -138,17 +138,24 @@ def _method(method: str, model, sgd):
 
 
 def _client(settings: dict) -> tuple[Any, Any, dict, Any, Any]:
-    """flowjax's EMNIST CNN with its dropout off (module docstring), the clients' SGD, the
-    client's data, its train examples and the evaluation's key."""
+    """flowjax's EMNIST CNN with its dropout off (module docstring), or with ``settings``'
+    ``model`` the Shakespeare LSTM on a token client; the clients' SGD, the client's data,
+    its train examples and the evaluation's key."""
     import jax
 
     from flowjax.algorithms.base import SGDConfig
     from flowjax.models import get_model
 
-    model = parity.without_dropout(get_model("emnist_cnn", num_classes=settings["num_classes"]))
+    if settings.get("model") == "shakespeare_lstm":
+        model = get_model("shakespeare_lstm", vocab_size=settings["vocab_size"],
+                          embed_dim=settings["embed_dim"], hidden=settings["hidden"])
+        data = parity.token_client_data(**settings)
+    else:
+        model = parity.without_dropout(get_model("emnist_cnn",
+                                                 num_classes=settings["num_classes"]))
+        data = parity.client_data(**settings)
     sgd = SGDConfig(learning_rate=settings["learning_rate"], epochs=settings["epochs"],
                     batch_size=settings["batch_size"], momentum=settings["momentum"])
-    data = parity.client_data(**settings)
     train = parity.client_examples(data["train_x"], data["train_y"], settings["batch_size"])
     return model, sgd, data, train, jax.random.key(settings["seed"] + 1)
 
@@ -479,22 +486,6 @@ def float64_start(tree: Any, seed: int) -> Any:
     return jax.tree_util.tree_map_with_path(draw, tree)
 
 
-def _lstm_client(settings: dict) -> tuple[Any, Any, dict, Any, Any]:
-    """``_client``'s five for the Shakespeare LSTM (no dropout to turn off) on a token client."""
-    import jax
-
-    from flowjax.algorithms.base import SGDConfig
-    from flowjax.models import get_model
-
-    model = get_model("shakespeare_lstm", vocab_size=settings["vocab_size"],
-                      embed_dim=settings["embed_dim"], hidden=settings["hidden"])
-    sgd = SGDConfig(learning_rate=settings["learning_rate"], epochs=settings["epochs"],
-                    batch_size=settings["batch_size"], momentum=settings["momentum"])
-    data = parity.token_client_data(**settings)
-    train = parity.client_examples(data["train_x"], data["train_y"], settings["batch_size"])
-    return model, sgd, data, train, jax.random.key(settings["seed"] + 1)
-
-
 def shakespeare_torch_state(params: dict) -> dict[str, np.ndarray]:
     """flowjax's Shakespeare LSTM params as their ``ShakespeareNet``'s state dict: ``[out,
     in]`` weights, layer ``lstm{k+1}`` as the ``nn.LSTM``'s ``_l{k}``, flowjax's one bias as
@@ -509,20 +500,6 @@ def shakespeare_torch_state(params: dict) -> dict[str, np.ndarray]:
         state[f"lstm.bias_ih_l{k}"] = np.asarray(layer["bias"])
         state[f"lstm.bias_hh_l{k}"] = np.zeros_like(state[f"lstm.bias_ih_l{k}"])
     return state
-
-
-def lstm_sum_of_biases(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A ``ShakespeareNet`` state dict with each layer's ``bias_ih + bias_hh`` (what the
-    cell adds) as ``lstm.bias_l{k}``: what both sides have, for comparison."""
-    out = {}
-    for name, value in state.items():
-        if "bias_hh" in name:
-            continue
-        if "bias_ih" in name:
-            value = value + state[name.replace("bias_ih", "bias_hh")]
-            name = name.replace("bias_ih", "bias")
-        out[name] = np.asarray(value)
-    return out
 
 
 def train_flowjax_side(method: str, settings: dict | None = None) -> dict[str, Any]:
@@ -546,9 +523,9 @@ def train_flowjax_side(method: str, settings: dict | None = None) -> dict[str, A
 
     settings = settings or settings_of(method)
     lstm = _on_lstm(method)
-    model, sgd, data, train, key = (_lstm_client if lstm else _client)(settings)
+    model, sgd, data, train, key = _client(settings)
     if lstm:
-        to_state, compared = shakespeare_torch_state, lstm_sum_of_biases
+        to_state, compared = shakespeare_torch_state, parity.lstm_effective
     else:
         to_state, compared = parity.cnn_to_torch_layout, lambda state: state
 
@@ -604,16 +581,6 @@ def train_flowjax_side(method: str, settings: dict | None = None) -> dict[str, A
                 passes=passes)
 
 
-def _their_shakespeare_net(trainer, state: dict[str, np.ndarray], settings: dict):
-    """Their trainer module's ``ShakespeareNet`` in float64 holding ``state``."""
-    import torch
-    net = trainer.ShakespeareNet(settings["embed_dim"], settings["vocab_size"],
-                                 settings["hidden"]).double()
-    net.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()},
-                        strict=True)
-    return net
-
-
 def train_torch_side(reference_dir: str, ours: dict[str, Any], method: str, mode: str,
                      settings: dict | None = None) -> dict[str, Any]:
     """Their ``emnist_train`` (``shakespeare_train``) of ``method`` on their ``EMNISTNet``
@@ -639,8 +606,8 @@ def train_torch_side(reference_dir: str, ours: dict[str, Any], method: str, mode
     captured = []
     start = ours["modes"][mode]["start"]
     with parity._zero_grad(mode):
-        net = (_their_shakespeare_net(trainer, start, settings) if lstm
-               else parity.their_net(trainer, start, float64=True))
+        net = (parity._their_lstm_net(trainer.ShakespeareNet, start, settings, float64=True)
+               if lstm else parity.their_net(trainer, start, float64=True))
         net.register_forward_hook(lambda module, args, output: None if module.training
                                   else captured.append(output.detach().numpy().copy()))
         getattr(trainer, "shakespeare_train" if lstm else "emnist_train")(net, train, test)
@@ -648,7 +615,7 @@ def train_torch_side(reference_dir: str, ours: dict[str, Any], method: str, mode
         raise AssertionError("their loop ran fewer epochs than flowjax's plan")
     updated = {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
     logits = np.concatenate(captured)
-    return dict(updated=lstm_sum_of_biases(updated) if lstm else updated,
+    return dict(updated=parity.lstm_effective(updated) if lstm else updated,
                 test_logits=logits.transpose(0, 2, 1) if lstm else logits)  # [B, T, V]
 
 

@@ -48,6 +48,7 @@ from flowjax.models.base import Params, RoutableModel, forward, instance_weights
 # The methods import the protocol and the instance weights from here too (re-exported).
 __all__ = ["ClientResult", "FederatedAlgorithm", "Predictions", "SGDConfig", "client_optimizer",
            "FROZEN_MOMENTUM", "PERSONAL_INITS", "group_sgd_step", "instance_weights",
+           "merged_loss_sums",
            "fresh_layers", "layer_names_or_none", "no_routing",
            "part_sgd_step", "personal_start",
            "plain_loss_sums", "plain_sgd_step", "run_with_copies", "separate_models_predict",
@@ -190,6 +191,16 @@ def split_layers(params: Params, names: Sequence[str]) -> tuple[Params, Params]:
 # code ran under (their environment: PyTorch 1.11), steps it with a zero gradient, so a
 # group with velocity keeps moving by its momentum.
 FROZEN_MOMENTUM = ("set_to_none", "zero_grad")
+
+
+def merged_loss_sums(model: RoutableModel) -> Callable[[dict, Any, jax.Array], jax.Array]:
+    """``group_sgd_step``'s ``loss_sums`` for groups that together are ``model``'s layers:
+    ``plain_loss_sums`` of the groups merged."""
+    def loss_sums(groups: dict, batch: Any, key: jax.Array) -> jax.Array:
+        merged = {name: layer for group in groups.values() for name, layer in group.items()}
+        return plain_loss_sums(model, merged, batch, key)
+
+    return loss_sums
 
 
 def group_sgd_step(loss_sums: Callable[[dict, Any, jax.Array], jax.Array],

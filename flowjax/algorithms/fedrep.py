@@ -97,7 +97,7 @@ import jax.numpy as jnp
 from flowjax.algorithms.base import (FROZEN_MOMENTUM, PERSONAL_INITS, ClientResult,
                                      FederatedAlgorithm, SGDConfig, fresh_layers,
                                      group_sgd_step, layer_names_or_none, personal_start,
-                                     plain_loss_sums, split_layers, top_layer_names,
+                                     merged_loss_sums, split_layers, top_layer_names,
                                      train_part, train_part_with_snapshot, unrouted_predict,
                                      valid_examples)
 from flowjax.core.checks import FieldError, check_fields, one_of, optional_integer
@@ -225,8 +225,6 @@ def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
         (the default) the frozen part and its state stay as they are, so each phase
         starts the part it trains from a fresh state; under ``zero_grad`` (PyTorch < 2,
         module docstring) the head's velocity keeps moving it in the body phase."""
-        loss_sums = lambda parts, batch, k: plain_loss_sums(  # noqa: E731
-            model, {**parts["body"], **parts["head"]}, batch, k)
         carry = ({"head": head, "body": body},
                  {"head": optimizer.init(head), "body": optimizer.init(body)})
         x, y, _ = examples.flat()
@@ -237,7 +235,7 @@ def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
                 sums.append(jnp.zeros((2,), jnp.float32))
                 continue
             carry, phase_sums = run_epochs(
-                group_sgd_step(loss_sums, (part,), optimizer,
+                group_sgd_step(merged_loss_sums(model), (part,), optimizer,
                                config.frozen_momentum or "set_to_none"),
                 carry, x, y, valid_examples(examples), num_epochs=epochs,
                 key=jax.random.fold_in(key, phase), **train)

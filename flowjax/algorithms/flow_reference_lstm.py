@@ -100,7 +100,8 @@ from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import epoch_batches
 from flowjax.core.losses import weighted_cross_entropy
 from flowjax.models.base import RoutableModel
-from flowjax.models.layers import dropout, lstm_cell, lstm_weights, torch_lstm_bias
+from flowjax.models.layers import (dropout, lstm_cell, lstm_weights, torch_lstm_bias,
+                                   torch_padding_lookups)
 
 PAD_ID = 0
 BRANCHES = ("global", "local")
@@ -296,9 +297,7 @@ def build(model: RoutableModel, config: Any) -> FederatedAlgorithm:
 
     def embed(groups, x):
         table = groups["embedding"]["embedding"]
-        e = jnp.take(table, x, axis=0)
-        # padding_idx: the pad row's lookups pass their value but no gradient.
-        return jnp.where((x == PAD_ID)[..., None], lax.stop_gradient(e), e)
+        return torch_padding_lookups(jnp.take(table, x, axis=0), x)  # padding_idx=0
 
     def apply(groups, branch, layer, h):
         params = groups[f"{branch}/{layer}"]

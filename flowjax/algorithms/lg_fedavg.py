@@ -89,7 +89,7 @@ import optax
 from flowjax.algorithms.base import (FROZEN_MOMENTUM, PERSONAL_INITS, ClientResult,
                                      FederatedAlgorithm, SGDConfig, fresh_layers,
                                      group_sgd_step, layer_names_or_none, personal_start,
-                                     plain_loss_sums, split_layers, top_layer_names,
+                                     merged_loss_sums, split_layers, top_layer_names,
                                      train_part, train_part_with_snapshot, train_plain,
                                      unrouted_predict, valid_examples)
 from flowjax.core.local_training import run_epochs
@@ -239,9 +239,7 @@ def alternating_step(model: RoutableModel, optimizer: optax.GradientTransformati
     part as ``frozen_momentum`` says (``base.group_sgd_step``). Returns the second
     forward's ``[loss_sum, weight_sum]``, the loss the authors' loop accumulates."""
 
-    def loss_sums(parts, batch, key):
-        return plain_loss_sums(model, {**parts["local"], **parts["global"]}, batch, key)
-
+    loss_sums = merged_loss_sums(model)
     local_step = group_sgd_step(loss_sums, ("local",), optimizer, frozen_momentum)
     global_step = group_sgd_step(loss_sums, ("global",), optimizer, frozen_momentum)
 

@@ -555,6 +555,13 @@ def torch_lstm_bias(layer_params: PyTree) -> PyTree:
 TORCH_PADDING_IDX = 0
 
 
+def torch_padding_lookups(looked_up: jax.Array, ids: jax.Array) -> jax.Array:
+    """Embedding lookups ``looked_up`` of ``ids`` as ``nn.Embedding(padding_idx=0)``'s:
+    the padding row's lookups pass their value but no gradient."""
+    return jnp.where((ids == TORCH_PADDING_IDX)[..., None], lax.stop_gradient(looked_up),
+                     looked_up)
+
+
 def with_torch_layers(model: RoutableModel) -> RoutableModel:
     """``model`` whose layers learn as the Flow authors' PyTorch ones: each LSTM layer's
     bias as PyTorch's two (``torch_lstm_bias``), and an embedding's lookups of id 0 as
@@ -567,7 +574,7 @@ def with_torch_layers(model: RoutableModel) -> RoutableModel:
             return apply(j, torch_lstm_bias(layer_params), h)
         out = apply(j, layer_params, h)
         if isinstance(layer_params, Mapping) and set(layer_params) == {"embedding"}:
-            out = jnp.where((h == TORCH_PADDING_IDX)[..., None], lax.stop_gradient(out), out)
+            out = torch_padding_lookups(out, h)
         return out
 
     return dataclasses.replace(model, layer_apply=layer_apply)
