@@ -1007,12 +1007,17 @@ def _logged_test_without_dropout(trainer, test_name: str, net_class):
 
 def _their_lstm_net(net_class, state: dict[str, np.ndarray], settings: dict,
                     float64: bool = False):
+    import inspect
+
     import torch
     if settings["model"] == "shakespeare_lstm":
         net = net_class(settings["embed_dim"], settings["vocab_size"], settings["hidden"])
-    else:
-        net = net_class(settings["vocab_size"], settings["embed_dim"], settings["hidden"],
-                        settings["sequence_length"], 1)
+    else:  # their Flow net also takes the sequence length; their plain net does not
+        sizes = dict(vocab_size=settings["vocab_size"], embedding_size=settings["embed_dim"],
+                     hidden_size=settings["hidden"], num_layers=1)
+        if "sequence_length" in inspect.signature(net_class).parameters:
+            sizes["sequence_length"] = settings["sequence_length"]
+        net = net_class(**sizes)
     if float64:  # before ``state`` loads, which a float32 net would round
         net = net.double()
     full = {k: v.detach().numpy() for k, v in net.state_dict().items()}

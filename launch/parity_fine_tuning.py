@@ -84,7 +84,8 @@ ROOT = parity.ROOT
 
 METHODS = ("fedavg_ft", "fedrep", "lg_fedavg", "hypcluster", "fedavg", "knn_per",
            "knn_per_cifar", "fedrep_train", "lg_fedavg_train", "fedrep_train_shakespeare",
-           "lg_fedavg_train_shakespeare")
+           "lg_fedavg_train_shakespeare", "fedrep_train_stackoverflow",
+           "lg_fedavg_train_stackoverflow")
 THEIR_MODULES = {"fedavg": "trainers.client_fedavg",
                  "knn_per": "trainers.client_knnper", "knn_per_cifar": "trainers.client_knnper",
                  "fedavg_ft": "trainers.client_fedavg_finetuning",
@@ -93,6 +94,8 @@ THEIR_MODULES = {"fedavg": "trainers.client_fedavg",
                  "fedrep_train_shakespeare": "trainers.client_fedrep",
                  "lg_fedavg_train": "trainers.client_lgfedavg",
                  "lg_fedavg_train_shakespeare": "trainers.client_lgfedavg",
+                 "fedrep_train_stackoverflow": "trainers.client_fedrep",
+                 "lg_fedavg_train_stackoverflow": "trainers.client_lgfedavg",
                  "hypcluster": "trainers.client_hypcluster"}
 TITLES = {"fedavg_ft": "FedAvgFT (every layer)",
           "fedrep": "FedRep (head fc1, fc2; body frozen)",
@@ -139,16 +142,19 @@ def _method(method: str, model, sgd):
 
 def _client(settings: dict) -> tuple[Any, Any, dict, Any, Any]:
     """flowjax's EMNIST CNN with its dropout off (module docstring), or with ``settings``'
-    ``model`` the Shakespeare LSTM on a token client; the clients' SGD, the client's data,
+    ``model`` the Shakespeare or Stack Overflow LSTM on a token client; the clients' SGD, the client's data,
     its train examples and the evaluation's key."""
     import jax
 
     from flowjax.algorithms.base import SGDConfig
     from flowjax.models import get_model
 
-    if settings.get("model") == "shakespeare_lstm":
-        model = get_model("shakespeare_lstm", vocab_size=settings["vocab_size"],
-                          embed_dim=settings["embed_dim"], hidden=settings["hidden"])
+    if settings.get("model") in THEIR_LSTM_NETS:
+        sizes = dict(vocab_size=settings["vocab_size"], embed_dim=settings["embed_dim"],
+                     hidden=settings["hidden"])
+        if settings["model"] == "stackoverflow_lstm":
+            sizes["dense"] = settings["embed_dim"]  # their linear_1 maps to the embedding
+        model = get_model(settings["model"], **sizes)
         data = parity.token_client_data(**settings)
     else:
         model = parity.without_dropout(get_model("emnist_cnn",
@@ -405,7 +411,8 @@ def fedavg_check(reference_dir: str, write_fixture: bool, torch_version: str) ->
 # tried, 80-100 examples, seeds 0-2, by 1.8e-5 to 2.3e-4), so float32 could not tell a
 # departure from rounding at the 1e-4 target; float64's rounding is 2^29 times finer.
 TRAIN_CASES = ("fedrep_train", "lg_fedavg_train", "fedrep_train_shakespeare",
-               "lg_fedavg_train_shakespeare")
+               "lg_fedavg_train_shakespeare", "fedrep_train_stackoverflow",
+               "lg_fedavg_train_stackoverflow")
 TRAIN_TOLERANCE = 1e-9  # float64
 # 40 train examples (2 batches an epoch: 12 steps of FedRep's round, 6 double steps of
 # LG-FedAvg's), so that CI's recomputation of flowjax's float64 side stays short.
@@ -423,22 +430,50 @@ SHAKESPEARE_TRAIN_SETTINGS = dict(model="shakespeare_lstm", seed=0, train_exampl
                                   test_examples=3, epochs=2, batch_size=4, learning_rate=0.1,
                                   momentum=0.9, vocab_size=90, embed_dim=8, hidden=32,
                                   sequence_length=20)
+# Their Stack Overflow FedRep and LG-FedAvg (``stackoverflow_nwp_train`` of the same two
+# modules): their ``StackoverflowNet`` (``models/stackoverflow_nwp_rnn.py``:
+# ``nn.Embedding(padding_idx=0)``, a one-layer ``nn.LSTM``, ``linear_1`` to the embedding
+# width, ``linear_2``), the layers named ``linear`` as ``fc`` is on Shakespeare; their
+# stackoverflow_nwp_{fedrep,lgfedavg}'s embedding 96, sequence length 20, batch 16, lr
+# 0.1, momentum 0.9 (written in). A 200-word vocabulary, an LSTM of 32 (theirs 10,004 and
+# 670), E = 2 (theirs 3) and 20 sequences (batches of 16 and 4) keep it short.
+STACKOVERFLOW_TRAIN_SETTINGS = dict(model="stackoverflow_lstm", seed=0, train_examples=20,
+                                    test_examples=3, epochs=2, batch_size=16,
+                                    learning_rate=0.1, momentum=0.9, vocab_size=200,
+                                    embed_dim=96, hidden=32, sequence_length=20)
 # The fresh LSTM round against the stored round from its fresh layers: the same
 # computation in two programs, which under the suite's XLA flags round differently in the
 # last bits (max abs diff 1.5e-8 measured, 2026-12-05, moves of 0.1); under the
 # launchers' flags, and on the CNN, bit for bit.
 FRESH_LSTM_GAP = 1e-6
-# Their ``fc``: FedRep's head, LG-FedAvg's global layer on their Shakespeare net.
-THEIR_SHAKESPEARE_LINEAR = ("dense",)
+# Per flowjax LSTM model, their plain net (``models/shakespeare_rnn.py``,
+# ``models/stackoverflow_nwp_rnn.py``): the class's name in their trainers, its train
+# function, its state-dict names of flowjax's embedding, LSTM layers (``nn.LSTM`` layer
+# k, in order) and dense layers, and the layers named ``fc`` / ``linear`` (FedRep's head,
+# LG-FedAvg's global layers).
+THEIR_LSTM_NETS = {
+    "shakespeare_lstm": dict(net="ShakespeareNet", train="shakespeare_train",
+                             embedding="embeddings", lstm=("lstm1", "lstm2"),
+                             dense={"dense": "fc"}),
+    "stackoverflow_lstm": dict(net="StackoverflowNWPNet", train="stackoverflow_nwp_train",
+                               embedding="embedding", lstm=("lstm",),
+                               dense={"dense1": "linear_1", "dense2": "linear_2"}),
+}
+LSTM_CASE_SETTINGS = {"shakespeare": SHAKESPEARE_TRAIN_SETTINGS,
+                      "stackoverflow": STACKOVERFLOW_TRAIN_SETTINGS}
 
 
 def _training(method: str) -> str:
     """The round ``method`` checks: ``"fedrep_train"`` or ``"lg_fedavg_train"``."""
-    return method.removesuffix("_shakespeare")
+    for dataset in LSTM_CASE_SETTINGS:
+        method = method.removesuffix(f"_{dataset}")
+    return method
 
 
-def _on_lstm(method: str) -> bool:
-    return method.endswith("_shakespeare")
+def _lstm_net(method: str) -> dict | None:
+    """Their plain LSTM net of ``method``'s check (``THEIR_LSTM_NETS``), None on the CNN."""
+    settings = settings_of(method)
+    return THEIR_LSTM_NETS.get(settings.get("model"))
 
 
 def _their_training(method: str, model, sgd, frozen_momentum: str | None,
@@ -451,9 +486,11 @@ def _their_training(method: str, model, sgd, frozen_momentum: str | None,
     from flowjax.algorithms.lg_fedavg import LGFedAvgConfig, lg_fedavg
 
     init = "fresh" if fresh else None
-    their_linear = THEIR_SHAKESPEARE_LINEAR if _on_lstm(method) else THEIR_LINEAR
+    net = _lstm_net(method)
+    # Their ``fc`` / ``linear`` layers: FedRep's head, LG-FedAvg's global layers.
+    their_linear = tuple(net["dense"]) if net else THEIR_LINEAR
     if torch_layers is None:
-        torch_layers = _on_lstm(method) or None
+        torch_layers = net is not None or None
     if _training(method) == "fedrep_train":
         return (fedrep(model, FedRepConfig(sgd=sgd, head_layers=their_linear,
                                            personal_init=init, phase_epochs="each",
@@ -486,15 +523,16 @@ def float64_start(tree: Any, seed: int) -> Any:
     return jax.tree_util.tree_map_with_path(draw, tree)
 
 
-def shakespeare_torch_state(params: dict) -> dict[str, np.ndarray]:
-    """flowjax's Shakespeare LSTM params as their ``ShakespeareNet``'s state dict: ``[out,
-    in]`` weights, layer ``lstm{k+1}`` as the ``nn.LSTM``'s ``_l{k}``, flowjax's one bias as
-    ``bias_ih``, ``bias_hh = 0`` (the cell adds both)."""
-    state = {"embeddings.weight": np.asarray(params["embedding"]["embedding"]),
-             "fc.weight": np.asarray(params["dense"]["kernel"]).T,
-             "fc.bias": np.asarray(params["dense"]["bias"])}
-    for k in range(2):
-        layer = params[f"lstm{k + 1}"]
+def lstm_torch_state(params: dict, net: dict) -> dict[str, np.ndarray]:
+    """flowjax's LSTM model params as the state dict of their plain net ``net``
+    (``THEIR_LSTM_NETS``): ``[out, in]`` weights, the k-th LSTM layer as the ``nn.LSTM``'s
+    ``_l{k}``, flowjax's one bias as ``bias_ih``, ``bias_hh = 0`` (the cell adds both)."""
+    state = {f"{net['embedding']}.weight": np.asarray(params["embedding"]["embedding"])}
+    for ours, theirs in net["dense"].items():
+        state[f"{theirs}.weight"] = np.asarray(params[ours]["kernel"]).T
+        state[f"{theirs}.bias"] = np.asarray(params[ours]["bias"])
+    for k, name in enumerate(net["lstm"]):
+        layer = params[name]
         state[f"lstm.weight_ih_l{k}"] = np.asarray(layer["kernel"]).T
         state[f"lstm.weight_hh_l{k}"] = np.asarray(layer["recurrent_kernel"]).T
         state[f"lstm.bias_ih_l{k}"] = np.asarray(layer["bias"])
@@ -522,10 +560,11 @@ def train_flowjax_side(method: str, settings: dict | None = None) -> dict[str, A
     from flowjax.models.base import forward
 
     settings = settings or settings_of(method)
-    lstm = _on_lstm(method)
+    lstm = _lstm_net(method)
     model, sgd, data, train, key = _client(settings)
     if lstm:
-        to_state, compared = shakespeare_torch_state, parity.lstm_effective
+        to_state = lambda params: lstm_torch_state(params, lstm)  # noqa: E731
+        compared = parity.lstm_effective
     else:
         to_state, compared = parity.cnn_to_torch_layout, lambda state: state
 
@@ -583,8 +622,9 @@ def train_flowjax_side(method: str, settings: dict | None = None) -> dict[str, A
 
 def train_torch_side(reference_dir: str, ours: dict[str, Any], method: str, mode: str,
                      settings: dict | None = None) -> dict[str, Any]:
-    """Their ``emnist_train`` (``shakespeare_train``) of ``method`` on their ``EMNISTNet``
-    (62 classes, no dropout; ``ShakespeareNet``) in float64 holding flowjax's start, fed
+    """Their ``emnist_train`` of ``method`` on their ``EMNISTNet`` (62 classes, no
+    dropout), or on an LSTM model their plain net's train function (``THEIR_LSTM_NETS``),
+    in float64 holding flowjax's start, fed
     flowjax's epochs, under PyTorch rule ``mode``: the weights after it (the LSTM's two
     biases summed) and the logits of the test pass that ends it."""
     import tempfile
@@ -592,7 +632,7 @@ def train_torch_side(reference_dir: str, ours: dict[str, Any], method: str, mode
     import torch
     torch.set_num_threads(1)
     settings = settings or settings_of(method)
-    lstm = _on_lstm(method)
+    lstm = _lstm_net(method)
     trainer = parity.import_their_trainer(reference_dir, THEIR_MODULES[method])
     trainer.__dict__.update(lr=settings["learning_rate"], epochs=settings["epochs"],
                             DEVICE="cpu", METHOD=method, num_clients=10, total_clients=10,
@@ -606,11 +646,12 @@ def train_torch_side(reference_dir: str, ours: dict[str, Any], method: str, mode
     captured = []
     start = ours["modes"][mode]["start"]
     with parity._zero_grad(mode):
-        net = (parity._their_lstm_net(trainer.ShakespeareNet, start, settings, float64=True)
+        net = (parity._their_lstm_net(getattr(trainer, lstm["net"]), start, settings,
+                                      float64=True)
                if lstm else parity.their_net(trainer, start, float64=True))
         net.register_forward_hook(lambda module, args, output: None if module.training
                                   else captured.append(output.detach().numpy().copy()))
-        getattr(trainer, "shakespeare_train" if lstm else "emnist_train")(net, train, test)
+        getattr(trainer, lstm["train"] if lstm else "emnist_train")(net, train, test)
     if not train.exhausted():
         raise AssertionError("their loop ran fewer epochs than flowjax's plan")
     updated = {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
@@ -649,9 +690,17 @@ def train_check(method: str, reference_dir: str, write_fixture: bool,
                                          "lstm2: E epochs; torch_layers)",
              "lg_fedavg_train_shakespeare": "LG-FedAvg round on the Shakespeare LSTM (fresh "
                                             "local embedding, lstm1, lstm2; per batch a local "
-                                            "step, then a global dense step; torch_layers)"
+                                            "step, then a global dense step; torch_layers)",
+             "fedrep_train_stackoverflow": "FedRep round on the Stack Overflow LSTM (fresh "
+                                           "head dense1, dense2: E epochs; then body "
+                                           "embedding, lstm: E epochs; torch_layers)",
+             "lg_fedavg_train_stackoverflow": "LG-FedAvg round on the Stack Overflow LSTM "
+                                              "(fresh local embedding, lstm; per batch a "
+                                              "local step, then a global dense1, dense2 "
+                                              "step; torch_layers)"
              }[method]
-    their = "shakespeare_train" if _on_lstm(method) else "emnist_train"
+    lstm = _lstm_net(method)
+    their = lstm["train"] if lstm else "emnist_train"
     print(f"{title}, their {their}, E = {settings['epochs']}, SGD momentum "
           f"{settings['momentum']} (torch {torch_version}, float64, dropout off)")
     ok, worst, modes = True, 0.0, {}
@@ -889,7 +938,7 @@ def knn_check(method: str, reference_dir: str, write_fixture: bool,
 def settings_of(method: str) -> dict:
     """The client and hyperparameters of ``method``'s check."""
     if method in TRAIN_CASES:
-        return SHAKESPEARE_TRAIN_SETTINGS if _on_lstm(method) else TRAIN_SETTINGS
+        return LSTM_CASE_SETTINGS.get(method.rsplit("_", 1)[-1], TRAIN_SETTINGS)
     return HYPCLUSTER_SETTINGS if method == "hypcluster" else SETTINGS
 
 

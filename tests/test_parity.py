@@ -291,11 +291,14 @@ def test_flowjax_fedavg_train_split_snapshot_matches_the_authors_cifar10_evaluat
 
 
 @pytest.mark.parametrize("method", ["fedrep_train", "lg_fedavg_train",
-                                    "fedrep_train_shakespeare", "lg_fedavg_train_shakespeare"])
+                                    "fedrep_train_shakespeare", "lg_fedavg_train_shakespeare",
+                                    "fedrep_train_stackoverflow",
+                                    "lg_fedavg_train_stackoverflow"])
 def test_flowjax_their_training_round_matches_the_authors_emnist_train(tmp_path, method):
     """``tests/fixtures/parity_{fedrep,lg_fedavg}_train.json`` hold their ``emnist_train``
     (``client_fedrep.py``, ``client_lgfedavg.py``), ``parity_*_train_shakespeare.json``
-    their ``shakespeare_train`` (with ``torch_layers``: PyTorch's two LSTM
+    their ``shakespeare_train`` and ``parity_*_train_stackoverflow.json`` their
+    ``stackoverflow_nwp_train`` (with ``torch_layers``: PyTorch's two LSTM
     biases and padding row; the round without them is a control), in float64 from
     flowjax's start (the
     server's shared layers with the round's fresh personal ones), fed flowjax's epochs,
@@ -324,7 +327,9 @@ def test_flowjax_their_training_round_matches_the_authors_emnist_train(tmp_path,
                 assert gap > 100 * tolerance, (mode, other, gap)
     assert set(ours["controls"]) == {"fedrep_train": set(), "lg_fedavg_train": {"joint"},
                                      "fedrep_train_shakespeare": {"plain_layers"},
-                                     "lg_fedavg_train_shakespeare": {"joint", "plain_layers"}
+                                     "lg_fedavg_train_shakespeare": {"joint", "plain_layers"},
+                                     "fedrep_train_stackoverflow": {"plain_layers"},
+                                     "lg_fedavg_train_stackoverflow": {"joint", "plain_layers"}
                                      }[method]
 
 
