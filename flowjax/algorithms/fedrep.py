@@ -83,7 +83,8 @@ Acc_p's run has ``head_epochs`` epochs.
 
 On the LSTMs their body trains as PyTorch's layers do (two LSTM biases, the embedding's
 padding row frozen): ``torch_layers=True``, as for LG-FedAvg (``algorithms.lg_fedavg``;
-checked against their ``shakespeare_train`` by ``launch/parity_fine_tuning.py``).
+checked against their ``shakespeare_train`` and ``stackoverflow_nwp_train`` by
+``launch/parity_fine_tuning.py``).
 """
 
 from __future__ import annotations

@@ -74,7 +74,8 @@ and ``b_hh``, each with the gradient of their sum, so the sum moves twice as far
 bias would) and ``nn.Embedding(padding_idx=0)`` never trains the padding row;
 ``torch_layers=True`` trains flowjax's layers so (``models.layers.with_torch_layers``; the
 outputs are the same; the CNN and the ResNet are unaffected). Their round is not reached
-on the LSTMs without it (``launch/parity_fine_tuning.py``'s Shakespeare check).
+on the LSTMs without it (``launch/parity_fine_tuning.py``'s Shakespeare and Stack
+Overflow checks).
 """
 
 from __future__ import annotations
