@@ -78,14 +78,16 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
                     body_epochs=config_dict.placeholder(int),
                     client_snapshot=config_dict.placeholder(bool),
                     head_layers=config_dict.placeholder(tuple),  # None = the model's head
-                    # None: "stored" / "budget"; "fresh" / "each": the authors' code.
+                    # None: "stored" / "budget"; "fresh" (or "fresh_torch": their
+                    # PyTorch init) / "each": the authors' code.
                     personal_init=config_dict.placeholder(str),
                     phase_epochs=config_dict.placeholder(str),
                     frozen_momentum=config_dict.placeholder(str),  # None: "set_to_none"
                     torch_layers=config_dict.placeholder(bool)),  # True: the authors'
         lg_fedavg=dict(global_layers=config_dict.placeholder(tuple),  # None = the head
                        client_snapshot=config_dict.placeholder(bool),
-                       # None: "stored" / "joint"; "fresh" / "alternating": the authors'.
+                       # None: "stored" / "joint"; "fresh" (or "fresh_torch") /
+                       # "alternating": the authors'.
                        personal_init=config_dict.placeholder(str),
                        local_update=config_dict.placeholder(str),
                        frozen_momentum=config_dict.placeholder(str),  # as fedrep's

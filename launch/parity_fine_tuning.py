@@ -85,7 +85,7 @@ ROOT = parity.ROOT
 METHODS = ("fedavg_ft", "fedrep", "lg_fedavg", "hypcluster", "fedavg", "knn_per",
            "knn_per_cifar", "fedrep_train", "lg_fedavg_train", "fedrep_train_shakespeare",
            "lg_fedavg_train_shakespeare", "fedrep_train_stackoverflow",
-           "lg_fedavg_train_stackoverflow")
+           "lg_fedavg_train_stackoverflow", "fresh_init")
 THEIR_MODULES = {"fedavg": "trainers.client_fedavg",
                  "knn_per": "trainers.client_knnper", "knn_per_cifar": "trainers.client_knnper",
                  "fedavg_ft": "trainers.client_fedavg_finetuning",
@@ -935,6 +935,125 @@ def knn_check(method: str, reference_dir: str, write_fixture: bool,
                     and margin > MARGIN)
 
 
+# The fresh init's distributions (``personal_init="fresh_torch"``,
+# ``models.torch_init``) against their networks' own PyTorch init, at the sizes their
+# hyperparameters give (Stack Overflow's vocabulary 10,000 + 4 ids): per tensor of their
+# state dict (an LSTM's two biases summed), a two-sample Kolmogorov-Smirnov test of
+# flowjax's draw against ``INIT_SAMPLES`` of theirs at evenly spaced flat indices, and
+# the same count of exact zeros (their embedding's padding row). Passing: every p-value
+# above ``INIT_P_VALUE``; the control (flowjax's model init, ``"fresh"``) must fail some.
+INIT_NETS = {"emnist_cnn": dict(net="EMNISTNet", sizes={}),
+             "shakespeare_lstm": dict(net="ShakespeareNet",
+                                      sizes=dict(vocab_size=90, embed_dim=8, hidden=256)),
+             "stackoverflow_lstm": dict(net="StackoverflowNWPNet",
+                                        sizes=dict(vocab_size=10004, embed_dim=96,
+                                                   hidden=670, dense=96))}
+INIT_MODULE = "trainers.client_fedrep"  # imports all three nets
+INIT_SEED = 0
+INIT_SAMPLES = 2048
+INIT_P_VALUE = 1e-4
+
+
+def _init_state(model_name: str, personal_init: str) -> dict[str, np.ndarray]:
+    """flowjax's fresh init of every layer of ``model_name`` (``INIT_NETS``' sizes) under
+    ``personal_init``, as their net's state dict (an LSTM's one bias as their sum)."""
+    import jax
+
+    from flowjax.algorithms.base import fresh_layers
+    from flowjax.models import get_model
+
+    model = get_model(model_name, **INIT_NETS[model_name]["sizes"])
+    init = jax.jit(fresh_layers(model, model.layer_names, personal_init))
+    params = init(jax.random.key(INIT_SEED))
+    if model_name == "emnist_cnn":
+        return parity.cnn_to_torch_layout(params)
+    return parity.lstm_effective(lstm_torch_state(params, THEIR_LSTM_NETS[model_name]))
+
+
+def init_flowjax_side() -> dict[str, dict[str, dict[str, np.ndarray]]]:
+    """``{model: {personal_init: state}}`` for ``"fresh_torch"`` and the control
+    ``"fresh"`` (no PyTorch needed)."""
+    return {name: {rule: _init_state(name, rule) for rule in ("fresh_torch", "fresh")}
+            for name in INIT_NETS}
+
+
+def _init_sample(value: np.ndarray) -> list[float]:
+    """``INIT_SAMPLES`` values at evenly spaced flat indices, to 7 significant digits (a
+    float32's; the fixture stays small)."""
+    flat = np.asarray(value).reshape(-1)
+    picks = np.linspace(0, flat.size - 1, min(INIT_SAMPLES, flat.size)).astype(int)
+    return [float(f"{v:.7g}") for v in flat[picks]]
+
+
+def init_torch_side(reference_dir: str) -> dict[str, dict[str, dict[str, Any]]]:
+    """Their nets' PyTorch init (``torch.manual_seed(INIT_SEED)``): per tensor its shape,
+    its count of exact zeros and ``INIT_SAMPLES`` values."""
+    import torch
+    trainer = parity.import_their_trainer(reference_dir, INIT_MODULE)
+    out = {}
+    for name, spec in INIT_NETS.items():
+        torch.manual_seed(INIT_SEED)
+        sizes = spec["sizes"]
+        if name == "emnist_cnn":
+            net = trainer.EMNISTNet()
+        else:
+            net = parity._their_lstm_net(getattr(trainer, spec["net"]), {},
+                                         {"model": name, "sequence_length": 20, **sizes})
+        state = parity.lstm_effective({k: v.detach().numpy().copy()
+                                       for k, v in net.state_dict().items()})
+        out[name] = {k: dict(shape=list(v.shape), zeros=int(np.sum(v == 0)),
+                             sample=_init_sample(v)) for k, v in state.items()}
+    return out
+
+
+def init_p_values(ours: dict[str, np.ndarray], theirs: dict[str, dict[str, Any]]
+                  ) -> dict[str, float]:
+    """Per tensor, the two-sample Kolmogorov-Smirnov p-value of flowjax's values against
+    their sample; 0.0 where the shapes or the counts of exact zeros differ."""
+    from scipy import stats
+
+    p_values = {}
+    for k, entry in theirs.items():
+        value = np.asarray(ours[k], np.float64)
+        if list(value.shape) != entry["shape"] or int(np.sum(value == 0)) != entry["zeros"]:
+            p_values[k] = 0.0
+            continue
+        sample = np.asarray(entry["sample"])
+        p_values[k] = (1.0 if np.all(value == value.flat[0]) and np.all(sample == value.flat[0])
+                       else float(stats.ks_2samp(value.reshape(-1), sample).pvalue))
+    return p_values
+
+
+def init_check(reference_dir: str, write_fixture: bool, torch_version: str) -> bool:
+    """flowjax's ``fresh_torch`` draws pass the test against their nets' init on every
+    tensor, and its ``fresh`` (the model's init) fails on some of each net's."""
+    from flowjax import run_folder
+
+    ours, theirs = init_flowjax_side(), init_torch_side(reference_dir)
+    print(f"The fresh init (personal_init=fresh_torch) against their nets' PyTorch init "
+          f"(torch {torch_version}; two-sample KS test against {INIT_SAMPLES} of their "
+          f"values per tensor, and the same count of exact zeros; pass: p > {INIT_P_VALUE:g})")
+    ok = True
+    for name, spec in INIT_NETS.items():
+        torch_p = init_p_values(ours[name]["fresh_torch"], theirs[name])
+        model_p = init_p_values(ours[name]["fresh"], theirs[name])
+        failed = sorted(k for k, p in model_p.items() if p <= INIT_P_VALUE)
+        print(f"  their {spec['net']} vs flowjax's {name}: smallest p {min(torch_p.values()):.3g}"
+              f" over {len(torch_p)} tensors ({min(torch_p, key=torch_p.get)}); control, the "
+              f"model's init: {len(failed)} of {len(model_p)} fail ({', '.join(failed)})")
+        for k in sorted(torch_p):
+            print(f"    {k}: p {torch_p[k]:.3g} (model's init: {model_p[k]:.3g})")
+        ok &= min(torch_p.values()) > INIT_P_VALUE and bool(failed)
+    if write_fixture:
+        fixture = dict(seed=INIT_SEED, nets={name: spec["sizes"] for name, spec in
+                                             INIT_NETS.items()},
+                       torch_version=torch_version, p_value=INIT_P_VALUE, tensors=theirs)
+        run_folder.write_text_atomic(FIXTURES["fresh_init"], json.dumps(fixture))
+        print(f"wrote {os.path.relpath(FIXTURES['fresh_init'], ROOT)}")
+    print(f"fresh_init: {'every tensor passes' if ok else 'NOT every tensor passes, or the control does'}")
+    return ok
+
+
 def settings_of(method: str) -> dict:
     """The client and hyperparameters of ``method``'s check."""
     if method in TRAIN_CASES:
@@ -1014,6 +1133,8 @@ def check(method: str, reference_dir: str, write_fixture: bool, torch_version: s
     whether they are within ``TOLERANCE`` and the control tells copy from final model."""
     if method == "hypcluster":
         return hypcluster_check(reference_dir, write_fixture, torch_version)
+    if method == "fresh_init":
+        return init_check(reference_dir, write_fixture, torch_version)
     if method == "fedavg":
         return fedavg_check(reference_dir, write_fixture, torch_version)
     if method in KNN_CASES:

@@ -362,6 +362,27 @@ def test_flowjax_hypcluster_copies_match_the_authors_before_and_final_nets(tmp_p
     assert matches["cluster"] != matches["final_cluster"]
 
 
+def test_flowjax_fresh_torch_init_draws_as_the_authors_nets():
+    """``tests/fixtures/parity_fresh_init.json`` holds their EMNISTNet's, ShakespeareNet's
+    and StackoverflowNet's PyTorch init (samples of every tensor, its count of exact
+    zeros), at their sizes. flowjax's ``personal_init="fresh_torch"`` draw of the same
+    layers passes a two-sample KS test against it on every tensor, with the same zeros;
+    the model's own init (``"fresh"``) fails it on some tensors of each net."""
+    from launch import parity_fine_tuning as pft
+
+    with open(pft.FIXTURES["fresh_init"]) as f:
+        theirs = json.load(f)
+    assert theirs["seed"] == pft.INIT_SEED and theirs["p_value"] == pft.INIT_P_VALUE
+    assert theirs["nets"] == {name: spec["sizes"] for name, spec in pft.INIT_NETS.items()}
+    ours = pft.init_flowjax_side()
+    for name, tensors in theirs["tensors"].items():
+        assert set(ours[name]["fresh_torch"]) == set(tensors)
+        p_values = pft.init_p_values(ours[name]["fresh_torch"], tensors)
+        assert min(p_values.values()) > theirs["p_value"], (name, p_values)
+        control = pft.init_p_values(ours[name]["fresh"], tensors)
+        assert min(control.values()) <= theirs["p_value"], (name, control)
+
+
 @pytest.mark.parametrize("method", ["knn_per", "knn_per_cifar"])
 def test_flowjax_knn_per_reference_acc_p_matches_the_authors_evaluation(tmp_path, method):
     """``tests/fixtures/parity_knn_per{,_cifar}.json`` hold their kNN-Per

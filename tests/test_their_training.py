@@ -22,6 +22,7 @@ from flowjax.algorithms.base import (SGDConfig, fresh_layers, part_sgd_step, per
                                      split_layers)
 from flowjax.algorithms.fedrep import FedRepConfig, fedrep
 from flowjax.algorithms.lg_fedavg import LGFedAvgConfig, alternating_step, lg_fedavg
+from flowjax.models.torch_init import torch_init
 from flowjax.core.cohort import assemble_cohort, client_at
 from tests.helpers import assert_trees_equal, differs, small_config
 
@@ -46,20 +47,24 @@ def _lg_fedavg(model, momentum=0.9, **options):
                                            global_layers=HEAD, **options))
 
 
+@pytest.mark.parametrize("rule", ["fresh", "fresh_torch"])
 @pytest.mark.parametrize("method", ["fedrep", "lg_fedavg"])
 def test_fresh_personal_layers_are_a_new_init_from_the_first_half_of_the_key(
-        method, cnn, images_small):
+        method, rule, cnn, images_small):
     """``personal_init="fresh"``: stateless; a round (and an evaluation) is the stored
     method's from the personal layers of ``model.init(split(key)[0])`` with key
-    ``split(key)[1]``, bit for bit; another client key draws other layers."""
+    ``split(key)[1]``, bit for bit; another client key draws other layers.
+    ``"fresh_torch"`` likewise, its layers ``torch_init``'s of that key."""
     build, names = ((_fedrep, HEAD) if method == "fedrep" else (_lg_fedavg, LOCAL))
-    fresh, stored = build(cnn, personal_init="fresh"), build(cnn)
+    fresh, stored = build(cnn, personal_init=rule), build(cnn)
     assert fresh.init_client_state is None and stored.init_client_state is not None
     params = fresh.init(jax.random.key(0))
     client, key = _client(images_small, 1), jax.random.key(7)
     init_key, train_key = jax.random.split(key)
     part = split_layers(cnn.init(init_key), names)[0]
-    started, rest = personal_start(fresh_layers(cnn, names), None, key)
+    if rule == "fresh_torch":
+        part = torch_init(part, init_key)
+    started, rest = personal_start(fresh_layers(cnn, names, rule), None, key)
     assert_trees_equal(started, part)
     assert_trees_equal(jax.random.key_data(rest), jax.random.key_data(train_key))
     result = jax.jit(fresh.client_update)(params, client, key, None)
@@ -69,7 +74,8 @@ def test_fresh_personal_layers_are_a_new_init_from_the_first_half_of_the_key(
     assert_trees_equal(result.metrics, same.metrics)
     assert_trees_equal(jax.jit(fresh.personalize)(params, client, key, None),
                        jax.jit(stored.personalize)(params, client, train_key, part))
-    assert differs(personal_start(fresh_layers(cnn, names), None, jax.random.key(8))[0], part)
+    assert differs(personal_start(fresh_layers(cnn, names, rule), None,
+                                  jax.random.key(8))[0], part)
     # The stored method is untouched by the option's existence: its own key, its state.
     assert differs(jax.jit(stored.client_update)(params, client, key, part).params,
                    same.params)
@@ -191,7 +197,7 @@ def test_bad_option_values_name_the_field_and_the_choices(cls, field):
     ("fedrep", {"personal_init": "fresh", "phase_epochs": "each",
                 "frozen_momentum": "zero_grad", "client_snapshot": True,
                 "head_layers": HEAD}),
-    ("lg_fedavg", {"personal_init": "fresh", "local_update": "alternating",
+    ("lg_fedavg", {"personal_init": "fresh_torch", "local_update": "alternating",
                    "frozen_momentum": "zero_grad", "client_snapshot": True,
                    "global_layers": HEAD})])
 @pytest.mark.parametrize("mapping", ["vmap", "loop"])

@@ -32,6 +32,7 @@ clients' personal layers this way, for the evaluation's global model only).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -44,6 +45,7 @@ from flowjax.core.local_training import run_epochs, run_epochs_each
 from flowjax.core.losses import mean_from_sums, weighted_cross_entropy
 from flowjax.engine.protocol import ClientResult, FederatedAlgorithm, Predictions
 from flowjax.models.base import Params, RoutableModel, forward, instance_weights
+from flowjax.models.torch_init import torch_init
 
 # The methods import the protocol and the instance weights from here too (re-exported).
 __all__ = ["ClientResult", "FederatedAlgorithm", "Predictions", "SGDConfig", "client_optimizer",
@@ -242,15 +244,19 @@ def group_sgd_step(loss_sums: Callable[[dict, Any, jax.Array], jax.Array],
 
 
 # How a method with personal layers (FedRep's head, LG-FedAvg's local layers) starts
-# them: "stored", the client's own from its last round (the methods' papers), or "fresh",
-# a new random init every round and at every evaluation (the Flow authors' code, whose
-# client objects are rebuilt each round and never load those layers).
-PERSONAL_INITS = ("stored", "fresh")
+# them: "stored", the client's own from its last round (the methods' papers), or a new
+# random init every round and at every evaluation (the Flow authors' code, whose client
+# objects are rebuilt each round and never load those layers): "fresh", the model's own
+# init; "fresh_torch", drawn as their PyTorch networks draw those layers
+# (``models.torch_init``).
+PERSONAL_INITS = ("stored", "fresh", "fresh_torch")
 
 
-def fresh_layers(model: RoutableModel, names: Sequence[str]) -> Callable[[jax.Array], Params]:
+def fresh_layers(model: RoutableModel, names: Sequence[str], personal_init: str | None = "fresh"
+                 ) -> Callable[[jax.Array], Params] | None:
     """The random init of ``model``'s layers ``names`` from a key, for a method that starts
-    them fresh (``personal_init="fresh"``).
+    them fresh: the model's own (``personal_init="fresh"``) or their PyTorch networks'
+    (``"fresh_torch"``, ``models.torch_init.torch_init``); None for ``"stored"`` (or None).
 
     On CPU, where that init calls LAPACK (the LSTMs' orthogonal recurrent kernels: a QR),
     it runs one client at a time under ``vmap`` (``jax.custom_batching.sequential_vmap``),
@@ -265,6 +271,15 @@ def fresh_layers(model: RoutableModel, names: Sequence[str]) -> Callable[[jax.Ar
     runs inline. The CNN's and the ResNet's inits call no LAPACK and keep the batched
     program.
     """
+    if personal_init in (None, "stored"):
+        return None
+    if personal_init == "fresh_torch":  # uniform and normal draws: no LAPACK
+        shapes = split_layers(jax.eval_shape(model.init, jax.random.key(0)), names)[0]
+        return functools.partial(torch_init, shapes)
+    if personal_init != "fresh":
+        raise ValueError(f"personal_init={personal_init!r}: expected one of "
+                         f"{[None, *PERSONAL_INITS]}")
+
     def init(key: jax.Array) -> Params:
         return split_layers(model.init(key), names)[0]
 

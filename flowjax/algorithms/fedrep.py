@@ -48,7 +48,10 @@ Choices where the paper is silent or the reference code differs:
   round and every evaluation starts the head from a new random init of the model, drawn
   from the first half of ``jax.random.split`` of the client's key (the second half is the
   key of the phases below); no client state is kept, and the server's mean of the trained
-  heads (``h_bar``) is their server's mean of those layers.
+  heads (``h_bar``) is their server's mean of those layers. ``"fresh_torch"`` draws that
+  init as their PyTorch layers draw theirs (``models.torch_init``: ``nn.Linear``'s
+  uniform weights and biases, where the model's own init is Flax's LeCun normal with zero
+  biases).
 * The server mean is example-weighted (the FedAvg convention used by every method here);
   the paper's Algorithm 1 writes a uniform mean over the sampled clients.
 * Each phase starts a fresh optimizer state, so with momentum > 0 no velocity of one
@@ -130,7 +133,9 @@ class FedRepConfig:
         ``head_layer_names``.
       personal_init: where a client's head starts, each round and at evaluation:
         "stored" (None), its own from its last round; "fresh", a new random init (the
-        Flow authors' code; the method is then stateless). Module docstring.
+        Flow authors' code; the method is then stateless): the model's own init, or
+        "fresh_torch", drawn as their PyTorch networks draw those layers
+        (``models.torch_init``). Module docstring.
       phase_epochs: how E splits into the phases left None: "budget" (None), E - 1 head
         epochs and 1 body epoch (``epochs_for_budget``); "each", E head epochs and E body
         epochs, as the Flow authors' code trains (``epochs_each_phase``).
@@ -205,8 +210,8 @@ def fedrep(model: RoutableModel, config: FedRepConfig) -> FederatedAlgorithm:
         model = with_torch_layers(model)
     head_names = head_layer_names(model, config.head_layers)
     optimizer = config.sgd.optimizer()
-    fresh = config.personal_init == "fresh"
-    fresh_init = fresh_layers(model, head_names) if fresh else None
+    fresh_init = fresh_layers(model, head_names, config.personal_init)
+    fresh = fresh_init is not None
     train = dict(batch_size=config.sgd.batch_size, **config.sgd.loop)
 
     def init(key) -> Params:

@@ -46,7 +46,8 @@ Choices where the paper is silent or differs:
   evaluation (the Flow authors' code: each round's client object is a new network whose
   ``set_parameters`` loads only the ``linear`` layers), drawn from the first half of
   ``jax.random.split`` of the client's key, the second half being the training's; no
-  client state is kept then.
+  client state is kept then. ``"fresh_torch"`` draws that init as their PyTorch layers
+  draw theirs (``models.torch_init``).
 * Personalized model at evaluation: the client's local layers with the current global
   layers, frozen (the method's "client body + global head"), the local layers first
   trained for E epochs on the client's train split under that head, from the client's
@@ -117,7 +118,9 @@ class LGFedAvgConfig:
         authors' LG-FedAvg Acc_g (module docstring; None = off).
       personal_init: where a client's local layers start, each round and at evaluation:
         "stored" (None), its own from its last round; "fresh", a new random init (the
-        Flow authors' code; the method is then stateless). Module docstring.
+        Flow authors' code; the method is then stateless): the model's own init, or
+        "fresh_torch", drawn as their PyTorch networks draw those layers
+        (``models.torch_init``). Module docstring.
       local_update: "joint" (None), one SGD step on both parts per batch (the paper's);
         "alternating", per batch a step on the local layers, then one on the global
         layers from the updated local ones (the Flow authors' code). Module docstring.
@@ -167,8 +170,8 @@ def lg_fedavg(model: RoutableModel, config: LGFedAvgConfig) -> FederatedAlgorith
     global_names = global_layer_names(model, config.global_layers)
     local_names = tuple(name for name in model.layer_names if name not in global_names)
     optimizer = config.sgd.optimizer()
-    fresh = config.personal_init == "fresh"
-    fresh_init = fresh_layers(model, local_names) if fresh else None
+    fresh_init = fresh_layers(model, local_names, config.personal_init)
+    fresh = fresh_init is not None
     train = dict(batch_size=config.sgd.batch_size, **config.sgd.loop)
 
     def init(key) -> Params:

@@ -1,0 +1,104 @@
+"""PyTorch's initialization of flowjax's layers, as the Flow authors' networks draw theirs.
+
+The authors' FedRep and LG-FedAvg start their personal layers from a fresh init every
+round (their client objects are rebuilt and never load them), and that init is their
+PyTorch modules' own, not flowjax's (Flax's LeCun normal, Keras' LSTM):
+
+* ``nn.Linear(in, out)`` and ``nn.Conv2d`` with a bias: weight and bias each uniform on
+  ``[-1/sqrt(fan_in), 1/sqrt(fan_in)]`` (``kaiming_uniform_(a=sqrt(5))`` and the bias
+  rule of ``reset_parameters``), ``fan_in`` the input features (times the kernel's area);
+* ``nn.LSTM(hidden)``: every weight and both biases uniform on ``[-1/sqrt(hidden),
+  1/sqrt(hidden)]``; flowjax's one bias is their sum (the cell adds ``b_ih + b_hh``),
+  drawn as the sum of two such draws;
+* ``nn.Embedding(padding_idx=0)`` (their Shakespeare and Stack Overflow nets): standard
+  normal, row 0 zero;
+* their ResNet (``models/cifar100_resnet.py``) sets its own: every (bias-free) convolution
+  normal with variance ``2 / (k * k * out_channels)``, each norm's weight 1 and bias 0,
+  and then each BasicBlock's second norm weight 0 (``bn2.weight.data.fill_(0)``).
+
+Only the distributions are theirs: the draws come from JAX's keys, not PyTorch's
+generator.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Params = Any
+
+# flowjax's BasicBlock names its norms in call order: after the first convolution, after
+# the second (their ``bn2``), on the projection shortcut (their ``downsample``'s).
+_SECOND_BLOCK_NORM = "GroupNorm_1"
+
+
+def _uniform(key: jax.Array, shape: tuple[int, ...], bound: float) -> jax.Array:
+    return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
+
+
+def _linear_or_conv(node: dict, key: jax.Array) -> dict:
+    kernel = node["kernel"]
+    bound = 1.0 / math.sqrt(math.prod(kernel.shape[:-1]))  # fan_in: all but out
+    k_kernel, k_bias = jax.random.split(key)
+    return {"kernel": _uniform(k_kernel, kernel.shape, bound),
+            "bias": _uniform(k_bias, node["bias"].shape, bound)}
+
+
+def _lstm(node: dict, key: jax.Array) -> dict:
+    bound = 1.0 / math.sqrt(node["recurrent_kernel"].shape[0])
+    k_x, k_h, k_ih, k_hh = jax.random.split(key, 4)
+    shape = node["bias"].shape
+    return {"kernel": _uniform(k_x, node["kernel"].shape, bound),
+            "recurrent_kernel": _uniform(k_h, node["recurrent_kernel"].shape, bound),
+            "bias": _uniform(k_ih, shape, bound) + _uniform(k_hh, shape, bound)}
+
+
+def _embedding(node: dict, key: jax.Array) -> dict:
+    table = jax.random.normal(key, node["embedding"].shape, jnp.float32)
+    return {"embedding": table.at[0].set(0.0)}
+
+
+def _resnet_conv(node: dict, key: jax.Array) -> dict:
+    kernel = node["kernel"]  # [k, k, in, out]
+    std = math.sqrt(2.0 / (kernel.shape[0] * kernel.shape[1] * kernel.shape[-1]))
+    return {"kernel": std * jax.random.normal(key, kernel.shape, jnp.float32)}
+
+
+def _norm(node: dict, zero_scale: bool) -> dict:
+    scale = jnp.zeros if zero_scale else jnp.ones
+    return {"scale": scale(node["scale"].shape, jnp.float32),
+            "bias": jnp.zeros(node["bias"].shape, jnp.float32)}
+
+
+def _draw(node: Any, key: jax.Array, path: tuple[str, ...]) -> Any:
+    if not isinstance(node, dict):
+        raise ValueError(f"layer part {'/'.join(path)!r}: expected a dict of params")
+    keys = set(node)
+    if keys == {"kernel", "recurrent_kernel", "bias"}:
+        return _lstm(node, key)
+    if keys == {"kernel", "bias"} and node["kernel"].ndim in (2, 4):
+        return _linear_or_conv(node, key)
+    if keys == {"embedding"}:
+        return _embedding(node, key)
+    if keys == {"kernel"} and node["kernel"].ndim == 4:
+        return _resnet_conv(node, key)
+    if keys == {"scale", "bias"}:
+        return _norm(node, zero_scale=len(path) >= 2 and path[-1] == _SECOND_BLOCK_NORM
+                     and path[-2].startswith("BasicBlock_"))
+    if any(isinstance(value, dict) for value in node.values()):
+        return {name: _draw(child, jax.random.fold_in(key, i), (*path, name))
+                for i, (name, child) in enumerate(sorted(node.items()))}
+    raise ValueError(f"layer part {'/'.join(path)!r} with params {sorted(keys)}: expected "
+                     "a dense, convolution, LSTM, embedding or norm layer")
+
+
+def torch_init(layers: Params, key: jax.Array) -> Params:
+    """Fresh params of ``layers``' shapes (``{layer name: params}``, arrays or
+    ``jax.ShapeDtypeStruct``) drawn as the authors' PyTorch networks draw the same layers
+    (module docstring); each layer from ``fold_in(key, i)``, ``i`` its index in sorted
+    order. Raises ``ValueError`` naming a part of no known kind."""
+    return {name: _draw(layers[name], jax.random.fold_in(key, i), (name,))
+            for i, name in enumerate(sorted(layers))}
