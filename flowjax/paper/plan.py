@@ -73,20 +73,24 @@ EVALUATION_VARIANTS = {
     "knn_per_snapshot": {"algorithm": "knn_per", "methods.knn_per.reference_acc_p": True,
                          "methods.knn_per.sgd.momentum": 0.9},
     # FedRep and LG-FedAvg trained as their code trains them too (``client_fedrep.py``,
-    # ``client_lgfedavg.py``: personal layers fresh every round, FedRep's E + E epochs,
-    # LG-FedAvg's alternating steps, PyTorch 1.11's rule for a frozen part), scored their
-    # way; proven equal to their ``emnist_train`` by ``launch/parity_fine_tuning.py``.
+    # ``client_lgfedavg.py``: personal layers fresh every round, drawn as their PyTorch
+    # layers draw them, FedRep's E + E epochs, LG-FedAvg's alternating steps, PyTorch
+    # 1.11's rule for a frozen part, and on the LSTMs PyTorch's layers), scored their
+    # way; proven equal to their ``emnist_train``, ``shakespeare_train`` and
+    # ``stackoverflow_nwp_train`` by ``launch/parity_fine_tuning.py``.
     "fedrep_their_training": {"algorithm": "fedrep", "methods.fedrep.client_snapshot": True,
                               "methods.fedrep.sgd.momentum": 0.9,
-                              "methods.fedrep.personal_init": "fresh",
+                              "methods.fedrep.personal_init": "fresh_torch",
                               "methods.fedrep.phase_epochs": "each",
-                              "methods.fedrep.frozen_momentum": "zero_grad"},
+                              "methods.fedrep.frozen_momentum": "zero_grad",
+                              "methods.fedrep.torch_layers": True},
     "lg_fedavg_their_training": {"algorithm": "lg_fedavg",
                                  "methods.lg_fedavg.client_snapshot": True,
                                  "methods.lg_fedavg.sgd.momentum": 0.9,
-                                 "methods.lg_fedavg.personal_init": "fresh",
+                                 "methods.lg_fedavg.personal_init": "fresh_torch",
                                  "methods.lg_fedavg.local_update": "alternating",
-                                 "methods.lg_fedavg.frozen_momentum": "zero_grad"}}
+                                 "methods.lg_fedavg.frozen_momentum": "zero_grad",
+                                 "methods.lg_fedavg.torch_layers": True}}
 # The top layers the authors' FedRep personalizes and their LG-FedAvg shares, where they
 # are not the model's head_layers: their layers named ``linear`` (both dense layers of the
 # EMNIST CNN and of the Stack Overflow LSTM; `client_fedrep.py`, `client_lgfedavg.py`);
