@@ -63,6 +63,13 @@ the votes changed (``flipped``), which both sides must agree on. Their scores ar
 where their code takes their argmax (``torch.max``), their datastore's labels where it
 computes them (``torch.argmax``).
 
+``fedrep_train`` and ``lg_fedavg_train`` (``_shakespeare``, ``_stackoverflow``) check a
+training round as their code runs it (``emnist_train``, ``shakespeare_train``,
+``stackoverflow_nwp_train``: personal layers fresh, FedRep E + E epochs, LG-FedAvg's
+alternating steps) in float64 under both PyTorch rules for a frozen part (comments at
+``TRAIN_CASES``); ``fresh_init`` checks the distributions of ``personal_init=
+"fresh_torch"``'s draws against their nets' own PyTorch init (comments at ``INIT_NETS``).
+
 ``flowjax_side_of(method)`` needs no PyTorch: ``tests/test_parity.py`` recomputes it and
 compares it with the committed figures of the PyTorch side
 (``tests/fixtures/parity_<method>.json``).
@@ -1069,6 +1076,8 @@ def flowjax_side_of(method: str) -> dict[str, Any]:
         return knn_flowjax_side(method)
     if method in TRAIN_CASES:
         return train_flowjax_side(method)
+    if method == "fresh_init":
+        return init_flowjax_side()
     return hypcluster_flowjax_side() if method == "hypcluster" else flowjax_side(method)
 
 

@@ -415,7 +415,8 @@ TABLES: dict[str, TableSpec] = {spec.name: spec for spec in (
         "scores the server model; "
         "FedAvgFT, Flow: after its first evaluation epoch; APFL, Ditto: after the E epochs "
         "of its local update; FedRep, LG-FedAvg: the personal part after its first "
-        "evaluation epoch, also trained as their code (fresh personal layers each round; "
+        "evaluation epoch, also trained as their code (fresh personal layers each round, "
+        "drawn as PyTorch's init; "
         "FedRep E + E epochs, LG-FedAvg alternating steps); HypCluster: the cluster with the "
         "lower loss over one epoch of "
         "fine-tuning, after it), the paper's Acc_g, beside the server model's; for "
@@ -440,10 +441,10 @@ TABLES: dict[str, TableSpec] = {spec.name: spec for spec in (
                       "lg_fedavg_snapshot": "LG-FedAvg, SGD momentum 0.9, their global "
                                             "layers",
                       "fedrep_their_training": "FedRep trained as their code (fresh head "
-                                               "each round, E + E epochs)",
+                                               "each round, PyTorch's init, E + E epochs)",
                       "lg_fedavg_their_training": "LG-FedAvg trained as their code (fresh "
-                                                  "local layers each round, alternating "
-                                                  "steps)",
+                                                  "local layers each round, PyTorch's "
+                                                  "init, alternating steps)",
                       "hypcluster_snapshot": "HypCluster, SGD momentum 0.9",
                       "knn_per_snapshot": "kNN-Per, SGD momentum 0.9, their Acc_p (image "
                                           "models; from the copy on CIFAR)",
