@@ -949,15 +949,50 @@ def knn_check(method: str, reference_dir: str, write_fixture: bool,
 # flowjax's draw against ``INIT_SAMPLES`` of theirs at evenly spaced flat indices, and
 # the same count of exact zeros (their embedding's padding row). Passing: every p-value
 # above ``INIT_P_VALUE``; the control (flowjax's model init, ``"fresh"``) must fail some.
+# Their CIFAR ResNet (``models/cifar100_resnet.py``, their FedRep's and LG-FedAvg's)
+# is compared without its stem, a 7x7 convolution where flowjax's CIFAR stem is 3x3, and
+# without its BatchNorm's running statistics (flowjax's norms are GroupNorms).
 INIT_NETS = {"emnist_cnn": dict(net="EMNISTNet", sizes={}),
              "shakespeare_lstm": dict(net="ShakespeareNet",
                                       sizes=dict(vocab_size=90, embed_dim=8, hidden=256)),
              "stackoverflow_lstm": dict(net="StackoverflowNWPNet",
                                         sizes=dict(vocab_size=10004, embed_dim=96,
-                                                   hidden=670, dense=96))}
-INIT_MODULE = "trainers.client_fedrep"  # imports all three nets
+                                                   hidden=670, dense=96)),
+             "resnet18_gn": dict(net="CifarResNet", sizes=dict(num_classes=10))}
+INIT_MODULE = "trainers.client_fedrep"  # imports all four nets
+# flowjax's BasicBlock parts (call order) by their names in their BasicBlock.
+_THEIR_BLOCK = {"Conv2D_0": "conv1", "GroupNorm_0": "bn1", "Conv2D_1": "conv2",
+                "GroupNorm_1": "bn2", "Conv2D_2": "downsample.0", "GroupNorm_2": "downsample.1"}
+
+
+def resnet_torch_state(params: dict) -> dict[str, np.ndarray]:
+    """flowjax's ``resnet18_gn`` params but its stem as the state dict of their plain
+    CIFAR ResNet: ``stage{k}`` as ``layer{k}``, OIHW kernels, norms' ``scale`` as
+    ``weight``, ``fc``'s ``[out, in]`` weight."""
+    state = {"fc.weight": np.asarray(params["fc"]["kernel"]).T,
+             "fc.bias": np.asarray(params["fc"]["bias"])}
+    for stage in range(1, 5):
+        for block, parts in params[f"stage{stage}"].items():
+            prefix = f"layer{stage}.{block.removeprefix('BasicBlock_')}"
+            for ours, layer in parts.items():
+                theirs = f"{prefix}.{_THEIR_BLOCK[ours]}"
+                if "kernel" in layer:
+                    state[f"{theirs}.weight"] = parity._oihw(layer["kernel"])
+                else:
+                    state[f"{theirs}.weight"] = np.asarray(layer["scale"])
+                    state[f"{theirs}.bias"] = np.asarray(layer["bias"])
+    return state
+
+
+def _their_compared(name: str, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Their ``state`` less what ``INIT_NETS``' comment leaves out (the ResNet's stem and
+    running statistics)."""
+    if name != "resnet18_gn":
+        return state
+    return {k: v for k, v in state.items() if not k.startswith(("conv1.", "bn1."))
+            and not k.endswith(("running_mean", "running_var", "num_batches_tracked"))}
 INIT_SEED = 0
-INIT_SAMPLES = 2048
+INIT_SAMPLES = 1024
 INIT_P_VALUE = 1e-4
 
 
@@ -974,6 +1009,8 @@ def _init_state(model_name: str, personal_init: str) -> dict[str, np.ndarray]:
     params = init(jax.random.key(INIT_SEED))
     if model_name == "emnist_cnn":
         return parity.cnn_to_torch_layout(params)
+    if model_name == "resnet18_gn":
+        return resnet_torch_state(params)
     return parity.lstm_effective(lstm_torch_state(params, THEIR_LSTM_NETS[model_name]))
 
 
@@ -1003,11 +1040,13 @@ def init_torch_side(reference_dir: str) -> dict[str, dict[str, dict[str, Any]]]:
         sizes = spec["sizes"]
         if name == "emnist_cnn":
             net = trainer.EMNISTNet()
+        elif name == "resnet18_gn":
+            net = trainer.CifarResNet(**sizes)
         else:
             net = parity._their_lstm_net(getattr(trainer, spec["net"]), {},
                                          {"model": name, "sequence_length": 20, **sizes})
-        state = parity.lstm_effective({k: v.detach().numpy().copy()
-                                       for k, v in net.state_dict().items()})
+        state = _their_compared(name, parity.lstm_effective(
+            {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}))
         out[name] = {k: dict(shape=list(v.shape), zeros=int(np.sum(v == 0)),
                              sample=_init_sample(v)) for k, v in state.items()}
     return out
