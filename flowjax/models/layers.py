@@ -539,6 +539,11 @@ def lstm_weights(layer_params: PyTree) -> tuple[jax.Array, jax.Array, jax.Array]
     return None
 
 
+def is_embedding(layer_params: PyTree) -> bool:
+    """Whether a layer's params are an ``Embed``'s (its table alone)."""
+    return isinstance(layer_params, Mapping) and set(layer_params) == {"embedding"}
+
+
 def torch_lstm_bias(layer_params: PyTree) -> PyTree:
     """An LSTM layer's params whose bias learns as PyTorch's (``nn.LSTM``, ``LSTMCell``).
 
@@ -573,7 +578,7 @@ def with_torch_layers(model: RoutableModel) -> RoutableModel:
         if lstm_weights(layer_params) is not None:
             return apply(j, torch_lstm_bias(layer_params), h)
         out = apply(j, layer_params, h)
-        if isinstance(layer_params, Mapping) and set(layer_params) == {"embedding"}:
+        if is_embedding(layer_params):
             out = torch_padding_lookups(out, h)
         return out
 

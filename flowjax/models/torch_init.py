@@ -28,7 +28,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-Params = Any
+from flowjax.models.base import Params
+from flowjax.models.layers import TORCH_PADDING_IDX, is_embedding, lstm_weights
 
 # flowjax's BasicBlock names its norms in call order: after the first convolution, after
 # the second (their ``bn2``), on the projection shortcut (their ``downsample``'s).
@@ -58,7 +59,7 @@ def _lstm(node: dict, key: jax.Array) -> dict:
 
 def _embedding(node: dict, key: jax.Array) -> dict:
     table = jax.random.normal(key, node["embedding"].shape, jnp.float32)
-    return {"embedding": table.at[0].set(0.0)}
+    return {"embedding": table.at[TORCH_PADDING_IDX].set(0.0)}
 
 
 def _resnet_conv(node: dict, key: jax.Array) -> dict:
@@ -77,11 +78,11 @@ def _draw(node: Any, key: jax.Array, path: tuple[str, ...]) -> Any:
     if not isinstance(node, dict):
         raise ValueError(f"layer part {'/'.join(path)!r}: expected a dict of params")
     keys = set(node)
-    if keys == {"kernel", "recurrent_kernel", "bias"}:
+    if lstm_weights(node) is not None:
         return _lstm(node, key)
     if keys == {"kernel", "bias"} and node["kernel"].ndim in (2, 4):
         return _linear_or_conv(node, key)
-    if keys == {"embedding"}:
+    if is_embedding(node):
         return _embedding(node, key)
     if keys == {"kernel"} and node["kernel"].ndim == 4:
         return _resnet_conv(node, key)
