@@ -455,32 +455,36 @@ STACKOVERFLOW_TRAIN_SETTINGS = dict(model="stackoverflow_lstm", seed=0, train_ex
 FRESH_LSTM_GAP = 1e-6
 # Per flowjax LSTM model, their plain net (``models/shakespeare_rnn.py``,
 # ``models/stackoverflow_nwp_rnn.py``): the class's name in their trainers, its train
-# function, its state-dict names of flowjax's embedding, LSTM layers (``nn.LSTM`` layer
-# k, in order) and dense layers, and the layers named ``fc`` / ``linear`` (FedRep's head,
-# LG-FedAvg's global layers).
+# function and its embedding's name, as in their Flow trainers (``parity.THEIR_LSTM``);
+# its state-dict names of flowjax's LSTM layers (``nn.LSTM`` layer k, in order) and dense
+# layers, the layers named ``fc`` / ``linear`` (FedRep's head, LG-FedAvg's global layers).
 THEIR_LSTM_NETS = {
-    "shakespeare_lstm": dict(net="ShakespeareNet", train="shakespeare_train",
-                             embedding="embeddings", lstm=("lstm1", "lstm2"),
-                             dense={"dense": "fc"}),
-    "stackoverflow_lstm": dict(net="StackoverflowNWPNet", train="stackoverflow_nwp_train",
-                               embedding="embedding", lstm=("lstm",),
-                               dense={"dense1": "linear_1", "dense2": "linear_2"}),
-}
+    model: {**{k: parity.THEIR_LSTM[model][k] for k in ("net", "train", "embedding")},
+            **layers}
+    for model, layers in {
+        "shakespeare_lstm": dict(lstm=("lstm1", "lstm2"), dense={"dense": "fc"}),
+        "stackoverflow_lstm": dict(lstm=("lstm",),
+                                   dense={"dense1": "linear_1", "dense2": "linear_2"}),
+    }.items()}
 LSTM_CASE_SETTINGS = {"shakespeare": SHAKESPEARE_TRAIN_SETTINGS,
                       "stackoverflow": STACKOVERFLOW_TRAIN_SETTINGS}
 
 
+def _dataset(method: str) -> str | None:
+    """The LSTM dataset a training check's name ends with, None for the CNN's."""
+    return next((dataset for dataset in LSTM_CASE_SETTINGS
+                 if method.endswith(f"_{dataset}")), None)
+
+
 def _training(method: str) -> str:
     """The round ``method`` checks: ``"fedrep_train"`` or ``"lg_fedavg_train"``."""
-    for dataset in LSTM_CASE_SETTINGS:
-        method = method.removesuffix(f"_{dataset}")
-    return method
+    dataset = _dataset(method)
+    return method.removesuffix(f"_{dataset}") if dataset else method
 
 
 def _lstm_net(method: str) -> dict | None:
     """Their plain LSTM net of ``method``'s check (``THEIR_LSTM_NETS``), None on the CNN."""
-    settings = settings_of(method)
-    return THEIR_LSTM_NETS.get(settings.get("model"))
+    return THEIR_LSTM_NETS.get(settings_of(method).get("model"))
 
 
 def _their_training(method: str, model, sgd, frozen_momentum: str | None,
@@ -960,6 +964,9 @@ INIT_NETS = {"emnist_cnn": dict(net="EMNISTNet", sizes={}),
                                                    hidden=670, dense=96)),
              "resnet18_gn": dict(net="CifarResNet", sizes=dict(num_classes=10))}
 INIT_MODULE = "trainers.client_fedrep"  # imports all four nets
+INIT_SEED = 0
+INIT_SAMPLES = 1024  # a multiple of parity.SAMPLED_VALUES
+INIT_P_VALUE = 1e-4
 # flowjax's BasicBlock parts (call order) by their names in their BasicBlock.
 _THEIR_BLOCK = {"Conv2D_0": "conv1", "GroupNorm_0": "bn1", "Conv2D_1": "conv2",
                 "GroupNorm_1": "bn2", "Conv2D_2": "downsample.0", "GroupNorm_2": "downsample.1"}
@@ -991,9 +998,6 @@ def _their_compared(name: str, state: dict[str, np.ndarray]) -> dict[str, np.nda
         return state
     return {k: v for k, v in state.items() if not k.startswith(("conv1.", "bn1."))
             and not k.endswith(("running_mean", "running_var", "num_batches_tracked"))}
-INIT_SEED = 0
-INIT_SAMPLES = 1024
-INIT_P_VALUE = 1e-4
 
 
 def _init_state(model_name: str, personal_init: str) -> dict[str, np.ndarray]:
@@ -1022,11 +1026,10 @@ def init_flowjax_side() -> dict[str, dict[str, dict[str, np.ndarray]]]:
 
 
 def _init_sample(value: np.ndarray) -> list[float]:
-    """``INIT_SAMPLES`` values at evenly spaced flat indices, to 7 significant digits (a
-    float32's; the fixture stays small)."""
-    flat = np.asarray(value).reshape(-1)
-    picks = np.linspace(0, flat.size - 1, min(INIT_SAMPLES, flat.size)).astype(int)
-    return [float(f"{v:.7g}") for v in flat[picks]]
+    """``INIT_SAMPLES`` values at evenly spaced flat indices (``parity._summary``'s), to 7
+    significant digits (a float32's; the fixture stays small)."""
+    picked = parity._summary(value, INIT_SAMPLES // parity.SAMPLED_VALUES)["values"]
+    return [float(f"{v:.7g}") for v in picked]
 
 
 def init_torch_side(reference_dir: str) -> dict[str, dict[str, dict[str, Any]]]:
@@ -1044,7 +1047,7 @@ def init_torch_side(reference_dir: str) -> dict[str, dict[str, dict[str, Any]]]:
             net = trainer.CifarResNet(**sizes)
         else:
             net = parity._their_lstm_net(getattr(trainer, spec["net"]), {},
-                                         {"model": name, "sequence_length": 20, **sizes})
+                                         {"model": name, **sizes})
         state = _their_compared(name, parity.lstm_effective(
             {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}))
         out[name] = {k: dict(shape=list(v.shape), zeros=int(np.sum(v == 0)),
@@ -1103,7 +1106,7 @@ def init_check(reference_dir: str, write_fixture: bool, torch_version: str) -> b
 def settings_of(method: str) -> dict:
     """The client and hyperparameters of ``method``'s check."""
     if method in TRAIN_CASES:
-        return LSTM_CASE_SETTINGS.get(method.rsplit("_", 1)[-1], TRAIN_SETTINGS)
+        return LSTM_CASE_SETTINGS.get(_dataset(method), TRAIN_SETTINGS)
     return HYPCLUSTER_SETTINGS if method == "hypcluster" else SETTINGS
 
 
