@@ -365,9 +365,10 @@ def test_flowjax_hypcluster_copies_match_the_authors_before_and_final_nets(tmp_p
 def test_flowjax_fresh_torch_init_draws_as_the_authors_nets():
     """``tests/fixtures/parity_fresh_init.json`` holds their EMNISTNet's, ShakespeareNet's,
     StackoverflowNet's and CIFAR ResNet's (but its stem) PyTorch init (samples of every
-    tensor, its count of exact zeros), at their sizes. flowjax's ``personal_init="fresh_torch"`` draw of the same
-    layers passes a two-sample KS test against it on every tensor, with the same zeros;
-    the model's own init (``"fresh"``) fails it on some tensors of each net."""
+    tensor, its count of exact zeros), at their sizes. flowjax's
+    ``personal_init="fresh_torch"`` draw of the same layers passes a two-sample KS test
+    against it on every tensor, with the same zeros; the model's own init (``"fresh"``)
+    fails it on some tensors of each net."""
     from launch import parity_fine_tuning as pft
 
     with open(pft.FIXTURES["fresh_init"]) as f:
