@@ -130,6 +130,11 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
     # and ran 6.8x slower (docs/benchmarks/cpu-2core.md): measure before unrolling.
     # (None rather than 1 so that runs stored before the field existed still resume.)
     config.lstm_unroll = config_dict.placeholder(int)
+    # How every method draws the model (and Flow its policy) at the start of the run:
+    # None / "flax", the layers' own init (Flax's LeCun normal with zero biases, Keras'
+    # LSTM); "torch", PyTorch's defaults as the authors' networks draw theirs
+    # (flowjax/models/torch_init.py). Flow's CIFAR reference network always draws its own.
+    config.model_init = config_dict.placeholder(str)
     config.log_every = 10
     # Where stateful methods keep their client states: "memory" (host RAM), or "disk"
     # (memory-mapped files in <workdir>/client_states/, for runs whose states outgrow the

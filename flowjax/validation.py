@@ -33,6 +33,7 @@ from flowjax.paper.plan import ABLATIONS, variant_overrides
 from flowjax.models import MODELS, get_model, model_takes
 from flowjax.models.base import RoutableModel
 from flowjax.models.layers import COMPUTE_DTYPES, CONV_IMPLS
+from flowjax.models.torch_init import INIT_STYLES, with_torch_init
 from flowjax.models.emnist_cnn import IMAGE_SHAPE
 from flowjax.models.resnet_gn import IMAGE_SHAPE as CIFAR_IMAGE_SHAPE
 from flowjax.models.shakespeare_lstm import SEQUENCE_LENGTH
@@ -97,6 +98,7 @@ _RULES: tuple[tuple[str, Check], ...] = (
     ("compute_dtype", one_of(tuple(COMPUTE_DTYPES))),
     ("client_states", one_of(("memory", "disk"))),
     ("lstm_unroll", optional_integer(1)),
+    ("model_init", one_of((None,) + INIT_STYLES)),
     ("seed", _seed),
     ("num_rounds", integer(1)),
     ("clients_per_round", integer(1)),
@@ -160,8 +162,9 @@ def model_options(config: Any) -> dict[str, Any]:
 
 
 def build_model(config: Any) -> RoutableModel:
-    """The configured model; a bad ``model_options`` (or a layer option the model does
-    not implement) fails with one line."""
+    """The configured model, drawn as PyTorch draws its layers where ``model_init`` is
+    ``"torch"``; a bad ``model_options`` (or a layer option the model does not implement)
+    fails with one line."""
     options = model_options(config)
     for name, default in _MODEL_FIELDS.items():
         if name in options and not model_takes(config.model, name):
@@ -174,9 +177,10 @@ def build_model(config: Any) -> RoutableModel:
         if any(is_int(size) and size < 1 for size in sizes):
             _fail(f"model_options.{name}", value, "expected sizes >= 1")
     try:
-        return get_model(config.model, **options)
+        model = get_model(config.model, **options)
     except TypeError as error:
         _fail("model_options", options, f"expected keyword arguments of {config.model} ({error})")
+    return with_torch_init(model) if config.get("model_init", None) == "torch" else model
 
 
 def _check_flow_departures(flow: Any, model: RoutableModel) -> None:
@@ -240,6 +244,11 @@ def _check_model_fields(config: Any, method: Any, model: RoutableModel) -> None:
             _fail("model_options.groups", options["groups"],
                   "expected it unset with methods.flow.semantics='reference': the authors' "
                   "CIFAR network has its own GroupNorm (2 channels per group)")
+        if (method.semantics == "reference" and model.name in flow_reference_resnet.MODELS
+                and config.get("model_init", None) == "flax"):
+            _fail("model_init", "flax", "expected None or 'torch' with methods.flow."
+                  "semantics='reference': the authors' CIFAR network draws its own PyTorch "
+                  "init")
     if config.algorithm == "knn_per" and method.reference_acc_p:
         try:
             reference_key_layer(model)

@@ -72,7 +72,7 @@ from flowjax.validation import validate_config  # noqa: E402
 
 _TABLE = flags.DEFINE_string("table", None, "Paper table: table2, table3, regularization, "
                              "pi_pc_flow, fixed_policy, soft_hard, order, split_ratio, "
-                             "gain_source, client_snapshot.")
+                             "gain_source, client_snapshot, torch_init.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Root of the cells and the tables.")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "44", "56"], "Seeds (the paper's: 0, 44, 56).")
 _DATASETS = flags.DEFINE_list("datasets", [], "Datasets (default: the table's paper datasets "

@@ -253,6 +253,12 @@ CASES: tuple[Case, ...] = (
          "expected a run folder for the client states' files (launch/train.py "
          "--workdir=...), or 'memory'", {"client_states": "disk", "algorithm": "ditto"},
          checked_by="`flowjax.config.simulation_for` (built without a workdir)"),
+    _config("model_init", "pytorch", "config.model_init='pytorch': expected one of [None, "
+            "'flax', 'torch']"),
+    _config("model_init", "flax", "config.model_init='flax': expected None or 'torch' with "
+            "methods.flow.semantics='reference': the authors' CIFAR network draws its own "
+            "PyTorch init", model="resnet18_gn",
+            **{"methods.flow.semantics": "reference", "methods.flow.policy_hidden": (8,) * 6}),
     _config("lstm_unroll", 0, "config.lstm_unroll=0: expected None or an integer >= 1"),
     _config("lstm_unroll", 4, "config.lstm_unroll=4: expected None: resnet18_gn does not "
             "implement lstm_unroll", model="resnet18_gn"),

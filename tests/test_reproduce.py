@@ -766,7 +766,7 @@ def test_bad_table_exits_2_with_one_line(tmp_path):
     assert done.stderr.strip().splitlines() == [
         "error: unknown --table='tabel2'; expected one of table2, table3, regularization, "
         "pi_pc_flow, fixed_policy, soft_hard, order, split_ratio, gain_source, "
-        "client_snapshot"]
+        "client_snapshot, torch_init"]
     assert os.listdir(tmp_path) == []
 
 

@@ -1,7 +1,9 @@
-"""``models.torch_init``: fresh layers drawn as the Flow authors' PyTorch networks draw
-theirs (``personal_init="fresh_torch"``). The distributions against their nets' own
-init are ``tests/test_parity.py``'s (a fixture PyTorch wrote); here the rules' exact
-parts: the supports, the zeros and ones, their ResNet's own init, and bad layers."""
+"""``models.torch_init``: layers drawn as the Flow authors' PyTorch networks draw theirs,
+the fresh personal layers (``personal_init="fresh_torch"``) and whole runs
+(``model_init="torch"``). The distributions against their nets' own init are
+``tests/test_parity.py``'s (a fixture PyTorch wrote); here the rules' exact parts: the
+supports, the zeros and ones, their ResNet's own init, bad layers, and which parts of a
+run the run config's ``model_init`` draws."""
 
 import math
 
@@ -9,9 +11,12 @@ import jax
 import numpy as np
 import pytest
 
+from flowjax import config as run_config
 from flowjax.algorithms.base import fresh_layers
+from flowjax.core import prng
 from flowjax.models import get_model
-from flowjax.models.torch_init import torch_init
+from flowjax.models.torch_init import torch_init, with_torch_init
+from tests.helpers import assert_trees_equal, small_config, small_synthetic_config
 
 
 def _draw(model_name: str, **sizes) -> dict:
@@ -100,3 +105,77 @@ def test_draws_follow_the_key_and_a_layer_of_unknown_kind_is_named():
 def test_bad_personal_init_names_the_value():
     with pytest.raises(ValueError, match=r"^personal_init='sometimes': expected one of "):
         fresh_layers(get_model("mlp"), ("fc1",), "sometimes")
+
+
+def _initial_params(config) -> dict:
+    return run_config.build_simulation(config).init_state().params
+
+
+def _dense_within_torch_bounds(layers: dict) -> None:
+    """Every ``{kernel [in, out], bias}`` layer of ``layers`` (nested) on
+    ``+-1/sqrt(in)``."""
+    for name, layer in layers.items():
+        if set(layer) == {"kernel", "bias"}:
+            bound = 1 / math.sqrt(layer["kernel"].shape[0])
+            _within(layer["kernel"], bound)
+            _within(layer["bias"], bound)
+        else:
+            _dense_within_torch_bounds(layer)
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "ditto", "lg_fedavg"])
+def test_model_init_torch_draws_the_run_start_as_pytorch_for_every_method(algorithm):
+    """``model_init="torch"``: a run's round-0 model is ``torch_init`` of the model's
+    shapes from the run's init key, bit for bit, for any method (each builds its params
+    from ``model.init``); the default ``None`` keeps Flax's init (zero biases)."""
+    config = small_synthetic_config(algorithm=algorithm, model_init="torch")
+    params = _initial_params(config)
+    model = get_model("mlp")
+    drawn = with_torch_init(model).init(prng.base_key(config.seed, prng.Purpose.INIT))
+    if algorithm == "lg_fedavg":  # the model split into its shared and local layers
+        params = {**params["global"], **params["initial_local"]}
+    assert_trees_equal(params, drawn)
+    _dense_within_torch_bounds(params)
+    own = _initial_params(small_synthetic_config(algorithm=algorithm))
+    own = {**own["global"], **own["initial_local"]} if algorithm == "lg_fedavg" else own
+    assert all(np.all(np.asarray(layer["bias"]) == 0) for layer in own.values())
+
+
+def test_model_init_torch_draws_flows_policy_as_nn_linear():
+    """Flow's model and its routing policy (``nn.Linear`` layers in the authors' code)
+    both drawn as PyTorch's; with the default, the policy keeps Flax's zero biases."""
+    params = _initial_params(small_synthetic_config(algorithm="flow", model_init="torch"))
+    _dense_within_torch_bounds(params["global"])
+    _dense_within_torch_bounds(params["policy"])
+    own = _initial_params(small_synthetic_config(algorithm="flow"))
+    assert all(np.all(np.asarray(layer["bias"]) == 0) for layer in own["policy"].values())
+
+
+def test_model_init_torch_keeps_the_token_policys_own_embedding():
+    """The token policy's embedding is flowjax's own (the authors' policy reads the
+    LSTMs' states): it keeps its Flax draw, the same bit for bit as without the option,
+    while the policy's dense layers are redrawn."""
+    torch_policy = _initial_params(small_config(algorithm="flow", model_init="torch"))["policy"]
+    own_policy = _initial_params(small_config(algorithm="flow"))["policy"]
+    assert_trees_equal(torch_policy["embed"], own_policy["embed"])
+    _dense_within_torch_bounds({k: v for k, v in torch_policy.items() if k != "embed"})
+
+
+def test_model_init_torch_draws_the_lstm_reference_network_as_theirs():
+    """Flow's Shakespeare reference network (their ``ShakespeareNet`` and policy):
+    LSTM weights on ``+-1/sqrt(H)``, the embedding standard normal with the padding row
+    zero, every dense layer (their policy's too) as ``nn.Linear``."""
+    config = small_config(algorithm="flow", model_init="torch",
+                          **{"methods.flow.semantics": "reference"})
+    params = _initial_params(config)
+    hidden = config.model_options["hidden"]
+    for branch in ("global", "local"):
+        for name, layer in params[branch].items():
+            if "recurrent_kernel" in layer:
+                _within(layer["kernel"], 1 / math.sqrt(hidden))
+                _within(layer["recurrent_kernel"], 1 / math.sqrt(hidden))
+            else:
+                _dense_within_torch_bounds({name: layer})
+    table = np.asarray(params["embedding"]["embedding"])
+    assert np.all(table[0] == 0) and np.std(table[1:]) == pytest.approx(1.0, rel=0.1)
+    _dense_within_torch_bounds(params["policy"])

@@ -69,8 +69,10 @@ tiny-client rule gives both halves every sequence (``flow_reference``).
 
 Not theirs: a batch whose targets are all padding (possible in Shakespeare only, a
 snippet's last chunks) has a mean loss of 0 here, where their ``CrossEntropyLoss(
-ignore_index=0)`` gives NaN; the initialization (flowjax's layers' and flax's ``Dense``
-defaults; the pad row zeroed as PyTorch does), and Shakespeare's ``shuffle(50)`` of
+ignore_index=0)`` gives NaN; the initialization unless the run sets
+``model_init="torch"`` (by default flowjax's layers' and flax's ``Dense`` defaults, the
+pad row zeroed as PyTorch does; with it PyTorch's, policies included:
+``models.torch_init``), and Shakespeare's ``shuffle(50)`` of
 snippets before tokenization,
 which flowjax replaces by a fresh permutation of the client's sequences per pass
 (``halves="shard_reshuffled"``; their Stack Overflow buffer holds the whole client, so
@@ -100,6 +102,7 @@ from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import epoch_batches
 from flowjax.core.losses import weighted_cross_entropy
 from flowjax.models.base import RoutableModel
+from flowjax.models.torch_init import drawn_in_style
 from flowjax.models.layers import (dropout, lstm_cell, lstm_weights, torch_lstm_bias,
                                    torch_padding_lookups)
 
@@ -427,13 +430,14 @@ def build(model: RoutableModel, config: Any) -> FederatedAlgorithm:
         table = global_params["embedding"]["embedding"]
         read = 4 if net.cell_states else 2
         hidden = global_params[net.cells[0]]["recurrent_kernel"].shape[0]
-        policy = {"states": state_policy.init(policy_key,
-                                              jnp.zeros((1, table.shape[1] + read * hidden)),
-                                              None)["params"]}
+        states_key, outputs_key = policy_key, jax.random.fold_in(policy_key, 1)
+        states = state_policy.init(states_key, jnp.zeros((1, table.shape[1] + read * hidden)),
+                                   None)["params"]
+        policy = {"states": drawn_in_style(model.init_style, states, states_key)}
         if output_policy is not None:
             width = global_params[net.layers[1]]["kernel"].shape[1]
-            policy["outputs"] = output_policy.init(jax.random.fold_in(policy_key, 1),
-                                                   jnp.zeros((1, 2 * width)), None)["params"]
+            outputs = output_policy.init(outputs_key, jnp.zeros((1, 2 * width)), None)["params"]
+            policy["outputs"] = drawn_in_style(model.init_style, outputs, outputs_key)
         return {"embedding": {"embedding": table.at[PAD_ID].set(0.0)},  # as padding_idx
                 "global": {layer: global_params[layer] for layer in net.layers},
                 "local": {layer: local_params[layer] for layer in net.layers},

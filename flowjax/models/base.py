@@ -57,6 +57,10 @@ class RoutableModel:
         recurrent layer ``j`` routed at every time step on the mixed state (``flowjax.routing``'s
         ``"mixed_state"``), with the layer's own options; None for a model without one.
       recurrent_layers: the layers ``routed_recurrence`` takes (the model's LSTMs).
+      init_style: how ``init`` draws the params: ``"flax"``, the layers' own (Flax's
+        LeCun normal with zero biases, Keras' LSTM), or ``"torch"``, PyTorch's, as the
+        Flow authors' networks draw theirs (``models.torch_init.with_torch_init``). Parts
+        an algorithm builds beside the model (Flow's policy) are drawn in the same style.
     """
 
     name: str
@@ -75,6 +79,7 @@ class RoutableModel:
     routed_recurrence: Callable[[int, PyTree, PyTree, jax.Array, jax.Array, bool],
                                 jax.Array] | None = None
     recurrent_layers: tuple[str, ...] = ()
+    init_style: str = "flax"
 
     @property
     def num_layers(self) -> int:

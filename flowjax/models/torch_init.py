@@ -18,18 +18,27 @@ PyTorch modules' own, not flowjax's (Flax's LeCun normal, Keras' LSTM):
 
 Only the distributions are theirs: the draws come from JAX's keys, not PyTorch's
 generator.
+
+Their code draws every network so, for every method, at the start of a run too:
+``with_torch_init`` gives a model whose whole ``init`` follows these rules (the run
+config's ``model_init="torch"``), and ``drawn_in_style`` draws a part built beside the
+model (Flow's routing policy: ``nn.Linear`` layers in their code) in the model's style.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from flowjax.models.base import Params
+from flowjax.models.base import Params, RoutableModel
 from flowjax.models.layers import TORCH_PADDING_IDX, is_embedding, lstm_weights
+
+# A model's ``init_style`` (``RoutableModel``): its layers' own init, or PyTorch's.
+INIT_STYLES = ("flax", "torch")
 
 # flowjax's BasicBlock names its norms in call order: after the first convolution, after
 # the second (their ``bn2``), on the projection shortcut (their ``downsample``'s).
@@ -103,3 +112,28 @@ def torch_init(layers: Params, key: jax.Array) -> Params:
     order. Raises ``ValueError`` naming a part of no known kind."""
     return {name: _draw(layers[name], jax.random.fold_in(key, i), (name,))
             for i, name in enumerate(sorted(layers))}
+
+
+def with_torch_init(model: RoutableModel) -> RoutableModel:
+    """``model`` whose ``init(key)`` draws every layer as the authors' PyTorch networks
+    draw it (``torch_init`` of the model's own shapes, from the same key); the forward
+    pass and everything else unchanged. Raises ``ValueError`` at ``init`` for a layer of
+    no known kind."""
+
+    def init(key: jax.Array) -> Params:
+        return torch_init(jax.eval_shape(model.init, key), key)
+
+    return dataclasses.replace(model, init=init, init_style="torch")
+
+
+def drawn_in_style(style: str, params: Params, key: jax.Array) -> Params:
+    """``params`` of a part built beside a model (a Flax module's ``{layer name: params}``)
+    drawn in the model's ``style``: as given for ``"flax"``; for ``"torch"`` every layer
+    redrawn by ``torch_init`` from ``key`` except embedding tables, which keep theirs (the
+    token policy's own embedding has no counterpart in the authors' code to follow)."""
+    if style == "flax":
+        return params
+    if style != "torch":
+        raise ValueError(f"init style {style!r}: expected one of {INIT_STYLES}")
+    return {**params, **torch_init({name: layer for name, layer in params.items()
+                                    if not is_embedding(layer)}, key)}

@@ -16,6 +16,9 @@ What the policy sees:
 ``last="dense"`` is the authors' EMNIST/CIFAR policy (``EMNISTPolicyNet``): the last routed
 layer has no exit head; its route logits are the last base layer's own output (width 2),
 e.g. 784 -> 350 -> 150 -> 50 -> 2 with exits after the first three.
+
+The policy is drawn in its model's ``init_style``: Flax's dense init, or with
+``model_init="torch"`` PyTorch's ``nn.Linear`` init, as the authors' policy networks.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from flowjax.models.base import RoutableModel
+from flowjax.models.torch_init import drawn_in_style
 
 LAST_KINDS = ("exit", "dense")
 
@@ -84,9 +88,11 @@ class Policy:
 
     module: RoutingPolicy
     example_x: jax.Array  # one example batch's shape, for init
+    init_style: str = "flax"  # the model's (``RoutableModel.init_style``)
 
     def init(self, key: jax.Array):
-        return self.module.init(key, self.example_x, train=False)["params"]
+        params = self.module.init(key, self.example_x, train=False)["params"]
+        return drawn_in_style(self.init_style, params, key)
 
     def log_probs(self, params, x: jax.Array, *, train: bool = False,
                   key: jax.Array | None = None) -> jax.Array:
@@ -108,4 +114,4 @@ def build_policy(model: RoutableModel, example_x: jax.Array, hidden: Sequence[in
     module = RoutingPolicy(hidden=tuple(hidden), input_kind=model.policy_input,
                            vocab_size=model.vocab_size, embed_dim=embed_dim,
                            dropout_rate=dropout_rate, last=last)
-    return Policy(module, example_x)
+    return Policy(module, example_x, model.init_style)
