@@ -255,7 +255,8 @@ PERSONAL_INITS = ("stored", "fresh", "fresh_torch")
 def fresh_layers(model: RoutableModel, names: Sequence[str], personal_init: str | None = "fresh"
                  ) -> Callable[[jax.Array], Params] | None:
     """The random init of ``model``'s layers ``names`` from a key, for a method that starts
-    them fresh: the model's own (``personal_init="fresh"``) or their PyTorch networks'
+    them fresh: the model's own (``personal_init="fresh"``; PyTorch's as well where the run
+    sets ``model_init="torch"``, whose model draws so) or their PyTorch networks'
     (``"fresh_torch"``, ``models.torch_init.torch_init``); None for ``"stored"`` (or None).
 
     On CPU, where that init calls LAPACK (the LSTMs' orthogonal recurrent kernels: a QR),
