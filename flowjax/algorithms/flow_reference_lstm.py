@@ -102,9 +102,9 @@ from flowjax.core.cohort import ClientExamples
 from flowjax.core.local_training import epoch_batches
 from flowjax.core.losses import weighted_cross_entropy
 from flowjax.models.base import RoutableModel
-from flowjax.models.torch_init import drawn_in_style
 from flowjax.models.layers import (dropout, lstm_cell, lstm_weights, torch_lstm_bias,
                                    torch_padding_lookups)
+from flowjax.models.torch_init import drawn_in_style
 
 PAD_ID = 0
 BRANCHES = ("global", "local")
