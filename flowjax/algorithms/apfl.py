@@ -47,6 +47,7 @@ evaluation trains ``net`` with momentum 0.9 where their Stack Overflow training 
 none (``stackoverflow_nwp_generalized_test``); None, or the training's momentum, takes
 the copy from the personalized model's own run (a different momentum costs a second run
 of E epochs per evaluated client).
+
 As released, their code does not run: those functions name the file of the client's
 ``v`` with a global ``cid`` that nothing defines (``NameError`` at the first fit;
 ``launch/their_undefined_names.py``). The copy follows that code with ``cid`` read as the

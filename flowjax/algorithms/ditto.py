@@ -50,6 +50,7 @@ after E epochs of the global update on the client's train split, with the evalua
 (FedAvgFT's fine-tuned model), as ``acc_g_client_snapshot`` beside Eq. 11's ``acc_g``.
 Training, Acc_g and Acc_p are unchanged (their evaluation also trains ``v`` further; this
 one does not).
+
 As released, their code does not run: those functions name the file of the client's
 ``v`` with a global ``cid`` that nothing defines (``NameError`` at the first fit;
 ``launch/their_undefined_names.py``). The copy follows that code with ``cid`` read as the
