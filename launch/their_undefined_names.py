@@ -39,7 +39,11 @@ def undefined_globals(source: str, filename: str = "<module>") -> dict[str, list
     reads that the module never binds at top level (any branch of it), that no function
     declares ``global`` and assigns, and that are not builtins. Nested functions are named
     by their own name."""
-    top = symtable.symtable(source, filename, "exec")
+    return _undefined(symtable.symtable(source, filename, "exec"))
+
+
+def _undefined(top: symtable.SymbolTable) -> dict[str, list[str]]:
+    """``undefined_globals`` of a module's symbol table."""
     nested = _tables(top)
     bound = {s.get_name() for s in top.get_symbols()
              if s.is_assigned() or s.is_imported() or s.is_namespace()}
@@ -100,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     for path in paths:
         with open(os.path.join(args.reference_dir, path)) as file:
             source = file.read()
-        found = undefined_globals(source, path)
-        functions = sum(t.get_type() == "function"
-                        for t in _tables(symtable.symtable(source, path, "exec")))
+        top = symtable.symtable(source, path, "exec")
+        found = _undefined(top)
+        functions = sum(t.get_type() == "function" for t in _tables(top))
         if not found:
             print(f"{path}: every name its {functions} functions and methods read is defined")
             continue
