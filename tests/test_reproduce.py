@@ -139,6 +139,12 @@ def test_table3_reports_benefiting_and_ties_with_missing_seeds(table3_cells):
     benefit = [r for r in rows if r["variant"] == "flow" and r["metric"] == "clients_benefiting"
                and r["population"] == "train_clients"][0]
     assert (benefit["paper_pct"], benefit["paper_source"]) == ("89.77", "tbl:clients-unharmed")
+    # An empty mean says why: the paper skipped the cell, or no seed finished.
+    status = {(r["variant"], r["metric"]): r["status"] for r in rows
+              if r["population"] == "train_clients"}
+    assert status["flow", "clients_tied"] == "ok"  # 2 of 3 seeds: n_seeds says so
+    assert status["partialfed", "clients_benefiting"] == "not_run"
+    assert status["knn_per", "clients_benefiting"] == "missing"
 
 
 def _markdown(tmp_path, table: str, datasets, rows, seeds) -> str:
@@ -196,6 +202,14 @@ def test_hypcluster_runs_from_before_its_authors_acc_p_show_as_stale_not_absent(
         f"{stale}{kept.format('80.00')} (paper 90.49 ± 1.13)")
     assert md_cell(markdown, "HypCluster", count) == (
         f"{stale}{kept.format('30.00')} (paper 80.70)")
+    spec = TABLES["client_snapshot"]
+    results = load_results(str(tmp_path), plan_cells(spec, ["emnist"], ["hypcluster_snapshot"],
+                                                     seeds))
+    rows = csv_rows(table_csv(table_entries(spec, results, ["emnist"], seeds,
+                                            ["hypcluster_snapshot"])))
+    snapshot = [r for r in rows if r["metric"] == "acc_p_client_snapshot"]
+    assert [(r["status"], r["n_seeds"], r["mean_pct"]) for r in snapshot] == [
+        ("stale", str(3 - len(old_seeds)), "" if len(old_seeds) == 3 else "80.0000")]
 
 
 def test_client_snapshot_table_puts_the_papers_figures_beside_their_evaluations_quantities(
@@ -865,6 +879,14 @@ def test_a_table_of_part_of_the_grid_keeps_the_whole_grids_table(tmp_path, capsy
     assert csv_rows((tmp_path / "table2.csv").read_text()) == whole_rows
     assert "kept" not in tabulate(request(["fedavg", "flow"], ["0", "1", "2"]))
     assert {r["n_expected"] for r in csv_rows((tmp_path / "table2.csv").read_text())} == {"3"}
+    # A table written before the CSV's status column reads as before.
+    header, *lines = kept["table2.csv"].decode().splitlines()
+    assert header.endswith(",status")
+    (tmp_path / "table2.csv").write_text("\n".join(
+        [header.removesuffix(",status")] + [line.rsplit(",", 1)[0] for line in lines]) + "\n")
+    assert "kept" not in tabulate(whole)
+    assert csv_rows((tmp_path / "table2.csv").read_text()) == whole_rows
+    assert "kept" in tabulate(request(["fedavg"]))
     # A table whose CSV cannot be read is kept too: what it shows is unknown.
     (tmp_path / "table2.csv").write_text("not,a,table\n")
     out = tabulate(whole)

@@ -29,7 +29,9 @@ POPULATION_NOTES = {
 }
 CSV_HEADER = ("table", "dataset", "row", "variant", "population", "metric", "mean_pct",
               "std_pct", "n_seeds", "n_expected", "seeds", "paper_pct", "paper_spread_pct",
-              "paper_source")
+              "paper_source", "status")
+# Tables written before the status column (committed ones among them) still read.
+_CSV_HEADERS = (CSV_HEADER, CSV_HEADER[:-1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,8 +236,19 @@ def table_markdown(spec: TableSpec, entries: Mapping[str, list[list[Entry]]],
     return "\n".join(lines) + "\n"
 
 
+def csv_status(entry: Entry) -> str:
+    """The CSV's ``status``: the entry's, with ``missing`` for an entry no seed has
+    finished (the markdown's ``missing, 0 of N seeds``), so that an empty mean says why."""
+    return "missing" if entry.status == "ok" and entry.stats.n == 0 else entry.status
+
+
 def table_csv(entries: Mapping[str, list[list[Entry]]]) -> str:
-    """One line per (table, dataset, row, population, metric); numbers in percent."""
+    """One line per (table, dataset, row, population, metric); numbers in percent.
+
+    ``status`` (``csv_status``): ``ok`` (``n_seeds`` of ``n_expected`` finished),
+    ``missing`` (none finished), ``not_run`` (a cell the paper did not run either) or
+    ``stale`` (the mean leaves out seeds whose runs predate the figure). The paper's "-"
+    (a metric the method lacks) has no line."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(CSV_HEADER)
@@ -251,7 +264,7 @@ def table_csv(entries: Mapping[str, list[list[Entry]]]) -> str:
                     " ".join(map(str, e.stats.seeds)),
                     "" if paper is None else f"{paper.value:.2f}",
                     "" if paper is None or paper.spread is None else f"{paper.spread:.2f}",
-                    "" if paper is None else paper.source])
+                    "" if paper is None else paper.source, csv_status(e)])
     return out.getvalue()
 
 
@@ -266,7 +279,7 @@ def shown_outside(csv_text: str, datasets: Sequence[str], variants: Sequence[str
       ValueError: ``csv_text`` is not a ``table_csv``.
     """
     reader = csv.DictReader(io.StringIO(csv_text))
-    if tuple(reader.fieldnames or ()) != CSV_HEADER:
+    if tuple(reader.fieldnames or ()) not in _CSV_HEADERS:
         raise ValueError(f"its header is not {','.join(CSV_HEADER[:3])},...")
     inside_variants, inside_seeds = set(variants), {str(seed) for seed in seeds}
     skipped = set(skipped)
