@@ -180,7 +180,8 @@ def build_model(config: Any) -> RoutableModel:
         model = get_model(config.model, **options)
     except TypeError as error:
         _fail("model_options", options, f"expected keyword arguments of {config.model} ({error})")
-    return with_torch_init(model) if config.get("model_init", None) == "torch" else model
+    style = config.get("model_init", None)
+    return model if style in (None, "flax") else with_torch_init(model, style)
 
 
 def _check_flow_departures(flow: Any, model: RoutableModel) -> None:
@@ -245,10 +246,10 @@ def _check_model_fields(config: Any, method: Any, model: RoutableModel) -> None:
                   "expected it unset with methods.flow.semantics='reference': the authors' "
                   "CIFAR network has its own GroupNorm (2 channels per group)")
         if (method.semantics == "reference" and model.name in flow_reference_resnet.MODELS
-                and config.get("model_init", None) == "flax"):
-            _fail("model_init", "flax", "expected None or 'torch' with methods.flow."
-                  "semantics='reference': the authors' CIFAR network draws its own PyTorch "
-                  "init")
+                and config.get("model_init", None) not in (None, "torch")):
+            _fail("model_init", config.model_init, "expected None or 'torch' with methods."
+                  "flow.semantics='reference': the authors' CIFAR network draws its own "
+                  "PyTorch init")
     if config.algorithm == "knn_per" and method.reference_acc_p:
         try:
             reference_key_layer(model)

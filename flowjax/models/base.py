@@ -59,7 +59,8 @@ class RoutableModel:
       recurrent_layers: the layers ``routed_recurrence`` takes (the model's LSTMs).
       init_style: how ``init`` draws the params: ``"flax"``, the layers' own (Flax's
         LeCun normal with zero biases, Keras' LSTM), or ``"torch"``, PyTorch's, as the
-        Flow authors' networks draw theirs (``models.torch_init.with_torch_init``). Parts
+        Flow authors' networks draw theirs (``models.torch_init.with_torch_init``; also
+        ``"torch_lecun_variance"``, ``"torch_zero_biases"``: one factor of it undone). Parts
         an algorithm builds beside the model (Flow's policy) are drawn in the same style.
     """
 

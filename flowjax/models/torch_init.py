@@ -19,6 +19,14 @@ PyTorch modules' own, not flowjax's (Flax's LeCun normal, Keras' LSTM):
 Only the distributions are theirs: the draws come from JAX's keys, not PyTorch's
 generator.
 
+Two styles change one factor of theirs back to flowjax's, on dense and convolution layers
+only (LSTMs, embeddings, norms and the ResNet's convolutions drawn as in ``"torch"``), to
+tell which one moves a result: ``"torch_lecun_variance"`` draws the weights uniform on
+``[-sqrt(3/fan_in), sqrt(3/fan_in)]``, variance ``1/fan_in`` as flowjax's LeCun normal
+(theirs is a third of it), each value ``sqrt(3)`` times the ``"torch"`` draw of the same
+key; ``"torch_zero_biases"`` keeps the ``"torch"`` weights bit for bit and zeroes the
+biases, as flowjax's.
+
 Their code draws every network so, for every method, at the start of a run too:
 ``with_torch_init`` gives a model whose whole ``init`` follows these rules (the run
 config's ``model_init="torch"``), and ``drawn_in_style`` draws a part built beside the
@@ -37,8 +45,10 @@ import jax.numpy as jnp
 from flowjax.models.base import Params, RoutableModel
 from flowjax.models.layers import TORCH_PADDING_IDX, is_embedding, lstm_weights
 
-# A model's ``init_style`` (``RoutableModel``): its layers' own init, or PyTorch's.
-INIT_STYLES = ("flax", "torch")
+# A model's ``init_style`` (``RoutableModel``): its layers' own init, PyTorch's, or
+# PyTorch's with one factor of it on dense and convolution layers made flowjax's.
+TORCH_STYLES = ("torch", "torch_lecun_variance", "torch_zero_biases")
+INIT_STYLES = ("flax", *TORCH_STYLES)
 
 # flowjax's BasicBlock names its norms in call order: after the first convolution, after
 # the second (their ``bn2``), on the projection shortcut (their ``downsample``'s).
@@ -49,12 +59,16 @@ def _uniform(key: jax.Array, shape: tuple[int, ...], bound: float) -> jax.Array:
     return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
 
 
-def _linear_or_conv(node: dict, key: jax.Array) -> dict:
+def _linear_or_conv(node: dict, key: jax.Array, style: str) -> dict:
     kernel = node["kernel"]
     bound = 1.0 / math.sqrt(math.prod(kernel.shape[:-1]))  # fan_in: all but out
     k_kernel, k_bias = jax.random.split(key)
-    return {"kernel": _uniform(k_kernel, kernel.shape, bound),
-            "bias": _uniform(k_bias, node["bias"].shape, bound)}
+    weights = _uniform(k_kernel, kernel.shape, bound)
+    if style == "torch_lecun_variance":
+        weights = math.sqrt(3.0) * weights
+    bias = (jnp.zeros(node["bias"].shape, jnp.float32) if style == "torch_zero_biases"
+            else _uniform(k_bias, node["bias"].shape, bound))
+    return {"kernel": weights, "bias": bias}
 
 
 def _lstm(node: dict, key: jax.Array) -> dict:
@@ -83,14 +97,14 @@ def _norm(node: dict, zero_scale: bool) -> dict:
             "bias": jnp.zeros(node["bias"].shape, jnp.float32)}
 
 
-def _draw(node: Any, key: jax.Array, path: tuple[str, ...]) -> Any:
+def _draw(node: Any, key: jax.Array, path: tuple[str, ...], style: str) -> Any:
     if not isinstance(node, dict):
         raise ValueError(f"layer part {'/'.join(path)!r}: expected a dict of params")
     keys = set(node)
     if lstm_weights(node) is not None:
         return _lstm(node, key)
     if keys == {"kernel", "bias"} and node["kernel"].ndim in (2, 4):
-        return _linear_or_conv(node, key)
+        return _linear_or_conv(node, key, style)
     if is_embedding(node):
         return _embedding(node, key)
     if keys == {"kernel"} and node["kernel"].ndim == 4:
@@ -99,41 +113,50 @@ def _draw(node: Any, key: jax.Array, path: tuple[str, ...]) -> Any:
         return _norm(node, zero_scale=len(path) >= 2 and path[-1] == _SECOND_BLOCK_NORM
                      and path[-2].startswith("BasicBlock_"))
     if any(isinstance(value, dict) for value in node.values()):
-        return {name: _draw(child, jax.random.fold_in(key, i), (*path, name))
+        return {name: _draw(child, jax.random.fold_in(key, i), (*path, name), style)
                 for i, (name, child) in enumerate(sorted(node.items()))}
     raise ValueError(f"layer part {'/'.join(path)!r} with params {sorted(keys)}: expected "
                      "a dense, convolution, LSTM, embedding or norm layer")
 
 
-def torch_init(layers: Params, key: jax.Array) -> Params:
+def _check_torch_style(style: str) -> None:
+    if style not in TORCH_STYLES:
+        raise ValueError(f"init style {style!r}: expected one of {TORCH_STYLES}")
+
+
+def torch_init(layers: Params, key: jax.Array, style: str = "torch") -> Params:
     """Fresh params of ``layers``' shapes (``{layer name: params}``, arrays or
     ``jax.ShapeDtypeStruct``) drawn as the authors' PyTorch networks draw the same layers
-    (module docstring); each layer from ``fold_in(key, i)``, ``i`` its index in sorted
-    order. Raises ``ValueError`` naming a part of no known kind."""
-    return {name: _draw(layers[name], jax.random.fold_in(key, i), (name,))
+    (module docstring), or with one factor made flowjax's (``style``, one of
+    ``TORCH_STYLES``); each layer from ``fold_in(key, i)``, ``i`` its index in sorted
+    order. Raises ``ValueError`` naming a part of no known kind, or an unknown style."""
+    _check_torch_style(style)
+    return {name: _draw(layers[name], jax.random.fold_in(key, i), (name,), style)
             for i, name in enumerate(sorted(layers))}
 
 
-def with_torch_init(model: RoutableModel) -> RoutableModel:
+def with_torch_init(model: RoutableModel, style: str = "torch") -> RoutableModel:
     """``model`` whose ``init(key)`` draws every layer as the authors' PyTorch networks
-    draw it (``torch_init`` of the model's own shapes, from the same key); the forward
-    pass and everything else unchanged. Raises ``ValueError`` at ``init`` for a layer of
-    no known kind."""
+    draw it (``torch_init`` of the model's own shapes in ``style``, from the same key);
+    the forward pass and everything else unchanged. Raises ``ValueError`` for an unknown
+    style, and at ``init`` for a layer of no known kind."""
+    _check_torch_style(style)
 
     def init(key: jax.Array) -> Params:
-        return torch_init(jax.eval_shape(model.init, key), key)
+        return torch_init(jax.eval_shape(model.init, key), key, style)
 
-    return dataclasses.replace(model, init=init, init_style="torch")
+    return dataclasses.replace(model, init=init, init_style=style)
 
 
 def drawn_in_style(style: str, params: Params, key: jax.Array) -> Params:
     """``params`` of a part built beside a model (a Flax module's ``{layer name: params}``)
-    drawn in the model's ``style``: as given for ``"flax"``; for ``"torch"`` every layer
-    redrawn by ``torch_init`` from ``key`` except embedding tables, which keep theirs (the
-    token policy's own embedding has no counterpart in the authors' code to follow)."""
+    drawn in the model's ``style``: as given for ``"flax"``; for the PyTorch styles every
+    layer redrawn by ``torch_init`` in that style from ``key`` except embedding tables,
+    which keep theirs (the token policy's own embedding has no counterpart in the
+    authors' code to follow)."""
     if style == "flax":
         return params
-    if style != "torch":
+    if style not in TORCH_STYLES:
         raise ValueError(f"init style {style!r}: expected one of {INIT_STYLES}")
     return {**params, **torch_init({name: layer for name, layer in params.items()
-                                    if not is_embedding(layer)}, key)}
+                                    if not is_embedding(layer)}, key, style)}

@@ -97,9 +97,16 @@ EVALUATION_VARIANTS = {
 # paper's Flow, to see whether it moves the gap between the two). The `torch_init` table
 # sets them beside the same rows on flowjax's init
 # (FedAvgFT's row holds FedAvg's too: its server model is FedAvg's, and its copy after one
-# epoch is the one their CIFAR FedAvg scores on the test split).
+# epoch is the one their CIFAR FedAvg scores on the test split). The `init_factors` table
+# adds their init with one factor made flowjax's (the weights' variance, the biases) to
+# tell which one moves the rows. Each variant: (base row, model_init).
 TORCH_INIT_BASES = ("flow", "flow_reference", "fedavg_ft_snapshot")
-TORCH_INIT_VARIANTS = {f"{base}_torch_init": base for base in TORCH_INIT_BASES}
+INIT_FACTOR_STYLES = {"torch_lecun_variance": "PyTorch's with flowjax's weight variance",
+                      "torch_zero_biases": "PyTorch's with flowjax's zero biases"}
+TORCH_INIT_VARIANTS = {
+    **{f"{base}_torch_init": (base, "torch") for base in TORCH_INIT_BASES},
+    **{f"{base}_{style}": (base, style) for base in TORCH_INIT_BASES
+       for style in INIT_FACTOR_STYLES}}
 # The top layers the authors' FedRep personalizes and their LG-FedAvg shares, where they
 # are not the model's head_layers: their layers named ``linear`` (both dense layers of the
 # EMNIST CNN and of the Stack Overflow LSTM; `client_fedrep.py`, `client_lgfedavg.py`);
@@ -148,7 +155,8 @@ def variant_overrides(name: str, model: str | None = None) -> dict[str, Any]:
     if name in ABLATIONS:
         return {"algorithm": "flow", **ABLATIONS[name]}
     if name in TORCH_INIT_VARIANTS:
-        return {**variant_overrides(TORCH_INIT_VARIANTS[name], model), "model_init": "torch"}
+        base, style = TORCH_INIT_VARIANTS[name]
+        return {**variant_overrides(base, model), "model_init": style}
     if name in REFERENCE_VARIANTS:
         if model is not None:
             check_departures_fit(name, model)
@@ -477,6 +485,22 @@ TABLES: dict[str, TableSpec] = {spec.name: spec for spec in (
                                   ("fedavg_ft_snapshot", "FedAvgFT, SGD momentum 0.9"))
               for variant, suffix in ((base, ", flowjax's init"),
                                       (f"{base}_torch_init", ", PyTorch's init (theirs)"))),
+        ("acc_g", "acc_g_client_snapshot", "acc_p", "clients_benefiting"),
+        ("fashion_mnist_0.1", "fashion_mnist_0.6")),
+    TableSpec(
+        "init_factors", "Which factor of the authors' init (PyTorch's defaults) moves the "
+        "rows: their init with flowjax's weight variance (dense and convolution weights "
+        "uniform with variance 1/fan_in, LeCun's, not a third of it) or with flowjax's zero "
+        "biases, beside both inits; Flow as their code runs it and FedAvgFT with their SGD "
+        "momentum 0.9 and copy (as the torch_init table), %",
+        ("tbl:all-accuracies",),
+        tuple(Row(variant, label + suffix)
+              for base, label in (("flow_reference", "Flow (reference)"),
+                                  ("fedavg_ft_snapshot", "FedAvgFT, SGD momentum 0.9"))
+              for variant, suffix in (
+                  (base, ", flowjax's init"), (f"{base}_torch_init", ", PyTorch's init"),
+                  *((f"{base}_{style}", f", {text}")
+                    for style, text in INIT_FACTOR_STYLES.items()))),
         ("acc_g", "acc_g_client_snapshot", "acc_p", "clients_benefiting"),
         ("fashion_mnist_0.1", "fashion_mnist_0.6")),
 )}
