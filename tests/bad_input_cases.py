@@ -254,10 +254,14 @@ CASES: tuple[Case, ...] = (
          "--workdir=...), or 'memory'", {"client_states": "disk", "algorithm": "ditto"},
          checked_by="`flowjax.config.simulation_for` (built without a workdir)"),
     _config("model_init", "pytorch", "config.model_init='pytorch': expected one of [None, "
-            "'flax', 'torch']"),
+            "'flax', 'torch', 'torch_lecun_variance', 'torch_zero_biases']"),
     _config("model_init", "flax", "config.model_init='flax': expected None or 'torch' with "
             "methods.flow.semantics='reference': the authors' CIFAR network draws its own "
             "PyTorch init", model="resnet18_gn",
+            **{"methods.flow.semantics": "reference", "methods.flow.policy_hidden": (8,) * 6}),
+    _config("model_init", "torch_zero_biases", "config.model_init='torch_zero_biases': "
+            "expected None or 'torch' with methods.flow.semantics='reference': the authors' "
+            "CIFAR network draws its own PyTorch init", model="resnet18_gn",
             **{"methods.flow.semantics": "reference", "methods.flow.policy_hidden": (8,) * 6}),
     _config("lstm_unroll", 0, "config.lstm_unroll=0: expected None or an integer >= 1"),
     _config("lstm_unroll", 4, "config.lstm_unroll=4: expected None: resnet18_gn does not "

@@ -780,7 +780,7 @@ def test_bad_table_exits_2_with_one_line(tmp_path):
     assert done.stderr.strip().splitlines() == [
         "error: unknown --table='tabel2'; expected one of table2, table3, regularization, "
         "pi_pc_flow, fixed_policy, soft_hard, order, split_ratio, gain_source, "
-        "client_snapshot, torch_init"]
+        "client_snapshot, torch_init, init_factors"]
     assert os.listdir(tmp_path) == []
 
 

@@ -161,6 +161,49 @@ def test_model_init_torch_keeps_the_token_policys_own_embedding():
     _dense_within_torch_bounds({k: v for k, v in torch_policy.items() if k != "embed"})
 
 
+def test_one_factor_styles_change_only_dense_and_conv_weights_scale_or_biases():
+    """``model_init="torch_lecun_variance"``: every dense layer's weights (the policy's
+    too) are ``sqrt(3)`` times ``"torch"``'s from the same run key, variance 1/fan_in as
+    flowjax's LeCun normal, with the biases ``"torch"``'s bit for bit;
+    ``"torch_zero_biases"``: ``"torch"``'s weights bit for bit, biases zero."""
+    torch = _initial_params(small_synthetic_config(algorithm="flow", model_init="torch"))
+    lecun = _initial_params(small_synthetic_config(algorithm="flow",
+                                                   model_init="torch_lecun_variance"))
+    zero = _initial_params(small_synthetic_config(algorithm="flow",
+                                                  model_init="torch_zero_biases"))
+    layers = 0
+    for part in ("global", "policy"):
+        for name, layer in torch[part].items():
+            assert np.array_equal(lecun[part][name]["kernel"],
+                                  np.float32(math.sqrt(3)) * np.asarray(layer["kernel"]))
+            assert np.array_equal(lecun[part][name]["bias"], layer["bias"])
+            assert np.array_equal(zero[part][name]["kernel"], layer["kernel"])
+            assert np.all(np.asarray(zero[part][name]["bias"]) == 0)
+            assert np.any(np.asarray(layer["bias"]) != 0)
+            layers += 1
+    assert layers >= 4
+    # On the 1.2M weights of the CNN's fc1: LeCun's variance, 1 / fan_in.
+    fc1 = with_torch_init(get_model("emnist_cnn"), "torch_lecun_variance").init(
+        jax.random.key(0))["fc1"]["kernel"]
+    _within(fc1, math.sqrt(3 / 9216))
+    assert np.var(fc1) == pytest.approx(1 / 9216, rel=0.01)
+
+
+def test_one_factor_styles_leave_lstms_and_embeddings_as_torchs():
+    """The styles change dense and convolution layers only: an LSTM's weights and biases
+    and the embedding are ``"torch"``'s bit for bit."""
+    model = get_model("shakespeare_lstm", hidden=16)
+    key = jax.random.key(1)
+    torch = with_torch_init(model).init(key)
+    for style in ("torch_lecun_variance", "torch_zero_biases"):
+        params = with_torch_init(model, style).init(key)
+        for name, layer in params.items():
+            if set(layer) != {"kernel", "bias"}:
+                assert_trees_equal(layer, torch[name])
+    with pytest.raises(ValueError, match="init style 'torch_small': expected one of"):
+        with_torch_init(model, "torch_small")
+
+
 def test_model_init_torch_draws_the_lstm_reference_network_as_theirs():
     """Flow's Shakespeare reference network (their ``ShakespeareNet`` and policy):
     LSTM weights on ``+-1/sqrt(H)``, the embedding standard normal with the padding row
