@@ -84,7 +84,7 @@ if os.environ.get("FLOWJAX_TEST_XLA_O2") != "1":
 # the heaviest files started last would leave one worker running alone at the end.
 # Remeasure a file when its tests change much; a file not listed runs last.
 FILE_SECONDS = {
-    "tests/test_resume.py": 129, "tests/test_conformance.py": 76,
+    "tests/test_resume.py": 129, "tests/test_conformance.py": 84,
     "tests/test_launch.py": 56, "tests/test_conv_impl.py": 50,
     "tests/test_experiment.py": 50, "tests/test_parity.py": 192, "tests/test_layers.py": 44,
     "tests/test_flow.py": 44, "tests/test_validation.py": 44,

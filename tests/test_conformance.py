@@ -15,7 +15,10 @@ method gets them from its registry line alone. Per method:
     round continues from them;
 (e) ``personalize`` + ``predict`` give finite logits of the right shapes, for clients
     that never trained and with trained states; they too map over clients with ``vmap``
-    like the per-client loop, and padding changes none of their outputs.
+    like the per-client loop, and padding changes none of their outputs;
+(f) padding clients (no examples, id -1: a cohort filled up to the mapping's multiple)
+    change no round of the engine, bit for bit: server params, server-optimizer state,
+    metrics and the real clients' states.
 
 Tiny model and data (a two-layer MLP, three clients of <= 30 examples) keep the file fast.
 """
@@ -29,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from configs.base import base_config
@@ -40,6 +44,7 @@ from flowjax.core.client_state import ClientStateStore
 from flowjax.core.client_state_disk import DiskClientStateStore
 from flowjax.core.cohort import ClientExamples, assemble_cohort, examples_per_client
 from flowjax.core.mapping import ClientMapping, map_clients
+from flowjax.engine.round import ServerState, make_round
 from tests.helpers import assert_trees_equal, differs, tiny_mlp
 
 BATCH = 4
@@ -128,18 +133,22 @@ class Case:
 # (2026-12-04, -n 0).
 @pytest.fixture(scope="module", params=CASES)
 def case(request, images_small) -> Case:
+    return _case(request.param, images_small)
+
+
+def _case(name: str, images_small) -> Case:
     train = images_small.train
     sizes = np.asarray(train.num_examples("train"))[list(CLIENTS)]
     assert len(set(sizes.tolist())) == len(CLIENTS)  # uneven sizes: uneven while loops
     tight = examples_per_client(sizes, BATCH)
     cohort = _stack(train, "train", tight)
-    algorithm = _build(request.param, cohort.x[0, 0])
+    algorithm = _build(name, cohort.x[0, 0])
     params = algorithm.init(prng.base_key(0, prng.Purpose.INIT))
     template = None
     if algorithm.stateful:
         one = algorithm.init_client_state(params)
         template = jax.tree.map(lambda a: jnp.stack([a] * len(CLIENTS)), one)
-    return Case(request.param, algorithm, params, cohort,
+    return Case(name, algorithm, params, cohort,
                 _stack(train, "train", tight + EXTRA_PADDING), _stack(train, "test", BATCH).x[:, 0],
                 template, _mapped(algorithm, params, "loop"),
                 _evaluation(algorithm, params, "loop"))
@@ -313,3 +322,36 @@ def test_personalize_and_predict_give_finite_logits_of_the_right_shape(case):
         looped = case.evaluate(case.cohort, _keys(0), stacked, case.test_x)
         _check_predictions(case, looped)
         _assert_close_trees(vmapped(case.cohort, _keys(0), stacked, case.test_x), looped)
+
+
+# ----------------------------------------------------------------------------- (f)
+
+# In CI: one stateless method, the routed one, a stateful one and the clustered one
+# (its cluster counts are metrics); every case with -m slow.
+PADDING_CLIENTS_IN_CI = ("fedavg", "flow", "ditto", "hypcluster")
+
+
+@pytest.mark.parametrize("name", [name if name in PADDING_CLIENTS_IN_CI
+                                  else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in CASES])
+def test_padding_clients_change_no_round(name, images_small):
+    case = _case(name, images_small)
+    server_optimizer = optax.adam(0.1)  # moments would carry a padding client's leak
+    state = ServerState(case.params, server_optimizer.init(case.params))
+    run = jax.jit(make_round(case.algorithm, server_optimizer, ClientMapping("loop")))
+    tight = examples_per_client(np.asarray(case.cohort.num_examples), BATCH)
+    filled = assemble_cohort(images_small.train, "train", list(CLIENTS),
+                             num_clients=len(CLIENTS) + 2, padded_examples=tight,
+                             batch_size=BATCH)
+    assert np.asarray(filled.client_id).tolist() == [*CLIENTS, -1, -1]
+    states = case.template
+    if states is not None:  # the padding clients get never-trained rows, as the engine's
+        states = jax.tree.map(lambda a: jnp.concatenate([a, a[:2]]), states)
+    seed = prng.seed_words(0)
+    want = run(state, case.cohort, np.int32(0), case.template, seed)
+    got = run(state, jax.tree.map(jnp.asarray, filled), np.int32(0), states, seed)
+    assert_trees_equal(got[0], want[0])
+    assert_trees_equal(got[1], want[1])
+    if states is not None:
+        assert_trees_equal(jax.tree.map(lambda a: a[:len(CLIENTS)], got[2]), want[2])
+    assert differs(want[0].params, case.params) or _sends_nothing(_trained(case))
