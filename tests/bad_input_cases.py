@@ -254,7 +254,8 @@ CASES: tuple[Case, ...] = (
          "--workdir=...), or 'memory'", {"client_states": "disk", "algorithm": "ditto"},
          checked_by="`flowjax.config.simulation_for` (built without a workdir)"),
     _config("model_init", "pytorch", "config.model_init='pytorch': expected one of [None, "
-            "'flax', 'torch', 'torch_lecun_variance', 'torch_zero_biases']"),
+            "'flax', 'torch', 'torch_lecun_variance', 'torch_zero_biases', "
+            "'torch_lecun_variance_zero_biases']"),
     _config("model_init", "flax", "config.model_init='flax': expected None or 'torch' with "
             "methods.flow.semantics='reference': the authors' CIFAR network draws its own "
             "PyTorch init", model="resnet18_gn",

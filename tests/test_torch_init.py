@@ -165,20 +165,24 @@ def test_one_factor_styles_change_only_dense_and_conv_weights_scale_or_biases():
     """``model_init="torch_lecun_variance"``: every dense layer's weights (the policy's
     too) are ``sqrt(3)`` times ``"torch"``'s from the same run key, variance 1/fan_in as
     flowjax's LeCun normal, with the biases ``"torch"``'s bit for bit;
-    ``"torch_zero_biases"``: ``"torch"``'s weights bit for bit, biases zero."""
-    torch = _initial_params(small_synthetic_config(algorithm="flow", model_init="torch"))
-    lecun = _initial_params(small_synthetic_config(algorithm="flow",
-                                                   model_init="torch_lecun_variance"))
-    zero = _initial_params(small_synthetic_config(algorithm="flow",
-                                                  model_init="torch_zero_biases"))
+    ``"torch_zero_biases"``: ``"torch"``'s weights bit for bit, biases zero;
+    ``"torch_lecun_variance_zero_biases"``: the scaled weights with zero biases."""
+    def drawn(style):
+        return _initial_params(small_synthetic_config(algorithm="flow", model_init=style))
+
+    torch, lecun, zero, both = map(drawn, ("torch", "torch_lecun_variance",
+                                           "torch_zero_biases",
+                                           "torch_lecun_variance_zero_biases"))
     layers = 0
     for part in ("global", "policy"):
         for name, layer in torch[part].items():
-            assert np.array_equal(lecun[part][name]["kernel"],
-                                  np.float32(math.sqrt(3)) * np.asarray(layer["kernel"]))
+            scaled = np.float32(math.sqrt(3)) * np.asarray(layer["kernel"])
+            assert np.array_equal(lecun[part][name]["kernel"], scaled)
             assert np.array_equal(lecun[part][name]["bias"], layer["bias"])
             assert np.array_equal(zero[part][name]["kernel"], layer["kernel"])
             assert np.all(np.asarray(zero[part][name]["bias"]) == 0)
+            assert np.array_equal(both[part][name]["kernel"], scaled)
+            assert np.all(np.asarray(both[part][name]["bias"]) == 0)
             assert np.any(np.asarray(layer["bias"]) != 0)
             layers += 1
     assert layers >= 4
@@ -195,7 +199,8 @@ def test_one_factor_styles_leave_lstms_and_embeddings_as_torchs():
     model = get_model("shakespeare_lstm", hidden=16)
     key = jax.random.key(1)
     torch = with_torch_init(model).init(key)
-    for style in ("torch_lecun_variance", "torch_zero_biases"):
+    for style in ("torch_lecun_variance", "torch_zero_biases",
+                  "torch_lecun_variance_zero_biases"):
         params = with_torch_init(model, style).init(key)
         for name, layer in params.items():
             if set(layer) != {"kernel", "bias"}:

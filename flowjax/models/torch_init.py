@@ -19,13 +19,15 @@ PyTorch modules' own, not flowjax's (Flax's LeCun normal, Keras' LSTM):
 Only the distributions are theirs: the draws come from JAX's keys, not PyTorch's
 generator.
 
-Two styles change one factor of theirs back to flowjax's, on dense and convolution layers
+Three styles change factors of theirs back to flowjax's, on dense and convolution layers
 only (LSTMs, embeddings, norms and the ResNet's convolutions drawn as in ``"torch"``), to
 tell which one moves a result: ``"torch_lecun_variance"`` draws the weights uniform on
 ``[-sqrt(3/fan_in), sqrt(3/fan_in)]``, variance ``1/fan_in`` as flowjax's LeCun normal
 (theirs is a third of it), each value ``sqrt(3)`` times the ``"torch"`` draw of the same
 key; ``"torch_zero_biases"`` keeps the ``"torch"`` weights bit for bit and zeroes the
-biases, as flowjax's.
+biases, as flowjax's; ``"torch_lecun_variance_zero_biases"`` does both (on those layers
+Flax's ``lecun_uniform``: only the weights' distribution, uniform against flowjax's
+truncated normal, is left of theirs).
 
 Their code draws every network so, for every method, at the start of a run too:
 ``with_torch_init`` gives a model whose whole ``init`` follows these rules (the run
@@ -46,8 +48,9 @@ from flowjax.models.base import Params, RoutableModel
 from flowjax.models.layers import TORCH_PADDING_IDX, is_embedding, lstm_weights
 
 # A model's ``init_style`` (``RoutableModel``): its layers' own init, PyTorch's, or
-# PyTorch's with one factor of it on dense and convolution layers made flowjax's.
-TORCH_STYLES = ("torch", "torch_lecun_variance", "torch_zero_biases")
+# PyTorch's with factors of it on dense and convolution layers made flowjax's.
+TORCH_STYLES = ("torch", "torch_lecun_variance", "torch_zero_biases",
+                "torch_lecun_variance_zero_biases")
 INIT_STYLES = ("flax", *TORCH_STYLES)
 
 # flowjax's BasicBlock names its norms in call order: after the first convolution, after
@@ -64,9 +67,9 @@ def _linear_or_conv(node: dict, key: jax.Array, style: str) -> dict:
     bound = 1.0 / math.sqrt(math.prod(kernel.shape[:-1]))  # fan_in: all but out
     k_kernel, k_bias = jax.random.split(key)
     weights = _uniform(k_kernel, kernel.shape, bound)
-    if style == "torch_lecun_variance":
+    if "lecun_variance" in style:
         weights = math.sqrt(3.0) * weights
-    bias = (jnp.zeros(node["bias"].shape, jnp.float32) if style == "torch_zero_biases"
+    bias = (jnp.zeros(node["bias"].shape, jnp.float32) if "zero_biases" in style
             else _uniform(k_bias, node["bias"].shape, bound))
     return {"kernel": weights, "bias": bias}
 
@@ -127,7 +130,7 @@ def _check_torch_style(style: str) -> None:
 def torch_init(layers: Params, key: jax.Array, style: str = "torch") -> Params:
     """Fresh params of ``layers``' shapes (``{layer name: params}``, arrays or
     ``jax.ShapeDtypeStruct``) drawn as the authors' PyTorch networks draw the same layers
-    (module docstring), or with one factor made flowjax's (``style``, one of
+    (module docstring), or with factors made flowjax's (``style``, one of
     ``TORCH_STYLES``); each layer from ``fold_in(key, i)``, ``i`` its index in sorted
     order. Raises ``ValueError`` naming a part of no known kind, or an unknown style."""
     _check_torch_style(style)

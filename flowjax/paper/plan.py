@@ -98,11 +98,13 @@ EVALUATION_VARIANTS = {
 # sets them beside the same rows on flowjax's init
 # (FedAvgFT's row holds FedAvg's too: its server model is FedAvg's, and its copy after one
 # epoch is the one their CIFAR FedAvg scores on the test split). The `init_factors` table
-# adds their init with one factor made flowjax's (the weights' variance, the biases) to
+# adds their init with factors made flowjax's (the weights' variance, the biases, both) to
 # tell which one moves the rows. Each variant: (base row, model_init).
 TORCH_INIT_BASES = ("flow", "flow_reference", "fedavg_ft_snapshot")
 INIT_FACTOR_STYLES = {"torch_lecun_variance": "PyTorch's with flowjax's weight variance",
-                      "torch_zero_biases": "PyTorch's with flowjax's zero biases"}
+                      "torch_zero_biases": "PyTorch's with flowjax's zero biases",
+                      "torch_lecun_variance_zero_biases": "PyTorch's with flowjax's weight "
+                                                          "variance and zero biases"}
 TORCH_INIT_VARIANTS = {
     **{f"{base}_torch_init": (base, "torch") for base in TORCH_INIT_BASES},
     **{f"{base}_{style}": (base, style) for base in TORCH_INIT_BASES
@@ -490,8 +492,9 @@ TABLES: dict[str, TableSpec] = {spec.name: spec for spec in (
     TableSpec(
         "init_factors", "Which factor of the authors' init (PyTorch's defaults) moves the "
         "rows: their init with flowjax's weight variance (dense and convolution weights "
-        "uniform with variance 1/fan_in, LeCun's, not a third of it) or with flowjax's zero "
-        "biases, beside both inits; Flow as their code runs it and FedAvgFT with their SGD "
+        "uniform with variance 1/fan_in, LeCun's, not a third of it), with flowjax's zero "
+        "biases, or with both (then only their weights' uniform distribution is left), "
+        "beside both inits; Flow as their code runs it and FedAvgFT with their SGD "
         "momentum 0.9 and copy (as the torch_init table), %",
         ("tbl:all-accuracies",),
         tuple(Row(variant, label + suffix)
