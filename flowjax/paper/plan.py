@@ -105,6 +105,8 @@ INIT_FACTOR_STYLES = {"torch_lecun_variance": "PyTorch's with flowjax's weight v
                       "torch_zero_biases": "PyTorch's with flowjax's zero biases",
                       "torch_lecun_variance_zero_biases": "PyTorch's with flowjax's weight "
                                                           "variance and zero biases"}
+_INIT_BASE_LABELS = {"flow": "Flow (paper)", "flow_reference": "Flow (reference)",
+                     "fedavg_ft_snapshot": "FedAvgFT, SGD momentum 0.9"}
 TORCH_INIT_VARIANTS = {
     **{f"{base}_torch_init": (base, "torch") for base in TORCH_INIT_BASES},
     **{f"{base}_{style}": (base, style) for base in TORCH_INIT_BASES
@@ -356,6 +358,12 @@ def _rows(*variants: str, labels: Mapping[str, str] | None = None) -> tuple[Row,
     return tuple(Row(v, labels[v]) for v in variants)
 
 
+def _init_rows(bases: Sequence[str], inits: Sequence[tuple[str, str]]) -> tuple[Row, ...]:
+    """Each base row under each init: ``inits`` holds (variant suffix, label suffix)."""
+    return tuple(Row(base + suffix, _INIT_BASE_LABELS[base] + text)
+                 for base in bases for suffix, text in inits)
+
+
 TABLES: dict[str, TableSpec] = {spec.name: spec for spec in (
     TableSpec(
         "table2", "Table 2: generalized (Acc_g) and personalized (Acc_p) accuracy, %",
@@ -481,12 +489,8 @@ TABLES: dict[str, TableSpec] = {spec.name: spec for spec in (
         "FedAvgFT with their SGD momentum 0.9 and copy (as the client_snapshot table; its "
         "Acc_g and copy are FedAvg's), %",
         ("tbl:all-accuracies",),
-        tuple(Row(variant, label + suffix)
-              for base, label in (("flow", "Flow (paper)"),
-                                  ("flow_reference", "Flow (reference)"),
-                                  ("fedavg_ft_snapshot", "FedAvgFT, SGD momentum 0.9"))
-              for variant, suffix in ((base, ", flowjax's init"),
-                                      (f"{base}_torch_init", ", PyTorch's init (theirs)"))),
+        _init_rows(TORCH_INIT_BASES, (("", ", flowjax's init"),
+                                      ("_torch_init", ", PyTorch's init (theirs)"))),
         ("acc_g", "acc_g_client_snapshot", "acc_p", "clients_benefiting"),
         ("fashion_mnist_0.1", "fashion_mnist_0.6")),
     TableSpec(
@@ -497,13 +501,9 @@ TABLES: dict[str, TableSpec] = {spec.name: spec for spec in (
         "beside both inits; Flow as their code runs it and FedAvgFT with their SGD "
         "momentum 0.9 and copy (as the torch_init table), %",
         ("tbl:all-accuracies",),
-        tuple(Row(variant, label + suffix)
-              for base, label in (("flow_reference", "Flow (reference)"),
-                                  ("fedavg_ft_snapshot", "FedAvgFT, SGD momentum 0.9"))
-              for variant, suffix in (
-                  (base, ", flowjax's init"), (f"{base}_torch_init", ", PyTorch's init"),
-                  *((f"{base}_{style}", f", {text}")
-                    for style, text in INIT_FACTOR_STYLES.items()))),
+        _init_rows(("flow_reference", "fedavg_ft_snapshot"),
+                   (("", ", flowjax's init"), ("_torch_init", ", PyTorch's init"),
+                    *((f"_{style}", f", {text}") for style, text in INIT_FACTOR_STYLES.items()))),
         ("acc_g", "acc_g_client_snapshot", "acc_p", "clients_benefiting"),
         ("fashion_mnist_0.1", "fashion_mnist_0.6")),
 )}
