@@ -135,7 +135,8 @@ def base_config(variant: str) -> ml_collections.ConfigDict:
     # LSTM); "torch", PyTorch's defaults as the authors' networks draw theirs
     # (flowjax/models/torch_init.py); "torch_lecun_variance" / "torch_zero_biases" /
     # "torch_lecun_variance_zero_biases", PyTorch's with flowjax's weight variance / zero
-    # biases / both on dense and convolution layers (which factor of the init moves a result). Flow's CIFAR reference network always draws its own.
+    # biases / both on dense and convolution layers (which factor of the init moves a
+    # result). Flow's CIFAR reference network always draws its own.
     config.model_init = config_dict.placeholder(str)
     config.log_every = 10
     # Where stateful methods keep their client states: "memory" (host RAM), or "disk"

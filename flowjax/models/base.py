@@ -60,8 +60,9 @@ class RoutableModel:
       init_style: how ``init`` draws the params: ``"flax"``, the layers' own (Flax's
         LeCun normal with zero biases, Keras' LSTM), or ``"torch"``, PyTorch's, as the
         Flow authors' networks draw theirs (``models.torch_init.with_torch_init``; also
-        ``"torch_lecun_variance"``, ``"torch_zero_biases"`` and both: factors of it undone). Parts
-        an algorithm builds beside the model (Flow's policy) are drawn in the same style.
+        ``"torch_lecun_variance"``, ``"torch_zero_biases"`` and both: factors of it
+        undone). Parts an algorithm builds beside the model (Flow's policy) are drawn in
+        the same style.
     """
 
     name: str
