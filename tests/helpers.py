@@ -221,7 +221,8 @@ def check_state_round_trip(algorithm_name: str, num_rounds: int = 4) -> experime
     * after each round, exactly the sampled clients' stored states changed, to what their
       ``client_update`` returned;
     * a client sampled in two rounds receives in the second exactly the state it left
-      after the first (and that state is not the never-trained template).
+      after the first (and that state is not the never-trained template);
+    * the round and the evaluation are each traced once (no recompilation).
     """
     config = small_config(algorithm=algorithm_name, num_rounds=num_rounds)
     calls: list = []
@@ -249,6 +250,8 @@ def check_state_round_trip(algorithm_name: str, num_rounds: int = 4) -> experime
         previous = rows
 
     result = experiment.run(simulation, progress=after_round)
+    # States in and out of the store every round, one compiled round and evaluation.
+    assert simulation.trace_counts == {"round": 1, "eval": 1}, simulation.trace_counts
     assert len(calls) == num_rounds * simulation.cohort_clients
     rounds = [calls[r * simulation.cohort_clients:(r + 1) * simulation.cohort_clients]
               for r in range(num_rounds)]
