@@ -33,14 +33,13 @@ def conflicting_fields(workdir: str, resolved: dict, remedy: str) -> list[str]:
     """Dotted fields in which the started run in ``workdir`` differs from ``resolved``.
 
     Empty when nothing was started in ``workdir`` (a flowjax config.json alone loses
-    nothing when replaced). Raises ValueError ending in ``remedy`` when the stored config
-    is not JSON or the same config's unfinished run has checkpoints that
-    ``checkpoint_every=0`` would not resume from (it would start over and lose them);
-    ending in "use another --workdir" when ``config.json`` is another program's, or when
-    a run's files lie there without one (``refuse_an_unknown_run``).
+    nothing when replaced). Raises ValueError ending in ``remedy`` when the same config's
+    unfinished run has checkpoints that ``checkpoint_every=0`` would not resume from (it
+    would start over and lose them); ending in "use another --workdir" when
+    ``config.json`` is not a flowjax run's (``stored_run_config``), or when a run's files
+    lie there without one (``refuse_an_unknown_run``).
     """
-    previous = run_folder.read_config(workdir, remedy)
-    refuse_a_foreign_config(workdir, previous)
+    previous = stored_run_config(workdir)
     refuse_an_unknown_run(workdir)
     if not run_folder.run_started(workdir):
         return []
@@ -91,13 +90,28 @@ def refuse_an_unknown_run(workdir: str) -> None:
                          f"made them is unknown; nothing was deleted; {UNKNOWN_RUN_REMEDY}")
 
 
-def refuse_a_foreign_config(workdir: str, stored: Any) -> None:
-    """Raises ValueError when ``stored``, the parsed ``config.json`` of ``workdir``, is
-    not a flowjax run's: a run would replace it, ``--overwrite`` delete it."""
-    if stored is not None and not run_folder.is_run_config(stored):
-        raise ValueError(f"{run_folder.path(workdir, run_folder.CONFIG)} is not a flowjax "
-                         f"run's config (it lacks {', '.join(run_folder.CONFIG_MARKERS)}); "
-                         f"nothing was changed; use another --workdir")
+def stored_run_config(workdir: str) -> dict[str, Any] | None:
+    """The ``config.json`` of the flowjax run in ``workdir``; None where there is none.
+
+    Raises ValueError when a ``config.json`` is there but is not a flowjax run's, which a
+    run would replace and ``--overwrite`` delete with the folder's other files: JSON
+    without ``run_folder.CONFIG_MARKERS`` (``null`` too), or no JSON at all (a run writes
+    it whole, atomically, so it is not a torn write of one).
+    """
+    file = run_folder.path(workdir, run_folder.CONFIG)
+    if not os.path.exists(file):
+        return None
+    try:
+        stored = run_folder.read_json(file, "")
+    except ValueError:
+        raise ValueError(f"{file} is not valid JSON, and a flowjax run writes it whole, so "
+                         "what wrote it is unknown; nothing was changed; move it away to run "
+                         "there, or use another --workdir") from None
+    if not run_folder.is_run_config(stored):
+        raise ValueError(f"{file} is not a flowjax run's config (it lacks "
+                         f"{', '.join(run_folder.CONFIG_MARKERS)}); nothing was changed; use "
+                         f"another --workdir")
+    return stored
 
 
 def older_schema(stored: dict) -> bool:
@@ -225,11 +239,7 @@ def _checked_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) ->
     """Whether ``workdir`` holds this config's finished run; raises ValueError where it
     holds another run and ``overwrite`` is off. Writes nothing."""
     if overwrite:
-        try:  # a config.json that is not JSON is a run's torn write: --overwrite replaces it
-            stored = run_folder.read_config(workdir, "")
-        except ValueError:
-            stored = None
-        refuse_a_foreign_config(workdir, stored)
+        stored_run_config(workdir)
         refuse_an_unknown_run(workdir)
         return False
     differing = conflicting_fields(

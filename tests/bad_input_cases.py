@@ -1130,11 +1130,13 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               "tests/test_resume.py::"
               "test_checkpoint_every_0_is_refused_where_it_would_drop_a_runs_checkpoints"),
     Behaviour("`--workdir` holding another program's `config.json` (no `algorithm` or "
-              "`num_rounds`), with or without `--overwrite`",
-              "workdir (`flowjax.runner.refuse_a_foreign_config`)", "one line `... is not a "
+              "`num_rounds`, `null`, or not JSON at all), with or without `--overwrite`",
+              "workdir (`flowjax.runner.stored_run_config`)", "one line `... is not a "
               "flowjax run's config (it lacks algorithm, num_rounds); nothing was "
-              "changed; use another --workdir`, exit 2 (the run used to replace the file, and "
-              "`--overwrite` to delete it)",
+              "changed; use another --workdir` (not JSON: `... is not valid JSON, and a "
+              "flowjax run writes it whole, so what wrote it is unknown; ...`), exit 2 (the "
+              "run used to replace the file, and `--overwrite` to delete it with the "
+              "folder's other files; a `null` one ended in a traceback)",
               "tests/test_resume.py::"
               "test_another_programs_config_json_is_neither_replaced_nor_deleted"),
     Behaviour("a second run on a workdir a run is using (the same command started twice, "

@@ -445,19 +445,29 @@ def test_a_workdir_in_use_by_another_run_is_refused_and_left_to_it(uninterrupted
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
-def test_another_programs_config_json_is_neither_replaced_nor_deleted(tmp_path, overwrite):
+@pytest.mark.parametrize("theirs", ['{"model_type": "bert", "hidden_size": 768}', "null",
+                                    "", "# not json"])
+def test_another_programs_config_json_is_neither_replaced_nor_deleted(tmp_path, overwrite,
+                                                                      theirs):
     """A folder holding another program's ``config.json`` (a model folder's) is no run:
     it used to be replaced by the run's, and ``--overwrite`` deleted it with the files
-    a run would write."""
+    a run would write; one that was not JSON (or ``null``) was read as a run's torn
+    write, which ``--overwrite`` deleted the same way (a run writes it atomically), and a
+    ``null`` one ended in a traceback without it."""
     from flowjax.runner import run_config_to_workdir
-    (tmp_path / "config.json").write_text('{"model_type": "bert", "hidden_size": 768}')
+    (tmp_path / "config.json").write_text(theirs)
     (tmp_path / "metrics.jsonl").write_text("theirs\n")
+    (tmp_path / "checkpoints" / "mine").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "mine" / "weights").write_bytes(b"w")
     before = file_bytes(tmp_path)
     with pytest.raises(ValueError) as refused:
         run_config_to_workdir(run_config(), str(tmp_path), progress=False, overwrite=overwrite)
+    file = f"{tmp_path}/config.json"
     assert str(refused.value) == (
-        f"{tmp_path}/config.json is not a flowjax run's config (it lacks algorithm, num_rounds)"
-        "; nothing was changed; use another --workdir")
+        f"{file} is not a flowjax run's config (it lacks algorithm, num_rounds); nothing was "
+        "changed; use another --workdir" if theirs.startswith(("{", "null")) else
+        f"{file} is not valid JSON, and a flowjax run writes it whole, so what wrote it is "
+        "unknown; nothing was changed; move it away to run there, or use another --workdir")
     assert file_bytes(tmp_path) == before
 
 
