@@ -674,6 +674,9 @@ def import_their_trainer(reference_dir: str, module_name: str = "trainers.client
     from ``reference_dir``, with empty stand-ins for the modules it imports that one
     client update never calls (flwr, TensorFlow, their data loaders and server), so
     neither needs installing."""
+    # Absolute: it goes on sys.path and the import runs from inside it (their code opens
+    # files relative to its root), where a relative path would name another folder.
+    reference_dir = os.path.abspath(reference_dir)
     source = os.path.join(*module_name.split(".")) + ".py"
     if not os.path.isfile(os.path.join(reference_dir, source)):
         raise SystemExit(f"--reference_dir={reference_dir!r}: expected a checkout of "

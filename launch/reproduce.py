@@ -70,9 +70,7 @@ from flowjax.runner import (check_workdir, conflicting_fields,  # noqa: E402
                             resolved_config, run_config_to_workdir)
 from flowjax.validation import validate_config  # noqa: E402
 
-_TABLE = flags.DEFINE_string("table", None, "Paper table: table2, table3, regularization, "
-                             "pi_pc_flow, fixed_policy, soft_hard, order, split_ratio, "
-                             "gain_source, client_snapshot, torch_init.")
+_TABLE = flags.DEFINE_string("table", None, f"Paper table: {', '.join(TABLES)}.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Root of the cells and the tables.")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "44", "56"], "Seeds (the paper's: 0, 44, 56).")
 _DATASETS = flags.DEFINE_list("datasets", [], "Datasets (default: the table's paper datasets "

@@ -80,3 +80,17 @@ def test_launcher_reports_each_module_and_refuses_another_folder(tmp_path):
     assert done.stderr.strip().splitlines() == [
         f"error: --reference_dir={str(trainers)!r}: expected a checkout of "
         "github.com/Astuary/Flow (no trainers/ folder) (--help lists the options)"]
+
+
+def test_their_modules_import_from_a_relative_reference_dir(tmp_path, monkeypatch):
+    """``--reference_dir=authors-flow`` as the README writes it: the import runs from
+    inside their checkout, where the relative path put on ``sys.path`` named another
+    folder (``ModuleNotFoundError: No module named 'trainers'``)."""
+    from launch import parity
+    (tmp_path / "their" / "trainers").mkdir(parents=True)
+    (tmp_path / "their" / "trainers" / "client_x.py").write_text(
+        "import os\nWHERE = os.getcwd()\n")
+    monkeypatch.chdir(tmp_path)
+    module = parity.import_their_trainer("their", "trainers.client_x")
+    assert os.path.realpath(module.WHERE) == os.path.realpath(tmp_path / "their")
+    assert os.path.realpath(os.getcwd()) == os.path.realpath(tmp_path)
