@@ -15,7 +15,7 @@ from flowjax import config as run_config
 from flowjax.algorithms.base import fresh_layers
 from flowjax.core import prng
 from flowjax.models import get_model
-from flowjax.models.torch_init import torch_init, with_torch_init
+from flowjax.models.torch_init import TORCH_STYLES, torch_init, with_torch_init
 from tests.helpers import assert_trees_equal, small_config, small_synthetic_config
 
 
@@ -170,9 +170,7 @@ def test_one_factor_styles_change_only_dense_and_conv_weights_scale_or_biases():
     def drawn(style):
         return _initial_params(small_synthetic_config(algorithm="flow", model_init=style))
 
-    torch, lecun, zero, both = map(drawn, ("torch", "torch_lecun_variance",
-                                           "torch_zero_biases",
-                                           "torch_lecun_variance_zero_biases"))
+    torch, lecun, zero, both = map(drawn, TORCH_STYLES)
     layers = 0
     for part in ("global", "policy"):
         for name, layer in torch[part].items():
@@ -199,8 +197,7 @@ def test_one_factor_styles_leave_lstms_and_embeddings_as_torchs():
     model = get_model("shakespeare_lstm", hidden=16)
     key = jax.random.key(1)
     torch = with_torch_init(model).init(key)
-    for style in ("torch_lecun_variance", "torch_zero_biases",
-                  "torch_lecun_variance_zero_biases"):
+    for style in TORCH_STYLES[1:]:
         params = with_torch_init(model, style).init(key)
         for name, layer in params.items():
             if set(layer) != {"kernel", "bias"}:

@@ -47,10 +47,15 @@ import jax.numpy as jnp
 from flowjax.models.base import Params, RoutableModel
 from flowjax.models.layers import TORCH_PADDING_IDX, is_embedding, lstm_weights
 
+# PyTorch's styles: what each does to a dense or convolution layer's draw, (the factor
+# its weights are scaled by, whether its biases are drawn or zero).
+_DENSE_AND_CONV = {"torch": (1.0, True),
+                   "torch_lecun_variance": (math.sqrt(3.0), True),
+                   "torch_zero_biases": (1.0, False),
+                   "torch_lecun_variance_zero_biases": (math.sqrt(3.0), False)}
+TORCH_STYLES = tuple(_DENSE_AND_CONV)
 # A model's ``init_style`` (``RoutableModel``): its layers' own init, PyTorch's, or
 # PyTorch's with factors of it on dense and convolution layers made flowjax's.
-TORCH_STYLES = ("torch", "torch_lecun_variance", "torch_zero_biases",
-                "torch_lecun_variance_zero_biases")
 INIT_STYLES = ("flax", *TORCH_STYLES)
 
 # flowjax's BasicBlock names its norms in call order: after the first convolution, after
@@ -66,11 +71,12 @@ def _linear_or_conv(node: dict, key: jax.Array, style: str) -> dict:
     kernel = node["kernel"]
     bound = 1.0 / math.sqrt(math.prod(kernel.shape[:-1]))  # fan_in: all but out
     k_kernel, k_bias = jax.random.split(key)
+    scale, biases = _DENSE_AND_CONV[style]
     weights = _uniform(k_kernel, kernel.shape, bound)
-    if "lecun_variance" in style:
-        weights = math.sqrt(3.0) * weights
-    bias = (jnp.zeros(node["bias"].shape, jnp.float32) if "zero_biases" in style
-            else _uniform(k_bias, node["bias"].shape, bound))
+    if scale != 1.0:
+        weights = scale * weights
+    bias = (_uniform(k_bias, node["bias"].shape, bound) if biases
+            else jnp.zeros(node["bias"].shape, jnp.float32))
     return {"kernel": weights, "bias": bias}
 
 
