@@ -101,8 +101,9 @@ def _keys(round_index: int) -> jax.Array:
     return jax.vmap(lambda c: prng.client_key(stream, c))(jnp.asarray(CLIENTS))
 
 
-def _stack(task, split: str, padded_examples: int) -> ClientExamples:
-    cohort = assemble_cohort(task, split, list(CLIENTS), num_clients=len(CLIENTS),
+def _stack(task, split: str, padded_examples: int, padding_clients: int = 0) -> ClientExamples:
+    cohort = assemble_cohort(task, split, list(CLIENTS),
+                             num_clients=len(CLIENTS) + padding_clients,
                              padded_examples=padded_examples, batch_size=BATCH)
     return jax.tree.map(jnp.asarray, cohort)
 
@@ -339,17 +340,14 @@ def test_padding_clients_change_no_round(name, images_small):
     server_optimizer = optax.adam(0.1)  # moments would carry a padding client's leak
     state = ServerState(case.params, server_optimizer.init(case.params))
     run = jax.jit(make_round(case.algorithm, server_optimizer, ClientMapping("loop")))
-    tight = examples_per_client(np.asarray(case.cohort.num_examples), BATCH)
-    filled = assemble_cohort(images_small.train, "train", list(CLIENTS),
-                             num_clients=len(CLIENTS) + 2, padded_examples=tight,
-                             batch_size=BATCH)
+    filled = _stack(images_small.train, "train", case.cohort.mask[0].size, padding_clients=2)
     assert np.asarray(filled.client_id).tolist() == [*CLIENTS, -1, -1]
     states = case.template
     if states is not None:  # the padding clients get never-trained rows, as the engine's
         states = jax.tree.map(lambda a: jnp.concatenate([a, a[:2]]), states)
     seed = prng.seed_words(0)
     want = run(state, case.cohort, np.int32(0), case.template, seed)
-    got = run(state, jax.tree.map(jnp.asarray, filled), np.int32(0), states, seed)
+    got = run(state, filled, np.int32(0), states, seed)
     assert_trees_equal(got[0], want[0])
     assert_trees_equal(got[1], want[1])
     if states is not None:
