@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from typing import Any, Callable
@@ -57,10 +58,12 @@ def write_text_atomic(file: str, text: str) -> None:
     """Writes to a temporary file in the same folder, then renames it over ``file``.
 
     A crash mid-write leaves the previous file intact; the folder is synced after the
-    rename, without which a power loss may keep the old entry (or none) on disk.
+    rename, without which a power loss may keep the old entry (or none) on disk. A kill
+    mid-write leaves the temporary file, named after ``file`` so that the next writer
+    under the folder's lock can tell it for a leftover (``remove_write_leftovers``).
     """
     folder = os.path.dirname(os.path.abspath(file))
-    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    handle, temporary = tempfile.mkstemp(dir=folder, prefix=_temporary_prefix(file))
     try:
         with os.fdopen(handle, "w") as out:
             out.write(text)
@@ -72,6 +75,36 @@ def write_text_atomic(file: str, text: str) -> None:
         os.unlink(temporary)
         raise
     durable.fsync_path(folder)
+
+
+def _temporary_prefix(file: str) -> str:
+    return f".{os.path.basename(file)}.tmp-"
+
+
+# Before 2026-12 the temporary files were all named .tmp-<mkstemp's 8 characters>.
+_OLD_TEMPORARY = re.compile(r"\.tmp-[a-z0-9_]{8}")
+
+
+def remove_write_leftovers(folder: str, names: tuple[str, ...]) -> list[str]:
+    """Removes the temporary files that a kill in ``write_text_atomic`` of one of
+    ``names`` left in ``folder`` (and the older, unnamed kind); the names it removed.
+
+    Only for a caller that holds the folder's lock: another writer's temporary file is
+    indistinguishable from a leftover.
+    """
+    prefixes = tuple(_temporary_prefix(name) for name in names)
+    try:
+        entries = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    removed = []
+    for entry in sorted(entries):
+        file = os.path.join(folder, entry)
+        if ((entry.startswith(prefixes) or _OLD_TEMPORARY.fullmatch(entry))
+                and os.path.isfile(file) and not os.path.islink(file)):
+            os.remove(file)
+            removed.append(entry)
+    return removed
 
 
 def write_json_atomic(file: str, payload: Any) -> None:

@@ -174,6 +174,8 @@ def prepare_workdir(workdir: str, resolved: dict[str, Any], overwrite: bool) -> 
         try:
             if overwrite:
                 run_folder.remove_run(workdir)
+            # A killed attempt's half-written files: this process holds the lock.
+            run_folder.remove_write_leftovers(workdir, run_folder.RUN_FILES)
             os.makedirs(workdir, exist_ok=True)
             run_folder.write_json_atomic(run_folder.path(workdir, run_folder.CONFIG), resolved)
         except OSError as raised:

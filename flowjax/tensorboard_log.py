@@ -143,6 +143,8 @@ class TensorBoardLog(Callback):
         """Writes one record's scalars."""
         step = int(record["round"])
         if self._writer is None:
+            # A killed attempt's half-written marker (the runner holds the folder's lock).
+            run_folder.remove_write_leftovers(self.logdir, (LOGGED_THROUGH,))
             # Events of an earlier attempt from this step on are superseded by this one.
             earlier = len(_event_files(self.logdir))
             # Complete on closing only if the rounds before its first are vouched for.

@@ -15,6 +15,9 @@ fault is injected here, from the test side; production code has no hook for it.
       raises ENOSPC, as a full disk makes it
   python tests/crashing_train.py results_full:1 <flags>
       no crash: the first write of results.json raises ENOSPC
+  python tests/crashing_train.py run_json_written:1 <flags>
+      SIGKILL in the first atomic write of run.json, its temporary file complete, before
+      it replaces run.json (the leftover temporary file stays in the run folder)
   python tests/crashing_train.py built:1:SIGTERM <flags>
       that signal once the run's simulation is built (data loaded, HypCluster's warm-up
       done), before the run loop starts
@@ -102,10 +105,23 @@ def inject(fault: str) -> None:
             write(file, payload)
 
         run_folder.write_json_atomic = full_write
+    elif point == "run_json_written":
+        from flowjax import run_folder
+        from flowjax.core import file_modes
+        as_if_created, calls = file_modes.as_if_created, []
+
+        def crashing_as_if_created(file):  # write_text_atomic's step before the rename
+            as_if_created(file)
+            if os.path.basename(file).startswith(f".{run_folder.RUN_INFO}.tmp-"):
+                calls.append(None)
+                if len(calls) == index:
+                    crash(signum)
+
+        file_modes.as_if_created = crashing_as_if_created
     else:
         raise ValueError(f"fault {fault!r}: expected round:N[:SIGNAL], "
-                         f"checkpoint:N[:SIGNAL], built:N[:SIGNAL], saved:N, disk_full:N or "
-                         f"results_full:N")
+                         f"checkpoint:N[:SIGNAL], built:N[:SIGNAL], saved:N, disk_full:N, "
+                         f"results_full:N or run_json_written:N")
 
 
 if __name__ == "__main__":

@@ -78,6 +78,23 @@ def test_checkpoint_and_log_cadence_may_change_at_a_resume(uninterrupted, tmp_pa
         assert (tmp_path / name).read_bytes() == (uninterrupted / name).read_bytes(), name
 
 
+def test_a_kill_mid_write_leaves_a_temporary_file_the_resumed_run_removes(uninterrupted,
+                                                                         tmp_path):
+    """write_text_atomic's temporary file outlives a kill; the next run of the folder (it
+    holds the lock) removes it, and an older run's unnamed kind, and finishes exactly."""
+    killed = train(tmp_path, fault="run_json_written:1")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    leftovers = [name for name in os.listdir(tmp_path) if name.startswith(".run.json.tmp-")]
+    assert len(leftovers) == 1 and not (tmp_path / "run.json").exists()
+    (tmp_path / ".tmp-abcd_123").write_text("{")  # as write_text_atomic named them before
+    (tmp_path / ".tmp-notes").write_text("a user's")  # not that pattern: kept
+    resumed = train(tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path)) == sorted(os.listdir(uninterrupted) + [".tmp-notes"])
+    for name in ("results.json", "metrics.jsonl"):
+        assert (tmp_path / name).read_bytes() == (uninterrupted / name).read_bytes(), name
+
+
 # Both signals take one path (launch/cli.py raises SIGTERM as Ctrl-C is raised); CI runs
 # SIGTERM's, a scheduler's, and SIGINT's with -m slow (13 s).
 @pytest.mark.parametrize("signal_name,status,shown", [

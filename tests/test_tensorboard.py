@@ -170,6 +170,22 @@ def test_an_attempt_killed_after_a_clean_one_does_not_leave_the_clean_ones_claim
     assert (tmp_path / "tensorboard" / ".logged_through").read_text() == "24"
 
 
+def test_a_killed_writes_temporary_marker_is_removed_by_the_next_attempt(tmp_path):
+    """A kill in the atomic write of .logged_through leaves its temporary file; the next
+    attempt (the runner holds the folder's lock) removes it as it opens its event file."""
+    logdir = tmp_path / "tensorboard"
+    logdir.mkdir()
+    leftover = logdir / "..logged_through.tmp-k1ll3d_x"
+    leftover.write_text("9")
+    log = tensorboard_log.TensorBoardLog(str(tmp_path))
+    log({"round": 1, "kind": "train", "loss": 1.0})
+    log.close()
+    assert not leftover.exists()
+    assert sorted(name for name in os.listdir(logdir) if name.startswith(".")) == [
+        ".logged_through"]
+    assert (logdir / ".logged_through").read_text() == "1"
+
+
 def test_record_scalars_names_tags_by_kind_population_and_field():
     train = {"round": 3, "kind": "train", "loss": 0.5, "weight": 8.0, "local_loss": None}
     assert tensorboard_log.record_scalars(train) == {"train/loss": 0.5, "train/weight": 8.0}
