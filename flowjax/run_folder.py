@@ -165,6 +165,24 @@ def table_stem(stem: str, outside: Callable[[str], list[str]]) -> tuple[str, str
         number += 1
 
 
+def write_table_keeping_wider(stem: str, outside: Callable[[str], list[str]],
+                              markdown: str, csv_text: str) -> tuple[str, str]:
+    """``table_stem`` then ``write_table``, holding the folder's table lock throughout:
+    two launchers finishing parts of one grid at once would otherwise both judge the
+    folder before either wrote, and the later write could replace the wider table.
+
+    Returns:
+      ``table_stem``'s ``(stem written, why <stem>.md was kept or "")``.
+    """
+    with RunLock(os.path.dirname(os.path.abspath(stem)), name=TABLE_LOCK, wait=True):
+        base = os.path.basename(stem)
+        remove_write_leftovers(os.path.dirname(os.path.abspath(stem)),
+                               tuple(f"{base}{suffix}" for suffix in (".md", ".csv")))
+        written, kept = table_stem(stem, outside)
+        write_table(written, markdown, csv_text)
+    return written, kept
+
+
 def write_table(stem: str, markdown: str, csv_text: str) -> None:
     """``<stem>.csv`` then ``<stem>.md``: ``table_stem`` judges what the ``.md`` shows from
     the ``.csv``, so a kill between the two must not leave a new ``.md`` by an old ``.csv``."""
@@ -191,6 +209,8 @@ def _hides(stem: str, outside: Callable[[str], list[str]]) -> str:
 
 # ---------------------------------------------------------------------------- one run at a time
 LOCK = ".flowjax-lock"
+# Held while a table of runs is judged and written (``write_table_keeping_wider``).
+TABLE_LOCK = ".flowjax-table-lock"
 
 
 class RunLock:
@@ -204,10 +224,14 @@ class RunLock:
     ``runner.run_config_to_workdir`` holds it from its config checks to its results; a
     tool that writes a run folder by other means takes it the same way:
     ``with RunLock(workdir): write_metrics(workdir, records)``.
+
+    Another ``name`` locks something else of the folder (``TABLE_LOCK``); with ``wait``
+    a second process waits for the lock instead of being refused.
     """
 
-    def __init__(self, workdir: str):
-        self.file = path(workdir, LOCK)
+    def __init__(self, workdir: str, name: str = LOCK, wait: bool = False):
+        self.file = path(workdir, name)
+        self._wait = wait
         self._fd: int | None = None
         self._made: list[str] = []  # folders acquire() created, deepest first
 
@@ -225,7 +249,7 @@ class RunLock:
             while self._fd is None:
                 fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(fd, fcntl.LOCK_EX | (0 if self._wait else fcntl.LOCK_NB))
                 except BlockingIOError:
                     owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
                     os.close(fd)

@@ -313,15 +313,15 @@ def write_tables(request: Request, command: str, started: float) -> tuple[str, s
                             request.methods, request.skipped)
     markdown = table_markdown(request.table, entries, request.datasets, request.seeds, header)
     os.makedirs(request.workdir, exist_ok=True)
-    stem, kept = run_folder.table_stem(
+    stem, kept = run_folder.write_table_keeping_wider(
         os.path.join(request.workdir, request.table.name),
         lambda text: shown_outside(text, request.datasets, request.methods, request.seeds,
-                                   request.skipped))
+                                   request.skipped),
+        markdown, table_csv(entries))
     if kept:
         print(f"kept {request.workdir}/{request.table.name}.md: {kept}; this grid's table "
               f"goes to {stem}.md (--aggregate_only with the wider grid's flags rebuilds "
               f"the whole table)", flush=True)
-    run_folder.write_table(stem, markdown, table_csv(entries))
     return markdown, stem
 
 

@@ -676,6 +676,41 @@ def test_run_json_is_written_before_results_json(tmp_path, monkeypatch):
     assert written[-2:] == ["run.json", "results.json"]
 
 
+def test_two_table_writers_at_once_keep_the_wider_table(tmp_path, monkeypatch):
+    """Writer 1 judges the folder (no table yet), then writer 2, with a wider table,
+    starts: under the table lock it waits for writer 1 to finish and then replaces the
+    narrower table. Without the lock writer 2 would judge an empty folder too and finish
+    first, and writer 1 would then replace the wider table with its narrower one."""
+    import threading
+    from flowjax import run_folder
+    stem = str(tmp_path / "table")
+
+    def outside(rows):  # a table's rows that another table, shown as its CSV, leaves out
+        return lambda text: sorted(set(text.split()) - set(rows))
+
+    def write(rows):
+        return run_folder.write_table_keeping_wider(stem, outside(rows), " ".join(rows),
+                                                    "\n".join(rows))
+
+    second = threading.Thread(target=write, args=(["a", "b", "c"],))
+    judge, judged = run_folder.table_stem, []
+
+    def judge_then_let_the_second_in(name, shows):
+        judged.append(judge(name, shows))
+        if len(judged) == 1:  # writer 1 has judged: writer 2 starts, given 1 s to finish
+            second.start()
+            second.join(timeout=1.0)
+        return judged[-1]
+
+    monkeypatch.setattr(run_folder, "table_stem", judge_then_let_the_second_in)
+    assert write(["a"]) == (stem, "")
+    second.join()
+    assert (tmp_path / "table.csv").read_text() == "a\nb\nc"
+    assert (tmp_path / "table.md").read_text() == "a b c"
+    assert judged == [(stem, ""), (stem, "")]
+    assert sorted(os.listdir(tmp_path)) == ["table.csv", "table.md"]  # the lock file too
+
+
 def test_a_table_writes_its_csv_before_its_md(tmp_path, monkeypatch):
     """table_stem judges what <table>.md shows from the .csv: written first, a kill
     between the two cannot leave a new .md beside an old .csv."""
