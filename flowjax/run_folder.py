@@ -123,7 +123,8 @@ def write_metrics(workdir: str, records: list[dict[str, Any]]) -> None:
 
 
 def remove_run(workdir: str) -> None:
-    """Removes a previous run's files and folders from ``workdir`` (``--overwrite``).
+    """Removes a previous run's files and folders from ``workdir`` (``--overwrite``), and
+    the PNGs of its figures in ``plot_folders``.
 
     ``config.json`` goes last: it says whose the other files are, and a folder holding
     them without it is refused even with ``--overwrite``, so a kill mid-removal must leave
@@ -131,9 +132,38 @@ def remove_run(workdir: str) -> None:
     """
     for name in RUN_FOLDERS:
         shutil.rmtree(path(workdir, name), ignore_errors=True)
+    for folder in plot_folders(workdir):  # the replaced run's figures, not what else is there
+        remove_figures(folder, keep=())
     for name in RUN_FILES[::-1]:
         if os.path.exists(path(workdir, name)):
             os.remove(path(workdir, name))
+
+
+def plot_folders(workdir: str) -> list[str]:
+    """``launch/plot.py``'s default folders in ``workdir``: ``plots/`` and, for a
+    selection of methods, ``plots-<a>+<b>/``."""
+    try:
+        names = sorted(os.listdir(workdir))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [path(workdir, name) for name in names
+            if (name == PLOTS or name.startswith(PLOTS + "-"))
+            and os.path.isdir(path(workdir, name)) and not os.path.islink(path(workdir, name))]
+
+
+def remove_figures(folder: str, keep: tuple[str, ...]) -> list[str]:
+    """Removes the PNG files of ``folder`` but ``keep`` (the only files ``launch/plot.py``
+    writes; anything else there is someone else's), then the folder if that emptied it;
+    the names removed."""
+    removed = []
+    for name in sorted(os.listdir(folder)):
+        file = os.path.join(folder, name)
+        if name.endswith(".png") and name not in keep and os.path.isfile(file):
+            os.remove(file)
+            removed.append(name)
+    if removed and not os.listdir(folder):
+        os.rmdir(folder)
+    return removed
 
 
 # ---------------------------------------------------------------------------- tables of runs

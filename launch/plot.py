@@ -38,9 +38,10 @@ _WORKDIR = flags.DEFINE_string("workdir", None,
 _DPI = flags.DEFINE_integer("dpi", 120, "Resolution of the PNGs.")
 _PLOT_METHODS = flags.DEFINE_list("plot_methods", [], "Only these methods' runs (the folder "
                                   "names); default: every run under --workdir.")
-_OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the PNGs (default: "
-                               "<workdir>/plots, or <workdir>/plots-a+b for "
-                               "--plot_methods=a,b).")
+_OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the PNGs, added to what is "
+                               "there (default: <workdir>/plots, or <workdir>/plots-a+b "
+                               "for --plot_methods=a,b, where the PNGs of figures no longer "
+                               "drawn are removed).")
 cli.define_debug_flag()
 
 
@@ -93,6 +94,10 @@ def main(argv):
             path = os.path.join(out, name)
             figure.savefig(path, dpi=_DPI.value)
             print(f"wrote {path}")
+        if not _OUT_DIR.value:  # its own folder: what it no longer draws is out of date
+            for name in run_folder.remove_figures(out, keep=tuple(figures)):
+                print(f"removed {os.path.join(out, name)} (an earlier figure this "
+                      f"invocation does not draw)")
     except OSError as error:
         return cli.fail(ValueError(f"--out_dir={out}: cannot write it "
                                    f"({error.strerror or error}); expected a directory you "

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -343,6 +344,28 @@ def test_plot_command_writes_pngs(tmp_path):
         assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000
         assert f"wrote {tmp_path / 'plots' / name}" in done.stdout
     assert "note: every run evaluated at one round" not in done.stdout  # flow has two
+
+
+def test_the_default_folder_drops_figures_no_longer_drawn_and_out_dir_keeps_them(tmp_path):
+    """A method's run removed from the folder: its routing figure would stay in plots/
+    beside figures that no longer show it; another file there, or --out_dir, is kept."""
+    write_run(tmp_path / "flow", dataset="toy", algorithm="flow", seed=0,
+              evals={1: (0.1, 0.2)}, breakdown=BREAKDOWN_A, q0=Q0)
+    write_run(tmp_path / "fedavg", dataset="toy", algorithm="fedavg", seed=0,
+              evals={1: (0.2, 0.2)}, breakdown=BREAKDOWN_B)
+    out = tmp_path / "mine"
+    for extra in ([], [f"--out_dir={out}"]):
+        assert plot(tmp_path, *extra).returncode == 0
+    (tmp_path / "plots" / "notes.txt").write_text("mine")
+    shutil.rmtree(tmp_path / "flow")
+    again = [plot(tmp_path, *extra) for extra in ([], [f"--out_dir={out}"])]
+    assert [done.returncode for done in again] == [0, 0], again[0].stderr[-3000:]
+    assert sorted(os.listdir(tmp_path / "plots")) == ["breakdown_toy.png",
+                                                      "learning_curves_toy.png", "notes.txt"]
+    assert (f"removed {tmp_path / 'plots' / 'routing_q0_toy_flow.png'} (an earlier figure "
+            f"this invocation does not draw)") in again[0].stdout
+    assert sorted(os.listdir(out)) == ["breakdown_toy.png", "learning_curves_toy.png",
+                                       "routing_q0_toy_flow.png"]
 
 
 def test_runs_evaluated_once_say_their_curves_are_points(tmp_path):

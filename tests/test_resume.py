@@ -664,6 +664,24 @@ def test_an_overwrite_killed_midway_can_be_finished_by_the_same_command(tmp_path
     assert json.loads((tmp_path / "config.json").read_text())["seed"] == 1
 
 
+def test_overwrite_removes_the_replaced_runs_figures_and_only_them(tmp_path):
+    """plot.py's PNGs of the replaced run would otherwise sit beside the new run as if
+    they showed it; a file plot.py does not write stays, as does --out_dir's folder."""
+    from flowjax.runner import run_config_to_workdir
+    config = run_config()
+    run_config_to_workdir(config, str(tmp_path), progress=False)
+    for folder, names in (("plots", ["a.png", "notes.txt"]), ("plots-fedavg", ["b.png"]),
+                          ("figures", ["c.png"])):
+        (tmp_path / folder).mkdir()
+        for name in names:
+            (tmp_path / folder / name).write_text("x")
+    config.seed = 1
+    run_config_to_workdir(config, str(tmp_path), progress=False, overwrite=True)
+    assert sorted(os.listdir(tmp_path / "plots")) == ["notes.txt"]
+    assert not (tmp_path / "plots-fedavg").exists()
+    assert sorted(os.listdir(tmp_path / "figures")) == ["c.png"]
+
+
 def test_run_json_is_written_before_results_json(tmp_path, monkeypatch):
     """results.json marks a run finished (a finished run is reused, never rewritten):
     written last, so that a kill between the two cannot lose run.json."""
