@@ -276,6 +276,24 @@ def test_plot_data_needs_no_matplotlib(tmp_path):
                                                     for g in GROUPS}}}
 
 
+def test_the_routing_title_counts_the_seeds_pooled_not_the_seeds_routed(tmp_path):
+    """A seed whose results predate q0_histogram routes (q0_by_group) but is not pooled:
+    the title must not count it."""
+    for seed in (0, 1, 2):
+        write_run(tmp_path / "flow" / f"seed_{seed}", dataset="toy", algorithm="flow",
+                  seed=seed, evals={1: (0.1, 0.2)}, breakdown=BREAKDOWN_A, q0=Q0)
+    results = tmp_path / "flow" / "seed_2" / "results.json"
+    older = json.loads(results.read_text())
+    del older["populations"]["train_clients"]["q0_histogram"]
+    results.write_text(json.dumps(older))
+    runs = plot_data.load_runs(str(tmp_path))
+    plots = plot_data.workdir_plots(runs)
+    assert plots["routing_q0_toy_flow.png"].title == (
+        "toy / flow: q0 per layer by instance group (2 seeds pooled)")
+    np.testing.assert_allclose(plots["routing_q0_toy_flow.png"].data["train_clients"]
+                               .histograms["both_correct"], 2 * np.asarray(Q0["both_correct"]))
+
+
 def test_a_variant_folder_of_seeds_is_named_by_the_folder(tmp_path):
     for seed in (0, 1):
         write_run(tmp_path / "pi_flow" / f"seed_{seed}", dataset="toy", algorithm="flow",

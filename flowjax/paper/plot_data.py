@@ -322,10 +322,12 @@ class Routing:
     Attributes:
       histograms: ``{group: [L, bins]}`` weighted instance counts per q0 bin on [0, 1].
       means: ``{group: [L]}`` exact mean q0 (NaN where a group has no instances).
+      seeds: how many seeds' runs were pooled (those with ``q0_histogram``).
     """
 
     histograms: dict[str, np.ndarray]
     means: dict[str, np.ndarray]
+    seeds: int = 1
 
 
 def pooled_routing(runs: Sequence[Run]) -> dict[str, Routing]:
@@ -352,8 +354,18 @@ def pooled_routing(runs: Sequence[Run]) -> dict[str, Routing]:
                           for s in summaries]
             histograms[group] = np.sum(counts, axis=0)
             means[group] = _pooled_mean(counts, seed_means)
-        out[population] = Routing(histograms=histograms, means=means)
+        out[population] = Routing(histograms=histograms, means=means, seeds=len(summaries))
     return out
+
+
+def _pooled_seeds(routing: Mapping[str, Routing]) -> str:
+    """`` (N seeds pooled)`` for a title; per population where they differ (a seed whose
+    runs lack one population's histograms)."""
+    counts = {population: r.seeds for population, r in routing.items()}
+    if len(set(counts.values())) > 1:
+        return " (seeds pooled: " + ", ".join(f"{p} {n}" for p, n in counts.items()) + ")"
+    seeds = next(iter(counts.values()))
+    return f" ({seeds} seeds pooled)" if seeds > 1 else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -528,10 +540,9 @@ def workdir_plots(runs: Sequence[Run]) -> dict[str, Plot]:
             finished = [r for r in dataset_runs if r.method == method and routes(r)]
             routing = pooled_routing(finished)
             if routing:
-                seeds = len(finished)
                 plots[f"routing_q0_{stem}_{file_stem(method)}.png"] = Plot(
                     "routing", f"{dataset} / {method}: q0 per layer by instance group"
-                               + (f" ({seeds} seeds pooled)" if seeds > 1 else ""), routing)
+                               + _pooled_seeds(routing), routing)
             clients = one_client_routing(finished)
             if clients:
                 named = "; ".join(
