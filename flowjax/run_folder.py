@@ -204,11 +204,12 @@ def write_table_keeping_wider(stem: str, outside: Callable[[str], list[str]],
     Returns:
       ``table_stem``'s ``(stem written, why <stem>.md was kept or "")``.
     """
-    with RunLock(os.path.dirname(os.path.abspath(stem)), name=TABLE_LOCK, wait=True):
-        base = os.path.basename(stem)
-        remove_write_leftovers(os.path.dirname(os.path.abspath(stem)),
-                               tuple(f"{base}{suffix}" for suffix in (".md", ".csv")))
+    folder = os.path.dirname(os.path.abspath(stem))
+    with RunLock(folder, name=TABLE_LOCK, wait=True):
         written, kept = table_stem(stem, outside)
+        remove_write_leftovers(folder, tuple(
+            os.path.basename(name) + suffix for name in dict.fromkeys((stem, written))
+            for suffix in (".md", ".csv")))
         write_table(written, markdown, csv_text)
     return written, kept
 

@@ -60,7 +60,7 @@ from flowjax import config as run_config  # noqa: E402
 from flowjax import run_folder  # noqa: E402
 from flowjax.core.checks import first_line  # noqa: E402
 from flowjax.experiment import DivergenceError  # noqa: E402
-from flowjax.paper.aggregate import load_results, summed_wall_time  # noqa: E402
+from flowjax.paper.aggregate import cell_flags, load_results, summed_wall_time  # noqa: E402
 from flowjax.paper.plan import (DATASETS, TABLES, Cell, TableSpec, parse_seeds,  # noqa: E402
                                 plan_cells, resolve_datasets, resolve_methods,
                                 resolve_table, variant_overrides)
@@ -288,8 +288,8 @@ def run_cells(request: Request, configs: dict[Cell, Any], run: Runner = run_conf
         try:
             run(config, path, progress=progress)
         except DivergenceError as error:
-            # One diverged seed should not cost the rest of the grid; the table shows it
-            # as a missing seed.
+            # One diverged seed should not cost the rest of the grid; the table leaves it
+            # out and says so (aggregate.cell_flags).
             print(f"error: {where}: {error}", file=sys.stderr, flush=True)
             failed.append(cell)
     return failed
@@ -310,8 +310,10 @@ def write_tables(request: Request, command: str, started: float) -> tuple[str, s
               f"{wall:.0f} s (this invocation {time.perf_counter() - started:.0f} s), "
               f"--scale={request.scale}.")
     entries = table_entries(request.table, results, request.datasets, request.seeds,
-                            request.methods, request.skipped)
-    markdown = table_markdown(request.table, entries, request.datasets, request.seeds, header)
+                            request.methods, request.skipped,
+                            cell_flags(request.workdir, cells))
+    markdown = table_markdown(request.table, entries, request.datasets, request.seeds, header,
+                              scale=request.scale)
     os.makedirs(request.workdir, exist_ok=True)
     stem, kept = run_folder.write_table_keeping_wider(
         os.path.join(request.workdir, request.table.name),

@@ -30,6 +30,30 @@ def load_results(root: str, cells: Iterable[Cell]) -> dict[Cell, dict[str, Any]]
     return found
 
 
+# What a cell's run folder says beyond its results (``cell_flags``).
+DIVERGED = "diverged"  # stopped at a non-finite round (on_divergence="stop"): no results
+DEGRADED = "degraded"  # finished past non-finite clients (on_divergence="skip_clients")
+
+
+def cell_flags(root: str, cells: Iterable[Cell]) -> dict[Cell, str]:
+    """``DIVERGED`` or ``DEGRADED`` for the cells whose ``metrics.jsonl`` shows a
+    divergence (``run_folder.record_diverged``): an unfinished cell stopped there, a
+    finished one went on past it; cells without one are absent. A ``metrics.jsonl`` that
+    does not parse says nothing here (the cell's own run names it)."""
+    flags = {}
+    for cell in cells:
+        path = cell.path(root)
+        try:
+            if run_folder.finished(path):
+                if run_folder.went_past_a_divergence(path):
+                    flags[cell] = DEGRADED
+            elif any(map(run_folder.record_diverged, run_folder.read_metrics(path))):
+                flags[cell] = DIVERGED
+        except ValueError:
+            continue
+    return flags
+
+
 def summed_wall_time(root: str, cells: Iterable[Cell]) -> tuple[float, int]:
     """Total ``wall_time_s`` of the cells' ``run.json`` files and how many there were."""
     total, count = 0.0, 0

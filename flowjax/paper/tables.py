@@ -13,12 +13,12 @@ import dataclasses
 import io
 from typing import Iterable, Mapping, Sequence
 
-from flowjax.paper.aggregate import (Results, finished_seeds, metric_by_seed, paired_differences,
-                                     populations_of)
+from flowjax.paper.aggregate import (DEGRADED, DIVERGED, Results, finished_seeds,
+                                     metric_by_seed, paired_differences, populations_of)
 from flowjax.paper.figures import (AUTHORS_ACC_P_ROWS, PaperFigure, paper_delta,
                                    paper_figure)
-from flowjax.paper.plan import (DATASETS, METRIC_TITLES, PAPER_DATASETS, Delta, Row, TableSpec,
-                                lacks_model)
+from flowjax.paper.plan import (DATASETS, METRIC_TITLES, PAPER_DATASETS, Cell, Delta, Row,
+                                TableSpec, cell_name, lacks_model)
 from flowjax.paper.stats import SeedStats, seed_stats
 
 # The population the paper's figures are of: other populations' rows get none beside them.
@@ -45,9 +45,13 @@ class Entry:
       status: ``ok``; ``not_applicable`` (the paper's "-": a metric the method lacks);
         ``not_run`` (a cell the paper did not run, left out of the grid); ``stale``
         (some finished runs predate the metric's present meaning; ``stats`` leaves them
-        out).
+        out); ``unreported`` (finished runs lack a metric the paper has a figure for:
+        older code); ``diverged`` (a seed's run stopped at a divergence: left out);
+        ``degraded`` (a seed's run went on past non-finite clients, which it dropped from
+        training or counted wrong: kept in the mean).
       delta: a difference the paper states in words, paired per seed.
       stale_seeds: how many of the seeds' finished runs are stale.
+      diverged_seeds, degraded_seeds: the seeds of those two statuses.
     """
 
     table: str
@@ -61,6 +65,8 @@ class Entry:
     status: str = "ok"
     delta: bool = False
     stale_seeds: int = 0
+    diverged_seeds: tuple[int, ...] = ()
+    degraded_seeds: tuple[int, ...] = ()
 
     @property
     def label(self) -> str:
@@ -84,35 +90,61 @@ def _stale_seeds(results: Results, dataset: str, variant: str, population: str, 
     return finished - set(metric_by_seed(results, dataset, variant, population, _MARKER))
 
 
+def _flagged_seeds(results: Results, flags: Mapping[Cell, str], dataset: str, variant: str,
+                   population: str, seeds: Sequence[int]) -> tuple[tuple[int, ...],
+                                                                   tuple[int, ...]]:
+    """The ``seeds`` of ``variant`` that diverged, and those that went past non-finite
+    clients (``flags``, or this population's ``clients_nonfinite`` in the results)."""
+    name = cell_name(variant)
+    flagged = {cell.seed: flag for cell, flag in flags.items()
+               if cell.dataset == dataset and cell.variant == name}
+    for cell, result in results.items():
+        summary = result.get("populations", {}).get(population, {})
+        if cell.dataset == dataset and cell.variant == name and summary.get("clients_nonfinite"):
+            flagged[cell.seed] = DEGRADED
+    return tuple(tuple(s for s in seeds if flagged.get(s) == flag) for flag in (DIVERGED,
+                                                                               DEGRADED))
+
+
 def _row_entries(spec: TableSpec, row: Row, results: Results, datasets: Sequence[str],
-                 seeds: Sequence[int], population: str, skipped: set[tuple[str, str]]
-                 ) -> list[Entry]:
+                 seeds: Sequence[int], population: str, skipped: set[tuple[str, str]],
+                 flags: Mapping[Cell, str]) -> list[Entry]:
     entries = []
     for dataset in datasets:
         finished = finished_seeds(results, dataset, row.variant, population)
+        diverged, degraded = _flagged_seeds(results, flags, dataset, row.variant, population,
+                                            seeds)
         for metric in spec.metrics:
             field = row.field(metric)
             stale = _stale_seeds(results, dataset, row.variant, population, field,
                                  finished) & set(seeds)
             by_seed = metric_by_seed(results, dataset, row.variant, population, field)
             stats = seed_stats({s: v for s, v in by_seed.items() if s not in stale}, seeds)
+            paper = (paper_figure(dataset, row.variant, field)
+                     if population == PAPER_POPULATION else None)
             # A metric that the row's finished runs do not report (the client snapshot of a
-            # method without one) is absent by definition, not a missing seed.
+            # method without one) is absent by definition, not a missing seed; unless the
+            # paper has a figure for it, which runs of this code report.
             unreported = stats.n == 0 and finished
             if lacks_model(row.variant, metric):
                 status = "not_applicable"
             elif stale:
                 status = "stale"
             elif unreported:
-                status = "not_applicable"
+                status = "not_applicable" if paper is None else "unreported"
             elif (row.variant, dataset) in skipped and stats.n == 0:
                 status = "not_run"
+            elif diverged:
+                status = "diverged"
+            elif degraded and stats.n:
+                status = "degraded"
             else:
                 status = "ok"
-            paper = (paper_figure(dataset, row.variant, field)
-                     if population == PAPER_POPULATION else None)
             entries.append(Entry(spec.name, dataset, row.label, row.variant, population, field,
-                                 stats, paper, status, stale_seeds=len(stale)))
+                                 stats, paper, status, stale_seeds=len(stale),
+                                 diverged_seeds=diverged,
+                                 degraded_seeds=tuple(s for s in degraded
+                                                      if s in stats.seeds)))
     return entries
 
 
@@ -138,7 +170,8 @@ def _delta_entries(spec: TableSpec, delta: Delta, results: Results, datasets: Se
 
 def table_entries(spec: TableSpec, results: Results, datasets: Sequence[str],
                   seeds: Sequence[int], methods: Sequence[str] | None = None,
-                  skipped: Iterable[tuple[str, str]] = ()) -> dict[str, list[list[Entry]]]:
+                  skipped: Iterable[tuple[str, str]] = (),
+                  flags: Mapping[Cell, str] | None = None) -> dict[str, list[list[Entry]]]:
     """Per population, the table's rows (then its paper-stated differences) of entries.
 
     Args:
@@ -148,12 +181,14 @@ def table_entries(spec: TableSpec, results: Results, datasets: Sequence[str],
       seeds: the seeds asked for.
       methods: the variants to show (default: all the table's rows).
       skipped: ``(variant, dataset)`` cells left out of the grid (shown as not run).
+      flags: ``aggregate.cell_flags`` of the grid's cells (diverged, degraded).
     """
     shown = set(methods) if methods is not None else set(spec.variants)
     skipped = set(skipped)
     table = {}
     for population in populations_of(results):
-        lines = [_row_entries(spec, row, results, datasets, seeds, population, skipped)
+        lines = [_row_entries(spec, row, results, datasets, seeds, population, skipped,
+                              flags or {})
                  for row in spec.rows if row.variant in shown]
         lines += [_delta_entries(spec, delta, results, datasets, seeds, population)
                   for delta in spec.deltas if {delta.plus, delta.minus} <= shown]
@@ -184,29 +219,51 @@ def format_entry(entry: Entry) -> str:
         kept = (f"; the other {stats.n}: {_ours(stats)}" if stats.n else "")
         return (f"stale, {entry.stale_seeds} of {stats.expected} seeds (their runs predate "
                 f"this figure; delete their cell folders to rerun them){kept} ({paper})")
+    if entry.status == "unreported":
+        return (f"unreported: its finished runs lack this field (older code; delete their "
+                f"cell folders to rerun them) ({paper})")
+    notes = []
+    if entry.diverged_seeds:
+        notes.append(f"{_seeds_text(entry.diverged_seeds)} diverged")
+    if entry.degraded_seeds:
+        notes.append(f"{_seeds_text(entry.degraded_seeds)} went on past non-finite clients")
     if stats.n == 0:
-        return f"missing, 0 of {stats.expected} seeds ({paper})"
-    return f"{_ours(stats)} ({paper})"
+        return f"missing, 0 of {stats.expected} seeds{_notes(notes)} ({paper})"
+    return f"{_ours(stats, notes)} ({paper})"
 
 
-def _ours(stats: SeedStats) -> str:
-    """``mean ± std [n=k of N]`` in percent."""
+def _seeds_text(seeds: Sequence[int]) -> str:
+    return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(map(str, seeds))
+
+
+def _notes(notes: Sequence[str]) -> str:
+    return f"; {'; '.join(notes)}" if notes else ""
+
+
+def _ours(stats: SeedStats, notes: Sequence[str] = ()) -> str:
+    """``mean ± std [n=k of N; notes]`` in percent."""
     ours = f"{100 * stats.mean:.2f}"
     if stats.std is not None:
         ours += f" ± {100 * stats.std:.2f}"
-    if not stats.complete:
-        ours += f" [n={stats.n} of {stats.expected}]"
+    if not stats.complete or notes:
+        count = [] if stats.complete else [f"n={stats.n} of {stats.expected}"]
+        ours += f" [{'; '.join([*count, *notes])}]"
     return ours
 
 
-def _what_it_reproduces(spec: TableSpec, datasets: Sequence[str]) -> str:
+def _what_it_reproduces(spec: TableSpec, datasets: Sequence[str], scale: str) -> str:
     """The sentence naming the paper's tables behind these columns: a column of a dataset
-    the paper has no figures for (Fashion-MNIST) follows the layout only."""
+    the paper has no figures for (Fashion-MNIST), or a grid at a smaller scale than the
+    paper's runs, follows the layout only."""
     labels = ", ".join(spec.tex_labels)
     absent = [DATASETS[d].title for d in datasets if d not in PAPER_DATASETS]
     if len(absent) == len(datasets):
         return (f"Laid out as the paper's {labels}; the paper has no {', '.join(absent)} "
                 "figures, so it reproduces none of them.")
+    if scale != "paper":
+        return (f"Laid out as the paper's {labels} at --scale={scale}, smaller than the "
+                "paper's runs (fewer clients, rounds or examples), so it reproduces none of "
+                "them: the paper's figures stand beside ours for orientation only.")
     if absent:
         return (f"Reproduces the paper's {labels}, except for the {', '.join(absent)} "
                 "columns, which the paper has no figures for.")
@@ -214,11 +271,13 @@ def _what_it_reproduces(spec: TableSpec, datasets: Sequence[str]) -> str:
 
 
 def table_markdown(spec: TableSpec, entries: Mapping[str, list[list[Entry]]],
-                   datasets: Sequence[str], seeds: Sequence[int], header: str) -> str:
-    """The table in the paper's layout: rows = methods, columns = dataset x metric."""
+                   datasets: Sequence[str], seeds: Sequence[int], header: str,
+                   scale: str = "paper") -> str:
+    """The table in the paper's layout: rows = methods, columns = dataset x metric;
+    ``scale``: the grid's ``--scale`` (only ``paper`` reproduces the paper's figures)."""
     seed_text = ", ".join(map(str, seeds))
     lines = [header, "", f"# {spec.title}", "",
-             f"{_what_it_reproduces(spec, datasets)} Each entry: ours, the "
+             f"{_what_it_reproduces(spec, datasets, scale)} Each entry: ours, the "
              f"mean ± sample standard deviation (ddof=1) over seeds {seed_text}, in percent; "
              "`[n=k of N]`: only k seeds have a finished run (the others are not finished "
              "or were not run, as in rows run on fewer seeds; left out, not imputed); "
@@ -238,17 +297,23 @@ def table_markdown(spec: TableSpec, entries: Mapping[str, list[list[Entry]]],
 
 def csv_status(entry: Entry) -> str:
     """The CSV's ``status``: the entry's, with ``missing`` for an entry no seed has
-    finished (the markdown's ``missing, 0 of N seeds``), so that an empty mean says why."""
-    return "missing" if entry.status == "ok" and entry.stats.n == 0 else entry.status
+    finished (the markdown's ``missing, 0 of N seeds``) and ``partial`` for one that some
+    have (``[n=k of N]``), so that an empty or short mean says why."""
+    if entry.status != "ok" or entry.stats.complete:
+        return entry.status
+    return "missing" if entry.stats.n == 0 else "partial"
 
 
 def table_csv(entries: Mapping[str, list[list[Entry]]]) -> str:
     """One line per (table, dataset, row, population, metric); numbers in percent.
 
-    ``status`` (``csv_status``): ``ok`` (``n_seeds`` of ``n_expected`` finished),
-    ``missing`` (none finished), ``not_run`` (a cell the paper did not run either) or
-    ``stale`` (the mean leaves out seeds whose runs predate the figure). The paper's "-"
-    (a metric the method lacks) has no line."""
+    ``status`` (``csv_status``): ``ok`` (every seed asked for finished), ``partial``
+    (``n_seeds`` of ``n_expected``: the others not finished or not run), ``missing``
+    (none finished), ``not_run`` (a cell the paper did not run either), ``stale`` (the
+    mean leaves out seeds whose runs predate the figure), ``unreported`` (finished runs
+    lack a field the paper has a figure for), ``diverged`` (the mean leaves out seeds
+    that stopped at a divergence) or ``degraded`` (it keeps seeds that went on past
+    non-finite clients). The paper's "-" (a metric the method lacks) has no line."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(CSV_HEADER)
