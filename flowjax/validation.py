@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 import numpy as np
 
+from flowjax import distributed
 from flowjax.algorithms import METHODS, algorithm_names, method_config
 from flowjax.algorithms import flow_reference, flow_reference_resnet
 from flowjax.algorithms.flow_reference_networks import NETWORKS
@@ -77,12 +78,19 @@ def _data_seed(value: Any) -> str | None:
 
 
 def _devices_visible(value: Any) -> str | None:
-    if value == 1 and is_int(value):
+    if value == 1 and is_int(value) and not distributed.joined():
         return None  # there is always one device; asking jax would start its backend
     count = jax.device_count()
-    if is_int(value) and 1 <= value <= count:
-        return None
-    return f"expected an integer in [1, {count}] (devices visible)"
+    if not (is_int(value) and 1 <= value <= count):
+        return f"expected an integer in [1, {count}] (devices visible)"
+    # The clients axis is sharded over the first num_devices devices: a process holding
+    # none of them has no shard of the cohort, and the run failed after its first round.
+    fewest = distributed.first_devices_spanning_processes()
+    if value < fewest:
+        return (f"expected an integer in [{fewest}, {count}]: in a run of "
+                f"{jax.process_count()} processes the clients axis must reach a device of "
+                f"every process (it takes the first num_devices of the {count} devices)")
+    return None
 
 
 # The run's own fields (engine, data, evaluation). A method's fields (config.methods.<name>)

@@ -210,6 +210,22 @@ def test_processes_that_disagree_stop_together_in_one_line_before_writing(tmp_pa
     assert os.listdir(tmp_path / "a") == ["config.json"] and not (tmp_path / "b").exists()
 
 
+def test_a_device_mesh_that_leaves_a_process_out_is_refused_before_training(tmp_path):
+    """Two processes of one device each: num_devices=1 (the default) puts the whole
+    clients axis on process 0's device, and the run failed after its first round (process
+    1 without a shard, orbax refusing host-local arrays); now both stop at once in one
+    line, nothing written."""
+    (code0, line0), (code1, line1) = last_lines(two_processes(
+        tmp_path, extra=(("--config.mapping.num_devices=1",),) * 2))
+    assert (code0, code1) == (2, 2)
+    for line in (line0, line1):
+        assert line.endswith("config.mapping.num_devices=1: expected an integer in [2, 2]: in "
+                             "a run of 2 processes the clients axis must reach a device of "
+                             "every process (it takes the first num_devices of the 2 "
+                             "devices)"), line
+    assert not tmp_path.exists() or not os.listdir(tmp_path)
+
+
 @pytest.mark.slow  # stop_together itself runs in CI through the test above
 def test_a_full_disk_on_one_process_stops_every_process_in_one_line(tmp_path):
     # Process 1's client-state files cannot be synced for checkpoint 2 (ENOSPC): both
