@@ -256,6 +256,20 @@ def test_unknown_strategy_is_rejected():
         ClientMapping("pmap")
 
 
+@pytest.mark.parametrize("fields,message", [
+    ({"chunk_size": 2.5}, "chunk_size must be an integer >= 1, got 2.5"),
+    ({"chunk_size": True}, "chunk_size must be an integer >= 1, got True"),
+    ({"num_devices": 1.0}, f"num_devices must be an integer in [1, {jax.device_count()}] "
+                           "(devices visible), got 1.0")])
+def test_a_mapping_of_non_integer_sizes_is_one_line(fields, message):
+    """Through the Python API (the config path validates first): a float size passed the
+    checks and failed later in a slice or a reshape."""
+    with pytest.raises(ValueError) as raised:
+        ClientMapping("chunked", **fields)
+    assert str(raised.value) == message
+    assert ClientMapping("chunked", np.int64(2)).chunk_size == 2
+
+
 def test_fedavg_server_step_moves_to_the_client_mean():
     params = {"w": jnp.array([1.0, -2.0])}
     optimizer = server_optimizer("sgd", 1.0)

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from flowjax.core.checks import is_int
+
 STRATEGIES = ("loop", "vmap", "chunked")
 CLIENTS_AXIS = "clients"
 
@@ -46,11 +48,11 @@ class ClientMapping:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown client mapping strategy {self.strategy!r}; "
                              f"expected one of {STRATEGIES}")
-        if self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
-        if not 1 <= self.num_devices <= jax.device_count():
-            raise ValueError(f"num_devices must be in [1, {jax.device_count()}] (devices "
-                             f"visible), got {self.num_devices}")
+        if not is_int(self.chunk_size) or self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be an integer >= 1, got {self.chunk_size!r}")
+        if not is_int(self.num_devices) or not 1 <= self.num_devices <= jax.device_count():
+            raise ValueError(f"num_devices must be an integer in [1, {jax.device_count()}] "
+                             f"(devices visible), got {self.num_devices!r}")
 
     def mesh(self) -> Mesh:
         return Mesh(np.array(jax.devices()[: self.num_devices]), (CLIENTS_AXIS,))
