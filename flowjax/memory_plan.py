@@ -17,7 +17,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -191,6 +191,14 @@ def plan_chunk_size(algorithm: FederatedAlgorithm, example_spec: Mapping[str, tu
         # The linear model was optimistic: shrink by the measured overshoot and recheck.
         chunk = int(np.floor(chunk * budget / checked))
         checked = None
+    if chunk == 0:
+        # The peak is not linear in the chunk: one that leaves a remainder runs it apart
+        # and copies the outputs together (core.mapping.map_chunks), so the probes may
+        # overstate a line on which the whole cohort, or one client at a time, still fits.
+        for k in dict.fromkeys(k for k in (max_clients, 1) if k):
+            if peak(k) <= budget:
+                chunk, checked = k, peak(k)
+                break
     return MemoryPlan(fixed_bytes=int(fixed), per_client_bytes=int(per_client),
                       budget_bytes=budget, clients_per_chunk=int(chunk),
                       checked_peak_bytes=checked)
@@ -217,14 +225,18 @@ def chunk_cost(steps: np.ndarray, chunk: int, overhead_clients: float = OVERHEAD
 
 
 def chunk_for_sizes(steps: np.ndarray, max_chunk: int,
-                    overhead_clients: float = OVERHEAD_CLIENTS, steps_per_loop: int = 1) -> int:
-    """The chunk size in ``[1, max_chunk]`` of least ``chunk_cost`` (the smallest on ties).
+                    overhead_clients: float = OVERHEAD_CLIENTS, steps_per_loop: int = 1,
+                    fits: Callable[[int], bool] | None = None) -> int:
+    """The chunk size in ``[1, max_chunk]`` of least ``chunk_cost`` (the smallest on ties)
+    among those that ``fits`` (default: all).
 
     Larger chunks fill the device (the fixed cost of a step is shared by more clients)
     but pad more on skewed sizes (each chunk lasts as long as its longest client);
     ``max_chunk`` is what fits in memory (``plan_chunk_size``). With ``steps_per_loop``
     (``SGDConfig.steps_per_loop``) a chunk runs its steps in groups, and up to that many
-    minus one more steps than its longest client (``chunk_step_counts``).
+    minus one more steps than its longest client (``chunk_step_counts``). A chunk below
+    ``max_chunk`` may still need more memory than it (a remainder chunk's copies), so a
+    planned run passes ``fits``, its peak against the budget, tried in order of cost.
 
     Example:
       >>> chunk_for_sizes(np.full(64, 10), 64)  # equal sizes: one chunk, no padding
@@ -235,6 +247,10 @@ def chunk_for_sizes(steps: np.ndarray, max_chunk: int,
     if max_chunk < 1:
         raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
     steps = np.asarray(steps)
-    candidates = range(1, min(max_chunk, len(steps)) + 1)
-    return min(candidates,
-               key=lambda k: (chunk_cost(steps, k, overhead_clients, steps_per_loop), k))
+    largest = min(max_chunk, len(steps))
+    candidates = sorted(range(1, largest + 1),
+                        key=lambda k: (chunk_cost(steps, k, overhead_clients, steps_per_loop), k))
+    for chunk in candidates:
+        if fits is None or fits(chunk):
+            return chunk
+    raise ValueError(f"no chunk size in [1, {largest}] fits the memory budget")

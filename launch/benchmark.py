@@ -93,7 +93,8 @@ from flowjax.core.tree import weighted_mean  # noqa: E402
 from flowjax.data.federated import FederatedTask  # noqa: E402
 from flowjax.data.synthetic import stackoverflow_like_sizes  # noqa: E402
 from flowjax.config import example_batch  # noqa: E402
-from flowjax.memory_plan import chunk_for_sizes, plan_chunk_size  # noqa: E402
+from flowjax.memory_plan import (chunk_for_sizes, compiled_peak_bytes,  # noqa: E402
+                                 plan_chunk_size)
 from flowjax.experiment import RunSettings, Simulation  # noqa: E402
 from flowjax.models import MODELS, get_model, model_takes  # noqa: E402
 from launch import trace_summary  # noqa: E402
@@ -362,8 +363,15 @@ def planned_mapping(algorithm, task, batch: int, device_bytes: int,
                            cohort_clients=len(task.train.client_ids))
     if plan.clients_per_chunk < 1:
         raise BadFlags(f"memory plan: not one client fits ({plan.describe()})")
-    chunk = chunk_for_sizes(client_steps(task, batch), plan.clients_per_chunk,
-                            steps_per_loop=steps_per_loop)
+    cohort = len(task.train.client_ids)
+    try:
+        chunk = chunk_for_sizes(
+            client_steps(task, batch), plan.clients_per_chunk, steps_per_loop=steps_per_loop,
+            fits=lambda k: compiled_peak_bytes(algorithm, task.train.example_spec, padded,
+                                               batch, k, cohort_clients=cohort)
+            <= plan.budget_bytes)
+    except ValueError as error:
+        raise BadFlags(f"memory plan: {error} ({plan.describe()})") from None
     print(f"memory plan, {algorithm.model.name} {algorithm.name}: {plan.describe()}; "
           f"chunk_for_sizes picks {chunk}")
     return ClientMapping("chunked", chunk)
