@@ -256,6 +256,22 @@ def test_torch_layers_learn_as_pytorch_two_lstm_biases_and_padding_row(cnn, imag
     assert not np.any(table[0]) and np.any(table_ours[0])
     assert_trees_equal(table[1:], table_ours[1:])
     assert_trees_equal(theirs["dense"], ours["dense"])
+    # Routed on the mixed state the LSTMs bypass layer_apply (routed_recurrence): both
+    # copies' biases learn twice as fast there too, nothing else changes.
+    from flowjax.routing.routed import routed_forward
+    local = jax.tree.map(lambda a: 0.5 * a, params)
+    q0 = jnp.full(x.shape + (lstm.num_layers,), 0.25)
+
+    def routed_grads(model):
+        return jax.grad(lambda g, l: jnp.sum(routed_forward(
+            model, g, l, q0, x, recurrence="mixed_state") ** 2), argnums=(0, 1))(params, local)
+
+    assert_trees_equal(routed_forward(torch_like, params, local, q0, x, recurrence="mixed_state"),
+                       routed_forward(lstm, params, local, q0, x, recurrence="mixed_state"))
+    for ours_copy, theirs_copy in zip(routed_grads(lstm), routed_grads(torch_like)):
+        for layer in ("lstm1", "lstm2"):
+            assert_trees_equal(theirs_copy[layer]["bias"], 2.0 * ours_copy[layer]["bias"])
+            assert_trees_equal(theirs_copy[layer]["kernel"], ours_copy[layer]["kernel"])
     plain, torch_cnn = _lg_fedavg(cnn), _lg_fedavg(cnn, torch_layers=True)
     params, client = plain.init(jax.random.key(0)), _client(images_small, 1)
     state = plain.init_client_state(params)

@@ -571,8 +571,10 @@ def with_torch_layers(model: RoutableModel) -> RoutableModel:
     """``model`` whose layers learn as the Flow authors' PyTorch ones: each LSTM layer's
     bias as PyTorch's two (``torch_lstm_bias``), and an embedding's lookups of id 0 as
     ``nn.Embedding(padding_idx=0)``'s, their value passed but no gradient to that row.
-    The same outputs bit for bit; only those gradients differ; other layers as they are."""
-    apply = model.layer_apply
+    The same outputs bit for bit; only those gradients differ; other layers as they are.
+    An LSTM routed on the mixed state (``routed_recurrence``) takes both copies' biases so
+    too: it never passes through ``layer_apply``."""
+    apply, routed = model.layer_apply, model.routed_recurrence
 
     def layer_apply(j: int, layer_params: PyTree, h: jax.Array) -> jax.Array:
         if lstm_weights(layer_params) is not None:
@@ -582,7 +584,13 @@ def with_torch_layers(model: RoutableModel) -> RoutableModel:
             out = torch_padding_lookups(out, h)
         return out
 
-    return dataclasses.replace(model, layer_apply=layer_apply)
+    def routed_recurrence(j: int, global_layer: PyTree, local_layer: PyTree, h: jax.Array,
+                          q0: jax.Array, hard: bool) -> jax.Array:
+        return routed(j, torch_lstm_bias(global_layer), torch_lstm_bias(local_layer), h, q0,
+                      hard)
+
+    return dataclasses.replace(model, layer_apply=layer_apply,
+                               routed_recurrence=None if routed is None else routed_recurrence)
 
 
 def _mix_states(hard: bool, q0_t: jax.Array, state_g: tuple[jax.Array, jax.Array],
