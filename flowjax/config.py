@@ -22,7 +22,7 @@ from flowjax.core.server_opt import server_optimizer
 from flowjax.data import FederatedTask, load_task
 from flowjax.engine.callbacks import DivergenceGuard, RunState
 from flowjax.experiment import RunSettings, Simulation, finalize_metrics
-from flowjax.models import RoutableModel
+from flowjax.models import RoutableModel, model_revision
 from flowjax.validation import (validate_cohort_size, validate_config,
                                 validate_evaluated_populations, validate_task)
 
@@ -280,10 +280,13 @@ def build_simulation(config, task: FederatedTask | None = None,
 def stored_config(config) -> dict[str, Any]:
     """The run config as a run folder's ``config.json`` stores it: as given (what each
     method trains with follows from it alone, ``method_config``), as plain JSON, with
-    the method's code revision as ``method_revision`` (``algorithms.Method.revision``):
-    the same config run by another revision gives other numbers."""
+    the method's code revision as ``method_revision`` (``algorithms.Method.revision``)
+    and, where a fix raised it, the model's as ``model_revision``: the same config run by
+    another revision gives other numbers (an absent ``model_revision`` reads as None)."""
+    revision = model_revision(config.get("model"))
     return {**json.loads(config.to_json_best_effort()),
-            "method_revision": method_revision(config.get("algorithm"))}
+            "method_revision": method_revision(config.get("algorithm")),
+            **({"model_revision": revision} if revision is not None else {})}
 
 
 def set_fields(config, fields: dict[str, Any]) -> Any:

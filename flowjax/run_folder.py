@@ -395,10 +395,14 @@ def differing_fields(old: dict[str, Any], new: dict[str, Any], prefix: str = "")
 
 
 def named_fields(differing: list[str]) -> str:
-    """The first differing fields for a message, saying why ``method_revision`` matters."""
+    """The first differing fields for a message, saying why ``method_revision`` and
+    ``model_revision`` matter."""
     named = ", ".join(differing[:6]) + (", ..." if len(differing) > 6 else "")
-    if "method_revision" in differing:
-        named += " (the method's code has changed its results since that run)"
+    changed = [what for field, what in (("method_revision", "method"), ("model_revision", "model"))
+               if field in differing]
+    if changed:
+        named += (f" (the {' and the '.join(changed)}'s code has changed its results since "
+                  f"that run)")
     return named
 
 

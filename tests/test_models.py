@@ -125,3 +125,31 @@ def test_loss_decreases_under_sgd(model_and_params):
     _, losses = jax.jit(lambda p: lax.scan(step, p, step_keys))(params)
     assert bool(jnp.all(jnp.isfinite(losses)))
     assert float(losses[-5:].mean()) < float(losses[:5].mean()) - 0.05
+
+
+def _group_norm(v: np.ndarray) -> np.ndarray:
+    """GroupNorm with one channel per group, unit scale and zero bias (NHWC)."""
+    mean = v.mean(axis=(1, 2), keepdims=True)
+    return (v - mean) / np.sqrt(v.var(axis=(1, 2), keepdims=True) + 1e-5)
+
+
+@pytest.mark.parametrize("size", [8, 7])
+def test_resnet_downsampling_adds_paths_of_the_same_pixels(size):
+    """A stride-2 block's 3x3 main path and 1x1 shortcut must read the same input pixels,
+    as PyTorch's padding=1 (He et al., torchvision, the authors) has them: with centre-tap
+    identity kernels both carry pixel (2i, 2j) to (i, j). "SAME" padded an even input (0, 1)
+    and put the main path on (2i + 1, 2j + 1)."""
+    from flowjax.models.resnet_gn import BasicBlock
+    block = BasicBlock(features=2, stride=2, groups=2, custom_grad=False)
+    x = np.asarray(jax.random.normal(jax.random.key(0), (1, size, size, 2)), np.float32)
+    params = block.init(jax.random.key(1), x)
+
+    def centre_tap(kernel):
+        kh, kw, cin, cout = kernel.shape
+        return jnp.zeros(kernel.shape).at[kh // 2, kw // 2].set(jnp.eye(cin, cout))
+
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: centre_tap(leaf) if path[-1].key == "kernel" else leaf, params)
+    sub = x[:, ::2, ::2, :]
+    expected = np.maximum(_group_norm(np.maximum(_group_norm(sub), 0)) + _group_norm(sub), 0)
+    np.testing.assert_allclose(block.apply(params, x), expected, rtol=1e-5, atol=1e-5)

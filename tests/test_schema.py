@@ -211,6 +211,23 @@ def test_a_checkpoint_of_an_older_method_revision_is_refused_in_one_line(tmp_pat
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == saved
 
 
+def test_a_run_of_an_older_model_revision_is_refused(tmp_path):
+    """resnet18_gn's stride-2 padding changed its numbers (revision 2): a CIFAR run folder
+    started before it must not be resumed or reused; other models store no revision, so
+    their folders still match."""
+    from flowjax import run_folder
+    from flowjax.runner import conflicting_fields
+    resolved = run_config.stored_config(small_config(model="resnet18_gn"))
+    assert resolved["model_revision"] == 2
+    assert "model_revision" not in run_config.stored_config(small_config())
+    (tmp_path / "config.json").write_text(json.dumps(_without(resolved, "model_revision")))
+    (tmp_path / "metrics.jsonl").write_text('{"round": 1, "kind": "train"}\n')
+    differing = conflicting_fields(str(tmp_path), resolved, "REMEDY")
+    assert differing == ["model_revision"]
+    assert run_folder.named_fields(differing) == (
+        "model_revision (the model's code has changed its results since that run)")
+
+
 def test_client_states_that_do_not_fit_the_method_are_refused_in_one_line(tmp_path):
     # Ditto's client state (the personal model) in a checkpoint that PartialFed resumes:
     # both servers hold the plain model, so only the client rows tell them apart.

@@ -20,6 +20,11 @@ _MODELS: dict[str, Callable[..., RoutableModel]] = {
     "stackoverflow_lstm": stackoverflow_lstm,
 }
 MODELS = tuple(sorted(_MODELS))
+# Raised when a fix changes a model's numbers, so that a run folder of the older model is
+# refused instead of resumed or reused (``config.stored_config``); absent: revision 1.
+# resnet18_gn 2: its stride-2 3x3 convolutions pad (1, 1), PyTorch's padding=1, not
+# "SAME"'s (0, 1), which put the main path one pixel off the shortcut (2026-12-06).
+_REVISIONS: dict[str, int] = {"resnet18_gn": 2}
 
 
 def _factory(name: str) -> Callable[..., RoutableModel]:
@@ -33,10 +38,15 @@ def model_takes(name: str, option: str) -> bool:
     return option in inspect.signature(_factory(name)).parameters
 
 
+def model_revision(name: str) -> int | None:
+    """The code revision of model ``name`` where a fix raised it (None: the first)."""
+    return _REVISIONS.get(name)
+
+
 def get_model(name: str, **kwargs: Any) -> RoutableModel:
     """Builds the registered model ``name`` with its factory's keyword arguments."""
     return _factory(name)(**kwargs)
 
 
-__all__ = ["MODELS", "RoutableModel", "get_model", "model_takes", "emnist_cnn", "mlp", "resnet18_gn",
+__all__ = ["MODELS", "RoutableModel", "get_model", "model_revision", "model_takes", "emnist_cnn", "mlp", "resnet18_gn",
            "shakespeare_lstm", "stackoverflow_lstm"]

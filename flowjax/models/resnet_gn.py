@@ -35,11 +35,20 @@ CONV_INIT: Callable[..., jax.Array] = nn.initializers.variance_scaling(2.0, "fan
 
 def _conv(features: int, kernel: int, stride: int, custom_grad: bool) -> Conv2D:
     """A bias-free convolution (GroupNorm follows); strided ones use autodiff, since the
-    hand-written VJP is stride-1 only."""
-    padding = "SAME" if kernel > 1 else "VALID"
+    hand-written VJP is stride-1 only, and take an input padded by ``_pad_strided``."""
+    padding = "SAME" if kernel > 1 and stride == 1 else "VALID"
     return Conv2D(features, (kernel, kernel), padding=padding,
                   custom_grad=custom_grad and stride == 1, stride=stride, use_bias=False,
                   kernel_init=CONV_INIT)
+
+
+def _pad_strided(x: jax.Array, kernel: int) -> jax.Array:
+    """``kernel // 2`` zeros on each side, PyTorch's ``padding=1`` for a 3x3 window (He et
+    al., torchvision, the authors' network). "SAME" would pad a stride-2 window (0, 1) on
+    an even input, centring it on odd pixels while the stride-2 1x1 shortcut samples the
+    even ones: the block would add two paths one pixel apart."""
+    half = kernel // 2
+    return jnp.pad(x, ((0, 0), (half, half), (half, half), (0, 0)))
 
 
 def _norm(groups: int) -> nn.GroupNorm:
@@ -71,7 +80,8 @@ class BasicBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = _conv(self.features, 3, self.stride, self.custom_grad)(x)
+        strided_input = x if self.stride == 1 else _pad_strided(x, 3)
+        y = _conv(self.features, 3, self.stride, self.custom_grad)(strided_input)
         y = jax.nn.relu(_norm(self.groups)(y))
         y = _norm(self.groups)(_conv(self.features, 3, 1, self.custom_grad)(y))
         shortcut = x
