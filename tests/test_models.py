@@ -153,3 +153,20 @@ def test_resnet_downsampling_adds_paths_of_the_same_pixels(size):
     sub = x[:, ::2, ::2, :]
     expected = np.maximum(_group_norm(np.maximum(_group_norm(sub), 0)) + _group_norm(sub), 0)
     np.testing.assert_allclose(block.apply(params, x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,kwargs,x", [
+    ("emnist_cnn", {}, jnp.zeros((2, 28, 28))),
+    ("shakespeare_lstm", {"vocab_size": 20, "embed_dim": 4, "hidden": 8},
+     jnp.zeros((2, 5), jnp.int32)),
+    ("resnet18_gn", {"num_classes": 10}, jnp.zeros((1, 32, 32, 3)))])
+def test_params_are_float32_whatever_jax_enable_x64_says(name, kwargs, x):
+    """Flax's Dense and Embed fix float32 params; the convolutions and LSTMs drew float64
+    under jax_enable_x64, and a convolution refused to mix them."""
+    model = get_model(name, **kwargs)
+    with jax.enable_x64(True):
+        params = model.init(jax.random.key(0))
+        assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+        assert forward(model, params, x).dtype == jnp.float32
+    # The same draw as without x64, bit for bit.
+    jax.tree.map(np.testing.assert_array_equal, params, model.init(jax.random.key(0)))

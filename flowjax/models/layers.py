@@ -57,8 +57,9 @@ class MixedDense(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
-        bias = self.param("bias", self.bias_init, (self.features,))
+        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features),
+                            jnp.float32)  # nn.Dense's param_dtype
+        bias = self.param("bias", self.bias_init, (self.features,), jnp.float32)
         x_c, kernel_c = _compute_cast(self.compute_dtype, x, kernel)
         y = lax.dot_general(x_c, kernel_c, (((x.ndim - 1,), (0,)), ((), ())),
                             preferred_element_type=jnp.float32)
@@ -283,8 +284,10 @@ class Conv2D(nn.Module):
         if impl == "xla" and self.custom_grad and self.stride != 1:
             raise ValueError(f"stride={self.stride} needs custom_grad=False; "
                              "the hand-written conv VJP is stride-1 only")
+        # float32 as Flax's Dense and Embed fix theirs: jax_enable_x64 would otherwise
+        # draw float64 here and float32 there, which a convolution refuses to mix.
         kernel = self.param("kernel", self.kernel_init,
-                            (*self.kernel_size, x.shape[-1], self.features))
+                            (*self.kernel_size, x.shape[-1], self.features), jnp.float32)
         # float32 accumulation and output whenever the product runs in another dtype.
         accumulate = None if self.compute_dtype is None else jnp.float32
         x_c, kernel_c = _compute_cast(self.compute_dtype, x, kernel)
@@ -299,7 +302,7 @@ class Conv2D(nn.Module):
                                          preferred_element_type=accumulate)
         if not self.use_bias:
             return y
-        return y + self.param("bias", self.bias_init, (self.features,))
+        return y + self.param("bias", self.bias_init, (self.features,), jnp.float32)
 
 
 @jax.custom_vjp
@@ -521,10 +524,11 @@ class LSTM(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         gates = 4 * self.features
-        w_x = self.param("kernel", nn.initializers.glorot_uniform(), (x.shape[-1], gates))
+        w_x = self.param("kernel", nn.initializers.glorot_uniform(), (x.shape[-1], gates),
+                         jnp.float32)  # as Conv2D's, whatever jax_enable_x64 says
         w_h = self.param("recurrent_kernel", nn.initializers.orthogonal(),
-                         (self.features, gates))
-        b = self.param("bias", _lstm_bias_init, (gates,))
+                         (self.features, gates), jnp.float32)
+        b = self.param("bias", _lstm_bias_init, (gates,), jnp.float32)
         if self.custom_grad:
             return lstm(x, w_x, w_h, b, self.compute_dtype, self.unroll)
         return _lstm_forward(x, w_x, w_h, b, self.compute_dtype, cast_once=False,
