@@ -668,7 +668,7 @@ def test_overwrite_removes_the_replaced_runs_figures_and_only_them(tmp_path):
     """plot.py's PNGs of the replaced run would otherwise sit beside the new run as if
     they showed it; a file plot.py does not write stays, as does --out_dir's folder."""
     from flowjax.runner import run_config_to_workdir
-    config = run_config()
+    config = run_config(num_rounds=1, checkpoint_every=0)  # what --overwrite removes: any run
     run_config_to_workdir(config, str(tmp_path), progress=False)
     for folder, names in (("plots", ["a.png", "notes.txt"]), ("plots-fedavg", ["b.png"]),
                           ("figures", ["c.png"])):
