@@ -196,8 +196,9 @@ def plan_chunk_size(algorithm: FederatedAlgorithm, example_spec: Mapping[str, tu
         # and copies the outputs together (core.mapping.map_chunks), so the probes may
         # overstate a line on which the whole cohort, or one client at a time, still fits.
         for k in dict.fromkeys(k for k in (max_clients, 1) if k):
-            if peak(k) <= budget:
-                chunk, checked = k, peak(k)
+            measured = peak(k)  # one compile per candidate
+            if measured <= budget:
+                chunk, checked = k, measured
                 break
     return MemoryPlan(fixed_bytes=int(fixed), per_client_bytes=int(per_client),
                       budget_bytes=budget, clients_per_chunk=int(chunk),
