@@ -91,17 +91,6 @@ def joined() -> bool:
     return _STATE["joined"]
 
 
-def first_devices_spanning_processes() -> int:
-    """The fewest leading devices (``jax.devices()[:n]``, as ``core.mapping`` shards the
-    clients axis) that hold a device of every process."""
-    seen, processes = set(), jax.process_count()
-    for index, device in enumerate(jax.devices(), start=1):
-        seen.add(device.process_index)
-        if len(seen) == processes:
-            return index
-    return jax.device_count()
-
-
 def multiprocess() -> bool:
     return jax.process_count() > 1
 

@@ -24,7 +24,7 @@ from flowjax.algorithms.knn_per import reference_key_layer
 from flowjax.algorithms.lg_fedavg import global_layer_names
 from flowjax.core.checks import (FieldError, Interval, integer, is_int, one_of, optional_cap,
                                  optional_integer, plain, positive)
-from flowjax.core.mapping import STRATEGIES
+from flowjax.core.mapping import STRATEGIES, num_devices_problem
 from flowjax.core.prng import SEED_LIMIT
 from flowjax.core.server_opt import SERVER_OPTIMIZERS
 from flowjax.data import DATASETS
@@ -80,17 +80,7 @@ def _data_seed(value: Any) -> str | None:
 def _devices_visible(value: Any) -> str | None:
     if value == 1 and is_int(value) and not distributed.joined():
         return None  # there is always one device; asking jax would start its backend
-    count = jax.device_count()
-    if not (is_int(value) and 1 <= value <= count):
-        return f"expected an integer in [1, {count}] (devices visible)"
-    # The clients axis is sharded over the first num_devices devices: a process holding
-    # none of them has no shard of the cohort, and the run failed after its first round.
-    fewest = distributed.first_devices_spanning_processes()
-    if value < fewest:
-        return (f"expected an integer in [{fewest}, {count}]: in a run of "
-                f"{jax.process_count()} processes the clients axis must reach a device of "
-                f"every process (it takes the first num_devices of the {count} devices)")
-    return None
+    return num_devices_problem(value)
 
 
 # The run's own fields (engine, data, evaluation). A method's fields (config.methods.<name>)

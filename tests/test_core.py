@@ -1,5 +1,7 @@
 """Engine pieces: weighted mean, sampler, cohorts, epochs, mapping, server optimizers."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -259,8 +261,8 @@ def test_unknown_strategy_is_rejected():
 @pytest.mark.parametrize("fields,message", [
     ({"chunk_size": 2.5}, "chunk_size must be an integer >= 1, got 2.5"),
     ({"chunk_size": True}, "chunk_size must be an integer >= 1, got True"),
-    ({"num_devices": 1.0}, f"num_devices must be an integer in [1, {jax.device_count()}] "
-                           "(devices visible), got 1.0")])
+    ({"num_devices": 1.0}, f"num_devices=1.0: expected an integer in "
+                           f"[1, {jax.device_count()}] (devices visible)")])
 def test_a_mapping_of_non_integer_sizes_is_one_line(fields, message):
     """Through the Python API (the config path validates first): a float size passed the
     checks and failed later in a slice or a reshape."""
@@ -268,6 +270,25 @@ def test_a_mapping_of_non_integer_sizes_is_one_line(fields, message):
         ClientMapping("chunked", **fields)
     assert str(raised.value) == message
     assert ClientMapping("chunked", np.int64(2)).chunk_size == 2
+
+
+def test_a_hand_built_mapping_that_leaves_a_process_out_is_refused(monkeypatch):
+    """The Python API checks what the config path checks (tests/test_multihost.py runs
+    that one in two processes): here two processes of two devices each, seen as JAX
+    lists them, process 0's first."""
+    from flowjax.core import mapping as mapping_module
+    devices = [types.SimpleNamespace(process_index=index // 2) for index in range(4)]
+    monkeypatch.setattr(mapping_module.jax, "devices", lambda: devices)
+    monkeypatch.setattr(mapping_module.jax, "device_count", lambda: 4)
+    monkeypatch.setattr(mapping_module.jax, "process_count", lambda: 2)
+    for num_devices in (1, 2):
+        with pytest.raises(ValueError) as raised:
+            ClientMapping("loop", num_devices=num_devices)
+        assert str(raised.value) == (
+            f"num_devices={num_devices}: expected an integer in [3, 4]: in a run of 2 "
+            "processes the clients axis must reach a device of every process (it takes "
+            "the first num_devices of the 4 devices)")
+    assert ClientMapping("loop", num_devices=3).num_devices == 3
 
 
 def test_fedavg_server_step_moves_to_the_client_mean():

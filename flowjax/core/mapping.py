@@ -50,9 +50,9 @@ class ClientMapping:
                              f"expected one of {STRATEGIES}")
         if not is_int(self.chunk_size) or self.chunk_size < 1:
             raise ValueError(f"chunk_size must be an integer >= 1, got {self.chunk_size!r}")
-        if not is_int(self.num_devices) or not 1 <= self.num_devices <= jax.device_count():
-            raise ValueError(f"num_devices must be an integer in [1, {jax.device_count()}] "
-                             f"(devices visible), got {self.num_devices!r}")
+        problem = num_devices_problem(self.num_devices)
+        if problem:
+            raise ValueError(f"num_devices={self.num_devices!r}: {problem}")
 
     def mesh(self) -> Mesh:
         return Mesh(np.array(jax.devices()[: self.num_devices]), (CLIENTS_AXIS,))
@@ -66,6 +66,37 @@ class ClientMapping:
     def padded_clients(self, num_clients: int) -> int:
         """Clients per cohort rounded up so every device gets the same number."""
         return -(-num_clients // self.num_devices) * self.num_devices
+
+
+def fewest_devices_spanning_processes() -> int:
+    """The fewest leading devices (``jax.devices()[:n]``, as ``ClientMapping.mesh`` takes
+    them) that hold a device of every process."""
+    seen, processes = set(), jax.process_count()
+    for index, device in enumerate(jax.devices(), start=1):
+        seen.add(device.process_index)
+        if len(seen) == processes:
+            return index
+    return jax.device_count()
+
+
+def num_devices_problem(num_devices: Any) -> str | None:
+    """Why ``num_devices`` cannot shard the clients axis (what is expected), or None.
+
+    The one rule for the Python API (``ClientMapping``) and the config path
+    (``flowjax.validation``).
+    """
+    count = jax.device_count()
+    if not (is_int(num_devices) and 1 <= num_devices <= count):
+        return f"expected an integer in [1, {count}] (devices visible)"
+    # A process holding none of the mesh's devices has no shard of the cohort: the run
+    # failed after its first round (process 1 without a shard, orbax refusing host-local
+    # arrays in the checkpoint).
+    fewest = fewest_devices_spanning_processes()
+    if num_devices < fewest:
+        return (f"expected an integer in [{fewest}, {count}]: in a run of "
+                f"{jax.process_count()} processes the clients axis must reach a device of "
+                f"every process (it takes the first num_devices of the {count} devices)")
+    return None
 
 
 def default_mapping(backend: str | None = None) -> ClientMapping:
