@@ -15,7 +15,7 @@ import pytest
 from flowjax.checkpoint import Checkpointer
 from flowjax.engine.simulation import Simulation
 from flowjax.paper import figures as paper_figures
-from flowjax.paper.aggregate import load_results
+from flowjax.paper.aggregate import cell_flags, load_results
 from flowjax.paper.plan import TABLES, Cell, cell_name, plan_cells
 from flowjax.paper.stats import seed_stats
 from flowjax.paper.tables import table_csv, table_entries, table_markdown
@@ -225,6 +225,38 @@ def test_a_diverged_seed_and_one_past_non_finite_clients_are_named_in_the_table(
     status = {r["metric"]: r["status"] for r in csv_rows((tmp_path / "table2.csv").read_text())
               if r["variant"] == "flow" and r["population"] == "train_clients"}
     assert status["acc_g"] == "diverged"
+
+
+def test_a_difference_the_paper_states_names_the_flagged_seeds_of_either_side(tmp_path):
+    """pi-Flow - pc-Flow, paired per seed: pc-Flow's seed 44 stopped at a divergence (no
+    difference: left out), pi-Flow's seed 56 went on past a non-finite client (kept, and
+    said). The difference used to be a plain short mean with status ok."""
+    seeds = [0, 44, 56]
+    for seed, (pi, pc) in {0: (0.7, 0.6), 44: (0.8, None), 56: (0.9, 0.5)}.items():
+        nonfinite = {"clients_nonfinite": 1} if seed == 56 else {}
+        write_cell(tmp_path, "emnist", "pi_flow", seed,
+                   {"train_clients": {**summary([0.5], [pi]), **nonfinite}})
+        # pc-Flow's runs are FedAvgFT's cell (plan.cell_name).
+        if pc is None:
+            folder = os.path.join(tmp_path, "emnist", "fedavg_ft", f"seed_{seed}")
+            os.makedirs(folder)
+            with open(os.path.join(folder, "metrics.jsonl"), "w") as handle:
+                handle.write(json.dumps({"round": 1, "kind": "train",
+                                         "loss": float("nan")}) + "\n")
+        else:
+            write_cell(tmp_path, "emnist", "fedavg_ft", seed,
+                       {"train_clients": summary([0.5], [pc])})
+    spec, rows = TABLES["pi_pc_flow"], ["pi_flow", "pc_flow"]
+    cells = plan_cells(spec, ["emnist"], rows, seeds)
+    entries = table_entries(spec, load_results(str(tmp_path), cells), ["emnist"], seeds,
+                            rows, flags=cell_flags(str(tmp_path), cells))
+    markdown = table_markdown(spec, entries, ["emnist"], seeds, "h")
+    assert md_cell(markdown, "*pi-Flow - pc-Flow", "EMNIST Acc_p").startswith(
+        "25.00 ± 21.21 [n=2 of 3; seed 44 diverged; seed 56 went on past non-finite "
+        "clients] (paper ")
+    delta = [r for r in csv_rows(table_csv(entries))
+             if r["variant"] == "pi_flow - pc_flow" and r["population"] == "train_clients"]
+    assert [(r["seeds"], r["status"]) for r in delta] == [("0 56", "diverged")]
 
 
 def test_non_finite_clients_in_the_results_mark_the_seed_degraded(tmp_path):

@@ -149,9 +149,16 @@ def _row_entries(spec: TableSpec, row: Row, results: Results, datasets: Sequence
 
 
 def _delta_entries(spec: TableSpec, delta: Delta, results: Results, datasets: Sequence[str],
-                   seeds: Sequence[int], population: str) -> list[Entry]:
+                   seeds: Sequence[int], population: str,
+                   flags: Mapping[Cell, str]) -> list[Entry]:
     name, entries = f"{delta.plus} - {delta.minus}", []
     for dataset in datasets:
+        # A seed whose run of either side diverged has no difference (left out); one that
+        # went on past non-finite clients on either side is kept, and said, as in the rows.
+        flagged = [_flagged_seeds(results, flags, dataset, variant, population, seeds)
+                   for variant in (delta.plus, delta.minus)]
+        diverged, degraded = (tuple(s for s in seeds if any(s in f[i] for f in flagged))
+                              for i in (0, 1))
         for metric in spec.metrics:
             if metric not in delta.metrics:
                 entries.append(Entry(spec.name, dataset, delta.label, name, population, metric,
@@ -163,8 +170,12 @@ def _delta_entries(spec: TableSpec, delta: Delta, results: Results, datasets: Se
                 metric_by_seed(results, dataset, delta.minus, population, metric))
             paper = (paper_delta(delta.key, dataset, metric)
                      if population == PAPER_POPULATION else None)
+            stats = seed_stats(by_seed, seeds)
+            kept_degraded = tuple(s for s in degraded if s in stats.seeds)
+            status = "diverged" if diverged else "degraded" if kept_degraded else "ok"
             entries.append(Entry(spec.name, dataset, delta.label, name, population, metric,
-                                 seed_stats(by_seed, seeds), paper, delta=True))
+                                 stats, paper, status, delta=True, diverged_seeds=diverged,
+                                 degraded_seeds=kept_degraded))
     return entries
 
 
@@ -190,7 +201,8 @@ def table_entries(spec: TableSpec, results: Results, datasets: Sequence[str],
         lines = [_row_entries(spec, row, results, datasets, seeds, population, skipped,
                               flags or {})
                  for row in spec.rows if row.variant in shown]
-        lines += [_delta_entries(spec, delta, results, datasets, seeds, population)
+        lines += [_delta_entries(spec, delta, results, datasets, seeds, population,
+                                 flags or {})
                   for delta in spec.deltas if {delta.plus, delta.minus} <= shown]
         table[population] = lines
     return table
