@@ -34,7 +34,10 @@ CIFAR: ``configs/cifar.py:cifar10_0.1`` etc.), ``--scale=mini`` the CPU-sized co
 datasets that have one (``configs/shakespeare.py:mini``, ``configs/fashion_mnist.py:mini_0.1``
 and ``mini_0.6``). ``--override=[dataset:]field=value`` sets a config field
 (dotted path; value as a Python literal, else a string) for every cell, or for one
-dataset's cells; the cell's method, ablation and seed are applied after it.
+dataset's cells; the cell's method, ablation and seed are applied after it. Fields a
+column's name states (the dataset, its Dirichlet alpha) cannot be overridden; a table whose
+overrides change anything but where the data lies, how clients are mapped, what is written
+and the partition's seed names those fields and no longer says it reproduces the paper.
 """
 
 import os
@@ -152,6 +155,16 @@ def apply_override(config: Any, override: Override) -> None:
 
 # Fields each cell sets itself (``cell_config``), and the flag that chooses them.
 _CELL_FIELDS = {"seed": "--seeds", "algorithm": "--methods"}
+# Fields a column's name states (``--datasets``: ``fashion_mnist_0.1`` is Fashion-MNIST
+# split by a Dirichlet of alpha 0.1): an override of them would publish one dataset's or
+# alpha's numbers under another's header.
+_COLUMN_FIELDS = ("dataset", "data.name", "data.prefix", "data.partition", "data.alpha")
+# Fields an override may change while the cells still run the paper's setup: where the
+# data lies, how clients are mapped onto the machine, what is written and when, and the
+# partition's seed (the paper states none). Any other changed field is a departure the
+# table states (``setup_departures``).
+_SETUP_NEUTRAL = ("data.store_dir", "data.data_dir", "data.seed", "mapping", "conv_impl",
+                  "eval.chunk", "lstm_unroll", "on_divergence", *run_folder.OUTPUT_ONLY_FIELDS)
 
 
 def build_request(table: str, workdir: str | None, seeds: Sequence[str],
@@ -168,6 +181,10 @@ def build_request(table: str, workdir: str | None, seeds: Sequence[str],
         if override.path in _CELL_FIELDS:
             raise ValueError(f"--override={override.text!r}: {override.path} is set by each "
                              f"cell; expected {_CELL_FIELDS[override.path]} instead")
+        if override.path in _COLUMN_FIELDS:
+            raise ValueError(f"--override={override.text!r}: {override.path} is what a "
+                             "column's name states; expected another column (--datasets), "
+                             "or launch/compare.py or launch/train.py for other data")
     return Request(spec, workdir, resolve_datasets(spec, datasets, scale),
                    resolve_methods(spec, methods), bool(methods), parse_seeds(seeds), scale,
                    parsed)
@@ -208,6 +225,25 @@ def cell_state(path: str) -> str:
     if run_folder.finished(path):
         return "finished"
     return "interrupted" if run_folder.has_config(path) else "new"
+
+
+def setup_departures(request: Request, load: ConfigLoader = load_dataset_config
+                     ) -> dict[str, list[str]]:
+    """Per dataset, the fields in which ``--override`` changes what its cells compute
+    (every cell's run config against the same cell's without overrides; the fields of
+    ``_SETUP_NEUTRAL`` left out); datasets without any are absent."""
+    bare = dataclasses.replace(request, overrides=[])
+    changed: dict[str, set[str]] = {}
+    for cell in request.cells:
+        if cell.seed != request.seeds[0]:
+            continue  # overrides come before the seed: every seed changes the same fields
+        fields = run_folder.differing_run_fields(resolved_config(cell_config(cell, bare, load)),
+                                                 resolved_config(cell_config(cell, request,
+                                                                             load)))
+        changed.setdefault(cell.dataset, set()).update(
+            field for field in fields
+            if not any(field == n or field.startswith(n + ".") for n in _SETUP_NEUTRAL))
+    return {dataset: sorted(fields) for dataset, fields in changed.items() if fields}
 
 
 def checked_cell(cell: Cell, request: Request,
@@ -295,7 +331,8 @@ def run_cells(request: Request, configs: dict[Cell, Any], run: Runner = run_conf
     return failed
 
 
-def write_tables(request: Request, command: str, started: float) -> tuple[str, str]:
+def write_tables(request: Request, command: str, started: float,
+                 load: ConfigLoader = load_dataset_config) -> tuple[str, str]:
     """Writes ``<workdir>/<table>.md`` and ``.csv`` from the finished cells; the markdown
     and the path written without extension.
 
@@ -313,7 +350,7 @@ def write_tables(request: Request, command: str, started: float) -> tuple[str, s
                             request.methods, request.skipped,
                             cell_flags(request.workdir, cells))
     markdown = table_markdown(request.table, entries, request.datasets, request.seeds, header,
-                              scale=request.scale)
+                              scale=request.scale, departures=setup_departures(request, load))
     os.makedirs(request.workdir, exist_ok=True)
     stem, kept = run_folder.write_table_keeping_wider(
         os.path.join(request.workdir, request.table.name),
@@ -394,7 +431,7 @@ def execute(request: Request, command: str, *, aggregate_only: bool = False,
     if not aggregate_only:
         check_data(request, configs)
     failed = [] if aggregate_only else run_cells(request, configs, run, progress)
-    markdown, stem = write_tables(request, command, started)
+    markdown, stem = write_tables(request, command, started, load)
     print(markdown)
     print(f"wrote {stem}.md and .csv")
     if failed:

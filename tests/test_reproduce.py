@@ -746,6 +746,36 @@ def test_overrides_set_typed_fields_per_dataset():
             reproduce.cell_config(request.cells[0], request, tiny_config)
 
 
+def test_overrides_that_change_the_setup_are_named_and_the_table_reproduces_nothing(
+        tmp_path):
+    """Through reproduce.execute: a mapping, an output cadence and the partition seed keep
+    the paper's setup ("Reproduces"); a changed learning rate of one dataset's cells does
+    not, and the sentence names it per dataset (it said "Reproduces" before)."""
+    datasets = ["emnist", "shakespeare"]
+    for dataset in datasets:
+        write_cell(tmp_path, dataset, "fedavg", 0, {"train_clients": summary([0.5], [0.6])})
+
+    def sentence(overrides):
+        request = reproduce.build_request("table2", str(tmp_path), ["0"], datasets, "paper",
+                                          ["fedavg"], overrides)
+        for cell in request.cells:  # the cells' config.json, as their runs wrote it
+            with open(os.path.join(cell.path(str(tmp_path)), "config.json"), "w") as handle:
+                json.dump(resolved_config(reproduce.cell_config(cell, request, tiny_config)),
+                          handle)
+        assert reproduce.execute(request, "cmd", aggregate_only=True, load=tiny_config) == 0
+        return (tmp_path / "table2.md").read_text().split("\n")[4].split(" Each entry")[0]
+
+    labels = "tbl:gen-per-acc, tbl:all-accuracies, tbl:all-accuracies-variances"
+    neutral = ["emnist:log_every=3", "mapping.strategy=vmap", "data.seed=44",
+               "checkpoint_every=5"]
+    assert sentence(neutral) == f"Reproduces the paper's {labels}."
+    assert sentence([*neutral, "shakespeare:sgd.learning_rate=0.5", "eval.clients=3"]) == (
+        f"Laid out as the paper's {labels}, with --override flags that change the paper's "
+        "setup (EMNIST: eval.clients; Shakespeare: eval.clients, sgd.learning_rate), so it "
+        "reproduces none of them: the paper's figures stand beside ours for orientation "
+        "only.")
+
+
 def test_apfl_snapshot_row_takes_the_authors_momentum_per_model():
     """Their APFL trains and evaluates with momentum 0.9 on CIFAR, evaluates (only) with it
     on Stack Overflow, and uses plain SGD on EMNIST and Shakespeare. The cells' configs
@@ -883,6 +913,12 @@ def test_where_their_code_is_another_network_it_runs_only_whole(dataset, model):
     (dict(overrides=["gamma"]), "bad --override='gamma'; expected [dataset:]field=value"),
     (dict(overrides=["cifar:gamma=1"]), "--override='cifar:gamma=1' names unknown dataset"),
     (dict(workdir=""), "--workdir is required"),
+    # The column's header would state another alpha than its runs'.
+    (dict(datasets=["fashion_mnist_0.1"], overrides=["data.alpha=0.6"]),
+     "--override='data.alpha=0.6': data.alpha is what a column's name states; expected "
+     "another column (--datasets), or launch/compare.py or launch/train.py for other data"),
+    (dict(overrides=["emnist:dataset=cifar10_dirichlet"]),
+     "--override='emnist:dataset=cifar10_dirichlet': dataset is what a column's name states"),
 ])
 def test_bad_command_lines_name_the_bad_value(args, message):
     given = {**dict(table="table2", workdir="/tmp/unused", seeds=["0"], datasets=[],

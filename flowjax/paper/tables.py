@@ -263,19 +263,29 @@ def _ours(stats: SeedStats, notes: Sequence[str] = ()) -> str:
     return ours
 
 
-def _what_it_reproduces(spec: TableSpec, datasets: Sequence[str], scale: str) -> str:
+def _what_it_reproduces(spec: TableSpec, datasets: Sequence[str], scale: str,
+                        departures: Mapping[str, Sequence[str]]) -> str:
     """The sentence naming the paper's tables behind these columns: a column of a dataset
-    the paper has no figures for (Fashion-MNIST), or a grid at a smaller scale than the
-    paper's runs, follows the layout only."""
+    the paper has no figures for (Fashion-MNIST), a grid at a smaller scale than the
+    paper's runs, or one whose overrides change the paper's setup, follows the layout
+    only."""
     labels = ", ".join(spec.tex_labels)
     absent = [DATASETS[d].title for d in datasets if d not in PAPER_DATASETS]
+    changed = "; ".join(f"{DATASETS[d].title}: {', '.join(departures[d])}"
+                        for d in datasets if departures.get(d))
+    overridden = (f" Its --override flags change the setup ({changed})." if changed else "")
     if len(absent) == len(datasets):
         return (f"Laid out as the paper's {labels}; the paper has no {', '.join(absent)} "
-                "figures, so it reproduces none of them.")
+                f"figures, so it reproduces none of them.{overridden}")
     if scale != "paper":
         return (f"Laid out as the paper's {labels} at --scale={scale}, smaller than the "
                 "paper's runs (fewer clients, rounds or examples), so it reproduces none of "
-                "them: the paper's figures stand beside ours for orientation only.")
+                f"them: the paper's figures stand beside ours for orientation only."
+                f"{overridden}")
+    if changed:
+        return (f"Laid out as the paper's {labels}, with --override flags that change the "
+                f"paper's setup ({changed}), so it reproduces none of them: the paper's "
+                "figures stand beside ours for orientation only.")
     if absent:
         return (f"Reproduces the paper's {labels}, except for the {', '.join(absent)} "
                 "columns, which the paper has no figures for.")
@@ -284,12 +294,15 @@ def _what_it_reproduces(spec: TableSpec, datasets: Sequence[str], scale: str) ->
 
 def table_markdown(spec: TableSpec, entries: Mapping[str, list[list[Entry]]],
                    datasets: Sequence[str], seeds: Sequence[int], header: str,
-                   scale: str = "paper") -> str:
+                   scale: str = "paper",
+                   departures: Mapping[str, Sequence[str]] | None = None) -> str:
     """The table in the paper's layout: rows = methods, columns = dataset x metric;
-    ``scale``: the grid's ``--scale`` (only ``paper`` reproduces the paper's figures)."""
+    ``scale``: the grid's ``--scale``, ``departures``: per dataset, the fields in which
+    its runs depart from that scale's setup (only ``paper`` without departures reproduces
+    the paper's figures)."""
     seed_text = ", ".join(map(str, seeds))
     lines = [header, "", f"# {spec.title}", "",
-             f"{_what_it_reproduces(spec, datasets, scale)} Each entry: ours, the "
+             f"{_what_it_reproduces(spec, datasets, scale, departures or {})} Each entry: ours, the "
              f"mean ± sample standard deviation (ddof=1) over seeds {seed_text}, in percent; "
              "`[n=k of N]`: only k seeds have a finished run (the others are not finished "
              "or were not run, as in rows run on fewer seeds; left out, not imputed); "
