@@ -196,13 +196,18 @@ def table_stem(stem: str, outside: Callable[[str], list[str]]) -> tuple[str, str
 
 
 def write_table_keeping_wider(stem: str, outside: Callable[[str], list[str]],
-                              markdown: str, csv_text: str) -> tuple[str, str]:
+                              markdown: str, csv_text: str) -> tuple[str, str, list[str]]:
     """``table_stem`` then ``write_table``, holding the folder's table lock throughout:
     two launchers finishing parts of one grid at once would otherwise both judge the
     folder before either wrote, and the later write could replace the wider table.
 
+    A table written at ``stem`` itself supersedes the ``stem-subset*`` tables of earlier
+    parts whose CSV shows nothing it does not cover: they are removed (left, they showed
+    a part's older numbers beside the whole grid's).
+
     Returns:
-      ``table_stem``'s ``(stem written, why <stem>.md was kept or "")``.
+      ``table_stem``'s ``(stem written, why <stem>.md was kept or "")``, and the stems of
+      the subset tables removed.
     """
     folder = os.path.dirname(os.path.abspath(stem))
     with RunLock(folder, name=TABLE_LOCK, wait=True):
@@ -211,7 +216,32 @@ def write_table_keeping_wider(stem: str, outside: Callable[[str], list[str]],
             os.path.basename(name) + suffix for name in dict.fromkeys((stem, written))
             for suffix in (".md", ".csv")))
         write_table(written, markdown, csv_text)
-    return written, kept
+        superseded = [] if kept else _covered_subsets(stem, outside)
+        for subset in superseded:
+            # The .md first: a kill between the two leaves a CSV, which table_stem reads
+            # as a table (and judges again), never an .md without its CSV.
+            for suffix in (".md", ".csv"):
+                try:
+                    os.remove(subset + suffix)
+                except FileNotFoundError:
+                    pass
+    return written, kept, superseded
+
+
+def say_superseded(superseded: list[str], stem: str) -> None:
+    """One line per subset table ``write_table_keeping_wider`` removed."""
+    for subset in superseded:
+        print(f"removed {subset}.md and .csv: {stem}.md covers everything they showed",
+              flush=True)
+
+
+def _covered_subsets(stem: str, outside: Callable[[str], list[str]]) -> list[str]:
+    """The ``stem-subset*`` tables whose CSV the table at ``stem`` covers whole."""
+    folder, base = os.path.split(os.path.abspath(stem))
+    pattern = re.compile(re.escape(base + SUBSET_SUFFIX) + r"(-[0-9]+)?\.csv")
+    found = sorted(name[:-len(".csv")] for name in os.listdir(folder) if pattern.fullmatch(name))
+    return [os.path.join(os.path.dirname(stem), name) for name in found
+            if not _hides(os.path.join(folder, name), outside)]
 
 
 def write_table(stem: str, markdown: str, csv_text: str) -> None:

@@ -123,11 +123,12 @@ def main(argv):
               f"summed run time of {timed} {sum(wall):.0f} s "
               f"(this invocation {time.perf_counter() - start:.0f} s).\n\n")
     # A comparison of fewer methods keeps the wider one there (comparison-subset.md).
-    stem, kept = run_folder.write_table_keeping_wider(
+    stem, kept, superseded = run_folder.write_table_keeping_wider(
         os.path.join(workdir, "comparison"), lambda text: methods_outside(text, list(configs)),
         header + table + "\n", comparison_csv(all_results))
     if kept:
         print(f"kept {workdir}/comparison.md: {kept}; this comparison goes to {stem}.md")
+    run_folder.say_superseded(superseded, stem)
     print(table)
     print(f"wrote {stem}.md and {os.path.basename(stem)}.csv")
     return 0

@@ -352,7 +352,7 @@ def write_tables(request: Request, command: str, started: float,
     markdown = table_markdown(request.table, entries, request.datasets, request.seeds, header,
                               scale=request.scale, departures=setup_departures(request, load))
     os.makedirs(request.workdir, exist_ok=True)
-    stem, kept = run_folder.write_table_keeping_wider(
+    stem, kept, superseded = run_folder.write_table_keeping_wider(
         os.path.join(request.workdir, request.table.name),
         lambda text: shown_outside(text, request.datasets, request.methods, request.seeds,
                                    request.skipped),
@@ -361,6 +361,7 @@ def write_tables(request: Request, command: str, started: float,
         print(f"kept {request.workdir}/{request.table.name}.md: {kept}; this grid's table "
               f"goes to {stem}.md (--aggregate_only with the wider grid's flags rebuilds "
               f"the whole table)", flush=True)
+    run_folder.say_superseded(superseded, stem)
     return markdown, stem
 
 

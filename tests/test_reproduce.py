@@ -1029,10 +1029,15 @@ def test_a_table_of_part_of_the_grid_keeps_the_whole_grids_table(tmp_path, capsy
     assert {r["seeds"] for r in second if r["variant"] in ("fedavg", "flow")} == {"0"}
     # The same part again replaces its own table.
     assert f"wrote {tmp_path / 'table2-subset'}.md" in tabulate(request(["fedavg"]))
-    # The whole grid again, and a wider one (a seed without runs), replace it.
+    # The whole grid again, and a wider one (a seed without runs), replace it; the
+    # whole grid's table covers both parts', which are removed (they were left beside it).
     whole_rows = csv_rows(kept["table2.csv"].decode())
-    tabulate(whole)
+    out = tabulate(whole)
     assert csv_rows((tmp_path / "table2.csv").read_text()) == whole_rows
+    for stem in ("table2-subset", "table2-subset-2"):
+        assert (f"removed {tmp_path / stem}.md and .csv: {tmp_path / 'table2'}.md covers "
+                "everything they showed") in out
+    assert not list(tmp_path.glob("table2-subset*"))
     assert "kept" not in tabulate(request(["fedavg", "flow"], ["0", "1", "2"]))
     assert {r["n_expected"] for r in csv_rows((tmp_path / "table2.csv").read_text())} == {"3"}
     # A table written before the CSV's status column reads as before.

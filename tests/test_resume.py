@@ -721,12 +721,35 @@ def test_two_table_writers_at_once_keep_the_wider_table(tmp_path, monkeypatch):
         return judged[-1]
 
     monkeypatch.setattr(run_folder, "table_stem", judge_then_let_the_second_in)
-    assert write(["a"]) == (stem, "")
+    assert write(["a"]) == (stem, "", [])
     second.join()
     assert (tmp_path / "table.csv").read_text() == "a\nb\nc"
     assert (tmp_path / "table.md").read_text() == "a b c"
     assert judged == [(stem, ""), (stem, "")]
     assert sorted(os.listdir(tmp_path)) == ["table.csv", "table.md"]  # the lock file too
+
+
+def test_a_table_written_whole_removes_the_part_tables_it_covers(tmp_path):
+    """Rows stand for a table's results: the part tables written beside a wider one
+    (``-subset``, ``-subset-2``) go once a table at the stem covers them; one showing
+    rows it does not cover stays."""
+    from flowjax import run_folder
+    stem = str(tmp_path / "table")
+
+    def write(rows):
+        return run_folder.write_table_keeping_wider(
+            stem, lambda text: sorted(set(text.split()) - set(rows)), " ".join(rows),
+            "\n".join(rows))
+
+    assert write(["a", "b"]) == (stem, "", [])
+    assert write(["c"])[:2] == (stem + "-subset", "it shows 2 result(s) that this table "
+                                                  "does not cover, e.g. a")
+    assert write(["a"])[0] == stem + "-subset-2"
+    assert write(["a", "b"]) == (stem, "", [stem + "-subset-2"])
+    assert sorted(os.listdir(tmp_path)) == ["table-subset.csv", "table-subset.md",
+                                            "table.csv", "table.md"]
+    assert write(["a", "b", "c"]) == (stem, "", [stem + "-subset"])
+    assert (tmp_path / "table.csv").read_text() == "a\nb\nc"
 
 
 def test_a_table_writes_its_csv_before_its_md(tmp_path, monkeypatch):
