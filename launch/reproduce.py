@@ -234,9 +234,11 @@ def setup_departures(request: Request, load: ConfigLoader = load_dataset_config
     ``_SETUP_NEUTRAL`` left out); datasets without any are absent."""
     bare = dataclasses.replace(request, overrides=[])
     changed: dict[str, set[str]] = {}
+    seen = set()
     for cell in request.cells:
-        if cell.seed != request.seeds[0]:
+        if (cell.dataset, cell.variant) in seen:
             continue  # overrides come before the seed: every seed changes the same fields
+        seen.add((cell.dataset, cell.variant))
         fields = run_folder.differing_run_fields(resolved_config(cell_config(cell, bare, load)),
                                                  resolved_config(cell_config(cell, request,
                                                                              load)))
