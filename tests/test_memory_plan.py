@@ -1,5 +1,7 @@
 """The memory planner: the chunk it picks compiles under the budget, the next one would not."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -136,6 +138,7 @@ def test_a_chunk_leaving_a_remainder_may_need_more_memory_and_is_checked(algorit
     from flowjax.memory_plan import chunk_for_sizes
     budget = 7_000_000
 
+    @functools.lru_cache(maxsize=None)  # each compile once (CI time)
     def peak(k, cohort):
         return compiled_peak_bytes(algorithm, SPEC, 64, 8, k, cohort_clients=cohort)
 

@@ -290,7 +290,10 @@ def test_flowjax_fedavg_train_split_snapshot_matches_the_authors_cifar10_evaluat
                theirs["tolerance"])
 
 
-@pytest.mark.parametrize("method", ["fedrep_train", "lg_fedavg_train",
+# The EMNIST CNN's rounds in float64 take about 90 s each on CI's 2 cores: slow. CI keeps the
+# LSTMs' (the same round functions) and the CNN's FedRep and LG-FedAvg evaluations above.
+@pytest.mark.parametrize("method", [pytest.param("fedrep_train", marks=pytest.mark.slow),
+                                    pytest.param("lg_fedavg_train", marks=pytest.mark.slow),
                                     "fedrep_train_shakespeare", "lg_fedavg_train_shakespeare",
                                     "fedrep_train_stackoverflow",
                                     "lg_fedavg_train_stackoverflow"])
