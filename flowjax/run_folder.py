@@ -28,9 +28,10 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 from flowjax.core import durable, file_modes
+from flowjax.core.checks import is_digits
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
@@ -55,18 +56,23 @@ def path(workdir: str, name: str) -> str:
 
 # ---------------------------------------------------------------------------- writing
 def write_text_atomic(file: str, text: str) -> None:
-    """Writes to a temporary file in the same folder, then renames it over ``file``.
+    """``write_atomic`` of ``text``."""
+    write_atomic(file, lambda out: out.write(text.encode()))
 
-    A crash mid-write leaves the previous file intact; the folder is synced after the
-    rename, without which a power loss may keep the old entry (or none) on disk. A kill
-    mid-write leaves the temporary file, named after ``file`` so that the next writer
-    under the folder's lock can tell it for a leftover (``remove_write_leftovers``).
+
+def write_atomic(file: str, write: Callable[[BinaryIO], Any]) -> None:
+    """``write(out)`` to a temporary file in the same folder, then a rename over ``file``.
+
+    A crash or Ctrl-C mid-write leaves the previous file intact; the folder is synced
+    after the rename, without which a power loss may keep the old entry (or none) on disk.
+    A kill mid-write leaves the temporary file, named after ``file`` so that the next
+    writer under the folder's lock can tell it for a leftover (``remove_write_leftovers``).
     """
     folder = os.path.dirname(os.path.abspath(file))
     handle, temporary = tempfile.mkstemp(dir=folder, prefix=_temporary_prefix(file))
     try:
-        with os.fdopen(handle, "w") as out:
-            out.write(text)
+        with os.fdopen(handle, "wb") as out:
+            write(out)
             out.flush()
             os.fsync(out.fileno())
         file_modes.as_if_created(temporary)  # mkstemp's 0600 would hide the results
@@ -501,7 +507,7 @@ def checkpoint_rounds(workdir: str) -> list[int]:
     if not os.path.isdir(folder):
         return []
     return sorted(int(name) for name in os.listdir(folder)
-                  if name.isdigit() and os.path.isdir(os.path.join(folder, name)))
+                  if is_digits(name) and os.path.isdir(os.path.join(folder, name)))
 
 
 def has_config(workdir: str) -> bool:

@@ -19,6 +19,7 @@ from absl import flags
 from flowjax.core.cohort import assemble_cohort, examples_per_client
 from flowjax.data.client_store import ClientRecord, ClientStore, StoreError, read_meta, write_store
 from launch import cli
+cli.stop_at_once_while_starting(__name__)
 
 _NUM_CLIENTS = flags.DEFINE_integer("num_clients", 342_477, "Clients in the store.")
 _DIR = flags.DEFINE_string("dir", "/tmp/flowjax_bench_store",

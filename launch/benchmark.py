@@ -67,6 +67,7 @@ import os
 import sys
 
 from launch import cli, xla_env  # noqa: E402
+cli.stop_at_once_while_starting(__name__)
 
 xla_env.apply()
 
@@ -76,9 +77,9 @@ import json  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, Sequence  # noqa: E402
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -86,8 +87,10 @@ import optax  # noqa: E402
 
 from flowjax import run_folder  # noqa: E402
 from flowjax.algorithms.base import client_optimizer, plain_loss_sums, sgd_step  # noqa: E402
+from flowjax.core.checks import is_digits  # noqa: E402
 from flowjax.core.cohort import client_at  # noqa: E402
-from flowjax.core.mapping import ClientMapping, default_mapping, executed_steps  # noqa: E402
+from flowjax.core.mapping import (ClientMapping, default_mapping, executed_steps,  # noqa: E402
+                                  num_devices_problem)
 from flowjax.core.server_opt import server_optimizer  # noqa: E402
 from flowjax.core.tree import weighted_mean  # noqa: E402
 from flowjax.data.federated import FederatedTask  # noqa: E402
@@ -219,7 +222,7 @@ def parse_variant(entry: str) -> tuple[str, dict[str, int]]:
     parsed = {}
     for option in options:
         name, _, value = option.partition("=")
-        if not (name in LOOP_OPTIONS and value.isdigit() and int(value) >= 1
+        if not (name in LOOP_OPTIONS and is_digits(value) and int(value) >= 1
                 or name in SWITCH_OPTIONS and value in ("0", "1")):
             raise BadFlags(f"{entry!r}: expected +OPTION=N with OPTION one of "
                            f"{', '.join(LOOP_OPTIONS)} and N >= 1, or "
@@ -305,10 +308,43 @@ def time_engine_round(algorithm, task, mapping: ClientMapping, repeats: int,
                               steps_per_loop)}
 
 
+STRATEGY_SPELLINGS = "loop, chunked, chunked:N (N >= 1), vmap or planned"
+
+
+def checked_device_counts(devices: Sequence[str], strategies: Sequence[str],
+                          chunk_size: int) -> list[int]:
+    """``--devices`` as integers, with ``--strategies`` checked against them; BadFlags (one
+    line) before anything is timed: a bad value found mid-run lost the timings taken."""
+    counts = []
+    for text in devices:
+        count = int(text) if is_digits(text.strip()) else None
+        problem = (num_devices_problem(count) if count is not None
+                   else "expected an integer >= 1")
+        if problem:
+            raise BadFlags(f"--devices={','.join(devices)}: {text!r}: {problem}")
+        counts.append(count)
+    if not counts or not strategies:
+        raise BadFlags("--devices and --strategies: expected at least one value each")
+    for strategy in strategies:
+        if strategy == "planned":
+            if counts != [1]:
+                raise BadFlags("--strategies=planned plans one device's chunks; expected "
+                               "--devices=1")
+            continue
+        try:
+            parse_strategy(strategy, chunk_size, counts[0])
+        except BadFlags:
+            raise
+        except ValueError:  # ClientMapping's: not a strategy
+            raise BadFlags(f"--strategies={','.join(strategies)}: {strategy!r}; expected "
+                           f"some of {STRATEGY_SPELLINGS}") from None
+    return counts
+
+
 def parse_strategy(strategy: str, chunk_size: int, devices: int) -> ClientMapping:
     """``loop`` / ``vmap`` / ``chunked`` (of ``chunk_size``) / ``chunked:N`` (of N)."""
     name, _, size = strategy.partition(":")
-    if size and not (name == "chunked" and size.isdigit() and int(size) > 0):
+    if size and not (name == "chunked" and is_digits(size) and int(size) > 0):
         raise BadFlags(f"--strategies: {strategy!r}; expected chunked:N with N >= 1")
     return ClientMapping(name, int(size) if size else chunk_size, devices)
 
@@ -484,12 +520,9 @@ def time_model(model_name: str, clients: int, steps: int, repeats: int) -> dict:
             rows[(method, "python loop (sequential)")] = {
                 "round_s": time_sequential_loop(algorithm, task, repeats), "compilations": 1,
                 "useful_steps": useful, "executed_steps": useful}
-        for devices in (int(d) for d in _DEVICES.value):
+        for devices in checked_device_counts(_DEVICES.value, _STRATEGIES.value, _CHUNK.value):
             for strategy in _STRATEGIES.value:
                 if strategy == "planned":
-                    if devices != 1:
-                        raise BadFlags("--strategies=planned plans one device's chunks; "
-                                             "use --devices=1")
                     memory = (int(_PLAN_GB.value * 2**30) if _PLAN_GB.value > 0
                               else device_memory_limit())
                     mapping = planned_mapping(algorithm, task, batch, memory,
@@ -711,6 +744,7 @@ def run(argv):
     if _PROFILE.value and _WARMUP.value:
         raise BadFlags(f"--profile_dir={_PROFILE.value}: expected --nowarmup as well; the "
                        "profiled execution reuses the round compiled ahead of time")
+    checked_device_counts(_DEVICES.value, _STRATEGIES.value, _CHUNK.value)
     if _OUT.value:
         try:
             cli.check_output_file("json_out", _OUT.value)
@@ -750,4 +784,4 @@ def normalize_flag_spelling(argv: list[str]) -> list[str]:
 
 if __name__ == "__main__":
     sys.argv = normalize_flag_spelling(sys.argv)
-    app.run(main, flags_parser=cli.parse_flags)
+    cli.run(main)

@@ -44,6 +44,7 @@ import numpy as np
 from flowjax.data.synthetic import stackoverflow_like_sizes
 from flowjax.core.mapping import chunk_step_counts as chunk_counts
 from launch import cli
+cli.stop_at_once_while_starting(__name__)
 
 _CLIENTS = flags.DEFINE_integer("round_clients", 64,
                                 "Clients in the round (the benchmark's --clients).")

@@ -17,6 +17,7 @@ import argparse
 import functools
 import importlib.util
 import os
+import shlex
 import signal
 import sys
 import traceback
@@ -56,11 +57,18 @@ def _override_names(args: Sequence[str]) -> list[tuple[str, str]]:
     return names
 
 
+_CONFIG_FILE = "a Python file defining get_config(), e.g. --config=configs/shakespeare.py:quick"
+
+
 def _load_config(spec: str) -> Any:
     path, *variant = spec.split(":", 1)
     module_spec = importlib.util.spec_from_file_location("_launch_config_check", path)
+    if module_spec is None:  # not a .py file: no loader (an AttributeError on None)
+        raise ValueError(f"expected {_CONFIG_FILE}")
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
+    if not callable(getattr(module, "get_config", None)):
+        raise ValueError(f"{path} defines no get_config(); expected {_CONFIG_FILE}")
     return module.get_config(*variant)
 
 
@@ -86,8 +94,7 @@ def config_args_error(argv: Sequence[str]) -> str | None:
         return None  # the launcher's main reports a missing --config
     path = spec.split(":", 1)[0]
     if not os.path.isfile(path):
-        return (f"config file {path!r} (--config={spec}) not found; expected a Python file "
-                f"defining get_config(), e.g. --config=configs/shakespeare.py:quick")
+        return f"config file {path!r} (--config={spec}) not found; expected {_CONFIG_FILE}"
     try:
         config = _load_config(spec)
     except Exception as error:  # noqa: BLE001 - a config file may raise anything; report it
@@ -130,6 +137,16 @@ def parse_flags(argv: list[str]) -> list[str]:
         return remaining
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """``python launch/<script> <flags>`` as typed (``sys.argv`` by default), each argument
+    shell-quoted where it needs it, so that a table's header can be pasted back (a workdir
+    with a space was split in two)."""
+    argv = sys.argv if argv is None else argv
+    script = os.path.relpath(os.path.abspath(argv[0]), os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
+    return " ".join(["python", shlex.quote(script), *map(shlex.quote, argv[1:])])
 
 
 def define_debug_flag() -> None:
@@ -232,10 +249,34 @@ def _exit_if_a_process_is_lost(error: Exception) -> None:
     _leave_now(2)
 
 
+def _stop_while_starting(signum, frame) -> None:
+    name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+    print(f"interrupted ({name}) while starting, before anything was written",
+          file=sys.stderr, flush=True)
+    _leave_now(TERMINATED if signum == signal.SIGTERM else INTERRUPTED)
+
+
+def stop_at_once_while_starting(module: str) -> None:
+    """For a launcher run as a script (``module``: its ``__name__``), called before it
+    imports JAX: Ctrl-C or SIGTERM until ``run`` starts its ``main`` (imports, flag
+    parsing; nothing written yet) ends the process at once, in one line.
+
+    Raised as ``KeyboardInterrupt`` there, a Ctrl-C could land in the garbage collector's
+    callback that JAX registers at import, which swallows it: the launcher went on and ran
+    the whole run (exit 0).
+    """
+    if module == "__main__":
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, _stop_while_starting)
+
+
 def _quiet_interrupt(main: Callable[[list[str]], int | None],
                      resumable: bool) -> Callable[[list[str]], int]:
     @functools.wraps(main)
     def wrapped(argv):
+        # From here a signal stops the run where it is, its files complete
+        # (``stop_at_once_while_starting`` ends with the start).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, _raise_terminated)
         try:
             return main(argv)

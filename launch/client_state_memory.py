@@ -16,6 +16,7 @@ memory pressure; anonymous memory (numpy's arrays) it cannot drop. Each step's w
 """
 
 from launch import cli
+cli.stop_at_once_while_starting(__name__)
 
 import os  # noqa: E402
 import resource  # noqa: E402

@@ -31,6 +31,7 @@ from typing import Any
 from absl import flags
 
 from launch import cli
+cli.stop_at_once_while_starting(__name__)
 
 from flowjax.core.checks import first_line
 from flowjax.data import fedjax_sqlite, source_damage, tff_h5, tff_sqlite

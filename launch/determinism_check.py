@@ -29,6 +29,7 @@ from flowjax import run_folder  # noqa: E402
 from flowjax.config import example_batch  # noqa: E402
 from flowjax.models import get_model  # noqa: E402
 from launch import cli  # noqa: E402
+cli.stop_at_once_while_starting(__name__)
 from launch.bench_common import BATCH, build_algorithm, run_twice, synthetic_task  # noqa: E402
 
 _MODELS = flags.DEFINE_list("models", ["emnist_cnn", "stackoverflow_lstm"], "Models to check.")

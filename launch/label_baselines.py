@@ -9,6 +9,7 @@ and of each client predicting its own most common train label (a floor for Acc_p
 """
 
 from launch import cli
+cli.stop_at_once_while_starting(__name__)
 
 from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402

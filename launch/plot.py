@@ -23,19 +23,23 @@ Unfinished runs (no ``results.json``) are drawn in the learning curves only. Nee
 matplotlib (``pip install -e '.[plot]'``).
 """
 
+import functools
 import os
 import sys
 
 from launch import cli  # noqa: E402
 
-from absl import app, flags  # noqa: E402
+cli.stop_at_once_while_starting(__name__)
+
+from absl import flags  # noqa: E402
 
 from flowjax import run_folder  # noqa: E402
 from flowjax.paper import plot_data  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", None,
                                 "Folder of runs to plot; the PNGs go to <workdir>/plots.")
-_DPI = flags.DEFINE_integer("dpi", 120, "Resolution of the PNGs.")
+MAX_DPI = 1200
+_DPI = flags.DEFINE_integer("dpi", 120, f"Resolution of the PNGs, at most {MAX_DPI}.")
 _PLOT_METHODS = flags.DEFINE_list("plot_methods", [], "Only these methods' runs (the folder "
                                   "names); default: every run under --workdir.")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the PNGs, added to what is "
@@ -60,8 +64,9 @@ def main(argv):
         print(f"error: --workdir={workdir} is not a directory", file=sys.stderr)
         return 2
     out = _OUT_DIR.value or default_out_dir(workdir, _PLOT_METHODS.value)
-    if _DPI.value < 1:
-        return cli.fail(ValueError(f"--dpi={_DPI.value}: expected an integer >= 1"))
+    # 1200 dpi is beyond any journal's; far more exhausted matplotlib's memory (a traceback).
+    if not 1 <= _DPI.value <= MAX_DPI:
+        return cli.fail(ValueError(f"--dpi={_DPI.value}: expected an integer in [1, {MAX_DPI}]"))
     if os.path.exists(out) and not os.path.isdir(out):
         return cli.fail(ValueError(f"--out_dir={out} is a file; expected a directory (new, "
                                    "or one to add the PNGs to)"))
@@ -90,9 +95,13 @@ def main(argv):
         return 2
     try:
         os.makedirs(out, exist_ok=True)
+        # A kill there leaves its temporary file: gone at the next plot of the folder.
+        run_folder.remove_write_leftovers(out, tuple(figures))
         for name, figure in figures.items():
             path = os.path.join(out, name)
-            figure.savefig(path, dpi=_DPI.value)
+            # Through a temporary file: Ctrl-C mid-write kept a truncated PNG in its place.
+            run_folder.write_atomic(path, functools.partial(figure.savefig, dpi=_DPI.value,
+                                                             format="png"))
             print(f"wrote {path}")
         if not _OUT_DIR.value:  # its own folder: what it no longer draws is out of date
             for name in run_folder.remove_figures(out, keep=tuple(figures)):
@@ -107,4 +116,4 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["workdir"])
-    app.run(main, flags_parser=cli.parse_flags)
+    cli.run(main)

@@ -15,10 +15,10 @@ from __future__ import annotations
 import csv
 import io
 import os
-import sys
 from typing import Sequence
 
 from launch import cli
+cli.stop_at_once_while_starting(__name__)
 
 from absl import flags  # noqa: E402
 
@@ -144,7 +144,7 @@ def main(argv: Sequence[str]) -> int:
     except (ValueError, OSError) as error:
         return cli.fail(error)
     rows = precision_rows(*grids, _DATASET.value, _METHODS.value, seeds)
-    command = "python launch/precision_effect.py " + " ".join(sys.argv[1:])
+    command = cli.command_line()
     text = markdown(rows, command)
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
     run_folder.write_table(_OUT.value, text, csv_text(rows))

@@ -45,6 +45,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from launch import cli, xla_env  # noqa: E402
+cli.stop_at_once_while_starting(__name__)
 
 xla_env.apply()
 
@@ -52,7 +53,6 @@ import ast  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import importlib.util  # noqa: E402
-import shlex  # noqa: E402
 import time  # noqa: E402
 from types import ModuleType  # noqa: E402
 from typing import Any, Callable, Sequence  # noqa: E402
@@ -449,7 +449,7 @@ def main(argv: Sequence[str]) -> int:
     # Orbax's per-checkpoint INFO lines would bury the progress bars; --verbosity=0 shows them.
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
-    command = "python launch/reproduce.py " + " ".join(map(shlex.quote, sys.argv[1:]))
+    command = cli.command_line()
     try:
         if _TABLE.value is None:
             raise ValueError(f"--table is required; expected one of {', '.join(TABLES)}")

@@ -41,6 +41,7 @@ from typing import Any, Iterable
 from absl import flags
 
 from launch import cli
+cli.stop_at_once_while_starting(__name__)
 
 _TRACE_DIR = flags.DEFINE_string("trace_dir", None, "What jax.profiler.trace wrote (searched "
                                  "for its newest *.trace.json.gz).")

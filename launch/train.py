@@ -17,6 +17,7 @@ a filesystem they share; the clients sharded over every host's devices):
 """
 
 from launch import cli, xla_env
+cli.stop_at_once_while_starting(__name__)
 
 xla_env.apply()
 

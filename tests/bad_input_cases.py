@@ -404,6 +404,9 @@ COMMAND_CASES: tuple[CommandCase, ...] = (
     CommandCase("`--config=configs/missing.py`", ("launch/train.py", "--config=configs/missing.py"),
                 "error: config file 'configs/missing.py' (--config=configs/missing.py) not "
                 "found; expected a Python file defining get_config()"),
+    CommandCase("`--config=README.md`", ("launch/train.py", "--config=README.md"),
+                "error: --config=README.md: expected a Python file defining get_config(), "
+                "e.g. --config=configs/shakespeare.py:quick"),
     CommandCase("`--config.sgd.learning_rate=-0.1`", _TRAIN + ("--config.sgd.learning_rate=-0.1",),
                 "error: config.sgd.learning_rate=-0.1: expected a finite number > 0",
                 "command line (`launch/train.py` via `validate_config`)"),
@@ -1121,6 +1124,16 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               "being written, and the deletion of the one it replaces, finish first, so no "
               "half-deleted `checkpoints/N` is left; the rerun's results are byte-identical",
               "tests/test_resume.py::test_ctrl_c_mid_checkpoint_is_one_line_and_resumes_exactly"),
+    Behaviour("Ctrl-C (SIGINT) or SIGTERM in a launcher's first seconds (importing JAX, "
+              "parsing flags)", "launchers (`launch/cli.py`, `stop_at_once_while_starting`)",
+              "one line `interrupted (Ctrl-C) while starting, before anything was written`, "
+              "exit 130 (143); it used to land in JAX's garbage-collector callback, which "
+              "swallowed it, and the run went on to the end",
+              "tests/test_launch.py::test_ctrl_c_while_a_launcher_starts_ends_it_at_once"),
+    Behaviour("Ctrl-C while `launch/plot.py` writes a PNG", "`launch/plot.py` "
+              "(`run_folder.write_atomic`)", "one line `interrupted (Ctrl-C)`, exit 130; the "
+              "PNG there before is kept (it was truncated in place, with a traceback)",
+              "tests/test_plot.py::test_ctrl_c_while_a_png_is_written_keeps_the_earlier_png"),
     Behaviour("`--config.checkpoint_every=0` over an unfinished run that has checkpoints",
               "workdir (`flowjax.runner.conflicting_fields`)", "one line naming the newest "
               "checkpoint's round and `expected checkpoint_every >= 1 to resume it (any "

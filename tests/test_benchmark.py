@@ -345,6 +345,25 @@ def test_strategy_names_carry_their_own_chunk_size():
         benchmark.parse_strategy("chunked:0", 5, 1)
 
 
+def test_bad_devices_or_strategies_are_refused_before_anything_is_timed():
+    """They were checked in the loop over them: a traceback after the first timings, which
+    were lost (``--json_out`` never written)."""
+    count = jax.device_count()
+    assert benchmark.checked_device_counts(["1"], ["loop", "chunked:3", "planned"], 5) == [1]
+    for devices, strategies, message in (
+            (["abc"], ["loop"], "--devices=abc: 'abc': expected an integer >= 1"),
+            (["²"], ["loop"], "--devices=²: '²': expected an integer >= 1"),
+            (["1", "0"], ["loop"], f"--devices=1,0: '0': expected an integer in [1, {count}] "
+                                   "(devices visible)"),
+            (["1"], ["loop", "bogus"], "--strategies=loop,bogus: 'bogus'; expected some of "
+                                       "loop, chunked, chunked:N (N >= 1), vmap or planned"),
+            (["1"], ["chunked:0"], "--strategies: 'chunked:0'; expected chunked:N with N >= 1"),
+            ([], ["loop"], "--devices and --strategies: expected at least one value each")):
+        with pytest.raises(benchmark.BadFlags) as raised:
+            benchmark.checked_device_counts(devices, strategies, 5)
+        assert str(raised.value) == message
+
+
 def test_run_twice_tells_a_reproducible_round_from_one_that_is_not():
     """``launch/determinism_check.py``'s comparison (run on GPUs by launch/gpu_bench.sh):
     on CPU the same rounds run twice agree bit for bit; a client update that draws host

@@ -291,6 +291,44 @@ def test_ctrl_c_line_tells_how_to_resume_only_where_a_launcher_trains_run_folder
         assert capsys.readouterr().err == line + "\n"
 
 
+# Runs launch/train.py as its own script, after a garbage-collector callback that sends the
+# process SIGINT once flowjax (and with it JAX) is importing: the Ctrl-C lands inside a gc
+# callback, as it did in JAX's (which swallowed it).
+_CTRL_C_IN_A_GC_CALLBACK = """
+import gc, os, runpy, signal, sys
+sent = []
+def ctrl_c(phase, info):
+    if phase == "start" and "flowjax" in sys.modules and not sent:
+        sent.append(1)
+        os.kill(os.getpid(), signal.SIGINT)
+gc.callbacks.insert(0, ctrl_c)
+sys.argv = ["launch/train.py", *sys.argv[1:]]
+runpy.run_path("launch/train.py", run_name="__main__")
+"""
+
+
+def test_ctrl_c_while_a_launcher_starts_ends_it_at_once(tmp_path):
+    """A Ctrl-C in a launcher's first seconds (importing JAX) went into JAX's gc callback,
+    which swallows exceptions: the run went on to the end, exit 0. Now it ends the process
+    there in one line, exit 130, nothing written."""
+    workdir = tmp_path / "run"
+    done = forkserver.run([sys.executable, "-c", _CTRL_C_IN_A_GC_CALLBACK, *SMALL,
+                           f"--workdir={workdir}"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=600)
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [
+        "interrupted (Ctrl-C) while starting, before anything was written"], done.stderr
+    assert not workdir.exists()
+
+
+def test_a_tables_command_line_is_quoted_so_it_can_be_pasted_back():
+    from launch import cli
+    argv = [os.path.join(ROOT, "launch", "compare.py"), "--workdir=/tmp/a b",
+            "--methods=fedavg,flow", "--config=configs/synthetic.py:quick"]
+    assert cli.command_line(argv) == ("python launch/compare.py '--workdir=/tmp/a b' "
+                                      "--methods=fedavg,flow --config=configs/synthetic.py:quick")
+
+
 def test_argparse_launchers_refuse_bad_values_in_one_line():
     """The launchers that parse with argparse (no absl: parity, sensitivity and the
     measurement scripts) print one ``error:`` line, not a usage block, and check ranges

@@ -457,7 +457,10 @@ def test_a_bad_dpi_or_out_dir_is_one_line_and_writes_nothing(tmp_path):
     a_file = tmp_path / "out.png"
     a_file.write_text("mine")
     before = sorted(p.name for p in tmp_path.iterdir())
-    for flags, expected in ((["--dpi=-5"], "error: --dpi=-5: expected an integer >= 1"),
+    for flags, expected in ((["--dpi=-5"], "error: --dpi=-5: expected an integer in [1, 1200]"),
+                            # matplotlib ran out of memory in a traceback
+                            (["--dpi=20000"], "error: --dpi=20000: expected an integer in "
+                                              "[1, 1200]"),
                             ([f"--out_dir={a_file}"], f"error: --out_dir={a_file} is a file; "
                                                       "expected a directory")):
         done = plot(tmp_path, *flags)
@@ -465,6 +468,37 @@ def test_a_bad_dpi_or_out_dir_is_one_line_and_writes_nothing(tmp_path):
         assert done.stderr.strip().splitlines()[-1].startswith(expected), done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert a_file.read_text() == "mine"
+
+
+# launch/plot.py as its own script, with matplotlib's savefig cut short by a Ctrl-C after
+# a few bytes of the breakdown figure.
+_CTRL_C_IN_SAVEFIG = """
+import runpy, sys
+import matplotlib.figure
+def savefig(self, out, **options):
+    if "breakdown" not in self.axes[0].get_title():
+        return real(self, out, **options)
+    (out if hasattr(out, "write") else open(out, "wb")).write(b"PNG cut")
+    raise KeyboardInterrupt
+real, matplotlib.figure.Figure.savefig = matplotlib.figure.Figure.savefig, savefig
+sys.argv = ["launch/plot.py", *sys.argv[1:]]
+runpy.run_path("launch/plot.py", run_name="__main__")
+"""
+
+
+def test_ctrl_c_while_a_png_is_written_keeps_the_earlier_png(tmp_path):
+    """savefig wrote onto the PNG itself: Ctrl-C there left a truncated file where a good
+    one was, and a traceback. Now the earlier PNG stays, and one line, exit 130."""
+    write_run(tmp_path, dataset="toy", algorithm="fedavg", seed=0, evals={1: (0.1, 0.2)},
+              breakdown=BREAKDOWN_A)
+    assert plot(tmp_path).returncode == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "plots").iterdir()}
+    done = forkserver.run([sys.executable, "-c", _CTRL_C_IN_SAVEFIG, f"--workdir={tmp_path}"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == "interrupted (Ctrl-C)", done.stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / "plots").iterdir()} == before
+    assert "breakdown_toy.png" in before
 
 
 def test_breakdown_bars_are_client_means_where_the_results_have_them(tmp_path):

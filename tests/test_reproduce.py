@@ -904,6 +904,7 @@ def test_where_their_code_is_another_network_it_runs_only_whole(dataset, model):
     (dict(seeds=["0", "x"]), "bad --seeds value 'x'; expected comma-separated integers >= 0"),
     (dict(seeds=["-1"]), "bad --seeds value '-1'"),
     (dict(seeds=["0", "0"]), "--seeds=0,0 repeats a seed"),
+    (dict(seeds=["²"]), "bad --seeds value '²'; expected comma-separated integers"),
     (dict(scale="huge"), "unknown --scale='huge'; expected one of paper, mini"),
     (dict(datasets=["emnist"], scale="mini"),
      "--scale=mini is not defined for dataset 'emnist'; it is defined for shakespeare"),

@@ -32,6 +32,12 @@ class FieldError(ValueError):
         return ValueError(f"config.{prefix}{self.field}={self.value!r}: {self.expected}")
 
 
+def is_digits(text: str) -> bool:
+    """Whether ``text`` is ASCII digits only: ``str.isdigit`` also passes "²", which
+    ``int`` refuses (a traceback where a one-line error was due)."""
+    return text.isascii() and text.isdigit()
+
+
 def first_line(error: BaseException) -> str:
     """An exception's message cut to its first line (its type's name when it has none),
     for a one-line error that quotes a library's multi-line one."""

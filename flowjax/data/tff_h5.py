@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 import numpy as np
 
 from flowjax.core import durable
-from flowjax.core.checks import first_line, new_folder_problem
+from flowjax.core.checks import first_line, is_digits, new_folder_problem
 from flowjax.data import shakespeare, source_damage
 from flowjax.data.client_store import ClientRecord, Spec, write_store
 from flowjax.data.text import text_bytes, text_rows
@@ -285,7 +285,7 @@ def read_word_counts(path: str | os.PathLike, size: int = VOCAB_SIZE) -> list[st
         with open(path, encoding="utf-8") as handle:
             for number, line in enumerate(handle, start=1):
                 fields = line.split()
-                if len(fields) != 2 or not fields[1].isdigit():
+                if len(fields) != 2 or not is_digits(fields[1]):
                     raise ValueError(f"{path}:{number}: {line.strip()[:60]!r} is not "
                                      "'word count'; expected TFF's stackoverflow.word_count")
                 words.append(fields[0])

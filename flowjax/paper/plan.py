@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 from flowjax.algorithms import ALGORITHMS
 from flowjax.algorithms import lacks_model as method_lacks_model
 from flowjax.algorithms.flow_reference_networks import NETWORKS
+from flowjax.core.checks import is_digits
 
 # The methods of compare.py's ``--methods=all`` (every implemented baseline and Flow).
 MAIN = ("local", "fedavg", "fedavg_ft", "apfl", "ditto", "fedrep", "lg_fedavg", "hypcluster",
@@ -563,7 +564,7 @@ def parse_seeds(given: Sequence[str]) -> list[int]:
     seeds = []
     for text in given:
         text = text.strip()
-        if not text.isdigit():
+        if not is_digits(text):
             raise ValueError(f"bad --seeds value {text!r}; expected comma-separated integers "
                              ">= 0, e.g. --seeds=0,44,56")
         seeds.append(int(text))
