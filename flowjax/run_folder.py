@@ -234,13 +234,6 @@ def write_table_keeping_wider(stem: str, outside: Callable[[str], list[str]],
     return written, kept, superseded
 
 
-def say_superseded(superseded: list[str], stem: str) -> None:
-    """One line per subset table ``write_table_keeping_wider`` removed."""
-    for subset in superseded:
-        print(f"removed {subset}.md and .csv: {stem}.md covers everything they showed",
-              flush=True)
-
-
 def _covered_subsets(stem: str, outside: Callable[[str], list[str]]) -> list[str]:
     """The ``stem-subset*`` tables whose CSV the table at ``stem`` covers whole."""
     folder, base = os.path.split(os.path.abspath(stem))

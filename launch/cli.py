@@ -149,6 +149,13 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     return " ".join(["python", shlex.quote(script), *map(shlex.quote, argv[1:])])
 
 
+def say_superseded(superseded: list[str], stem: str) -> None:
+    """One line per subset table ``run_folder.write_table_keeping_wider`` removed."""
+    for subset in superseded:
+        print(f"removed {subset}.md and .csv: {stem}.md covers everything they showed",
+              flush=True)
+
+
 def define_debug_flag() -> None:
     """Defines the launcher's ``--debug`` flag, read by ``debug`` (not by the launcher).
 

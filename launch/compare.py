@@ -128,7 +128,7 @@ def main(argv):
         header + table + "\n", comparison_csv(all_results))
     if kept:
         print(f"kept {workdir}/comparison.md: {kept}; this comparison goes to {stem}.md")
-    run_folder.say_superseded(superseded, stem)
+    cli.say_superseded(superseded, stem)
     print(table)
     print(f"wrote {stem}.md and {os.path.basename(stem)}.csv")
     return 0

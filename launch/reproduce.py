@@ -363,7 +363,7 @@ def write_tables(request: Request, command: str, started: float,
         print(f"kept {request.workdir}/{request.table.name}.md: {kept}; this grid's table "
               f"goes to {stem}.md (--aggregate_only with the wider grid's flags rebuilds "
               f"the whole table)", flush=True)
-    run_folder.say_superseded(superseded, stem)
+    cli.say_superseded(superseded, stem)
     return markdown, stem
 
 
